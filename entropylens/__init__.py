@@ -1,0 +1,28 @@
+"""entropylens: per-token training dynamics of GRPO-family RL, recorded to Parquet, queried with DuckDB.
+
+Heavy modules (torch, pyarrow, duckdb) load on first use, so ``import entropylens`` is cheap.
+"""
+
+from __future__ import annotations
+
+from .schema import SCHEMA_VERSION
+
+__version__ = "0.1.0"
+__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis"]
+
+_LAZY = {
+    "Recorder": ("entropylens.recorder", "Recorder"),
+    "policy_loss": ("entropylens.losses", "policy_loss"),
+    "logprobs_and_entropy": ("entropylens.stats", "logprobs_and_entropy"),
+    "connect": ("entropylens.query", "connect"),
+    "run_analysis": ("entropylens.query", "run_analysis"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
+    raise AttributeError(f"module 'entropylens' has no attribute {name!r}")

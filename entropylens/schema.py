@@ -1,0 +1,186 @@
+"""The Parquet contract: every table's columns, their Arrow dtypes and meanings.
+
+This module is the single source of the table, column, quadrant and clip names; every other
+module imports them from here. It imports nothing of the project and pyarrow only lazily
+(inside :func:`arrow_schema`), so ``entropylens --help`` stays fast.
+
+Versions (numbered, like migrations):
+  1  first layout: tables runs / steps / sequences / tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+# --- quadrant codes (int8) -----------------------------------------------------------------
+# Advantage sign x sampling probability (p = exp(old_logprob)) against tau.
+ZA, PA_HP, PA_LP, NA_HP, NA_LP = 0, 1, 2, 3, 4
+QUADRANT_NAMES: dict[int, str] = {
+    ZA: "ZA",  # advantage exactly 0 (a zero-advantage group): never folded into a quadrant
+    PA_HP: "PA&HP",  # A > 0, p >= tau: pushes entropy down
+    PA_LP: "PA&LP",  # A > 0, p <  tau: pushes entropy up
+    NA_HP: "NA&HP",  # A < 0, p >= tau: pushes entropy up
+    NA_LP: "NA&LP",  # A < 0, p <  tau: pushes entropy down
+}
+QUADRANTS: tuple[str, ...] = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")  # the four real quadrants
+QUADRANT_CODES: dict[str, int] = {v: k for k, v in QUADRANT_NAMES.items()}
+# Sign of the entropy change each quadrant drives (Cui et al. covariance law; CE-GPPO Sec. 3).
+ENTROPY_SIGN: dict[str, int] = {"PA&HP": -1, "PA&LP": +1, "NA&HP": +1, "NA&LP": -1}
+
+# --- clip region codes (int8) --------------------------------------------------------------
+CLIP_LOW, CLIP_NONE, CLIP_HIGH = -1, 0, 1
+CLIP_NAMES: dict[int, str] = {CLIP_LOW: "low", CLIP_NONE: "inside", CLIP_HIGH: "high"}
+
+
+def quadrant_slug(name: str) -> str:
+    """'PA&HP' -> 'pa_hp': the form used inside column and metric names."""
+    return name.replace("&", "_").lower()
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    dtype: str  # Arrow type name: int8/int16/int32/int64/float32/float64/bool/string/timestamp/dict8
+    meaning: str
+
+
+def _c(name: str, dtype: str, meaning: str) -> Column:
+    return Column(name, dtype, meaning)
+
+
+RUNS: tuple[Column, ...] = (
+    _c("run", "string", "run id (the run directory's name)"),
+    _c("method", "string", "policy loss method (grpo, dapo, gppo, ce_gppo, cispo, gspo, ...)"),
+    _c("config", "string", "hyperparameters as JSON (eps, beta1, beta2, erc, lr, ...)"),
+    _c("model", "string", "model name or description"),
+    _c("seed", "int64", "random seed, if known"),
+    _c("world_size", "int32", "number of ranks that recorded"),
+    _c("status", "string", "running / finished / failed"),
+    _c("started_at", "string", "start time, ISO 8601 UTC"),
+    _c("heartbeat_at", "string", "last heartbeat, ISO 8601 UTC"),
+    _c("schema_version", "int32", "SCHEMA_VERSION the run was written with"),
+)
+
+_STEP_KEYS: tuple[Column, ...] = (
+    _c("step", "int32", "training step (one rollout batch)"),
+    _c("update", "int16", "policy update (mini-batch / optimizer step) within the step"),
+    _c("rank", "int16", "torch.distributed rank that recorded the row"),
+)
+
+STEPS: tuple[Column, ...] = _STEP_KEYS + (
+    _c("loss", "float32", "policy loss of the update"),
+    _c("grad_norm", "float32", "global gradient norm before clipping"),
+    _c("lr", "float32", "learning rate"),
+    _c("n_tokens", "int64", "response tokens in the update (all of them, before sampling)"),
+    _c("entropy_mean", "float32", "mean token entropy H(pi_theta) over all tokens, nats"),
+    _c("old_entropy_mean", "float32", "mean token entropy H(pi_old) over all tokens, nats"),
+    _c("ratio_mean", "float32", "mean importance ratio r = pi_theta / pi_old"),
+    _c("clip_low_frac", "float32", "share of tokens with r < 1-eps_low and A < 0 (gradient dropped)"),
+    _c("clip_high_frac", "float32", "share of tokens with r > 1+eps_high and A > 0 (gradient dropped)"),
+    _c("clipped_frac", "float32", "share of tokens whose gradient PPO-clip removes (low + high)"),
+    _c("region_low_frac", "float32", "share of tokens with r < 1-eps_low, any advantage"),
+    _c("region_high_frac", "float32", "share of tokens with r > 1+eps_high, any advantage"),
+    *(
+        _c(f"n_{quadrant_slug(q)}", "int64", f"tokens in quadrant {q}")
+        for q in ("PA&HP", "PA&LP", "NA&HP", "NA&LP", "ZA")
+    ),
+    *(
+        _c(f"clip_frac_{quadrant_slug(q)}", "float32", f"share of {q} tokens whose gradient PPO-clip removes")
+        for q in QUADRANTS
+    ),
+    *(
+        _c(f"lgn_mean_{quadrant_slug(q)}", "float32", f"mean logit-gradient norm ||dLoss/dz_t|| of {q} tokens")
+        for q in QUADRANTS
+    ),
+    _c("entropy_ratio_p05", "float32", "5th percentile of rho = H(pi_theta)/H(pi_old) over all tokens"),
+    _c("entropy_ratio_p50", "float32", "median entropy ratio"),
+    _c("entropy_ratio_p95", "float32", "95th percentile of the entropy ratio"),
+    _c("erc_drop_frac", "float32", "share of tokens whose gradient ERC removes (rho outside its band)"),
+    _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
+    _c("reward_mean", "float32", "mean reward of the step's sequences (record_step / record_sequences)"),
+)
+
+SEQUENCES: tuple[Column, ...] = (
+    _c("step", "int32", "training step"),
+    _c("rank", "int16", "rank that recorded the row"),
+    _c("seq", "int32", "sequence id within the step (same id as tokens.seq)"),
+    _c("group", "int32", "prompt group id (the G responses to one prompt share it)"),
+    _c("reward", "float32", "scalar reward of the response"),
+    _c("advantage", "float32", "advantage of the response"),
+    _c("length", "int32", "response length in tokens"),
+    _c("text", "string", "response text (optional)"),
+)
+
+TOKENS: tuple[Column, ...] = _STEP_KEYS + (
+    _c("seq", "int32", "sequence id within the step"),
+    _c("group", "int32", "prompt group id"),
+    _c("pos", "int32", "position of the token in the response (0-based)"),
+    _c("token_id", "int32", "sampled token id a_t"),
+    _c("prob", "float32", "sampling probability p = exp(old_logprob)"),
+    _c("logprob", "float32", "log pi_theta(a_t) at this update"),
+    _c("old_logprob", "float32", "log pi_old(a_t), the policy that sampled it"),
+    _c("ratio", "float32", "importance ratio r = exp(logprob - old_logprob)"),
+    _c("advantage", "float32", "advantage A of the token (its sequence's)"),
+    _c("quadrant", "dict8", "PA&HP / PA&LP / NA&HP / NA&LP, or ZA when A == 0 (p against tau)"),
+    _c("clip", "int8", "clip region of the ratio the method clips: -1 below 1-eps_low, +1 above 1+eps_high, else 0"),
+    _c("clipped", "bool", "PPO-clip removes the gradient: (clip = -1 and A < 0) or (clip = +1 and A > 0)"),
+    _c("entropy", "float32", "full-vocabulary entropy H(pi_theta(.|s_t)), nats"),
+    _c("old_entropy", "float32", "full-vocabulary entropy H(pi_old(.|s_t)), nats"),
+    _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)"),
+    _c("erc_kept", "bool", "ERC kept the gradient (rho inside its band); null without ERC"),
+    _c("grad_coef", "float32", "dLoss/dlogprob of the token, aggregation weight included"),
+    _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, exact from autograd"),
+)
+
+TABLES: dict[str, tuple[Column, ...]] = {
+    "runs": RUNS,
+    "steps": STEPS,
+    "sequences": SEQUENCES,
+    "tokens": TOKENS,
+}
+
+
+def column_names(table: str) -> list[str]:
+    return [c.name for c in TABLES[table]]
+
+
+def arrow_type(dtype: str):
+    import pyarrow as pa
+
+    return {
+        "int8": pa.int8(),
+        "int16": pa.int16(),
+        "int32": pa.int32(),
+        "int64": pa.int64(),
+        "float32": pa.float32(),
+        "float64": pa.float64(),
+        "bool": pa.bool_(),
+        "string": pa.string(),
+        "dict8": pa.dictionary(pa.int8(), pa.string()),
+    }[dtype]
+
+
+def arrow_schema(table: str, *, extra: dict[str, object] | None = None):
+    """The pyarrow schema of ``table`` (partition keys included), with SCHEMA_VERSION in its metadata."""
+    import pyarrow as pa
+
+    fields = [pa.field(c.name, arrow_type(c.dtype)) for c in TABLES[table]]
+    for name, typ in (extra or {}).items():
+        fields.append(pa.field(name, typ))
+    return pa.schema(fields, metadata={b"entropylens.schema_version": str(SCHEMA_VERSION).encode()})
+
+
+def schema_markdown() -> str:
+    """The column contract as Markdown tables (README embeds this text verbatim; a test checks it)."""
+    lines: list[str] = []
+    for table, cols in TABLES.items():
+        lines.append(f"**{table}**\n")
+        lines.append("| column | dtype | meaning |")
+        lines.append("|---|---|---|")
+        for c in cols:
+            dtype = "dictionary<int8, string>" if c.dtype == "dict8" else c.dtype
+            lines.append(f"| `{c.name}` | {dtype} | {c.meaning.replace('|', '/')} |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

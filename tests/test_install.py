@@ -1,0 +1,48 @@
+"""Both a regular and an editable install expose entropylens.cli and entropylens.analyses, and
+nothing named `cli` or `analyses` lands in site-packages. Bare venvs, no dependencies installed:
+only the package layout is under test (entropylens/__init__ imports nothing heavy)."""
+
+import json
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = r"""
+import importlib.util, json, site, os, sys
+out = {}
+for name in ("entropylens", "entropylens.cli", "entropylens.cli.main", "entropylens.analyses", "cli", "analyses"):
+    spec = importlib.util.find_spec(name)
+    out[name] = spec.origin if spec else None
+import importlib.resources as r
+out["sql"] = sorted(p.name for p in r.files("entropylens.analyses").iterdir() if p.name.endswith(".sql"))
+sp = site.getsitepackages()[0]
+out["site"] = sorted(os.listdir(sp))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
+def test_install_layout(tmp_path, editable):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    args = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps"]
+    args += ["-e", str(ROOT)] if editable else [str(ROOT)]
+    subprocess.run(args, check=True, cwd=tmp_path, capture_output=True)
+    res = subprocess.run([str(py), "-c", PROBE], check=True, cwd=tmp_path, capture_output=True, text=True)
+    out = json.loads(res.stdout)
+    assert out["entropylens.cli"] and out["entropylens.cli"].endswith("cli/__init__.py")
+    assert out["entropylens.cli.main"].endswith("cli/main.py")
+    assert out["entropylens.analyses"].endswith("analyses/__init__.py")
+    assert out["cli"] is None and out["analyses"] is None
+    assert "cli" not in out["site"] and "analyses" not in out["site"]
+    sql = sorted(p.name for p in (ROOT / "analyses").glob("*.sql"))
+    assert out["sql"] == sql
+    if not editable:
+        assert "/site-packages/entropylens/cli/" in out["entropylens.cli"]
