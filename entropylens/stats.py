@@ -13,16 +13,20 @@ import torch
 
 from .schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, NA_HP, NA_LP, PA_HP, PA_LP, ZA
 
-# Positions per chunk: chunk x V float32 stays near 64 MiB (2 buffers of it are live).
-_CHUNK_BYTES = 64 * 2**20
+# Bytes of one float32 [chunk, V] buffer (two are live). On CPU a chunk that fits in L2 keeps the
+# several passes over it in cache (measured 0.15x of TRL's two passes at 2 MiB vs 0.21x at 64 MiB);
+# on an accelerator larger chunks amortise kernel launches.
+_CHUNK_BYTES_CPU = 2 * 2**20
+_CHUNK_BYTES_DEVICE = 128 * 2**20
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None) -> int:
+def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, device: torch.device | None = None) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return chunk_size
-    return max(1, min(n_rows, _CHUNK_BYTES // (4 * max(vocab, 1))))
+    budget = _CHUNK_BYTES_CPU if device is None or device.type == "cpu" else _CHUNK_BYTES_DEVICE
+    return max(1, min(n_rows, budget // (4 * max(vocab, 1))))
 
 
 def _check_logits_tokens(logits: torch.Tensor, tokens: torch.Tensor | None, temperature: float) -> None:
@@ -159,7 +163,7 @@ def logprobs_and_entropy(
     _check_logits_tokens(logits, tokens, temperature)
     v = logits.shape[-1]
     flat_tok = tokens.reshape(-1).long()
-    rows = _chunk_rows(flat_tok.numel(), v, chunk_size)
+    rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
     if logits.requires_grad and torch.is_grad_enabled():
         logp, ent = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows)
         if not entropy_grad:
@@ -177,7 +181,7 @@ def entropy_from_logits(
     _check_logits_tokens(logits, None, temperature)
     v = logits.shape[-1]
     flat = logits.detach().reshape(-1, v)
-    rows = _chunk_rows(flat.shape[0], v, chunk_size)
+    rows = _chunk_rows(flat.shape[0], v, chunk_size, flat.device)
     with torch.no_grad():
         _, ent, _ = _forward(flat, None, float(temperature), rows, True)
     return ent.view(logits.shape[:-1])
@@ -189,7 +193,7 @@ def logsumexp_f32(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size:
     v = logits.shape[-1]
     flat = logits.detach().reshape(-1, v)
     with torch.no_grad():
-        _, _, lse = _forward(flat, None, float(temperature), _chunk_rows(flat.shape[0], v, chunk_size), False)
+        _, _, lse = _forward(flat, None, float(temperature), _chunk_rows(flat.shape[0], v, chunk_size, flat.device), False)
     return lse.view(logits.shape[:-1])
 
 
@@ -224,7 +228,7 @@ def logit_grad_norm(
     flat = logits.detach().reshape(-1, v)
     tok = tokens.reshape(-1).long()
     n = flat.shape[0]
-    rows = _chunk_rows(n, v, chunk_size)
+    rows = _chunk_rows(n, v, chunk_size, flat.device)
     out = torch.empty(n, dtype=torch.float32, device=flat.device)
     with torch.no_grad():
         if n:

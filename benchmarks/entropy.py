@@ -1,0 +1,186 @@
+"""Old-policy pass cost: TRL's two passes (selective_log_softmax, then entropy_from_logits) against
+entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothing about time.
+
+  python benchmarks/entropy.py [--repeats 5] [--quick]
+
+1. no grad: time ratio (ours / TRL, medians, alternating in this process) and extra peak memory
+   (each measured in a fresh child process: peak RSS during the call minus RSS before it).
+2. with grad (the training pass): forward + backward peak memory of our logprobs against
+   log_softmax + gather, beyond the [N, V] gradient both must produce.
+3. float64 error at V = 151936 with logit offsets 0..40.
+Last line: ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+try:  # TRL's own functions when installed
+    from trl.trainer.utils import entropy_from_logits as trl_entropy
+    from trl.trainer.utils import selective_log_softmax as trl_selective_log_softmax
+
+    TRL_SOURCE = "imported from trl"
+except Exception:  # pragma: no cover - reproduced faithfully (TRL 0.2x / 1.x, trl/trainer/utils.py)
+    TRL_SOURCE = "reproduced from trl/trainer/utils.py"
+
+    def trl_selective_log_softmax(logits, index):
+        if logits.dtype in (torch.float32, torch.float64):
+            selected = torch.gather(logits, dim=-1, index=index.unsqueeze(-1)).squeeze(-1)
+            lse = torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])  # row loop: less memory
+            return selected - lse
+        out = []
+        for row_logits, row_labels in zip(logits, index):
+            row = F.log_softmax(row_logits, dim=-1)
+            out.append(row.gather(dim=-1, index=row_labels.unsqueeze(-1)).squeeze(-1))
+        return torch.stack(out)
+
+    def trl_entropy(logits, chunk_size=128):
+        flat = logits.reshape(-1, logits.shape[-1])
+        ents = []
+        for chunk in flat.split(chunk_size, dim=0):
+            logps = F.log_softmax(chunk, dim=-1)
+            ents.append(-(torch.exp(logps) * logps).sum(-1))
+        return torch.cat(ents).reshape(logits.shape[:-1])
+
+
+from entropylens.stats import logprobs_and_entropy  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def trl_two_passes(logits, tokens):
+    return trl_selective_log_softmax(logits, tokens), trl_entropy(logits)
+
+
+def ours(logits, tokens):
+    return logprobs_and_entropy(logits, tokens)
+
+
+def make(n, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = 8 if n >= 8 else 1
+    logits = torch.empty(b, n // b, v, dtype=dtype).normal_(0.0, 3.0, generator=g)  # no temporaries
+    tokens = torch.randint(0, v, (b, n // b), generator=g)
+    return logits, tokens
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def child(kind: str, n: int, v: int, dtype: str, grad: bool) -> None:
+    """Runs in a fresh process: peak RSS of one call minus RSS before it (and before the gradient)."""
+    logits, tokens = make(n, v, DTYPES[dtype])
+    if grad:
+        logits.requires_grad_(True)
+        logits.grad = torch.zeros_like(logits)  # the [N, V] gradient both paths must produce
+    w = torch.randn(tokens.shape)
+    # warm-up on a tiny input (loads kernels) without touching the big tensor's peak
+    s_logits, s_tokens = make(16, 64, DTYPES[dtype], seed=1)
+    if grad:
+        s_logits.requires_grad_(True)
+    base = rss_bytes()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if kind == "trl":
+        lp, _ = trl_two_passes(logits, tokens)
+    elif kind == "plain":  # log_softmax + gather, what autograd keeps for backward
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    else:
+        lp, _ = ours(logits, tokens)
+    if grad:
+        (lp * w).sum().backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the high-water mark before the call must not hide the call's own peak
+    assert peak_before - base < 0.05e9, "setup left a high-water mark above the baseline"
+    print(json.dumps({"extra_gb": max(peak - base, 0) / 1e9}))
+
+
+def measure_memory(kind, n, v, dtype, grad) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", kind, str(n), str(v), dtype, str(int(grad))],
+        capture_output=True, text=True,
+        # fixed mmap threshold: every large tensor is its own mapping, so RSS follows allocations
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
+    )
+    if out.returncode:
+        raise RuntimeError(f"memory child failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["extra_gb"]
+
+
+def median_ms(fn, args, repeats) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--child", nargs=5)
+    a = ap.parse_args()
+    if a.child:
+        kind, n, v, dtype, grad = a.child
+        child(kind, int(n), int(v), dtype, bool(int(grad)))
+        return
+
+    shapes = [(512, 4096), (128, 16384)] if a.quick else [(8192, 32000), (2048, 151936)]
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, TRL functions {TRL_SOURCE}")
+    print("\n1. no grad (old-policy pass): medians over", a.repeats, "alternating runs")
+    print(f"{'shape':>16} {'dtype':>5} {'trl ms':>9} {'ours ms':>9} {'ratio':>6} {'trl +GB':>8} {'ours +GB':>9}")
+    headline = None
+    with torch.no_grad():
+        for n, v in shapes:
+            for dname, dtype in DTYPES.items():
+                logits, tokens = make(n, v, dtype)
+                ours(logits, tokens), trl_two_passes(logits, tokens)  # warm-up
+                t_trl, t_ours = [], []
+                for _ in range(a.repeats):  # alternate so drift hits both equally
+                    t_trl.append(median_ms(trl_two_passes, (logits, tokens), 1))
+                    t_ours.append(median_ms(ours, (logits, tokens), 1))
+                mt, mo = statistics.median(t_trl), statistics.median(t_ours)
+                gb_trl = measure_memory("trl", n, v, dname, False)
+                gb_ours = measure_memory("ours", n, v, dname, False)
+                print(f"{str([n, v]):>16} {dname:>5} {mt:9.1f} {mo:9.1f} {mo / mt:6.2f} {gb_trl:8.3f} {gb_ours:9.3f}")
+                if headline is None and dname == "fp32":
+                    headline = (mo / mt, gb_ours)
+                del logits, tokens
+
+    n, v = shapes[0]
+    print(f"\n2. with grad (training pass) at {[n, v]} fp32: peak memory beyond the [N, V] gradient")
+    gb_plain = measure_memory("plain", n, v, "fp32", True)
+    gb_ours = measure_memory("ours", n, v, "fp32", True)
+    print(f"   log_softmax + gather: +{gb_plain:.3f} GB    ours: +{gb_ours:.3f} GB")
+
+    print("\n3. float64 error, V = 151936, 16 positions")
+    print(f"{'offset':>7} {'max |dlogp|':>12} {'max |dH|':>10}")
+    g = torch.Generator().manual_seed(0)
+    for off in (0.0, 10.0, 20.0, 40.0):
+        logits = torch.randn(16, 151936, generator=g) * 3 + off
+        tokens = torch.randint(0, 151936, (16,), generator=g)
+        lp, h = ours(logits, tokens)
+        z = logits.double()
+        la = torch.log_softmax(z, -1)
+        rlp = la.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        rh = -(la.exp() * la).sum(-1)
+        print(f"{off:7.0f} {(lp.double() - rlp).abs().max().item():12.2e} {(h.double() - rh).abs().max().item():10.2e}")
+
+    print(f"ratio_vs_trl={headline[0]:.3f} extra_gb={headline[1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Encoding host arrays into Parquet files, atomically. Runs on the recorder's writer thread.
+
+Encodings (benchmarks/writer.py measures them against pyarrow's defaults): zstd level 1;
+dictionary encoding only for low-cardinality columns (update, seq, group, quadrant, token_id,
+advantage: one value per sequence); BYTE_STREAM_SPLIT for the float columns; step and rank live in
+the Hive partition path, not in the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import QUADRANT_NAMES, SCHEMA_VERSION, TOKENS, arrow_type
+
+TOKEN_DICT_COLUMNS = ("update", "seq", "group", "quadrant", "token_id", "advantage")
+TOKEN_FLOAT_COLUMNS = tuple(c.name for c in TOKENS if c.dtype == "float32" and c.name != "advantage")
+_QUADRANT_DICT = pa.array([QUADRANT_NAMES[i] for i in range(len(QUADRANT_NAMES))], pa.string())
+_META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
+
+
+def write_parquet_atomic(table: pa.Table, path: Path, *, dict_columns=(), float_columns=()) -> None:
+    """Write to a hidden temporary name that no ``*.parquet`` glob matches, then rename."""
+    names = set(table.column_names)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(
+        table.replace_schema_metadata({**(table.schema.metadata or {}), **_META}),
+        tmp,
+        compression="zstd",
+        compression_level=1,
+        use_dictionary=[c for c in dict_columns if c in names],
+        column_encoding={c: "BYTE_STREAM_SPLIT" for c in float_columns if c in names},
+    )
+    os.replace(tmp, path)
+
+
+def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
+    """The token rows of one update. Columns absent from ``arrs`` are written as nulls."""
+    n = len(arrs["seq"])
+    cols, fields = [], []
+    for c in TOKENS:
+        if c.name in ("step", "rank"):
+            continue  # partition keys
+        typ = arrow_type(c.dtype)
+        if c.name == "quadrant":
+            arr = pa.DictionaryArray.from_arrays(pa.array(arrs["quadrant"], pa.int8()), _QUADRANT_DICT)
+        elif c.name in arrs:
+            arr = pa.array(arrs[c.name], typ)
+        else:
+            arr = pa.nulls(n, typ)
+        cols.append(arr)
+        fields.append(pa.field(c.name, typ))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def write_tokens(run_dir: Path, step: int, rank: int, update: int, arrs: dict) -> Path:
+    path = run_dir / "tokens" / f"step={step}" / f"rank={rank}" / f"update-{update}.parquet"
+    write_parquet_atomic(tokens_table(arrs), path, dict_columns=TOKEN_DICT_COLUMNS,
+                         float_columns=TOKEN_FLOAT_COLUMNS)
+    return path
+
+
+def write_sequences(run_dir: Path, step: int, rank: int, part: int, arrs: dict) -> Path:
+    table = pa.table({
+        "seq": pa.array(arrs["seq"], pa.int32()),
+        "group": pa.array(arrs["group"], pa.int32()),
+        "reward": pa.array(arrs["reward"], pa.float32()),
+        "advantage": pa.array(arrs["advantage"], pa.float32()),
+        "length": pa.array(arrs["length"], pa.int32()),
+        "text": pa.array(arrs.get("text") or [None] * len(arrs["seq"]), pa.string()),
+    })
+    path = run_dir / "sequences" / f"step={step}" / f"rank={rank}" / f"part-{part}.parquet"
+    write_parquet_atomic(table, path, dict_columns=("group",))
+    return path
+
+
+_STEP_INT = {"update": pa.int16(), "n_tokens": pa.int64(), "n_pa_hp": pa.int64(), "n_pa_lp": pa.int64(),
+             "n_na_hp": pa.int64(), "n_na_lp": pa.int64(), "n_za": pa.int64()}
+
+
+def write_steps(run_dir: Path, step: int, rank: int, rows: list[dict]) -> Path:
+    """One file per (step, rank): a row per update. Known columns get the schema's dtype, extra
+    metrics float64; NaN aggregates (not measured) become nulls."""
+    from .schema import STEPS
+
+    known = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
+    names = list(known) + sorted({k for r in rows for k in r} - set(known))
+    cols = {}
+    for name in names:
+        vals = [r.get(name) for r in rows]
+        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
+        typ = known.get(name, pa.float64())
+        if pa.types.is_integer(typ):
+            vals = [None if v is None else int(round(v)) for v in vals]
+        cols[name] = pa.array(vals, typ)
+    path = run_dir / "steps" / f"step={step}" / f"rank={rank}" / "steps.parquet"
+    write_parquet_atomic(pa.table(cols), path)
+    return path
