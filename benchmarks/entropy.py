@@ -140,6 +140,13 @@ def main() -> None:
 
     shapes = [(512, 4096), (128, 16384)] if a.quick else [(8192, 32000), (2048, 151936)]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, TRL functions {TRL_SOURCE}")
+    # Memory first, from children forked while this process is still small (Linux keeps the
+    # parent's RSS high-water mark in a forked child, so a big parent would hide the child's peak).
+    mem = {(n, v, d, k): measure_memory(k, n, v, d, False) for n, v in shapes for d in DTYPES for k in ("trl", "ours")}
+    n0, v0 = shapes[0]
+    gb_plain = measure_memory("plain", n0, v0, "fp32", True)
+    gb_ours_grad = measure_memory("ours", n0, v0, "fp32", True)
+
     print("\n1. no grad (old-policy pass): medians over", a.repeats, "alternating runs")
     print(f"{'shape':>16} {'dtype':>5} {'trl ms':>9} {'ours ms':>9} {'ratio':>6} {'trl +GB':>8} {'ours +GB':>9}")
     headline = None
@@ -153,18 +160,14 @@ def main() -> None:
                     t_trl.append(median_ms(trl_two_passes, (logits, tokens), 1))
                     t_ours.append(median_ms(ours, (logits, tokens), 1))
                 mt, mo = statistics.median(t_trl), statistics.median(t_ours)
-                gb_trl = measure_memory("trl", n, v, dname, False)
-                gb_ours = measure_memory("ours", n, v, dname, False)
+                gb_trl, gb_ours = mem[(n, v, dname, "trl")], mem[(n, v, dname, "ours")]
                 print(f"{str([n, v]):>16} {dname:>5} {mt:9.1f} {mo:9.1f} {mo / mt:6.2f} {gb_trl:8.3f} {gb_ours:9.3f}")
                 if headline is None and dname == "fp32":
                     headline = (mo / mt, gb_ours)
                 del logits, tokens
 
-    n, v = shapes[0]
-    print(f"\n2. with grad (training pass) at {[n, v]} fp32: peak memory beyond the [N, V] gradient")
-    gb_plain = measure_memory("plain", n, v, "fp32", True)
-    gb_ours = measure_memory("ours", n, v, "fp32", True)
-    print(f"   log_softmax + gather: +{gb_plain:.3f} GB    ours: +{gb_ours:.3f} GB")
+    print(f"\n2. with grad (training pass) at {[n0, v0]} fp32: peak memory beyond the [N, V] gradient")
+    print(f"   log_softmax + gather: +{gb_plain:.3f} GB    ours: +{gb_ours_grad:.3f} GB")
 
     print("\n3. float64 error, V = 151936, 16 positions")
     print(f"{'offset':>7} {'max |dlogp|':>12} {'max |dH|':>10}")

@@ -1,0 +1,69 @@
+"""A recording process for the reliability tests (killed with SIGKILL, or one rank of two).
+
+  python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
+  python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
+"""
+
+import os
+import sys
+
+import torch
+
+from entropylens import Recorder
+from entropylens.losses import policy_loss
+from entropylens.stats import logprobs_and_entropy
+
+
+def one_update(rec, step, update, b, t, v, gen, seq_offset=0):
+    logits = torch.randn(b, t, v, generator=gen, requires_grad=True)
+    tokens = torch.randint(0, v, (b, t), generator=gen)
+    mask = torch.rand(b, t, generator=gen) < 0.8
+    adv = torch.randn(b, generator=gen)
+    with torch.no_grad():
+        old_lp, old_h = logprobs_and_entropy(logits + 0.1 * torch.randn(b, t, v, generator=gen), tokens)
+    rec.watch_logits(logits)
+    lp, h = logprobs_and_entropy(logits, tokens)
+    out = policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h)
+    rec.record_update(step, update, mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
+                      old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(b) + seq_offset, loss=out)
+    out.loss.backward()
+    rec.record_step(step, update=update, grad_norm=float(logits.grad.norm()), lr=1e-3)
+    return int(mask.sum())
+
+
+def kill_mode(root, run):
+    gen = torch.Generator().manual_seed(hash(run) % 1000)
+    rec = Recorder(root, run=run, config={"method": "grpo"}, queue_size=4)
+    step = 0
+    while True:
+        for u in range(3):
+            one_update(rec, step, u, 8, 64, 50, gen)
+        rec.record_sequences(step, seq_ids=torch.arange(8), rewards=torch.rand(8, generator=gen),
+                             advantages=torch.randn(8, generator=gen), lengths=torch.full((8,), 64))
+        if step == 2:
+            print("ready", flush=True)
+        step += 1
+
+
+def dist_mode(root, steps):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(rank)
+    total = 0
+    with Recorder(root, config={"method": "grpo"}) as rec:
+        for step in range(steps):
+            total += one_update(rec, step, 0, 4 + rank, 16, 30, gen, seq_offset=100 * rank)
+    dist.barrier()
+    print(f"rank={rank} run={rec.run} tokens={total}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    mode = sys.argv[1]
+    if mode == "kill":
+        kill_mode(sys.argv[2], sys.argv[3])
+    else:
+        dist_mode(sys.argv[2], int(sys.argv[3]))

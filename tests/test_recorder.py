@@ -1,0 +1,284 @@
+"""Recorder: rows, exact aggregates, hooks, sampling, bad input, writer failures. Real files."""
+
+import json
+import os
+import warnings
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from entropylens import Recorder, stats
+from entropylens.losses import policy_loss
+from entropylens.query import connect
+from entropylens.recorder import RecorderError
+from entropylens.schema import QUADRANT_NAMES
+
+B, T, V = 6, 9, 25
+
+
+def make_batch(seed=0, b=B, t=T):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, V, generator=g, dtype=torch.float64) * 2
+    tokens = torch.randint(0, V, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[0, 5:] = False
+    mask[3, 2:] = False
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0, -2.0, 1.5][:b], dtype=torch.float64)
+    old = x + 0.5 * torch.randn(b, t, V, generator=g, dtype=torch.float64)
+    return x, tokens, mask, adv, old
+
+
+def record_one(rec, step, update, seed=0, erc=None, method="grpo", watch=True):
+    x, tokens, mask, adv, old = make_batch(seed)
+    logits = x.clone().float().requires_grad_(True)
+    with torch.no_grad():
+        old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    if watch:
+        rec.watch_logits(logits)
+    lp, h = stats.logprobs_and_entropy(logits, tokens)
+    out = policy_loss(lp, old_lp, adv.float(), mask, method=method, entropy=h, old_entropy=old_h, erc=erc)
+    rec.record_update(step, update, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
+                      entropy=h, old_entropy=old_h, tokens=tokens, loss=out)
+    out.loss.backward()
+    rec.record_step(step, update=update, grad_norm=float(logits.grad.norm()), lr=0.01)
+    return logits, tokens, mask, out
+
+
+def test_rows_columns_and_hook(tmp_path):
+    with Recorder(tmp_path, run="r", config={"method": "ce_gppo"}) as rec:
+        logits, tokens, mask, out = record_one(rec, 0, 0, erc=(0.95, 1.05), method="ce_gppo")
+        assert not rec.has_hook  # the hook removed itself when it fired
+        assert not logits._backward_hooks  # and left no handle on the tensor
+        lgn_autograd = logits.grad.norm(dim=-1)  # ||dLoss/dz_t||, plain autograd
+    con = connect(tmp_path)
+    df = con.execute("SELECT * FROM tokens ORDER BY seq, pos").df()
+    assert len(df) == int(mask.sum())  # only masked-in tokens
+    sel = mask.numpy()
+    for col in ("ratio", "grad_coef", "prob", "entropy_ratio"):
+        np.testing.assert_allclose(df[col].to_numpy(), out.columns[col].numpy()[sel], rtol=1e-6)
+    np.testing.assert_array_equal(df["clip"].to_numpy(), out.columns["clip"].numpy()[sel])
+    np.testing.assert_array_equal(df["erc_kept"].to_numpy(), out.columns["erc_kept"].numpy()[sel])
+    names = [QUADRANT_NAMES[int(q)] for q in out.columns["quadrant"].numpy()[sel]]
+    assert df["quadrant"].tolist() == names
+    np.testing.assert_array_equal(df["token_id"].to_numpy(), tokens.numpy()[sel])
+    # exact logit-gradient norm from the hook == autograd == the closed form from grad_coef
+    np.testing.assert_allclose(df["logit_grad_norm"].to_numpy(), lgn_autograd.numpy()[sel], rtol=1e-5, atol=1e-9)
+    closed = stats.logit_grad_norm(logits.detach(), tokens, out.columns["grad_coef"])
+    np.testing.assert_allclose(df["logit_grad_norm"].to_numpy(), closed.numpy()[sel], rtol=1e-4, atol=1e-9)
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert info["status"] == "finished" and info["schema_version"] == 1 and info["method"] == "ce_gppo"
+
+
+def test_step_aggregates_equal_token_rows(tmp_path):
+    with Recorder(tmp_path, run="r", config={"method": "grpo"}) as rec:
+        for step in range(2):
+            for u in range(3):
+                record_one(rec, step, u, seed=10 * step + u, erc=(0.95, 1.05))
+            rec.record_sequences(step, seq_ids=torch.arange(B), rewards=torch.arange(B).float(),
+                                 advantages=torch.zeros(B), lengths=torch.full((B,), T))
+    con = connect(tmp_path)
+    got = con.execute("""
+        SELECT s.step, s.update, s.n_tokens, t.n, s.entropy_mean, t.h, s.clip_low_frac, t.cl, s.clip_high_frac,
+               t.ch, s.n_pa_lp, t.n_pa_lp, s.erc_drop_frac, t.drop, s.kl_k3, t.kl, s.entropy_ratio_p50, t.p50,
+               s.lgn_mean_na_lp, t.lgn_na_lp, s.clip_frac_pa_lp, t.cf_pa_lp, s.reward_mean, s.grad_norm
+        FROM steps s JOIN (
+            SELECT step, update, count(*) AS n, avg(entropy) AS h,
+                   avg((clipped AND clip = -1)::INT) AS cl, avg((clipped AND clip = 1)::INT) AS ch,
+                   count(*) FILTER (WHERE quadrant = 'PA&LP') AS n_pa_lp,
+                   avg((NOT erc_kept)::INT) AS drop, avg(ratio - 1 - ln(ratio)) AS kl,
+                   quantile_cont(entropy_ratio, 0.5) AS p50,
+                   avg(logit_grad_norm) FILTER (WHERE quadrant = 'NA&LP') AS lgn_na_lp,
+                   avg(clipped::INT) FILTER (WHERE quadrant = 'PA&LP') AS cf_pa_lp
+            FROM tokens GROUP BY ALL) t USING (step, update)
+        ORDER BY step, update""").fetchall()
+    assert len(got) == 6
+    for row in got:
+        (step, u, n, n2, h, h2, cl, cl2, ch, ch2, q, q2, d, d2, kl, kl2, p50, p502, lg, lg2, cf, cf2, rw, gn) = row
+        assert n == n2
+        assert h == pytest.approx(h2, rel=1e-5)
+        assert cl == pytest.approx(cl2) and ch == pytest.approx(ch2) and d == pytest.approx(d2)
+        assert q == q2
+        assert kl == pytest.approx(kl2, rel=1e-3, abs=1e-6)
+        assert p50 == pytest.approx(p502, rel=1e-5)
+        assert lg == pytest.approx(lg2, rel=1e-5)
+        assert cf == pytest.approx(cf2 if cf2 is not None else 0.0)
+        assert rw == pytest.approx(2.5)  # mean of 0..5
+        assert gn is not None and gn > 0
+
+
+def test_without_loss_object_derives_columns(tmp_path):
+    x, tokens, mask, adv, old = make_batch(3)
+    with torch.no_grad():
+        lp, h = stats.logprobs_and_entropy(x.float(), tokens)
+        old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    with Recorder(tmp_path, run="r", config={"eps_low": 0.1, "eps_high": 0.3}, tau=0.3) as rec:
+        rec.record_update(0, 0, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp)
+    df = connect(tmp_path).execute("SELECT * FROM tokens").df()
+    r = np.exp(df["logprob"] - df["old_logprob"])
+    np.testing.assert_allclose(df["ratio"], r, rtol=1e-5)
+    exp_clip = np.where(r < 0.9, -1, np.where(r > 1.3, 1, 0))
+    np.testing.assert_array_equal(df["clip"], exp_clip)
+    a = df["advantage"].to_numpy()
+    np.testing.assert_array_equal(df["clipped"], ((exp_clip == -1) & (a < 0)) | ((exp_clip == 1) & (a > 0)))
+    p = df["prob"].to_numpy()
+    exp_q = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= 0.3, "PA&HP", "PA&LP"),
+                                              np.where(p >= 0.3, "NA&HP", "NA&LP")))
+    assert df["quadrant"].tolist() == exp_q.tolist()
+    assert df["entropy"].isna().all() and df["logit_grad_norm"].isna().all() and df["erc_kept"].isna().all()
+
+
+def kept_seqs(root, run, sample):
+    with Recorder(root, run=run, sample=sample) as rec:
+        for step in range(3):
+            for u in range(2):
+                x, tokens, mask, adv, old = make_batch(step)
+                big = torch.ones(40, 4, dtype=torch.bool)
+                lp = torch.full((40, 4), -1.0)
+                rec.record_update(step, u, mask=big, advantages=torch.randn(40), logprobs=lp, old_logprobs=lp)
+    return connect(root / run).execute(
+        "SELECT step, update, list(DISTINCT seq ORDER BY seq) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall()
+
+
+def test_sampling_is_deterministic_whole_sequences_and_aggregates_exact(tmp_path):
+    a = kept_seqs(tmp_path / "a", "same", 0.3)
+    b = kept_seqs(tmp_path / "b", "same", 0.3)
+    assert a == b  # same run id, same kept sequences
+    by_step = {}
+    for step, u, seqs in a:
+        by_step.setdefault(step, []).append(seqs)
+    for step, lists in by_step.items():
+        assert all(s == lists[0] for s in lists)  # every update of a kept sequence is kept
+        assert 3 <= len(lists[0]) <= 25  # about 30% of 40
+    con = connect(tmp_path / "a")
+    n = con.execute("SELECT DISTINCT n_tokens FROM steps").fetchall()
+    assert n == [(160,)]  # aggregates cover all 40 x 4 tokens, not the sample
+    rows = con.execute("SELECT count(*) FROM tokens").fetchone()[0]
+    assert rows == 4 * sum(len(s) for _, _, s in a)
+
+
+def test_bad_inputs(tmp_path):
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with Recorder(tmp_path, run="r") as rec:
+        with pytest.raises(ValueError, match="old_logprobs shape"):
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=torch.zeros(2, 4))
+        with pytest.raises(ValueError, match="advantages"):
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(3), logprobs=lp, old_logprobs=lp)
+        bad = lp.clone()
+        bad[1, 1] = float("nan")
+        with pytest.raises(ValueError, match="logprobs contains NaN"):
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=bad, old_logprobs=lp)
+        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        with pytest.raises(ValueError, match="step 0 update 0 was already recorded"):
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        # an empty mask: no rows, no error
+        rec.record_update(0, 1, mask=torch.zeros(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp,
+                          old_logprobs=lp)
+        rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        with pytest.raises(ValueError, match="steps must not go back"):
+            rec.record_update(0, 5, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, update, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall() == [
+        (0, 0, 6), (1, 0, 6)]
+    assert con.execute("SELECT n_tokens FROM steps WHERE step = 0 AND update = 1").fetchall() == [(0,)]
+    with pytest.raises(RecorderError, match="cannot write the run directory"):
+        Recorder("/proc/entropylens-cannot-write", run="r")
+    with pytest.raises(ValueError, match="sample"):
+        Recorder(tmp_path, run="s", sample=0.0)
+
+
+def test_writer_failure_raises_in_caller(tmp_path):
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    rec = Recorder(tmp_path, run="r")
+    (tmp_path / "r" / "tokens").write_text("a file where the writer needs a directory")
+    rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    with pytest.raises(RecorderError, match="Parquet writer failed"):
+        for step in range(1, 200):  # the error surfaces at a later call, never swallowed
+            rec.record_update(step, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+
+
+def test_writer_failure_warns_when_asked(tmp_path):
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    rec = Recorder(tmp_path, run="r", on_error="warn")
+    (tmp_path / "r" / "tokens").write_text("x")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(200):
+            rec.record_update(step, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        rec.close()
+    assert sum("recording stopped" in str(x.message) for x in w) == 1
+    info = json.loads((tmp_path / "r" / "run.json").read_text())
+    assert info["status"] == "failed" and info["error"]
+
+
+def test_failed_status_on_exception_and_no_drops_with_tiny_queue(tmp_path):
+    lp = torch.zeros(3, 5)
+    m = torch.ones(3, 5, dtype=torch.bool)
+    with pytest.raises(KeyError):
+        with Recorder(tmp_path, run="r", queue_size=1) as rec:
+            for step in range(40):
+                rec.record_update(step, 0, mask=m, advantages=torch.ones(3), logprobs=lp, old_logprobs=lp)
+            raise KeyError("training crashed")
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["status"] == "failed"
+    con = connect(tmp_path)
+    assert con.execute("SELECT count(*), count(DISTINCT step) FROM tokens").fetchone() == (600, 40)
+    assert con.execute("SELECT count(*) FROM steps").fetchone() == (40,)
+
+
+def test_schema_evolution_reads_older_files(tmp_path):
+    # a run written before `logit_grad_norm` and `erc_kept` existed, next to today's run
+    old_dir = tmp_path / "old"
+    (old_dir / "tokens" / "step=0" / "rank=0").mkdir(parents=True)
+    (old_dir / "run.json").write_text(json.dumps({"run": "old", "method": "grpo", "schema_version": 0}))
+    pq.write_table(pa.table({"update": pa.array([0, 0], pa.int16()), "seq": pa.array([0, 0], pa.int32()),
+                             "pos": pa.array([0, 1], pa.int32()), "ratio": pa.array([1.0, 1.1], pa.float32()),
+                             "quadrant": ["PA&HP", "NA&LP"]}),
+                   old_dir / "tokens" / "step=0" / "rank=0" / "update-0.parquet")
+    with Recorder(tmp_path, run="new") as rec:
+        record_one(rec, 0, 0)
+    con = connect(tmp_path)
+    got = con.execute("""SELECT run, count(*), count(logit_grad_norm), count(ratio) FROM tokens
+                         GROUP BY run ORDER BY run""").fetchall()
+    assert got[0][0] == "new" and got[0][1] == got[0][2] == got[0][3] > 0
+    assert got[1] == ("old", 2, 0, 2)
+
+
+def test_concurrent_reader_never_errors(tmp_path):
+    import threading
+
+    errors, reads = [], [0]
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                if (tmp_path / "r" / "run.json").exists():
+                    con = connect(tmp_path)
+                    con.execute("SELECT count(*), sum(ratio) FROM tokens").fetchall()
+                    con.execute("SELECT count(*) FROM steps").fetchall()
+                    duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', union_by_name=true)").fetchall()
+                    reads[0] += 1
+            except Exception as e:  # noqa: BLE001 - any error fails the test
+                errors.append(repr(e))
+
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        with Recorder(tmp_path, run="r") as rec:
+            for step in range(2000):  # write until the reader has read several times mid-run
+                for u in range(2):
+                    record_one(rec, step, u, seed=step % 7)
+                if reads[0] >= 8:
+                    break
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors[:3]
+    assert reads[0] >= 8

@@ -1,0 +1,89 @@
+"""Real processes, real files: SIGKILL at random moments, and two torch.distributed (gloo) ranks."""
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from entropylens.query import connect
+
+CHILD = Path(__file__).parent / "helpers" / "record_child.py"
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
+    rng = random.Random(1234)
+    kills = 10
+    for i in range(kills):
+        p = subprocess.Popen([sys.executable, str(CHILD), "kill", str(tmp_path), f"k{i}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        line = p.stdout.readline()  # 'ready' after 3 steps: the writer is busy
+        assert line.strip() == "ready", p.stderr.read()
+        time.sleep(rng.uniform(0.0, 1.5))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert p.returncode == -signal.SIGKILL
+    # every file the glob sees is whole: DuckDB reads all of them without error
+    glob = f"{tmp_path}/**/*.parquet"
+    n_files = duckdb.sql(f"SELECT count(DISTINCT filename) FROM read_parquet('{glob}', union_by_name=true, "
+                         "filename=true)").fetchall()[0][0]
+    assert n_files > 0
+    for f in tmp_path.rglob("*.parquet"):
+        assert not f.name.startswith(".")
+    # every step whose steps row is present has all its token rows (sample = 1)
+    con = connect(tmp_path)
+    bad = con.execute("""
+        SELECT s.run, s.step, s.update, s.n_tokens, coalesce(t.n, 0) AS n
+        FROM steps s LEFT JOIN (SELECT run, step, update, count(*) AS n FROM tokens GROUP BY ALL) t
+        USING (run, step, update) WHERE s.n_tokens <> coalesce(t.n, 0)""").fetchall()
+    assert bad == []
+    per_run = con.execute("SELECT run, count(DISTINCT step) FROM steps GROUP BY run").fetchall()
+    assert len(per_run) == kills and all(n >= 2 for _, n in per_run)  # finished steps are readable
+    status = con.execute("SELECT DISTINCT status FROM runs").fetchall()
+    assert status == [("running",)]  # killed: never marked finished
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_distributed_ranks_write_their_own_files(tmp_path):
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), "dist", str(tmp_path), "3"], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(dict(kv.split("=") for kv in out.split()))
+    assert outs[0]["run"] == outs[1]["run"]  # one run id, agreed once at start
+    runs = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(runs) == 1
+    files = sorted(str(f.relative_to(runs[0])) for f in runs[0].rglob("*.parquet"))
+    rank0 = [f for f in files if "/rank=0/" in f]
+    rank1 = [f for f in files if "/rank=1/" in f]
+    assert rank0 and rank1 and len(rank0) + len(rank1) == len(files)  # no file shared
+    con = connect(tmp_path)
+    counts = dict(con.execute("SELECT rank, count(*) FROM tokens GROUP BY rank").fetchall())
+    assert counts == {0: int(outs[0]["tokens"]), 1: int(outs[1]["tokens"])}
+    steps = con.execute("SELECT rank, sum(n_tokens) FROM steps GROUP BY rank ORDER BY rank").fetchall()
+    assert steps == [(0, int(outs[0]["tokens"])), (1, int(outs[1]["tokens"]))]
+    assert con.execute("SELECT world_size, status FROM runs").fetchall() == [(2, "finished")]
+    seqs = con.execute("SELECT rank, min(seq), max(seq) FROM tokens GROUP BY rank ORDER BY rank").fetchall()
+    assert seqs == [(0, 0, 3), (1, 100, 104)]
