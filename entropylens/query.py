@@ -71,6 +71,18 @@ def _read_run_json(d: Path) -> dict:
     }
 
 
+def _derived_sql(table: str, have: set[str]) -> str:
+    """Derived columns (schema.Column.derived) the files lack; NULL where an input is missing too."""
+    out = []
+    for c in TABLES[table]:
+        if not c.derived or c.name in have:
+            continue
+        inputs = set(re.findall(r"[a-z_]+", c.derived)) - {"exp", "e"}
+        expr = c.derived if inputs <= have else "NULL"
+        out.append(f", CAST({expr} AS {_duck_type(c.dtype)}) AS {c.name}")
+    return "".join(out)
+
+
 def connect(path: str | Path, *, runs: list[str] | None = None, database: str = ":memory:"):
     """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``."""
     import duckdb
@@ -91,12 +103,10 @@ def connect(path: str | Path, *, runs: list[str] | None = None, database: str = 
         selects = []
         for d in dirs:
             if any((d / table).rglob("*.parquet")):
-                glob = str(d / table / "**" / "*.parquet")
-                selects.append(
-                    f"SELECT {_sql_str(d.name)} AS run, * FROM read_parquet({_sql_str(glob)}, "
-                    "hive_partitioning = true, union_by_name = true, "
-                    "hive_types = {'step': INTEGER, 'rank': SMALLINT})"
-                )
+                src = (f"read_parquet({_sql_str(str(d / table / '**' / '*.parquet'))}, hive_partitioning = true, "
+                       "union_by_name = true, hive_types = {'step': INTEGER, 'rank': SMALLINT})")
+                have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+                selects.append(f"SELECT {_sql_str(d.name)} AS run, *{_derived_sql(table, have)} FROM {src}")
         if selects:
             con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no file yet: an empty view with the contract's columns

@@ -42,12 +42,13 @@ def quadrant_slug(name: str) -> str:
 @dataclass(frozen=True)
 class Column:
     name: str
-    dtype: str  # Arrow type name: int8/int16/int32/int64/float32/float64/bool/string/timestamp/dict8
+    dtype: str  # Arrow type name: int8/int16/int32/int64/float32/float64/bool/string/dict8
     meaning: str
+    derived: str | None = None  # SQL over the stored columns: not in the files, computed by the view
 
 
-def _c(name: str, dtype: str, meaning: str) -> Column:
-    return Column(name, dtype, meaning)
+def _c(name: str, dtype: str, meaning: str, derived: str | None = None) -> Column:
+    return Column(name, dtype, meaning, derived)
 
 
 RUNS: tuple[Column, ...] = (
@@ -118,17 +119,18 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("group", "int32", "prompt group id"),
     _c("pos", "int32", "position of the token in the response (0-based)"),
     _c("token_id", "int32", "sampled token id a_t"),
-    _c("prob", "float32", "sampling probability p = exp(old_logprob)"),
+    _c("prob", "float32", "sampling probability p = exp(old_logprob)", "exp(old_logprob)"),
     _c("logprob", "float32", "log pi_theta(a_t) at this update"),
     _c("old_logprob", "float32", "log pi_old(a_t), the policy that sampled it"),
-    _c("ratio", "float32", "importance ratio r = exp(logprob - old_logprob)"),
+    _c("ratio", "float32", "importance ratio r = exp(logprob - old_logprob)", "exp(logprob - old_logprob)"),
     _c("advantage", "float32", "advantage A of the token (its sequence's)"),
     _c("quadrant", "dict8", "PA&HP / PA&LP / NA&HP / NA&LP, or ZA when A == 0 (p against tau)"),
     _c("clip", "int8", "clip region of the ratio the method clips: -1 below 1-eps_low, +1 above 1+eps_high, else 0"),
     _c("clipped", "bool", "PPO-clip removes the gradient: (clip = -1 and A < 0) or (clip = +1 and A > 0)"),
     _c("entropy", "float32", "full-vocabulary entropy H(pi_theta(.|s_t)), nats"),
     _c("old_entropy", "float32", "full-vocabulary entropy H(pi_old(.|s_t)), nats"),
-    _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)"),
+    _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)",
+       "(entropy + 1e-8) / (old_entropy + 1e-8)"),
     _c("erc_kept", "bool", "ERC kept the gradient (rho inside its band); null without ERC"),
     _c("grad_coef", "float32", "dLoss/dlogprob of the token, aggregation weight included"),
     _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, exact from autograd"),
@@ -144,6 +146,11 @@ TABLES: dict[str, tuple[Column, ...]] = {
 
 def column_names(table: str) -> list[str]:
     return [c.name for c in TABLES[table]]
+
+
+def stored_columns(table: str) -> tuple[Column, ...]:
+    """The columns written to the files (derived ones are computed by the DuckDB views)."""
+    return tuple(c for c in TABLES[table] if c.derived is None)
 
 
 def arrow_type(dtype: str):
@@ -181,6 +188,7 @@ def schema_markdown() -> str:
         lines.append("|---|---|---|")
         for c in cols:
             dtype = "dictionary<int8, string>" if c.dtype == "dict8" else c.dtype
-            lines.append(f"| `{c.name}` | {dtype} | {c.meaning.replace('|', '/')} |")
+            meaning = c.meaning.replace("|", "/") + (" (derived in the view, not stored)" if c.derived else "")
+            lines.append(f"| `{c.name}` | {dtype} | {meaning} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

@@ -19,10 +19,8 @@ from . import stats
 from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, ZA, quadrant_slug
 
 # Float token columns shipped to the host, in pack order (float32).
-FLOAT_COLS = (
-    "prob", "logprob", "old_logprob", "ratio", "advantage",
-    "entropy", "old_entropy", "entropy_ratio", "grad_coef", "logit_grad_norm",
-)
+# (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
+FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm")
 INT_COLS = ("seq", "group", "pos", "token_id")  # int32
 # quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
 _Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT = 0b111, 3, 5, 6

@@ -3,7 +3,7 @@
 Encodings (benchmarks/writer.py measures them against pyarrow's defaults): zstd level 1;
 dictionary encoding only for low-cardinality columns (update, seq, group, quadrant, token_id,
 advantage: one value per sequence); BYTE_STREAM_SPLIT for the float columns; step and rank live in
-the Hive partition path, not in the file.
+the Hive partition path, not in the file; derived columns (schema.Column.derived) are not stored.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import QUADRANT_NAMES, SCHEMA_VERSION, TOKENS, arrow_type
+from .schema import QUADRANT_NAMES, SCHEMA_VERSION, arrow_type, stored_columns
 
 TOKEN_DICT_COLUMNS = ("update", "seq", "group", "quadrant", "token_id", "advantage")
-TOKEN_FLOAT_COLUMNS = tuple(c.name for c in TOKENS if c.dtype == "float32" and c.name != "advantage")
+TOKEN_FLOAT_COLUMNS = tuple(
+    c.name for c in stored_columns("tokens") if c.dtype == "float32" and c.name != "advantage"
+)
 _QUADRANT_DICT = pa.array([QUADRANT_NAMES[i] for i in range(len(QUADRANT_NAMES))], pa.string())
 _META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
 
@@ -40,10 +42,11 @@ def write_parquet_atomic(table: pa.Table, path: Path, *, dict_columns=(), float_
 
 
 def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
-    """The token rows of one update. Columns absent from ``arrs`` are written as nulls."""
+    """The token rows of one update: the stored columns (prob, ratio and entropy_ratio are exact
+    functions of stored ones and are derived by the views). Absent columns are written as nulls."""
     n = len(arrs["seq"])
     cols, fields = [], []
-    for c in TOKENS:
+    for c in stored_columns("tokens"):
         if c.name in ("step", "rank"):
             continue  # partition keys
         typ = arrow_type(c.dtype)
