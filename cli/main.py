@@ -1,12 +1,15 @@
 """entropylens command line. Each command parses, calls one library function, prints.
 
-Errors a user can cause (a missing path, bad SQL, a bad parameter) end with one line on stderr
-and exit code 2, never a traceback.
+Errors a user can cause (a missing path, not a run, bad SQL, an unknown analysis, a bad parameter)
+end with one line on stderr and exit code 2, never a traceback. Heavy imports (torch, duckdb,
+matplotlib) happen inside the commands, so `entropylens --help` is fast.
 """
 
 from __future__ import annotations
 
 import sys
+from enum import Enum
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -19,19 +22,65 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+PathArg = Annotated[Path, typer.Argument(help="A run directory, a directory of runs, or any directory above them.")]
+
+
+class Format(str, Enum):
+    table = "table"
+    csv = "csv"
+    json = "json"
+    parquet = "parquet"
+
 
 @app.callback()
 def _root() -> None:
     """Per-token training dynamics of GRPO-family RL: record, query, report."""
 
 
-class UserError(Exception):
-    """An error the user can fix: printed as one line, exit code 2."""
-
-
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code=2)
+
+
+def _user_errors():
+    """The exception types that are the user's to fix (printed as one line, exit 2)."""
+    from entropylens.query import QueryError
+
+    return (QueryError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def _connect(path: Path, runs: list[str] | None = None):
+    from entropylens.query import connect
+
+    try:
+        return connect(path, runs=runs or None)
+    except _user_errors() as e:
+        _fail(str(e))
+
+
+def _emit(df, fmt: Format, output: Path | None) -> None:
+    """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output)."""
+    if fmt == Format.parquet:
+        if output is None:
+            _fail("--format parquet needs --output FILE")
+        df.to_parquet(output, index=False)
+        typer.echo(f"wrote {len(df)} rows to {output}")
+        return
+    if fmt == Format.csv:
+        text = df.to_csv(index=False)
+    elif fmt == Format.json:
+        text = df.to_json(orient="records", indent=1) + "\n"
+    else:
+        import pandas as pd
+
+        with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 200,
+                               "display.float_format", lambda v: f"{v:.6g}"):
+            text = (df.to_string(index=False) if len(df) else "(no rows)") + "\n"
+    if output is not None:
+        output.write_text(text)
+        typer.echo(f"wrote {len(df)} rows to {output}")
+    else:
+        typer.echo(text, nl=False)
 
 
 @app.command()
@@ -58,12 +107,138 @@ def schema(
             typer.echo(f"  {c.name:<{width}}  {dtype:<23}  {c.meaning}")
 
 
+@app.command()
+def runs(path: PathArg) -> None:
+    """One line per run: method, steps, tokens, final entropy, final reward, status."""
+    from entropylens.query import run_analysis
+
+    con = _connect(path)
+    df = run_analysis(con, "run_summary")
+    _emit(df[["run", "method", "steps", "tokens", "final_entropy", "final_reward", "status"]], Format.table, None)
+
+
+@app.command()
+def query(
+    path: PathArg,
+    sql: Annotated[str, typer.Argument(help="SQL over the views runs, steps, sequences, tokens.")],
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+) -> None:
+    """Run SQL (DuckDB) over the runs under PATH."""
+    from entropylens.query import QueryError, run_sql
+
+    con = _connect(path, run)
+    try:
+        df = run_sql(con, sql)
+    except QueryError as e:
+        _fail(str(e))
+    _emit(df, fmt, output)
+
+
+@app.command()
+def analyses() -> None:
+    """List the named analyses (one SQL file each) with their titles and parameters."""
+    from entropylens.query import analysis_info
+
+    for name, info in analysis_info().items():
+        params = ", ".join(f"{k}={v}" for k, v in info["params"].items())
+        typer.echo(f"{name:<28} {info.get('title', '')}" + (f"  [{params}]" if params else ""))
+
+
+@app.command()
+def analyze(
+    path: PathArg,
+    name: Annotated[str, typer.Argument(help="Analysis name (see `entropylens analyses`).")],
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+    param: Annotated[Optional[list[str]], typer.Option("--param", "-p", help="k=v parameter (repeatable).")] = None,
+    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """Run a named analysis over the runs under PATH."""
+    from entropylens.query import QueryError, render_analysis, run_analysis
+
+    params = {}
+    for p in param or []:
+        k, sep, v = p.partition("=")
+        if not sep or not k:
+            _fail(f"bad parameter {p!r}: use --param name=value")
+        params[k.strip()] = v.strip()
+    try:
+        render_analysis(name, **params)  # unknown analysis / bad parameter before touching the data
+    except QueryError as e:
+        _fail(str(e))
+    con = _connect(path, run)
+    try:
+        df = run_analysis(con, name, **params)
+    except QueryError as e:
+        _fail(str(e))
+    _emit(df, fmt, output)
+
+
+@app.command()
+def report(
+    path: PathArg,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("entropylens-report"),
+) -> None:
+    """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH."""
+    from entropylens.report import write_report
+
+    _connect(path, run)  # path errors first, as one line
+    try:
+        index = write_report(path, out, runs=run or None)
+    except _user_errors() as e:
+        _fail(str(e))
+    typer.echo(f"report: {index}")
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option("--out", help="Output directory (runs/ and report/ inside).")] = Path(
+        "entropylens-demo"),
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated named runs.")] = "grpo,dapo,ce_gppo,erc_dapo",
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Training steps per run.")] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per method.")] = 1,
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds), for tests and a first look.")] = False,
+) -> None:
+    """Train the built-in toy policy under each method, record every run, write the report.
+
+    Named runs: grpo, dapo, gppo, ce_gppo (beta 0.5/1), ce_gppo_b0 (0/1), ce_gppo_switch (beta1 0 -> 0.5),
+    cispo, gspo, erc_dapo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>, dual_clip_<c>.
+    """
+    from entropylens.demo import run_demo
+    from entropylens.toy.config import config_for
+
+    names = tuple(m.strip() for m in methods.split(",") if m.strip())
+    if not names:
+        _fail("--methods is empty")
+    try:
+        for n in names:
+            config_for(n, **({"steps": steps} if steps is not None else {}))  # validate before training
+        res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick)
+    except ValueError as e:
+        _fail(str(e))
+    _emit(_summary(res.runs_dir), Format.table, None)
+    typer.echo(f"runs: {res.runs_dir}")
+    if res.report_dir:
+        typer.echo(f"report: {res.report_dir / 'index.html'}")
+
+
+def _summary(runs_dir: Path):
+    from entropylens.query import connect, run_analysis
+
+    df = run_analysis(connect(runs_dir), "run_summary")
+    return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",
+               "clip_high_frac", "erc_drop_frac"]]
+
+
 def main() -> None:
     try:
         app()
-    except UserError as e:  # pragma: no cover - commands raise it through typer
-        typer.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    except KeyboardInterrupt:  # pragma: no cover
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

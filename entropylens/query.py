@@ -22,8 +22,16 @@ class QueryError(ValueError):
     """A user-facing query problem (bad path, unknown analysis, bad parameter, bad SQL)."""
 
 
+def run_ids(dirs: list[Path], base: Path) -> list[str]:
+    """A run's id is its directory name, or its path relative to ``base`` where names collide."""
+    names = [d.name for d in dirs]
+    return [d.name if names.count(d.name) == 1 else str(d.relative_to(base)) if d != base else d.name
+            for d in dirs]
+
+
 def find_runs(path: str | Path, runs: list[str] | None = None) -> list[Path]:
-    """Run directories at or under ``path`` (a directory holding run.json), sorted by name."""
+    """Run directories at or under ``path`` (a directory holding run.json), sorted by path.
+    ``runs`` selects by run id (see :func:`run_ids`) or directory name."""
     p = Path(path)
     if not p.exists():
         raise QueryError(f"path does not exist: {p}")
@@ -34,10 +42,11 @@ def find_runs(path: str | Path, runs: list[str] | None = None) -> list[Path]:
         raise QueryError(f"no entropylens run under {p} (no run.json found)")
     if runs:
         wanted = set(runs)
-        unknown = wanted - {d.name for d in found}
+        ids = run_ids(found, p)
+        unknown = wanted - set(ids) - {d.name for d in found}
         if unknown:
-            raise QueryError(f"unknown run(s) {', '.join(sorted(unknown))}; runs here: {', '.join(d.name for d in found)}")
-        found = [d for d in found if d.name in wanted]
+            raise QueryError(f"unknown run(s) {', '.join(sorted(unknown))}; runs here: {', '.join(ids)}")
+        found = [d for d, i in zip(found, ids) if i in wanted or d.name in wanted]
     return found
 
 
@@ -50,19 +59,23 @@ def _duck_type(dtype: str) -> str:
             "float64": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR", "dict8": "VARCHAR"}[dtype]
 
 
-def _read_run_json(d: Path) -> dict:
+def _read_run_json(d: Path, run_id: str) -> dict:
     try:
         info = json.loads((d / "run.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise QueryError(f"unreadable run.json in {d}: {e}") from None
     cfg = info.get("config") or {}
     return {
-        "run": d.name,
+        "run": run_id,
         "method": info.get("method") or cfg.get("method"),
         "config": json.dumps(cfg, sort_keys=True, default=str),
         "model": info.get("model"),
         "seed": info.get("seed"),
         "world_size": info.get("world_size"),
+        "eps_low": info.get("eps_low"),
+        "eps_high": info.get("eps_high"),
+        "tau": info.get("tau"),
+        "sample": info.get("sample"),
         "status": info.get("status"),
         "started_at": info.get("started_at"),
         "heartbeat_at": info.get("heartbeat_at"),
@@ -89,8 +102,9 @@ def connect(path: str | Path, *, runs: list[str] | None = None, database: str = 
     import pandas as pd
 
     dirs = find_runs(path, runs)
+    ids = run_ids(dirs, Path(path))
     con = duckdb.connect(database)
-    info = pd.DataFrame([_read_run_json(d) for d in dirs])
+    info = pd.DataFrame([_read_run_json(d, i) for d, i in zip(dirs, ids)])
     for c in TABLES["runs"]:
         if c.name not in info:
             info[c.name] = None
@@ -101,12 +115,12 @@ def connect(path: str | Path, *, runs: list[str] | None = None, database: str = 
     con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
     for table in PARTITIONED:
         selects = []
-        for d in dirs:
+        for d, rid in zip(dirs, ids):
             if any((d / table).rglob("*.parquet")):
                 src = (f"read_parquet({_sql_str(str(d / table / '**' / '*.parquet'))}, hive_partitioning = true, "
                        "union_by_name = true, hive_types = {'step': INTEGER, 'rank': SMALLINT})")
                 have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-                selects.append(f"SELECT {_sql_str(d.name)} AS run, *{_derived_sql(table, have)} FROM {src}")
+                selects.append(f"SELECT {_sql_str(rid)} AS run, *{_derived_sql(table, have)} FROM {src}")
         if selects:
             con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no file yet: an empty view with the contract's columns
@@ -126,18 +140,16 @@ def _analysis_files() -> dict[str, str]:
 
 def parse_header(sql: str) -> dict:
     """The ``-- key: value`` lines at the top of an analysis file."""
-    head: dict[str, str] = {}
-    key = None
+    head: dict = {"notes": ""}
     for line in sql.splitlines():
         if not line.startswith("--"):
             break
         text = line[2:].strip()
-        m = re.match(r"([a-z_]+):\s*(.*)", text)
+        m = re.match(r"(title|columns|figure|params):\s*(.*)", text)
         if m:
-            key = m.group(1)
-            head[key] = m.group(2)
-        elif key and text:
-            head[key] += " " + text
+            head[m.group(1)] = m.group(2)
+        elif text:
+            head["notes"] = (head["notes"] + " " + text).strip()
     params = {}
     for item in filter(None, (s.strip() for s in head.get("params", "").split(","))):
         if item == "none":
@@ -146,6 +158,11 @@ def parse_header(sql: str) -> dict:
         params[name.strip()] = default.strip()
     head["params"] = params
     return head
+
+
+def analysis_info() -> dict[str, dict]:
+    """name -> header (title, columns, figure, params, notes), sorted by name."""
+    return {name: parse_header(sql) for name, sql in sorted(_analysis_files().items())}
 
 
 def list_analyses() -> list[tuple[str, str]]:

@@ -144,6 +144,7 @@ class Recorder:
         self._step_scalars: dict[int, dict[str, Any]] = {}
         self._seq_parts: dict[int, int] = {}
         self._pending: _Pending | None = None
+        self._loss_config: dict | None = None
         self._lgn: torch.Tensor | None = None
         self._hook = None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -222,6 +223,9 @@ class Recorder:
         b, t = m.shape
         dev = m.device
         cfg = getattr(loss, "config", {}) or {}
+        if cfg and self._loss_config is None:  # the resolved eps / method, once, into run.json
+            self._loss_config = dict(cfg)
+            self._put(("heartbeat", 0, 0, None))
         cols = tb.derive_columns(
             mask=m, advantages=advantages, logprobs=logprobs, old_logprobs=old_logprobs, entropy=entropy,
             old_entropy=old_entropy, loss_columns=getattr(loss, "columns", None),
@@ -468,7 +472,7 @@ class Recorder:
     def _run_info(self) -> dict:
         return {
             "run": self.run,
-            "method": self.config.get("method"),
+            "method": self.config.get("method") or (self._loss_config or {}).get("method"),
             "config": self.config,
             "model": self.config.get("model"),
             "seed": self.config.get("seed"),
@@ -478,7 +482,10 @@ class Recorder:
             "heartbeat_at": _now(),
             "status": self._status,
             "error": None if self._error is None else str(self._error),
-            "tau": self.tau,
+            "loss": self._loss_config,
+            "eps_low": (self._loss_config or {}).get("eps_low", self.eps_low),
+            "eps_high": (self._loss_config or {}).get("eps_high", self.eps_high),
+            "tau": (self._loss_config or {}).get("tau", self.tau),
             "sample": self.sample,
             "quadrants": QUADRANT_NAMES,
         }

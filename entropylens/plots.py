@@ -1,0 +1,260 @@
+"""One function per paper figure: a DataFrame from an analysis in, a matplotlib Figure out. No I/O.
+
+Runs are overlaid and coloured by method (seeds of one method share a colour). Each function's
+docstring names the analysis it takes and the figure it mirrors; report.py writes the files.
+"""
+
+from __future__ import annotations
+
+import math
+
+QUAD_ORDER = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")
+QUAD_COLORS = {"PA&HP": "#1f77b4", "PA&LP": "#2ca02c", "NA&HP": "#ff7f0e", "NA&LP": "#d62728", "ZA": "#7f7f7f"}
+_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
+            "#bcbd22", "#7f7f7f")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3, "font.size": 9,
+                         "axes.spines.top": False, "axes.spines.right": False})
+    return plt
+
+
+def method_colors(df) -> dict[str, str]:
+    methods = sorted(df["method"].fillna("?").unique()) if "method" in df else []
+    return {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(methods)}
+
+
+def _label(run: str, method: str) -> str:
+    return run if run.startswith(str(method)) else f"{run} ({method})"
+
+
+def _lines(ax, df, x: str, y: str, colors, *, logy=False, alpha=0.9):
+    seen = set()
+    for run, g in df.sort_values(x).groupby("run", sort=True):
+        method = str(g["method"].iloc[0])
+        label = method if method not in seen else None
+        seen.add(method)
+        ax.plot(g[x], g[y], color=colors.get(method, "k"), lw=1.4, alpha=alpha, label=label)
+    if logy:
+        ax.set_yscale("log")
+    if seen:
+        ax.legend(title="method", fontsize=8, title_fontsize=8)
+
+
+def _empty(fig, msg="no data in these runs"):
+    fig.text(0.5, 0.5, msg, ha="center", va="center", color="0.4")
+    return fig
+
+
+def _step_figure(df, y: str, ylabel: str, title: str, *, logy=False):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if df.empty or df[y].isna().all():
+        return _empty(fig)
+    _lines(ax, df.dropna(subset=[y]), "step", y, method_colors(df), logy=logy)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def entropy_vs_step(df):
+    """entropy_by_step -> policy entropy H(pi_old) per step (CE-GPPO Fig. 2, 3, 5)."""
+    return _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy")
+
+
+def reward_vs_step(df):
+    """reward_by_step -> mean reward per step (CE-GPPO Fig. 2 right, training reward)."""
+    return _step_figure(df, "reward", "mean reward (0..1)", "Reward")
+
+
+def grad_norm_vs_step(df):
+    """grad_norm_by_step -> global grad norm before clipping (CE-GPPO Fig. 4 right)."""
+    return _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm")
+
+
+def kl_vs_step(df):
+    """kl_by_step -> KL(pi_old || pi_theta), k3, log scale (CE-GPPO Fig. 4 left)."""
+    d = df[df["kl"] > 0] if not df.empty else df
+    return _step_figure(d, "kl", "KL(old || new), nats (log)", "KL to the old policy", logy=True)
+
+
+def quadrant_share(df):
+    """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0), sharey=True)
+    if df.empty:
+        return _empty(fig)
+    colors = method_colors(df)
+    for ax, q in zip(axes, QUAD_ORDER):
+        _lines(ax, df[df["quadrant"] == q], "step", "share", colors)
+        ax.set_title(q, color=QUAD_COLORS[q])
+        ax.set_xlabel("training step")
+        if ax is not axes[0] and ax.get_legend():
+            ax.get_legend().remove()
+    axes[0].set_ylabel("share of tokens")
+    fig.tight_layout()
+    return fig
+
+
+def clip_by_quadrant(df):
+    """clip_by_quadrant (overall rows) -> clip fraction by quadrant, low and high side, per method."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    d = df[df["step"].isna()] if not df.empty else df
+    if d.empty:
+        return _empty(fig)
+    d = d.groupby(["method", "quadrant"], as_index=False)[["clip_low_frac", "clip_high_frac"]].mean()
+    colors = method_colors(d)
+    methods = list(colors)
+    w = 0.8 / max(1, len(methods))
+    for ax, side, title in ((axes[0], "clip_low_frac", "low side: r < 1-eps_low, A < 0"),
+                            (axes[1], "clip_high_frac", "high side: r > 1+eps_high, A > 0")):
+        for i, m in enumerate(methods):
+            g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
+            xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
+            ax.bar(xs, g[side].fillna(0) * 100, width=w, color=colors[m], label=m)
+        ax.set_xticks(range(4), QUAD_ORDER)
+        ax.set_title(title)
+        ax.set_xlabel("quadrant")
+    axes[0].set_ylabel("tokens clipped (% of quadrant)")
+    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def ratio_vs_prob(df):
+    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with 1 -/+ eps lines
+    (CE-GPPO Fig. 1 left). One panel per run (at most 6)."""
+    plt = _plt()
+    runs = list(dict.fromkeys(df["run"])) if not df.empty else []
+    n = max(1, min(6, len(runs)))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    if not runs:
+        return _empty(fig)
+    for ax, run in zip(axes.flat, runs[:6]):
+        g = df[df["run"] == run]
+        for q in QUAD_ORDER:
+            h = g[g["quadrant"] == q]
+            ax.scatter(h["prob"], h["ratio"], s=4, alpha=0.5, color=QUAD_COLORS[q], label=q, rasterized=True)
+        lo, hi = g["eps_low"].iloc[0], g["eps_high"].iloc[0]
+        if lo == lo and lo is not None:
+            ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
+        if hi == hi and hi is not None:
+            ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
+        ax.set_title(f"{run}", fontsize=9)
+        ax.set_xlabel("sampling probability p = pi_old(a)")
+        ax.set_ylabel("importance ratio r")
+        ax.set_yscale("log")
+    for ax in list(axes.flat)[len(runs[:6]):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(markerscale=3, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def grad_share(df):
+    """grad_share_by_quadrant -> each quadrant's share of ||dLoss/dz||^2 per step; dotted: the part
+    from tokens PPO-clip would drop."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0), sharey=True)
+    if df.empty:
+        return _empty(fig, "no logit-gradient norms recorded (watch_logits)")
+    colors = method_colors(df)
+    for ax, q in zip(axes, QUAD_ORDER):
+        d = df[df["quadrant"] == q].copy()
+        _lines(ax, d, "step", "share", colors)
+        d["dropped"] = d["share"] * d["clipped_share"].fillna(0)
+        seen = set()
+        for run, g in d.sort_values("step").groupby("run"):
+            m = str(g["method"].iloc[0])
+            ax.plot(g["step"], g["dropped"], color=colors.get(m), ls=":", lw=1.1)
+            seen.add(m)
+        ax.set_title(q, color=QUAD_COLORS[q])
+        ax.set_xlabel("training step")
+        if ax is not axes[0] and ax.get_legend():
+            ax.get_legend().remove()
+    axes[0].set_ylabel("share of squared logit-grad norm")
+    fig.tight_layout()
+    return fig
+
+
+def entropy_ratio_band(df, band=(0.95, 1.05)):
+    """entropy_ratio_by_step -> median entropy ratio with its p05-p95 band and the ERC band (ERC)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if df.empty:
+        return _empty(fig)
+    colors = method_colors(df)
+    seen = set()
+    for run, g in df.sort_values("step").groupby("run"):
+        m = str(g["method"].iloc[0])
+        ax.plot(g["step"], g["p50"], color=colors[m], lw=1.3, label=None if m in seen else m)
+        ax.fill_between(g["step"], g["p05"], g["p95"], color=colors[m], alpha=0.15, lw=0)
+        seen.add(m)
+    for b in band:
+        ax.axhline(b, color="k", ls="--", lw=0.8)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("entropy ratio H(pi)/H(pi_old)")
+    ax.set_title("Entropy ratio: median and p05-p95 (dashed: ERC band)")
+    ax.legend(title="method", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def drift_by_prob(df):
+    """drift_by_prob_bin -> mean |log entropy ratio| per sampling-probability bin (ERC Sec. 3)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if df.empty:
+        return _empty(fig)
+    d = df.assign(center=(df["prob_lo"] + df["prob_hi"]) / 2)
+    d = d.groupby(["method", "center"], as_index=False)["mean_abs_log_ratio"].mean().assign(run=lambda x: x["method"])
+    _lines(ax, d, "center", "mean_abs_log_ratio", method_colors(d))
+    for x in (0.2, 0.6):
+        ax.axvline(x, color="k", ls=":", lw=0.8)
+    ax.set_xlabel("sampling probability bin (center)")
+    ax.set_ylabel("mean |log entropy ratio|")
+    ax.set_title("Global drift by sampling probability (dotted: 0.2, 0.6)")
+    fig.tight_layout()
+    return fig
+
+
+def entropy_change(df):
+    """entropy_change_by_quadrant -> measured entropy change per quadrant (relative to the run's mean)
+    next to the covariance law's predicted sign (arrows)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if df.empty:
+        return _empty(fig)
+    d = df.groupby(["method", "quadrant"], as_index=False)["relative_dh"].mean()
+    colors = method_colors(d)
+    methods = list(colors)
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
+        xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
+        ax.bar(xs, g["relative_dh"].fillna(0), width=w, color=colors[m], label=m)
+    ymax = max(1e-9, d["relative_dh"].abs().max())
+    for j, q in enumerate(QUAD_ORDER):
+        sign = -1 if q in ("PA&HP", "NA&LP") else 1
+        ax.annotate("predicted " + ("+" if sign > 0 else "-"), (j, sign * ymax * 1.05), ha="center",
+                    va="bottom" if sign > 0 else "top", fontsize=8, color="0.3")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_xticks(range(4), QUAD_ORDER)
+    ax.set_ylim(-ymax * 1.35, ymax * 1.35)
+    ax.set_xlabel("quadrant")
+    ax.set_ylabel("entropy change (nats), minus run mean")
+    ax.set_title("Measured entropy change per quadrant vs covariance law")
+    ax.legend(title="method", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,155 @@
+"""The paper-style report: analyses -> figures -> DIR/index.html, DIR/report.md and the PNGs.
+
+The HTML opens from disk (no server, no network): images are relative files, styles are inline.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plots
+from .query import connect, run_analysis
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str
+    analysis: str
+    plot: str  # function name in plots.py
+    title: str
+    caption: str
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("entropy", "entropy_by_step", "entropy_vs_step", "Entropy vs step",
+           "Mean token entropy of the rollout policy per step. Mirrors CE-GPPO Fig. 2, 3 and 5."),
+    Figure("reward", "reward_by_step", "reward_vs_step", "Reward vs step",
+           "Mean reward of the step's responses. Mirrors CE-GPPO Fig. 2 (accuracy vs step)."),
+    Figure("quadrant_share", "quadrant_share_by_step", "quadrant_share", "Quadrant shares",
+           "Share of tokens in each quadrant (advantage sign x sampling probability) per step. "
+           "Mirrors CE-GPPO Fig. 1 (the four token types)."),
+    Figure("clip_by_quadrant", "clip_by_quadrant", "clip_by_quadrant", "Clip fractions by side and quadrant",
+           "Share of each quadrant's tokens whose gradient PPO-clip removes, low and high side. "
+           "Mirrors CE-GPPO Sec. 3 / Fig. 1."),
+    Figure("ratio_vs_prob", "ratio_vs_prob", "ratio_vs_prob", "Importance ratio vs probability",
+           "Importance ratio against sampling probability, coloured by quadrant, with the 1 - eps_low and "
+           "1 + eps_high clip lines (a bounded sample). Mirrors CE-GPPO Fig. 1 left."),
+    Figure("grad_share", "grad_share_by_quadrant", "grad_share", "Gradient share by quadrant",
+           "Each quadrant's share of the squared logit-gradient norm per step; dotted: the part carried by "
+           "tokens PPO-clip would drop. Mirrors CE-GPPO Sec. 3 (gradient of clipped tokens)."),
+    Figure("entropy_ratio", "entropy_ratio_by_step", "entropy_ratio_band", "Entropy-ratio band",
+           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old), with ERC's (0.95, 1.05) band. "
+           "Mirrors ERC Sec. 3 (the entropy ratio as a global trust region)."),
+    Figure("drift_by_prob", "drift_by_prob_bin", "drift_by_prob", "Drift by probability bin",
+           "Mean |log entropy ratio| by sampling-probability bin. Mirrors ERC Sec. 3 (drift is strongest "
+           "below 0.2 and above 0.6)."),
+    Figure("grad_norm", "grad_norm_by_step", "grad_norm_vs_step", "Gradient norm vs step",
+           "Global gradient norm before clipping, mean over the step's updates. Mirrors CE-GPPO Fig. 4 right."),
+    Figure("kl", "kl_by_step", "kl_vs_step", "KL vs step",
+           "KL(pi_old || pi_theta), k3 estimator, token mean per step. Mirrors CE-GPPO Fig. 4 left."),
+    Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change", "Entropy change by quadrant",
+           "Measured entropy change per quadrant (minus the run's mean) against the covariance law's sign: "
+           "PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it. Mirrors CE-GPPO Sec. 3."),
+)
+
+SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",
+                   "clip_low_frac", "clip_high_frac", "erc_drop_frac", "hyperparameters")
+_HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "lr", "seed")
+
+
+def _hyper(row) -> str:
+    try:
+        cfg = json.loads(row["config"] or "{}")
+    except (TypeError, json.JSONDecodeError):
+        cfg = {}
+    cfg = {**cfg, "eps_low": row.get("eps_low"), "eps_high": row.get("eps_high")}
+    parts = []
+    for k in _HYPER_KEYS:
+        v = cfg.get(k)
+        if v in (None, 0, 0.0, [], ()) and k not in ("seed",):
+            continue
+        if k in ("beta1", "beta2") and cfg.get("method") not in ("ce_gppo",):
+            continue
+        parts.append(f"{k}={round(v, 4) if isinstance(v, float) else v}")
+    return ", ".join(parts)
+
+
+def summary_table(con):
+    df = run_analysis(con, "run_summary")
+    df["hyperparameters"] = [_hyper(r) for r in df.to_dict("records")]
+    return df[list(SUMMARY_COLUMNS)]
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_report(path, out_dir, *, runs: list[str] | None = None) -> Path:
+    """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
+    one PNG per figure into ``out_dir``. Returns the path of index.html."""
+    import matplotlib.pyplot as plt
+
+    con = connect(path, runs=runs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = summary_table(con)
+    rendered = []
+    for f in FIGURES:
+        df = run_analysis(con, f.analysis)
+        fig = getattr(plots, f.plot)(df)
+        png = f"{f.name}.png"
+        fig.savefig(out / png, dpi=110)
+        plt.close(fig)
+        rendered.append((f, png))
+    _write_markdown(out / "report.md", summary, rendered)
+    index = out / "index.html"
+    index.write_text(_html(summary, rendered))
+    return index
+
+
+def _write_markdown(path: Path, summary, rendered) -> None:
+    lines = ["# entropylens report", "", "## Runs", ""]
+    lines.append("| " + " | ".join(SUMMARY_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(SUMMARY_COLUMNS))
+    for row in summary.to_dict("records"):
+        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in SUMMARY_COLUMNS) + " |")
+    lines.append("")
+    for f, png in rendered:
+        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* (analysis: `{f.analysis}`)", ""]
+    path.write_text("\n".join(lines))
+
+
+def _html(summary, rendered) -> str:
+    e = html.escape
+    head = "".join(f"<th>{e(c)}</th>" for c in SUMMARY_COLUMNS)
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in SUMMARY_COLUMNS) + "</tr>"
+        for r in summary.to_dict("records")
+    )
+    figs = "".join(
+        f'<figure id="{e(f.name)}"><h2>{e(f.title)}</h2><img src="{e(png)}" alt="{e(f.title)}">'
+        f"<figcaption>{e(f.caption)} <code>entropylens analyze PATH {e(f.analysis)}</code></figcaption></figure>"
+        for f, png in rendered
+    )
+    toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, _ in rendered)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>entropylens report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }}
+table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; }}
+th {{ background: #f3f3f3; }} figure {{ margin: 2em 0; }} img {{ max-width: 100%; }}
+figcaption {{ color: #444; font-size: 14px; }} nav {{ font-size: 13px; margin: 1em 0; }}
+</style></head>
+<body><h1>entropylens report</h1>
+<nav>{toc}</nav>
+<h2>Runs</h2><table><tr>{head}</tr>{rows}</table>
+{figs}
+</body></html>
+"""

@@ -1,0 +1,131 @@
+"""One frozen config for a toy run, and the named runs (methods) the demo can select."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, replace
+
+from ..losses import AGGS, METHODS
+
+
+@dataclass(frozen=True)
+class ToyConfig:
+    # model: a Qwen2-style causal LM built from a config (no download)
+    hidden: int = 64  # width
+    layers: int = 2  # transformer blocks
+    heads: int = 4  # attention heads (2 key/value heads)
+    # warm start: supervised steps on noisy targets, so the policy starts uncertain
+    sft_steps: int = 150
+    sft_lr: float = 3e-3
+    # RL
+    steps: int = 120  # rollout steps
+    prompts: int = 16  # prompts per step
+    group: int = 8  # responses per prompt (G)
+    minibatches: int = 4  # mini-batches per epoch
+    epochs: int = 2  # passes over the rollout batch (updates per step = minibatches x epochs)
+    lr: float = 2e-3  # Adam learning rate of the RL phase
+    grad_clip: float = 1.0  # global grad-norm clip (the norm before clipping is recorded)
+    temperature: float = 1.0  # sampling temperature
+    # loss
+    method: str = "grpo"
+    eps_low: float | None = None  # None: the method's default (0.2; dapo 0.2/0.28; gspo 3e-4/4e-4)
+    eps_high: float | None = None
+    beta1: float = 0.5  # CE-GPPO low side (r < 1-eps, A < 0)
+    beta2: float = 1.0  # CE-GPPO high side (r > 1+eps, A > 0)
+    beta1_schedule: tuple[tuple[int, float], ...] = ()  # ((step, beta1), ...): from that step on
+    dual_clip: float | None = None
+    erc: tuple[float, float] | None = None  # Entropy Ratio Clipping band
+    entropy_coef: float = 0.0  # entropy bonus
+    agg: str | None = None
+    tau: float = 0.5  # HP / LP threshold on the sampling probability
+    # recording
+    sample: float = 1.0  # token-row keep fraction
+    seed: int = 0
+    name: str = ""
+
+    def validate(self) -> None:
+        """Fails before training, with the field that is wrong."""
+        if self.method not in METHODS:
+            raise ValueError(f"method: unknown {self.method!r}; valid methods: {', '.join(METHODS)}")
+        if self.agg is not None and self.agg not in AGGS:
+            raise ValueError(f"agg: unknown {self.agg!r}; valid: {', '.join(AGGS)}")
+        for k in ("hidden", "layers", "heads", "steps", "prompts", "group", "minibatches", "epochs"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.sft_steps < 0:
+            raise ValueError(f"sft_steps must be >= 0, got {self.sft_steps}")
+        if self.group < 2:
+            raise ValueError(f"group must be >= 2 (advantages are normalised within a group), got {self.group}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if (self.prompts * self.group) % self.minibatches:
+            raise ValueError(
+                f"prompts x group ({self.prompts * self.group}) must split into {self.minibatches} mini-batches"
+            )
+        if not (self.lr > 0 and self.sft_lr > 0 and self.temperature > 0):
+            raise ValueError("lr, sft_lr and temperature must be > 0")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if not 0 < self.sample <= 1:
+            raise ValueError(f"sample must be in (0, 1], got {self.sample}")
+
+    @property
+    def updates(self) -> int:
+        """Policy updates (optimizer steps) per rollout step."""
+        return self.minibatches * self.epochs
+
+    def beta1_at(self, step: int) -> float:
+        b = self.beta1
+        for s, v in sorted(self.beta1_schedule):
+            if step >= s:
+                b = v
+        return b
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Named runs: the paper's methods and baselines. Values override ToyConfig's defaults.
+RUNS: dict[str, dict] = {
+    "grpo": dict(method="grpo"),
+    "dapo": dict(method="dapo"),
+    "gppo": dict(method="gppo"),
+    "ce_gppo": dict(method="ce_gppo", beta1=0.5, beta2=1.0),
+    "ce_gppo_b0": dict(method="ce_gppo", beta1=0.0, beta2=1.0),
+    "ce_gppo_switch": dict(method="ce_gppo", beta1=0.0, beta2=1.0, beta1_schedule=((-1, 0.0), (60, 0.5))),
+    "cispo": dict(method="cispo"),
+    "gspo": dict(method="gspo"),
+    "erc_dapo": dict(method="dapo", erc=(0.95, 1.05)),
+    "erc_gppo": dict(method="gppo", erc=(0.95, 1.05)),
+}
+_PATTERNS = (
+    (re.compile(r"entropy_bonus_([0-9.]+)"), lambda m: dict(method="grpo", entropy_coef=float(m.group(1)))),
+    (re.compile(r"ce_gppo_([0-9.]+)_([0-9.]+)"), lambda m: dict(method="ce_gppo", beta1=float(m.group(1)),
+                                                               beta2=float(m.group(2)))),
+    (re.compile(r"dual_clip_([0-9.]+)"), lambda m: dict(method="grpo", dual_clip=float(m.group(1)))),
+)
+DEMO_DEFAULT = ("grpo", "dapo", "ce_gppo", "erc_dapo")
+
+
+def run_names() -> list[str]:
+    return [*RUNS, "entropy_bonus_<coef>", "ce_gppo_<beta1>_<beta2>", "dual_clip_<c>"]
+
+
+def config_for(name: str, **overrides) -> ToyConfig:
+    """The config of a named run, e.g. 'grpo', 'ce_gppo', 'entropy_bonus_0.003', 'ce_gppo_0.75_1'."""
+    if name in RUNS:
+        preset = RUNS[name]
+    else:
+        for pat, make in _PATTERNS:
+            m = pat.fullmatch(name)
+            if m:
+                preset = make(m)
+                break
+        else:
+            raise ValueError(f"unknown run {name!r}; known: {', '.join(run_names())}")
+    cfg = replace(ToyConfig(), **{**preset, **overrides}, name=name)
+    cfg.validate()
+    return cfg
+
+
+__all__ = ["ToyConfig", "RUNS", "DEMO_DEFAULT", "config_for", "run_names", "field"]

@@ -1,0 +1,146 @@
+"""The toy GRPO-family loop, recorded by entropylens. Reads top to bottom like nanoGPT's train.py.
+
+Per step: prompts x G samples at temperature T -> rewards -> group-normalised advantages ->
+one no-grad pass of the old policy (log-probs and full-vocabulary entropy) -> ``updates``
+mini-batch policy updates with ``policy_loss`` (any method, ERC, entropy bonus, dual-clip, a beta1
+schedule), each recorded with exact logit-gradient norms (watch_logits), the global grad norm
+before clipping and the lr; then the step's sequences and reward.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import Recorder
+from ..losses import policy_loss
+from ..stats import logprobs_and_entropy
+from . import task
+from .config import ToyConfig
+from .model import build_model, response_logits, sample
+
+_WARM_CACHE: dict[tuple, dict] = {}
+
+
+@dataclass
+class RunResult:
+    run: str
+    path: Path
+    rewards: list[float]
+    entropies: list[float]
+    seconds: float
+
+
+def warm_start(cfg: ToyConfig):
+    """Model after ``sft_steps`` of supervised training on noisy targets. Deterministic per
+    (seed, model shape, sft settings); cached in-process so several runs share the same start."""
+    key = (cfg.seed, cfg.hidden, cfg.layers, cfg.heads, cfg.sft_steps, cfg.sft_lr)
+    model = build_model(cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
+    if key in _WARM_CACHE:
+        model.load_state_dict(_WARM_CACHE[key])
+        return model
+    gen = torch.Generator().manual_seed(10_000 + cfg.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
+    p_len = task.PROMPT_LEN + 2
+    for _ in range(cfg.sft_steps):
+        prompts = task.make_prompts(64, gen)
+        y = task.noisy_targets(prompts, gen)  # [64, T]
+        logits = response_logits(model, torch.cat([prompts, y], dim=1), p_len)  # [64, T, V]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, task.VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    _WARM_CACHE[key] = copy.deepcopy(model.state_dict())
+    return model
+
+
+def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """GRPO: A = (r - mean_group) / (std_group + 1e-6); a group with one reward value gets A = 0."""
+    r = rewards.view(-1, group)
+    a = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-6)
+    return a.reshape(-1)
+
+
+def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
+          on_step: Callable[[int, float, float], None] | None = None, record: bool = True) -> RunResult:
+    """Train the toy policy with ``cfg`` and record the run under ``out_dir/<run>``."""
+    cfg.validate()
+    run = run or f"{cfg.name or cfg.method}-s{cfg.seed}"
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model = warm_start(cfg)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    p_len = task.PROMPT_LEN + 2
+    n = cfg.prompts * cfg.group
+    mb = n // cfg.minibatches
+    loss_kw = dict(method=cfg.method, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta2=cfg.beta2,
+                   dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef, tau=cfg.tau)
+    # `method` names the training recipe (e.g. erc_dapo); the loss itself is in run.json's `loss`
+    config = {**cfg.to_dict(), "method": cfg.name or cfg.method, "loss_method": cfg.method,
+              "model": "toy-qwen2", "task": "shifted-lookup"}
+    rewards_hist, ent_hist = [], []
+    rec = Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample) if record else None
+    try:
+        for step in range(cfg.steps):
+            # 1. rollout: prompts x G samples at temperature T, verifiable rewards
+            prompts = task.make_prompts(cfg.prompts, gen).repeat_interleave(cfg.group, dim=0)  # [n, P]
+            model.eval()
+            resp = sample(model, prompts, task.RESPONSE_LEN, gen, cfg.temperature)  # [n, T]
+            rewards = task.reward(prompts, resp)  # [n]
+            adv = group_advantages(rewards, cfg.group)  # [n]
+            seqs = torch.cat([prompts, resp], dim=1)  # [n, P + T]
+            mask = torch.ones_like(resp, dtype=torch.bool)  # fixed-length responses
+            # 2. the old policy: log-probs and full-vocabulary entropies, no grad
+            with torch.no_grad():
+                old_lp, old_h = logprobs_and_entropy(response_logits(model, seqs, p_len), resp,
+                                                     temperature=cfg.temperature)  # [n, T] each
+            model.train()
+            # 3. mini-batch policy updates: `epochs` passes, each over a fresh permutation
+            beta1 = cfg.beta1_at(step)
+            order = [torch.randperm(n, generator=gen) for _ in range(cfg.epochs)]
+            for u in range(cfg.updates):
+                perm = order[u // cfg.minibatches]
+                k = u % cfg.minibatches
+                idx = perm[k * mb : (k + 1) * mb]
+                logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
+                if rec:
+                    rec.watch_logits(logits)
+                lp, h = logprobs_and_entropy(logits, resp[idx], temperature=cfg.temperature,
+                                             entropy_grad=cfg.entropy_coef > 0)
+                out = policy_loss(lp, old_lp[idx], adv[idx], mask[idx], beta1=beta1, entropy=h,
+                                  old_entropy=old_h[idx], **loss_kw)
+                if rec:
+                    rec.record_update(step, u, mask=mask[idx], advantages=adv[idx], logprobs=lp,
+                                      old_logprobs=old_lp[idx], entropy=h, old_entropy=old_h[idx],
+                                      tokens=resp[idx], seq_ids=idx, group_ids=idx // cfg.group, loss=out)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                if rec:
+                    rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr, beta1=beta1)
+            # 4. the step's sequences and scalars
+            r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
+            if rec:
+                rec.record_sequences(step, seq_ids=torch.arange(n), rewards=rewards, advantages=adv,
+                                     lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group)
+                rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
+            rewards_hist.append(r_mean)
+            ent_hist.append(h_mean)
+            if on_step:
+                on_step(step, r_mean, h_mean)
+    except BaseException:
+        if rec:
+            rec.close(status="failed", _raise=False)
+        raise
+    if rec:
+        rec.close()
+    path = Path(out_dir) / run
+    return RunResult(run, path, rewards_hist, ent_hist, time.perf_counter() - t0)
