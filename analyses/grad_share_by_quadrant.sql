@@ -13,7 +13,7 @@ SELECT
     sum(t.logit_grad_norm * t.logit_grad_norm) AS grad_sq,
     sum(t.logit_grad_norm * t.logit_grad_norm)
         / nullif(sum(sum(t.logit_grad_norm * t.logit_grad_norm)) OVER (PARTITION BY t.run, t.step), 0) AS share,
-    sum(t.logit_grad_norm * t.logit_grad_norm) FILTER (WHERE t.clipped)
+    coalesce(sum(t.logit_grad_norm * t.logit_grad_norm) FILTER (WHERE t.clipped), 0)
         / nullif(sum(t.logit_grad_norm * t.logit_grad_norm), 0) AS clipped_share
 FROM tokens AS t
 JOIN runs AS r USING (run)

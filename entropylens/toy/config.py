@@ -23,7 +23,7 @@ class ToyConfig:
     group: int = 8  # responses per prompt (G)
     minibatches: int = 4  # mini-batches per epoch
     epochs: int = 2  # passes over the rollout batch (updates per step = minibatches x epochs)
-    lr: float = 2e-3  # Adam learning rate of the RL phase
+    lr: float = 7e-4  # Adam learning rate of the RL phase
     grad_clip: float = 1.0  # global grad-norm clip (the norm before clipping is recorded)
     temperature: float = 1.0  # sampling temperature
     # loss

@@ -1,0 +1,158 @@
+"""Every analysis on hand-built runs whose answers are known by construction (tests/fixture_runs.py)."""
+
+import math
+
+import pytest
+
+from entropylens.query import QueryError, analysis_info, connect, list_analyses, run_analysis
+from fixture_runs import MEAN_ABS_LOG, build
+
+
+@pytest.fixture(scope="module")
+def con(tmp_path_factory):
+    return connect(build(tmp_path_factory.mktemp("fixture")))
+
+
+def rows(df, **where):
+    for k, v in where.items():
+        df = df[df[k].isna()] if v is None else df[df[k] == v]
+    return df
+
+
+def one(df, col, **where):
+    r = rows(df, **where)
+    assert len(r) == 1, (where, r)
+    return r[col].iloc[0]
+
+
+def test_every_sql_file_has_a_header_and_is_tested():
+    info = analysis_info()
+    tested = {n[len("test_"):] for n in globals() if n.startswith("test_")}
+    for name, head in info.items():
+        assert head.get("title") and head.get("columns") and head.get("figure") and "params" in head, name
+        assert name in tested, f"analysis {name} has no test"
+    assert [n for n, _ in list_analyses()] == sorted(info)
+
+
+def test_entropy_by_step(con):
+    df = run_analysis(con, "entropy_by_step")
+    assert one(df, "old_entropy", run="a", step=0) == pytest.approx(1.75)  # (10*1 + 30*2) / 40
+    assert one(df, "tokens", run="a", step=0) == 40
+    assert one(df, "old_entropy", run="a", step=1) == pytest.approx(1.0)
+    assert list(df.columns) == ["run", "method", "step", "entropy", "old_entropy", "tokens"]
+
+
+def test_quadrant_share_by_step(con):
+    df = run_analysis(con, "quadrant_share_by_step")
+    # step 0 of run a: two update rows, each 1 token per quadrant, n_tokens 10 + 30 -> 2 / 40
+    assert one(df, "tokens", run="a", step=0, quadrant="PA&LP") == 2
+    assert one(df, "share", run="a", step=0, quadrant="PA&LP") == pytest.approx(2 / 40)
+    assert one(df, "share", run="a", step=0, quadrant="ZA") == 0
+
+
+def test_clip_by_quadrant(con):
+    df = run_analysis(con, "clip_by_quadrant")
+    assert one(df, "clip_high_frac", run="a", step=None, quadrant="PA&LP") == 1.0
+    assert one(df, "tokens", run="a", step=None, quadrant="PA&LP") == 3
+    assert one(df, "clip_low_frac", run="a", step=None, quadrant="NA&LP") == 1.0
+    assert one(df, "clipped_frac", run="a", step=None, quadrant="PA&HP") == 0.0
+    assert one(df, "tokens", run="a", step=0, quadrant="NA&HP") == 2
+    assert one(df, "tokens", run="b", step=None, quadrant="NA&HP") == 1
+
+
+def test_ratio_vs_prob(con):
+    df = run_analysis(con, "ratio_vs_prob", points=2)
+    assert len(rows(df, run="a")) == 2 and len(rows(df, run="b")) == 2
+    assert set(df["eps_low"]) == {0.2}
+    full = run_analysis(con, "ratio_vs_prob")
+    assert len(full) == 12 + 4
+    t1 = full[(full["prob"].round(4) == 0.15) & (full["quadrant"] == "PA&LP")]
+    assert t1["ratio"].round(5).unique().tolist() == [1.5] and t1["clipped"].all()
+
+
+def test_clipped_prob_distribution(con):
+    df = run_analysis(con, "clipped_prob_distribution")
+    # run a: clipped high = t1 x3 (p 0.15 -> bin 1), clipped low = t2 x3 (p 0.12 -> bin 1)
+    assert one(df, "tokens", run="a", side="high", bin=1) == 3
+    assert one(df, "share", run="a", side="low", bin=1) == 1.0
+    assert one(df, "lp_share", run="a", side="low", bin=1) == 1.0
+    df5 = run_analysis(con, "clipped_prob_distribution", bins=5)
+    assert one(df5, "prob_hi", run="a", side="high", bin=0) == pytest.approx(0.2)
+
+
+def test_grad_share_by_quadrant(con):
+    df = run_analysis(con, "grad_share_by_quadrant")
+    # step 0 of run a: grad_sq PA&HP 1+1, PA&LP 4+4, NA&LP 9+9, NA&HP 1+1 -> total 30
+    assert one(df, "grad_sq", run="a", step=0, quadrant="NA&LP") == pytest.approx(18)
+    assert one(df, "share", run="a", step=0, quadrant="PA&LP") == pytest.approx(8 / 30)
+    assert one(df, "clipped_share", run="a", step=0, quadrant="PA&LP") == 1.0
+    assert one(df, "clipped_share", run="a", step=0, quadrant="PA&HP") == 0.0
+
+
+def test_entropy_ratio_by_step(con):
+    df = run_analysis(con, "entropy_ratio_by_step")
+    # step 0 of run a: rho = 1, 1.2, 0.9, 1 (u0) and 0.8, 1.5, 0.7, 1.2 (u1): 6 of 8 outside (0.95, 1.05)
+    assert one(df, "outside_band", run="a", step=0) == pytest.approx(0.75)
+    assert one(df, "p50", run="a", step=0) == pytest.approx(1.0)
+    wide = run_analysis(con, "entropy_ratio_by_step", band_low=0.6, band_high=1.6)
+    assert one(wide, "outside_band", run="a", step=0) == 0.0
+
+
+def test_drift_by_prob_bin(con):
+    df = run_analysis(con, "drift_by_prob_bin")
+    for b, expected in MEAN_ABS_LOG.items():
+        assert one(df, "mean_abs_log_ratio", run="a", bin=b) == pytest.approx(expected, rel=1e-5)
+    assert one(df, "tokens", run="a", bin=1) == 6
+
+
+def test_grad_norm_by_step(con):
+    df = run_analysis(con, "grad_norm_by_step")
+    assert one(df, "grad_norm", run="a", step=0) == pytest.approx(3.0)  # mean of 2 and 4
+    assert one(df, "grad_norm_max", run="a", step=0) == pytest.approx(4.0)
+
+
+def test_kl_by_step(con):
+    df = run_analysis(con, "kl_by_step")
+    assert one(df, "kl", run="a", step=0) == pytest.approx((10 * 0.01 + 30 * 0.03) / 40)
+
+
+def test_reward_by_step(con):
+    df = run_analysis(con, "reward_by_step")
+    assert one(df, "reward", run="a", step=0) == pytest.approx(0.5)
+    assert one(df, "reward", run="a", step=1) == pytest.approx((0.25 + 0.85) / 2)
+    assert one(df, "sequences", run="b", step=0) == 2
+
+
+def test_entropy_change_by_quadrant(con):
+    df = run_analysis(con, "entropy_change_by_quadrant")
+    # run a, step 0: next-update dH = t0 -0.1, t1 +0.3, t2 -0.2, t3 +0.4; mean 0.1
+    assert one(df, "mean_dh", run="a", quadrant="PA&HP") == pytest.approx(-0.1, abs=1e-6)
+    assert one(df, "relative_dh", run="a", quadrant="NA&HP") == pytest.approx(0.3, abs=1e-6)
+    assert one(df, "tokens", run="a", quadrant="PA&LP") == 1
+    assert rows(df, run="a")["agrees"].all()
+    assert one(df, "predicted_sign", run="a", quadrant="NA&LP") == -1
+    # run b sees each token once, at update 0 only: no drift to measure
+    assert rows(df, run="b").empty
+
+
+def test_run_summary(con):
+    df = run_analysis(con, "run_summary")
+    assert one(df, "steps", run="a") == 2
+    assert one(df, "final_entropy", run="a") == pytest.approx(1.0)  # step 1
+    assert one(df, "min_entropy", run="a") == pytest.approx(1.0)
+    assert one(df, "clip_low_frac", run="a") == pytest.approx(0.25)
+    assert one(df, "method", run="b") == "ce_gppo"
+
+
+def test_errors(con, tmp_path):
+    with pytest.raises(QueryError, match="unknown analysis 'nope'"):
+        run_analysis(con, "nope")
+    with pytest.raises(QueryError, match="has no parameter zz"):
+        run_analysis(con, "drift_by_prob_bin", zz=1)
+    with pytest.raises(QueryError, match="not a number"):
+        run_analysis(con, "drift_by_prob_bin", bins="1; DROP TABLE x")
+    with pytest.raises(QueryError, match="path does not exist"):
+        connect(tmp_path / "missing")
+    with pytest.raises(QueryError, match="no entropylens run"):
+        connect(tmp_path)
+    assert math.isfinite(run_analysis(con, "kl_by_step")["kl"].sum())
