@@ -145,6 +145,7 @@ class Recorder:
         self._seq_parts: dict[int, int] = {}
         self._pending: _Pending | None = None
         self._loss_config: dict | None = None
+        self.last_aggregates: dict[str, float] | None = None  # exact aggregates of the last finalised update
         self._lgn: torch.Tensor | None = None
         self._hook = None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
@@ -175,6 +176,7 @@ class Recorder:
         float32 reduction over V on the device) for the next recorded update. The hook removes
         itself after firing; an unfired hook is removed when the update is finalised."""
         self._check_alive()
+        self._finalize_pending()  # the previous update's backward is done: its hook has fired
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
             raise ValueError(f"watch_logits: logits must be [B, T, V], got {getattr(logits, 'shape', type(logits))}")
         if not logits.requires_grad:
@@ -339,6 +341,27 @@ class Recorder:
             err, self._error = self._error, None
             raise RecorderError(f"the Parquet writer failed: {err}") from err
 
+    def step_summary(self, step: int) -> dict[str, float]:
+        """Token-weighted means of the exact aggregates over the updates of ``step`` recorded so far
+        (n_* counts summed); empty once the step has been written. For trainer logs."""
+        self._finalize_pending()
+        rows = [r for (s, _), r in self._step_rows.items() if s == step and "n_tokens" in r]
+        n = sum(r["n_tokens"] for r in rows)
+        out: dict[str, float] = {"n_tokens": float(n)}
+        if not rows or n == 0:
+            return out
+        for k in tb.AGG_NAMES:
+            if k == "n_tokens":
+                continue
+            if k.startswith("n_"):
+                out[k] = float(sum(r[k] for r in rows))
+                continue
+            vals = [(r[k], r["n_tokens"]) for r in rows if r.get(k) == r.get(k) and r.get(k) is not None]
+            w = sum(t for _, t in vals)
+            if w:
+                out[k] = sum(v * t for v, t in vals) / w
+        return out
+
     @property
     def has_hook(self) -> bool:
         return self._hook is not None
@@ -426,7 +449,8 @@ class Recorder:
         body = np.concatenate([host[: 2 * n_aggs], host[2 * (n_aggs + len(p.finite_names)) :]])
         agg_vals, arrs = tb.unpack(body, fnames, k, "erc_kept" in cols)
         row = self._step_rows.setdefault((p.step, p.update), {})
-        for name, v in zip(tb.AGG_NAMES, agg_vals.tolist()):
+        self.last_aggregates = dict(zip(tb.AGG_NAMES, agg_vals.tolist()))
+        for name, v in self.last_aggregates.items():
             row.setdefault(name, v)
         arrs["update"] = np.full(k, p.update, np.int16)
         self._put(("tokens", p.step, p.update, arrs))

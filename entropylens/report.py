@@ -69,9 +69,11 @@ def _hyper(row) -> str:
     parts = []
     for k in _HYPER_KEYS:
         v = cfg.get(k)
+        if isinstance(v, float) and v != v:
+            continue
         if v in (None, 0, 0.0, [], ()) and k not in ("seed",):
             continue
-        if k in ("beta1", "beta2") and cfg.get("method") not in ("ce_gppo",):
+        if k in ("beta1", "beta2") and (cfg.get("loss_method") or cfg.get("method")) != "ce_gppo":
             continue
         parts.append(f"{k}={round(v, 4) if isinstance(v, float) else v}")
     return ", ".join(parts)
@@ -86,6 +88,8 @@ def summary_table(con):
 def _fmt(v) -> str:
     if v is None or (isinstance(v, float) and v != v):
         return "-"
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
+        return str(int(v))
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)

@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 
 from .. import Recorder
-from ..losses import policy_loss
-from ..stats import logprobs_and_entropy
+from ..integrations.torch import old_policy_pass, policy_update
 from . import task
 from .config import ToyConfig
 from .model import build_model, response_logits, sample
@@ -99,8 +98,8 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
             mask = torch.ones_like(resp, dtype=torch.bool)  # fixed-length responses
             # 2. the old policy: log-probs and full-vocabulary entropies, no grad
             with torch.no_grad():
-                old_lp, old_h = logprobs_and_entropy(response_logits(model, seqs, p_len), resp,
-                                                     temperature=cfg.temperature)  # [n, T] each
+                old_lp, old_h = old_policy_pass(response_logits(model, seqs, p_len), resp,
+                                                temperature=cfg.temperature)  # [n, T] each
             model.train()
             # 3. mini-batch policy updates: `epochs` passes, each over a fresh permutation
             beta1 = cfg.beta1_at(step)
@@ -110,16 +109,9 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
                 k = u % cfg.minibatches
                 idx = perm[k * mb : (k + 1) * mb]
                 logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
-                if rec:
-                    rec.watch_logits(logits)
-                lp, h = logprobs_and_entropy(logits, resp[idx], temperature=cfg.temperature,
-                                             entropy_grad=cfg.entropy_coef > 0)
-                out = policy_loss(lp, old_lp[idx], adv[idx], mask[idx], beta1=beta1, entropy=h,
-                                  old_entropy=old_h[idx], **loss_kw)
-                if rec:
-                    rec.record_update(step, u, mask=mask[idx], advantages=adv[idx], logprobs=lp,
-                                      old_logprobs=old_lp[idx], entropy=h, old_entropy=old_h[idx],
-                                      tokens=resp[idx], seq_ids=idx, group_ids=idx // cfg.group, loss=out)
+                out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
+                                    old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
+                                    group_ids=idx // cfg.group, beta1=beta1, **loss_kw)
                 opt.zero_grad(set_to_none=True)
                 out.loss.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

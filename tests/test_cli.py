@@ -1,0 +1,95 @@
+"""Every CLI command's output and exit code on the hand-built fixture runs, and every error case."""
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from entropylens.cli.main import app
+from fixture_runs import build
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("cli"))
+
+
+def ok(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def err(*args):
+    res = runner.invoke(app, [str(a) for a in args])
+    assert res.exit_code == 2, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+def test_help_everywhere():
+    out = ok("--help")
+    for cmd in ("schema", "runs", "query", "analyses", "analyze", "report", "demo"):
+        assert cmd in out
+        assert "Usage" in ok(cmd, "--help")
+
+
+def test_runs(runs):
+    out = ok("runs", runs)
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["run", "method", "steps", "tokens", "final_entropy", "final_reward", "status"]
+    assert lines[1].split()[:3] == ["a", "grpo", "2"] and "finished" in lines[1]
+    assert lines[2].split()[:3] == ["b", "ce_gppo", "1"]
+    assert ok("runs", runs / "a").strip().splitlines()[1].split()[0] == "a"  # a run directory itself
+
+
+def test_query_formats(runs, tmp_path):
+    sql = "SELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
+    assert ok("query", runs, sql).split() == ["run", "n", "a", "12", "b", "4"]
+    assert ok("query", runs, sql, "--format", "csv") == "run,n\na,12\nb,4\n"
+    assert json.loads(ok("query", runs, sql, "--format", "json")) == [{"run": "a", "n": 12}, {"run": "b", "n": 4}]
+    out = tmp_path / "q.parquet"
+    assert "wrote 2 rows" in ok("query", runs, sql, "--format", "parquet", "--output", out)
+    assert pd.read_parquet(out)["n"].tolist() == [12, 4]
+    assert ok("query", runs, sql, "--run", "b").split() == ["run", "n", "b", "4"]
+
+
+def test_analyses_and_analyze(runs):
+    out = ok("analyses")
+    assert "drift_by_prob_bin" in out and "[bins=10]" in out
+    res = ok("analyze", runs, "kl_by_step", "--run", "a", "--format", "csv")
+    assert res.splitlines()[0] == "run,method,step,kl"
+    run_, method, step, kl = res.splitlines()[1].split(",")
+    assert (run_, method, step) == ("a", "grpo", "0")
+    assert float(kl) == pytest.approx(0.025)  # (10 * 0.01 + 30 * 0.03) / 40 (float32 storage)
+    res = ok("analyze", runs, "entropy_ratio_by_step", "-p", "band_low=0.6", "-p", "band_high=1.6", "-f", "json")
+    assert all(r["outside_band"] == 0 for r in json.loads(res))
+
+
+def test_report_command(runs, tmp_path):
+    out = ok("report", runs, "--out", tmp_path / "rep")
+    assert "index.html" in out
+    assert (tmp_path / "rep" / "index.html").exists() and (tmp_path / "rep" / "report.md").exists()
+    assert len(list((tmp_path / "rep").glob("*.png"))) == 11
+
+
+def test_errors_are_one_line_exit_2(runs, tmp_path):
+    assert "path does not exist" in err("runs", tmp_path / "missing")
+    assert "no entropylens run" in err("runs", tmp_path)
+    assert "no entropylens run" in err("query", tmp_path, "SELECT 1")
+    assert "SQL error" in err("query", runs, "SELEC nonsense")
+    assert "SQL error" in err("query", runs, "SELECT missing_column FROM tokens")
+    assert "unknown analysis 'nope'" in err("analyze", runs, "nope")
+    assert "not a number" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=ten")
+    assert "has no parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "width=3")
+    assert "bad parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins")
+    assert "unknown run" in err("query", runs, "SELECT 1", "--run", "zz")
+    assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
+    assert "no entropylens run" in err("report", tmp_path)
+    assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
+    assert "unknown table" in err("schema", "nope")

@@ -1,0 +1,86 @@
+"""Real trainers: the plain-PyTorch example and TRL's GRPOTrainer (tiny Qwen2, local tokenizer, CPU)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from entropylens.query import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+
+def check_consistent(con, tau=0.5):
+    t = con.execute("SELECT * FROM tokens").df()
+    assert len(t) > 0
+    np.testing.assert_allclose(t["ratio"], np.exp(t["logprob"] - t["old_logprob"]), rtol=1e-5)
+    assert (t["entropy"] >= 0).all() and (t["old_entropy"] >= 0).all()
+    np.testing.assert_allclose(t["entropy_ratio"], (t["entropy"] + 1e-8) / (t["old_entropy"] + 1e-8), rtol=1e-5)
+    a, p = t["advantage"].to_numpy(), t["prob"].to_numpy()
+    quad = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= tau, "PA&HP", "PA&LP"),
+                                          np.where(p >= tau, "NA&HP", "NA&LP")))
+    assert (t["quadrant"].to_numpy() == quad).all()
+    assert t["logit_grad_norm"].notna().all()
+    return t
+
+
+def test_torch_loop_example(tmp_path):
+    import torch_loop
+
+    run_dir = torch_loop.main(["--out", str(tmp_path), "--steps", "3"])
+    con = connect(run_dir)
+    check_consistent(con)
+    assert con.execute("SELECT count(DISTINCT step), count(*) FROM steps").fetchone() == (3, 12)
+    assert con.execute("SELECT count(*) FROM steps WHERE grad_norm IS NULL").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM sequences").fetchone()[0] == 3 * 64
+
+
+def test_trl_grpo_trainer_records_every_step(tmp_path):
+    import trl_grpo
+
+    trainer = trl_grpo.main(["--out", str(tmp_path), "--steps", "3", "--run", "trl"])
+    con = connect(tmp_path / "trl")
+    t = check_consistent(con)
+    assert sorted(t["step"].unique().tolist()) == [0, 1, 2]
+    assert con.execute("SELECT count(*) FROM steps WHERE grad_norm IS NULL OR lr IS NULL").fetchone()[0] == 0
+    # num_iterations = 2: the old policy differs from the new one on the reused batch
+    assert (t["ratio"] - 1).abs().max() > 1e-4
+    assert (t["entropy_ratio"] - 1).abs().max() > 1e-5
+    # sequences join the tokens by run-unique seq ids
+    joined = con.execute("""SELECT count(*) FROM tokens t JOIN sequences s USING (run, seq)""").fetchone()[0]
+    assert joined == len(t)
+    assert con.execute("SELECT status, method FROM runs").fetchall() == [("finished", "trl-dapo")]  # TRL 1.16 defaults to loss_type="dapo"
+    logged = [h for h in trainer.state.log_history if "entropylens/entropy_ratio_p50" in h]
+    assert logged and "entropylens/share_pa_lp" in logged[0]
+
+
+def test_trl_with_ce_gppo_and_erc_trains(tmp_path):
+    import trl_grpo
+
+    trainer = trl_grpo.make_trainer(str(tmp_path), loss="ce_gppo", steps=3, run="ce")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    changed = sum(not torch.equal(a, b.detach()) for a, b in zip(before, trainer.model.parameters()))
+    assert changed > 0
+    con = connect(tmp_path / "ce")
+    t = check_consistent(con)
+    assert t["erc_kept"].notna().all()
+    np.testing.assert_array_equal(t["erc_kept"], (t["entropy_ratio"] > 0.95) & (t["entropy_ratio"] < 1.05))
+    assert t["grad_coef"].notna().all()
+    cfg = con.execute("SELECT method, eps_low, eps_high FROM runs").fetchone()
+    assert cfg == ("ce_gppo", 0.2, 0.2)
+
+
+def test_trl_version_check():
+    from entropylens.integrations.trl import check_trl_version
+
+    with pytest.raises(RuntimeError, match="supports TRL 1.16.x; found 0.19.1"):
+        check_trl_version("0.19.1")
+    assert check_trl_version("1.16.3") == "1.16.3"
+    with pytest.raises(ValueError, match="erc needs loss"):
+        import trl_grpo
+        from entropylens.integrations.trl import EntropyLensGRPOTrainer
+
+        EntropyLensGRPOTrainer(model=None, reward_funcs=trl_grpo.digit_reward, erc=(0.95, 1.05))
