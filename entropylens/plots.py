@@ -203,8 +203,9 @@ def entropy_ratio_band(df, band=(0.95, 1.05)):
         seen.add(m)
     for b in band:
         ax.axhline(b, color="k", ls="--", lw=0.8)
+    ax.set_yscale("log")
     ax.set_xlabel("training step")
-    ax.set_ylabel("entropy ratio H(pi)/H(pi_old)")
+    ax.set_ylabel("entropy ratio H(pi)/H(pi_old) (log)")
     ax.set_title("Entropy ratio: median and p05-p95 (dashed: ERC band)")
     ax.legend(title="method", fontsize=8, title_fontsize=8)
     fig.tight_layout()

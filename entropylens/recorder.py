@@ -98,6 +98,7 @@ class Recorder:
         queue_size: int = 16,
         on_error: str = "raise",
         heartbeat_s: float = 10.0,
+        rows_per_file: int = 262_144,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -144,6 +145,9 @@ class Recorder:
         self._step_scalars: dict[int, dict[str, Any]] = {}
         self._seq_parts: dict[int, int] = {}
         self._pending: _Pending | None = None
+        self._rows_per_file = max(1, int(rows_per_file))
+        self._tok_buf: list[tuple[int, dict]] = []  # (update, host arrays) of the current step
+        self._tok_step = -1
         self._loss_config: dict | None = None
         self.last_aggregates: dict[str, float] | None = None  # exact aggregates of the last finalised update
         self._lgn: torch.Tensor | None = None
@@ -249,7 +253,8 @@ class Recorder:
             finite_inputs["entropy"] = entropy
         if old_entropy is not None:
             finite_inputs["old_entropy"] = old_entropy
-        finite = torch.stack([(torch.isfinite(x.detach()) | ~m).all() for x in finite_inputs.values()])
+        stacked = torch.stack([x.detach().float().reshape(m.shape) for x in finite_inputs.values()])  # [k, B, T]
+        finite = (torch.isfinite(stacked) | ~m).flatten(1).all(dim=1)  # [k]
         loss_value = getattr(loss, "loss", None)
         self._pending = _Pending(step, update, cols, m, ints, sel, loss_value, finite, list(finite_inputs))
         if self._hook is None and self._lgn is None:
@@ -453,9 +458,32 @@ class Recorder:
         for name, v in self.last_aggregates.items():
             row.setdefault(name, v)
         arrs["update"] = np.full(k, p.update, np.int16)
-        self._put(("tokens", p.step, p.update, arrs))
+        self._buffer_tokens(p.step, p.update, arrs)
+
+    def _buffer_tokens(self, step: int, update: int, arrs: dict) -> None:
+        """Small updates share a file: rows are buffered until ``rows_per_file`` or the step's end
+        (one file per update at scale; a handful of files per step for small batches)."""
+        if self._tok_buf and self._tok_step != step:
+            self._flush_tokens()
+        self._tok_step = step
+        self._tok_buf.append((update, arrs))
+        if sum(len(a["seq"]) for _, a in self._tok_buf) >= self._rows_per_file:
+            self._flush_tokens()
+
+    def _flush_tokens(self) -> None:
+        if not self._tok_buf:
+            return
+        buf, self._tok_buf = self._tok_buf, []
+        updates = (buf[0][0], buf[-1][0])
+        if len(buf) == 1:
+            arrs = buf[0][1]
+        else:
+            arrs = {k: np.concatenate([a[k] for _, a in buf]) for k in buf[0][1]}
+        self._put(("tokens", self._tok_step, updates, arrs))
 
     def _flush_steps(self, upto: int | None) -> None:
+        if self._tok_buf and (upto is None or self._tok_step <= upto):
+            self._flush_tokens()  # token files of a step always precede its steps file
         keys = sorted({s for s, _ in self._step_rows} | set(self._step_scalars))
         for s in keys:
             if upto is not None and s > upto:

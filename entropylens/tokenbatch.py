@@ -56,10 +56,14 @@ def derive_columns(
     adv = advantages.detach().float()
     if adv.dim() == 1:
         adv = adv.unsqueeze(1).expand(shape)
-    cols.setdefault("advantage", adv)
-    cols.setdefault("logprob", logprobs.detach().float())
-    cols.setdefault("old_logprob", old_logprobs.detach().float())
-    cols.setdefault("prob", torch.exp(cols["old_logprob"]))
+    if "advantage" not in cols:
+        cols["advantage"] = adv
+    if "logprob" not in cols:
+        cols["logprob"] = logprobs.detach().float()
+    if "old_logprob" not in cols:
+        cols["old_logprob"] = old_logprobs.detach().float()
+    if "prob" not in cols:
+        cols["prob"] = torch.exp(cols["old_logprob"])
     if "ratio" not in cols:
         cols["ratio"] = torch.exp(cols["logprob"] - cols["old_logprob"])
     if "clip" not in cols:
@@ -68,12 +72,12 @@ def derive_columns(
         cols["clipped"] = stats.clipped_mask(cols["clip"], cols["advantage"])
     if "quadrant" not in cols:
         cols["quadrant"] = stats.quadrant(cols["advantage"], cols["prob"], tau=tau)
-    if entropy is not None:
-        cols.setdefault("entropy", entropy.detach().float())
-    if old_entropy is not None:
-        cols.setdefault("old_entropy", old_entropy.detach().float())
-    if "entropy" in cols and "old_entropy" in cols:
-        cols.setdefault("entropy_ratio", stats.entropy_ratio(cols["entropy"], cols["old_entropy"]))
+    if entropy is not None and "entropy" not in cols:
+        cols["entropy"] = entropy.detach().float()
+    if old_entropy is not None and "old_entropy" not in cols:
+        cols["old_entropy"] = old_entropy.detach().float()
+    if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
+        cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
     return cols
 
 
@@ -99,52 +103,54 @@ def step_aggregates(
 ) -> torch.Tensor:
     """Exact aggregates over all masked-in tokens, float64 [len(AGG_NAMES)], on the device.
     Fractions are of all tokens of the update; clip_frac_<q> is of the tokens of quadrant q;
-    lgn_mean_<q> the mean logit-gradient norm of quadrant q (NaN without watch_logits)."""
-    m = mask
-    dev = m.device
-    n = m.sum().double()
-    denom = n.clamp(min=1.0)
+    lgn_mean_<q> the mean logit-gradient norm of quadrant q (NaN without watch_logits).
+
+    One matmul does the sums: rows of per-token values [K, N] times the masked one-hot quadrant
+    matrix [N, 5] gives every value summed per quadrant; row totals give the overall sums."""
+    dev = mask.device
+    m = mask.reshape(-1)
+    clip, clipped = cols["clip"].reshape(-1), cols["clipped"].reshape(-1)
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
-
-    def mean(x):
-        return torch.where(m, x.double(), torch.zeros((), dtype=torch.float64, device=dev)).sum() / denom
-
-    def frac(b):
-        return (b & m).sum().double() / denom
-
-    clip, clipped, quad, adv = cols["clip"], cols["clipped"], cols["quadrant"], cols["advantage"]
-    out = [
-        n,
-        mean(cols["entropy"]) if "entropy" in cols else nan,
-        mean(cols["old_entropy"]) if "old_entropy" in cols else nan,
-        mean(cols["ratio"]),
-        frac(clipped & (clip < CLIP_NONE)),
-        frac(clipped & (clip > CLIP_NONE)),
-        frac(clipped),
-        frac(clip < CLIP_NONE),
-        frac(clip > CLIP_NONE),
+    have_h, have_oh = "entropy" in cols, "old_entropy" in cols
+    zeros = torch.zeros_like(m, dtype=torch.float32)
+    rows = [
+        torch.ones_like(m, dtype=torch.float32),
+        cols["entropy"].reshape(-1).float() if have_h else zeros,
+        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,
+        cols["ratio"].reshape(-1).float(),
+        (clipped & (clip < CLIP_NONE)).float(),
+        (clipped & (clip > CLIP_NONE)).float(),
+        clipped.float(),
+        (clip < CLIP_NONE).float(),
+        (clip > CLIP_NONE).float(),
+        (~cols["erc_kept"].reshape(-1)).float() if "erc_kept" in cols else zeros,
+        stats.kl_k3(cols["logprob"], cols["old_logprob"]).reshape(-1),
+        lgn.reshape(-1).float() if lgn is not None else zeros,
     ]
+    vals = torch.nan_to_num(torch.stack(rows).double(), nan=0.0, posinf=0.0, neginf=0.0)  # [12, N]
+    onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES))
+    onehot = onehot.double() * m.double().unsqueeze(1)  # [N, 5], masked
+    per_q = vals @ onehot  # [12, 5]: sums per quadrant code
+    tot = per_q.sum(dim=1)  # [12]
+    n = tot[0]
+    denom = n.clamp(min=1.0)
     codes = [k for k, v in QUADRANT_NAMES.items() if v in QUADRANTS]
-    in_q = {k: (quad == k) & m for k in [*codes, ZA]}
-    out += [in_q[k].sum().double() for k in [*codes, ZA]]
-    out += [(clipped & in_q[k]).sum().double() / in_q[k].sum().clamp(min=1).double() for k in codes]
-    if lgn is not None:
-        out += [
-            torch.where(in_q[k], lgn.double(), torch.zeros((), dtype=torch.float64, device=dev)).sum()
-            / in_q[k].sum().clamp(min=1).double()
-            for k in codes
-        ]
-    else:
-        out += [nan] * len(codes)
-    if "entropy_ratio" in cols:
-        out += list(masked_quantiles(cols["entropy_ratio"], m, (0.05, 0.5, 0.95)).double())
-    else:
-        out += [nan] * 3
-    out.append(frac(~cols["erc_kept"]) if "erc_kept" in cols else nan)
-    out.append(mean(stats.kl_k3(cols["logprob"], cols["old_logprob"])))
-    out.append(loss_value.detach().double().reshape(()) if loss_value is not None else nan)
-    del adv
-    return torch.stack([o.reshape(()).to(dev) for o in out])
+    qn = per_q[0, codes].clamp(min=1.0)
+    out = [
+        n.unsqueeze(0),
+        (tot[1:4] / denom) * torch.tensor([1.0 if have_h else float("nan"), 1.0 if have_oh else float("nan"), 1.0],
+                                          dtype=torch.float64, device=dev),
+        tot[4:9] / denom,
+        per_q[0, [*codes, ZA]],
+        per_q[6, codes] / qn,
+        per_q[11, codes] / qn if lgn is not None else nan.repeat(len(codes)),
+        masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double()
+        if "entropy_ratio" in cols else nan.repeat(3),
+        (tot[9] / denom).unsqueeze(0) if "erc_kept" in cols else nan.unsqueeze(0),
+        (tot[10] / denom).unsqueeze(0),
+        loss_value.detach().double().reshape(1) if loss_value is not None else nan.unsqueeze(0),
+    ]
+    return torch.cat([o.to(dev) for o in out])
 
 
 def run_hash(run: str) -> int:

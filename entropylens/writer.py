@@ -61,8 +61,11 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
-def write_tokens(run_dir: Path, step: int, rank: int, update: int, arrs: dict) -> Path:
-    path = run_dir / "tokens" / f"step={step}" / f"rank={rank}" / f"update-{update}.parquet"
+def write_tokens(run_dir: Path, step: int, rank: int, updates: int | tuple[int, int], arrs: dict) -> Path:
+    """update-U.parquet for one update; updates-A-B.parquet for updates A..B sharing a file."""
+    first, last = (updates, updates) if isinstance(updates, int) else updates
+    name = f"update-{first}.parquet" if first == last else f"updates-{first}-{last}.parquet"
+    path = run_dir / "tokens" / f"step={step}" / f"rank={rank}" / name
     write_parquet_atomic(tokens_table(arrs), path, dict_columns=TOKEN_DICT_COLUMNS,
                          float_columns=TOKEN_FLOAT_COLUMNS)
     return path

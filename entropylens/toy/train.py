@@ -65,22 +65,72 @@ def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     return a.reshape(-1)
 
 
+class ToyTrainer:
+    """The RL phase as an object: one :meth:`rl_step` per rollout step (benchmarks alternate recorders)."""
+
+    def __init__(self, cfg: ToyConfig):
+        cfg.validate()
+        self.cfg = cfg
+        torch.manual_seed(cfg.seed)
+        self.model = warm_start(cfg)
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.loss_kw = dict(method=cfg.method, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta2=cfg.beta2,
+                            dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef,
+                            tau=cfg.tau)
+
+    def rl_step(self, step: int, rec: Recorder | None) -> tuple[float, float]:
+        """Rollout, advantages, old-policy pass, ``updates`` recorded policy updates. -> (reward, entropy)."""
+        cfg, model, gen = self.cfg, self.model, self.gen
+        p_len = task.PROMPT_LEN + 2
+        n = cfg.prompts * cfg.group
+        mb = n // cfg.minibatches
+        # 1. rollout: prompts x G samples at temperature T, verifiable rewards
+        prompts = task.make_prompts(cfg.prompts, gen).repeat_interleave(cfg.group, dim=0)  # [n, P]
+        model.eval()
+        resp = sample(model, prompts, task.RESPONSE_LEN, gen, cfg.temperature)  # [n, T]
+        rewards = task.reward(prompts, resp)  # [n]
+        adv = group_advantages(rewards, cfg.group)  # [n]
+        seqs = torch.cat([prompts, resp], dim=1)  # [n, P + T]
+        mask = torch.ones_like(resp, dtype=torch.bool)  # fixed-length responses
+        # 2. the old policy: log-probs and full-vocabulary entropies, no grad
+        with torch.no_grad():
+            old_lp, old_h = old_policy_pass(response_logits(model, seqs, p_len), resp,
+                                            temperature=cfg.temperature)  # [n, T] each
+        model.train()
+        # 3. mini-batch policy updates: `epochs` passes, each over a fresh permutation
+        beta1 = cfg.beta1_at(step)
+        order = [torch.randperm(n, generator=gen) for _ in range(cfg.epochs)]
+        for u in range(cfg.updates):
+            k = u % cfg.minibatches
+            idx = order[u // cfg.minibatches][k * mb : (k + 1) * mb]
+            logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
+            out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
+                                old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
+                                group_ids=idx // cfg.group, beta1=beta1, **self.loss_kw)
+            self.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            self.opt.step()
+            if rec:
+                rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr, beta1=beta1)
+        # 4. the step's sequences and scalars
+        r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
+        if rec:
+            rec.record_sequences(step, seq_ids=torch.arange(n), rewards=rewards, advantages=adv,
+                                 lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group)
+            rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
+        return r_mean, h_mean
+
+
 def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
           on_step: Callable[[int, float, float], None] | None = None, record: bool = True) -> RunResult:
     """Train the toy policy with ``cfg`` and record the run under ``out_dir/<run>``."""
     cfg.validate()
     run = run or f"{cfg.name or cfg.method}-s{cfg.seed}"
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.seed)
-    model = warm_start(cfg)
-    model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    p_len = task.PROMPT_LEN + 2
-    n = cfg.prompts * cfg.group
-    mb = n // cfg.minibatches
-    loss_kw = dict(method=cfg.method, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta2=cfg.beta2,
-                   dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef, tau=cfg.tau)
+    trainer = ToyTrainer(cfg)
     # `method` names the training recipe (e.g. erc_dapo); the loss itself is in run.json's `loss`
     config = {**cfg.to_dict(), "method": cfg.name or cfg.method, "loss_method": cfg.method,
               "model": "toy-qwen2", "task": "shifted-lookup"}
@@ -88,42 +138,7 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
     rec = Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample) if record else None
     try:
         for step in range(cfg.steps):
-            # 1. rollout: prompts x G samples at temperature T, verifiable rewards
-            prompts = task.make_prompts(cfg.prompts, gen).repeat_interleave(cfg.group, dim=0)  # [n, P]
-            model.eval()
-            resp = sample(model, prompts, task.RESPONSE_LEN, gen, cfg.temperature)  # [n, T]
-            rewards = task.reward(prompts, resp)  # [n]
-            adv = group_advantages(rewards, cfg.group)  # [n]
-            seqs = torch.cat([prompts, resp], dim=1)  # [n, P + T]
-            mask = torch.ones_like(resp, dtype=torch.bool)  # fixed-length responses
-            # 2. the old policy: log-probs and full-vocabulary entropies, no grad
-            with torch.no_grad():
-                old_lp, old_h = old_policy_pass(response_logits(model, seqs, p_len), resp,
-                                                temperature=cfg.temperature)  # [n, T] each
-            model.train()
-            # 3. mini-batch policy updates: `epochs` passes, each over a fresh permutation
-            beta1 = cfg.beta1_at(step)
-            order = [torch.randperm(n, generator=gen) for _ in range(cfg.epochs)]
-            for u in range(cfg.updates):
-                perm = order[u // cfg.minibatches]
-                k = u % cfg.minibatches
-                idx = perm[k * mb : (k + 1) * mb]
-                logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
-                out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
-                                    old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
-                                    group_ids=idx // cfg.group, beta1=beta1, **loss_kw)
-                opt.zero_grad(set_to_none=True)
-                out.loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
-                if rec:
-                    rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr, beta1=beta1)
-            # 4. the step's sequences and scalars
-            r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
-            if rec:
-                rec.record_sequences(step, seq_ids=torch.arange(n), rewards=rewards, advantages=adv,
-                                     lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group)
-                rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
+            r_mean, h_mean = trainer.rl_step(step, rec)
             rewards_hist.append(r_mean)
             ent_hist.append(h_mean)
             if on_step:
@@ -134,5 +149,4 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
         raise
     if rec:
         rec.close()
-    path = Path(out_dir) / run
-    return RunResult(run, path, rewards_hist, ent_hist, time.perf_counter() - t0)
+    return RunResult(run, Path(out_dir) / run, rewards_hist, ent_hist, time.perf_counter() - t0)
