@@ -86,22 +86,31 @@ def kl_vs_step(df):
     return _step_figure(d, "kl", "KL(old || new), nats (log)", "KL to the old policy", logy=True)
 
 
-def quadrant_share(df):
-    """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant."""
+def _quadrant_panels(df, y: str, ylabel: str, *, dotted: str | None = None, empty="no data in these runs"):
+    """One panel per quadrant, `y` vs step per run (coloured by method); optional dotted column."""
     plt = _plt()
     fig, axes = plt.subplots(1, 4, figsize=(11, 3.0), sharey=True)
     if df.empty:
-        return _empty(fig)
+        return _empty(fig, empty)
     colors = method_colors(df)
     for ax, q in zip(axes, QUAD_ORDER):
-        _lines(ax, df[df["quadrant"] == q], "step", "share", colors)
+        d = df[df["quadrant"] == q]
+        _lines(ax, d, "step", y, colors)
+        if dotted is not None:
+            for _, g in d.sort_values("step").groupby("run"):
+                ax.plot(g["step"], g[dotted], color=colors.get(str(g["method"].iloc[0])), ls=":", lw=1.1)
         ax.set_title(q, color=QUAD_COLORS[q])
         ax.set_xlabel("training step")
         if ax is not axes[0] and ax.get_legend():
             ax.get_legend().remove()
-    axes[0].set_ylabel("share of tokens")
+    axes[0].set_ylabel(ylabel)
     fig.tight_layout()
     return fig
+
+
+def quadrant_share(df):
+    """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant."""
+    return _quadrant_panels(df, "share", "share of tokens")
 
 
 def clip_by_quadrant(df):
@@ -165,27 +174,9 @@ def ratio_vs_prob(df):
 def grad_share(df):
     """grad_share_by_quadrant -> each quadrant's share of ||dLoss/dz||^2 per step; dotted: the part
     from tokens PPO-clip would drop."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0), sharey=True)
-    if df.empty:
-        return _empty(fig, "no logit-gradient norms recorded (watch_logits)")
-    colors = method_colors(df)
-    for ax, q in zip(axes, QUAD_ORDER):
-        d = df[df["quadrant"] == q].copy()
-        _lines(ax, d, "step", "share", colors)
-        d["dropped"] = d["share"] * d["clipped_share"].fillna(0)
-        seen = set()
-        for run, g in d.sort_values("step").groupby("run"):
-            m = str(g["method"].iloc[0])
-            ax.plot(g["step"], g["dropped"], color=colors.get(m), ls=":", lw=1.1)
-            seen.add(m)
-        ax.set_title(q, color=QUAD_COLORS[q])
-        ax.set_xlabel("training step")
-        if ax is not axes[0] and ax.get_legend():
-            ax.get_legend().remove()
-    axes[0].set_ylabel("share of squared logit-grad norm")
-    fig.tight_layout()
-    return fig
+    d = df.assign(dropped=df["share"] * df["clipped_share"].fillna(0)) if not df.empty else df
+    return _quadrant_panels(d, "share", "share of squared logit-grad norm", dotted="dropped",
+                            empty="no logit-gradient norms recorded (watch_logits)")
 
 
 def entropy_ratio_band(df, band=(0.95, 1.05)):

@@ -263,7 +263,9 @@ def test_concurrent_reader_never_errors(tmp_path):
                     con = connect(tmp_path)
                     con.execute("SELECT count(*), sum(ratio) FROM tokens").fetchall()
                     con.execute("SELECT count(*) FROM steps").fetchall()
-                    duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', union_by_name=true)").fetchall()
+                    if any(tmp_path.rglob("*.parquet")):  # files only ever appear, whole
+                        duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', "
+                                   "union_by_name=true)").fetchall()
                     reads[0] += 1
             except Exception as e:  # noqa: BLE001 - any error fails the test
                 errors.append(repr(e))
