@@ -35,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
     a = ap.parse_args()
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -50,7 +51,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in times:
-                el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}")
+                el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
+                                             hidden=a.hidden)
                 if mode == "plain":  # the same model, args and data, through TRL's own trainer
                     tr = GRPOTrainer(model=el.model, reward_funcs=trl_grpo.digit_reward, args=el.args,
                                      train_dataset=el.train_dataset, processing_class=el.processing_class)
@@ -62,7 +64,7 @@ def main() -> None:
                 tr.train()
                 times[mode] += timer.times[2:]  # skip warm-up steps
     med = {m: statistics.median(t) for m, t in times.items()}
-    print(f"TRL GRPOTrainer, tiny Qwen2 on CPU, {a.rounds} rounds x {a.steps} steps, medians (ms):")
+    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, {a.rounds} rounds x {a.steps} steps, medians (ms):")
     for m, v in med.items():
         print(f"  {m:<12} {v * 1000:8.1f}")
     print(f"trl_overhead_ratio={med['entropylens'] / med['plain']:.3f}")

@@ -20,13 +20,13 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def build_model(tokenizer, seed=0):
+def build_model(tokenizer, seed=0, hidden=32):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                       bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
     return Qwen2ForCausalLM(cfg)
@@ -37,7 +37,7 @@ def digit_reward(completions, **kwargs):
     return [sum(w.isdigit() for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def make_trainer(out, loss=None, steps=3, seed=0, run=None):
+def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -52,7 +52,7 @@ def make_trainer(out, loss=None, steps=3, seed=0, run=None):
         epsilon=0.2, bf16=False, dataloader_num_workers=0, disable_tqdm=True,
     )
     extra = dict(loss=loss, beta1=0.5, beta2=1.0, erc=(0.95, 1.05)) if loss else {}
-    return EntropyLensGRPOTrainer(model=build_model(tok, seed), reward_funcs=digit_reward, args=args,
+    return EntropyLensGRPOTrainer(model=build_model(tok, seed, hidden), reward_funcs=digit_reward, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                                   entropylens_root=out, run=run, **extra)
 
