@@ -37,7 +37,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
     a = ap.parse_args()
-    from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 

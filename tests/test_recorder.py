@@ -1,7 +1,6 @@
 """Recorder: rows, exact aggregates, hooks, sampling, bad input, writer failures. Real files."""
 
 import json
-import os
 import warnings
 
 import duckdb

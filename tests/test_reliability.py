@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import duckdb
-import pytest
 
 from entropylens.query import connect
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 from ..losses import AGGS, METHODS
 
@@ -128,4 +128,4 @@ def config_for(name: str, **overrides) -> ToyConfig:
     return cfg
 
 
-__all__ = ["ToyConfig", "RUNS", "DEMO_DEFAULT", "config_for", "run_names", "field"]
+__all__ = ["ToyConfig", "RUNS", "DEMO_DEFAULT", "config_for", "run_names"]

@@ -4,7 +4,6 @@
   python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
 """
 
-import os
 import sys
 
 import torch
