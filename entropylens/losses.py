@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import stats
-from .schema import CLIP_HIGH, CLIP_LOW, QUADRANT_NAMES, ZA, quadrant_slug
+from .schema import CLIP_HIGH, CLIP_LOW, QUADRANT_NAMES, ZA
 
 METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "cispo", "gspo")
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -311,9 +311,3 @@ def policy_loss(
     )
     return PolicyLossOutput(loss=loss, columns=columns, metrics=metrics, config=config)
 
-
-def metric_slug(name: str) -> str:
-    """'clip/PA&LP_frac' -> 'clip_pa_lp_frac' (a column-safe form of a metric name)."""
-    for q in QUADRANT_NAMES.values():
-        name = name.replace(q, quadrant_slug(q))
-    return name.replace("/", "_")

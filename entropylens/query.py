@@ -13,7 +13,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from .schema import TABLES, arrow_type
+from .schema import TABLES
 
 PARTITIONED = ("steps", "sequences", "tokens")
 
@@ -222,4 +222,4 @@ def run_sql(con, sql: str):
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 
 
-__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "arrow_type"]
+__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError"]

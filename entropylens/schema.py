@@ -2,7 +2,7 @@
 
 This module is the single source of the table, column, quadrant and clip names; every other
 module imports them from here. It imports nothing of the project and pyarrow only lazily
-(inside :func:`arrow_schema`), so ``entropylens --help`` stays fast.
+(inside :func:`arrow_type`), so ``entropylens --help`` stays fast.
 
 Versions (numbered, like migrations):
   1  first layout: tables runs / steps / sequences / tokens.
@@ -148,9 +148,6 @@ TABLES: dict[str, tuple[Column, ...]] = {
 }
 
 
-def column_names(table: str) -> list[str]:
-    return [c.name for c in TABLES[table]]
-
 
 def stored_columns(table: str) -> tuple[Column, ...]:
     """The columns written to the files (derived ones are computed by the DuckDB views)."""
@@ -171,16 +168,6 @@ def arrow_type(dtype: str):
         "string": pa.string(),
         "dict8": pa.dictionary(pa.int8(), pa.string()),
     }[dtype]
-
-
-def arrow_schema(table: str, *, extra: dict[str, object] | None = None):
-    """The pyarrow schema of ``table`` (partition keys included), with SCHEMA_VERSION in its metadata."""
-    import pyarrow as pa
-
-    fields = [pa.field(c.name, arrow_type(c.dtype)) for c in TABLES[table]]
-    for name, typ in (extra or {}).items():
-        fields.append(pa.field(name, typ))
-    return pa.schema(fields, metadata={b"entropylens.schema_version": str(SCHEMA_VERSION).encode()})
 
 
 def schema_markdown() -> str:
