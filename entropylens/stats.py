@@ -5,6 +5,10 @@ lse = logsumexp(u); p = softmax(u); logp_a = u_a - lse; H = lse - sum_j p_j u_j.
 
 Every reduction over the vocabulary runs over chunks of positions, so the extra memory is
 O(chunk x V) float32, never a second [N, V] tensor.
+
+-inf logits (vocabulary padding, banned tokens) are exact zeros of p: the shifted logits are
+clamped to the lowest finite float32 so that 0 * log 0 terms are 0, never 0 * -inf = NaN.
+(A row whose logits are all -inf has no distribution and stays NaN.)
 """
 
 from __future__ import annotations
@@ -47,39 +51,55 @@ def _check_logits_tokens(logits: torch.Tensor, tokens: torch.Tensor | None, temp
             raise ValueError(f"tokens must lie in [0, {logits.shape[-1]}) (the vocabulary size)")
 
 
-class _ChunkBuffers:
-    """Two reusable float32 [chunk, V] buffers: the shifted logits and their exponentials."""
+_F32_LOWEST = torch.finfo(torch.float32).min
+# Backward floor for log p: exp(x) is exactly 0 in float32 below about -104, so flooring at -1e4
+# changes nothing for finite logits and keeps (log p + H) * g finite where log p = -inf.
+_LOGP_FLOOR = -1e4
 
-    def __init__(self, rows: int, vocab: int, device: torch.device):
+
+class _ChunkBuffers:
+    """Reusable float32 [chunk, V] buffers: the shifted logits, their exponentials and (for the
+    entropy sensitivity) one product buffer."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device, products: bool = False):
         self.u = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.e = torch.empty(rows, vocab, dtype=torch.float32, device=device)
+        self.t = torch.empty(rows, vocab, dtype=torch.float32, device=device) if products else None
 
     def load(self, z: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """u <- z/T - max(z/T); returns (u [n,V], max [n]) as views into the buffer."""
+        """u <- z/T - max(z/T), -inf clamped to the lowest finite float32 (exp gives exactly 0 and
+        0 * u stays 0); returns (u [n,V], max [n]) as views into the buffer."""
         n = z.shape[0]
         u = self.u[:n]
         u.copy_(z)
         if temperature != 1.0:
             u.div_(temperature)
         m = u.amax(dim=-1)  # [n]
-        u.sub_(m.unsqueeze(-1))
+        u.sub_(m.unsqueeze(-1)).clamp_(min=_F32_LOWEST)  # -inf - m -> lowest finite
         return u, m
 
 
-def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool):
-    """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32."""
+def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
+             sens_out: torch.Tensor | None = None):
+    """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
+    With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
+    sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk)."""
     n, v = flat.shape
     dev = flat.device
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     logp = torch.empty(n, dtype=torch.float32, device=dev) if flat_tok is not None else None
-    ent = torch.empty(n, dtype=torch.float32, device=dev) if want_entropy else None
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if want_entropy or sens_out is not None else None
     if n == 0:
         return logp, ent, lse
-    buf = _ChunkBuffers(min(rows, n), v, dev)
+    buf = _ChunkBuffers(min(rows, n), v, dev, products=sens_out is not None)
     for s in range(0, n, rows):
         e_ = min(s + rows, n)
         u, m = buf.load(flat[s:e_], temperature)  # u = z/T - m, [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
+        if sens_out is not None:
+            logp[s:e_], ent[s:e_], lse[s:e_], sens_out[s:e_] = _chunk_with_sensitivity(
+                u, ex, m, flat_tok[s:e_], buf.t[: e_ - s])
+            continue
         sumexp = ex.sum(dim=-1)  # [c]
         log_s = sumexp.log()  # [c]
         lse[s:e_] = m + log_s
@@ -93,25 +113,54 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     return logp, ent, lse
 
 
+def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor, t: torch.Tensor):
+    """(logp_a, H, lse, s) of one chunk. u [c,V] shifted logits, ex = exp(u) [c,V] (overwritten),
+    m [c] the shift, tok [c], t [c,V] scratch.
+
+    With e = exp(u), S = sum_j e_j, mu = sum_j p_j u_j (so log p_j + H = u_j - mu):
+        s = p_a (1 - p_a) (u_a - mu) - sum_{j != a} p_j^2 (u_j - mu)
+    The sampled token's own term is split off so nothing cancels as p_a -> 1: 1 - p_a is
+    S_rest / S, and the rest sums run over e with e_a zeroed (all their terms have one sign)."""
+    idx = tok.unsqueeze(1)  # [c, 1]
+    u_a = u.gather(1, idx).squeeze(1)  # [c]
+    e_a = ex.gather(1, idx).squeeze(1)  # [c]
+    ex.scatter_(1, idx, 0.0)  # e_j for j != a
+    s_rest = ex.sum(dim=-1)  # [c]
+    sumexp = s_rest + e_a
+    prod = torch.mul(ex, u, out=t)  # e_j u_j, j != a
+    dot = prod.sum(dim=-1) + e_a * u_a  # sum_j e_j u_j
+    r_rest = prod.mul_(ex).sum(dim=-1)  # sum_{j!=a} e_j^2 u_j   (reduction 1)
+    q_rest = ex.mul_(ex).sum(dim=-1)  # sum_{j!=a} e_j^2       (reduction 2)
+    log_s = sumexp.log()
+    mu = dot / sumexp
+    p_a = e_a / sumexp
+    sens = p_a * (s_rest / sumexp) * (u_a - mu) - (r_rest - mu * q_rest) / sumexp.square()
+    return u_a - log_s, log_s - mu, m + log_s, sens
+
+
 class _LogprobEntropy(torch.autograd.Function):
-    """(logits, tokens) -> (logp_a, H). Backward recomputes softmax chunk by chunk from the saved lse.
+    """(logits, tokens) -> (logp_a, H, s). Backward recomputes softmax chunk by chunk from the saved lse.
 
     d logp_a / d z_j = (1[j=a] - p_j) / T
     d H / d z_j      = -p_j (log p_j + H) / T
+    s (the entropy sensitivity, empty unless asked for) has no gradient.
     """
 
     @staticmethod
-    def forward(ctx, logits, flat_tok, temperature, rows):
+    def forward(ctx, logits, flat_tok, temperature, rows, want_sens):
         flat = logits.reshape(-1, logits.shape[-1])
-        logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True)
+        sens = torch.empty(flat.shape[0] if want_sens else 0, dtype=torch.float32, device=flat.device)
+        logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True,
+                                  sens_out=sens if want_sens else None)
         ctx.save_for_backward(logits, flat_tok, lse, ent)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work
+        ctx.mark_non_differentiable(sens)
         ctx.temperature = temperature
         ctx.rows = rows
-        return logp, ent
+        return logp, ent, sens
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_sens):
         logits, flat_tok, lse, ent = ctx.saved_tensors
         t, rows = ctx.temperature, ctx.rows
         v = logits.shape[-1]
@@ -127,7 +176,7 @@ class _LogprobEntropy(torch.autograd.Function):
                 lp.copy_(flat[s:e_])
                 if t != 1.0:
                     lp.div_(t)
-                lp.sub_(lse[s:e_].unsqueeze(1))  # log p_j, [c, V]
+                lp.sub_(lse[s:e_].unsqueeze(1)).clamp_(min=_LOGP_FLOOR)  # log p_j, [c, V]; -inf -> floor
                 if g_ent is not None:
                     # -p (log p + H) g_H - p g_logp
                     gl = g_logp[s:e_] if g_logp is not None else torch.zeros(c, device=flat.device)
@@ -141,7 +190,7 @@ class _LogprobEntropy(torch.autograd.Function):
                 if t != 1.0:
                     out.div_(t)
                 grad[s:e_] = out
-        return grad.view_as(logits), None, None, None
+        return grad.view_as(logits), None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -151,27 +200,64 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     entropy_grad: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sensitivity: bool = False,
+):
     """log pi(a_t) and the full-vocabulary entropy H_t in one pass over each chunk of logits.
 
-    logits [..., V] (any float dtype), tokens [...] int -> (logprobs [...], entropy [...]) float32.
+    logits [..., V] (any float dtype), tokens [...] int -> (logprobs [...], entropy [...]) float32,
+    and with ``sensitivity=True`` a third tensor: the entropy sensitivity s_t
+    (:func:`entropy_sensitivity`) from the same pass (two more reductions per chunk).
     logp_a = z_a/T - lse(z/T);  H = lse(z/T) - sum_j softmax(z/T)_j z_j/T.
     The logsumexp is shared; logits are max-shifted; float32 accumulation. ``logprobs`` carries
     autograd when ``logits`` requires grad (the backward recomputes the softmax per chunk, so no
     [N, V] softmax is stored). ``entropy`` is detached unless ``entropy_grad=True`` (entropy bonus).
+    -inf logits are exact zeros of p (no NaN).
     """
     _check_logits_tokens(logits, tokens, temperature)
     v = logits.shape[-1]
     flat_tok = tokens.reshape(-1).long()
     rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
     if logits.requires_grad and torch.is_grad_enabled():
-        logp, ent = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows)
+        logp, ent, sens = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows, bool(sensitivity))
         if not entropy_grad:
             ent = ent.detach()
     else:
         with torch.no_grad():
-            logp, ent, _ = _forward(logits.reshape(-1, v), flat_tok, float(temperature), rows, True)
+            sens = torch.empty(flat_tok.numel() if sensitivity else 0, dtype=torch.float32, device=logits.device)
+            logp, ent, _ = _forward(logits.reshape(-1, v), flat_tok, float(temperature), rows, True,
+                                    sens_out=sens if sensitivity else None)
+    if sensitivity:
+        return logp.view(tokens.shape), ent.view(tokens.shape), sens.view(tokens.shape)
     return logp.view(tokens.shape), ent.view(tokens.shape)
+
+
+def entropy_sensitivity(
+    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """The first-order entropy sensitivity of each position to its own token's gradient.
+
+    With the tempered distribution p = softmax(z/T), entropy H and sampled token a,
+        s_t = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H)
+    so that a gradient step with loss coefficient g_t = dLoss/dlogp_t, dz = -eta (g_t/T)(e_a - p),
+    changes the entropy by dH_t = eta * g_t * s_t / T^2 + O(eta^2) (DESIGN.md, "first-order entropy
+    attribution"). s > 0: raising the sampled token's probability raises the entropy (p_a below the
+    entropy-weighted typical level); s < 0: it lowers it. logits [..., V], tokens [...] ->
+    s [...] float32, no grad, in the same chunked pass as :func:`logprobs_and_entropy`.
+    """
+    _check_logits_tokens(logits, tokens, temperature)
+    v = logits.shape[-1]
+    flat_tok = tokens.reshape(-1).long()
+    rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
+    sens = torch.empty(flat_tok.numel(), dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        _forward(logits.detach().reshape(-1, v), flat_tok, float(temperature), rows, True, sens_out=sens)
+    return sens.view(tokens.shape)
+
+
+def entropy_effect(grad_coef: torch.Tensor, sensitivity: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """First-order entropy change per unit logit step of each token's gradient: g_t * s_t / T^2.
+    grad_coef, sensitivity [...] -> [...] float32 (detached)."""
+    return grad_coef.detach().float() * sensitivity.detach().float() / float(temperature) ** 2
 
 
 def entropy_from_logits(
@@ -284,3 +370,144 @@ def kl_k3(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi_old || pi_theta) with samples from pi_old: (r - 1) - log r."""
     log_r = logprobs.detach().float() - old_logprobs.detach().float()
     return torch.expm1(log_r) - log_r
+
+
+# ---------------------------------------------------------------------------------------------------
+# A fused LM head: hidden states -> (log-probs, entropies, sum p^2) without [N, V] logits.
+
+_HEAD_CHUNK_BYTES_CPU = 32 * 2**20  # one float32 [rows, V] tile (a matmul wants more rows than _forward)
+_HEAD_CHUNK_BYTES_DEVICE = 256 * 2**20
+_HEAD_LOGP_FLOOR = -1e4  # log p below this has p == 0 in float32: -inf logits (a -inf bias) stay finite
+
+
+def _head_rows(n: int, vocab: int, chunk_size: int | None, device: torch.device) -> int:
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return chunk_size
+    budget = _HEAD_CHUNK_BYTES_CPU if device.type == "cpu" else _HEAD_CHUNK_BYTES_DEVICE
+    return max(1, min(max(n, 1), budget // (4 * max(vocab, 1))))
+
+
+def _head_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+               dtype: torch.dtype) -> torch.Tensor:
+    """u = (h W^T + b) / T for one tile of positions, [c, V] in ``dtype`` (float32, or float64)."""
+    u = h.to(dtype) @ weight.to(dtype).t()  # [c, V]
+    if bias is not None:
+        u.add_(bias.to(dtype))
+    if temperature != 1.0:
+        u.div_(temperature)
+    return u
+
+
+class _HeadStats(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None, tokens [N]) -> (logp_a, H, sum_j p_j^2), each [N].
+
+    Forward and backward project one tile of positions at a time (u = (h W^T + b)/T); only the
+    tile's [c, V] logits exist. With g = dL/dlogp_a and g_H = dL/dH the tile's logit gradient is
+        dz_j = (g (1[j=a] - p_j) - g_H p_j (log p_j + H)) / T,
+    and grad_hidden = dz W, grad_weight += dz^T h, grad_bias += sum_rows dz.
+    sum_j p_j^2 has no gradient (as TRL's log_sum_sq_probs).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, rows):
+        n = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        dev = hidden.device
+        logp = torch.empty(n, dtype=dtype, device=dev)
+        ent = torch.empty(n, dtype=dtype, device=dev)
+        sq = torch.empty(n, dtype=dtype, device=dev)
+        lse = torch.empty(n, dtype=dtype, device=dev)
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            u = _head_tile(hidden[s:e], weight, bias, temperature, dtype)  # [c, V]
+            lse_c = torch.logsumexp(u, dim=-1)  # [c]
+            u.sub_(lse_c.unsqueeze(1))  # log p, [c, V]
+            logp[s:e] = u.gather(1, tokens[s:e].unsqueeze(1)).squeeze(1)
+            p = u.exp()  # [c, V]
+            ent[s:e] = -(p * u.clamp(min=_HEAD_LOGP_FLOOR)).sum(dim=-1)  # H = -sum p log p (0 log 0 = 0)
+            sq[s:e] = p.square_().sum(dim=-1)
+            lse[s:e] = lse_c
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+        ctx.set_materialize_grads(False)
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.mark_non_differentiable(sq)
+        return logp, ent, sq
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, _g_sq):
+        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        t, rows = ctx.temperature, ctx.rows
+        n = hidden.shape[0]
+        dtype = lse.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
+        if g_logp is None and g_ent is None:
+            return grad_h, grad_w, grad_b, None, None, None
+        for s in range(0, n, rows):
+            e = min(s + rows, n)
+            u = _head_tile(hidden[s:e], weight, bias, t, dtype)  # [c, V]
+            u.sub_(lse[s:e].unsqueeze(1)).clamp_(min=_HEAD_LOGP_FLOOR)  # log p (exp of the floor is 0)
+            if g_ent is not None:
+                coef = (u + ent[s:e].unsqueeze(1)).mul_(g_ent[s:e].to(dtype).unsqueeze(1))  # g_H (log p + H)
+                if g_logp is not None:
+                    coef.add_(g_logp[s:e].to(dtype).unsqueeze(1))
+                dz = u.exp_().mul_(coef).neg_()  # -p (g + g_H (log p + H))
+            else:
+                dz = u.exp_().mul_(-g_logp[s:e].to(dtype).unsqueeze(1))  # -p g
+            if g_logp is not None:
+                dz.scatter_add_(1, tokens[s:e].unsqueeze(1), g_logp[s:e].to(dtype).unsqueeze(1))  # + g 1[j=a]
+            if t != 1.0:
+                dz.div_(t)
+            h = hidden[s:e].to(dtype)
+            if need_h:
+                grad_h[s:e] = (dz @ weight.to(dtype)).to(hidden.dtype)  # [c, H]
+            if need_w:
+                grad_w.addmm_(dz.t(), h)  # [V, H]
+            if need_b:
+                grad_b.add_(dz.sum(dim=0))
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None)
+
+
+def head_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused LM head: log pi(a_t), entropy H_t and sum_j p_j^2 straight from hidden states.
+
+    hidden [..., H], weight [V, H] (``lm_head.weight``), bias [V] or None, tokens [...] int ->
+    (logprobs, entropy, sum_p_squared), each [...] in float32 (float64 for float64 inputs).
+    With u = (h W^T + b) / T and p = softmax(u): logp_a = u_a - lse(u), H = -sum_j p_j log p_j,
+    sum_p_squared = sum_j p_j^2. Positions are projected ``chunk_size`` rows at a time (default:
+    a 32 MiB float32 tile on CPU), so [N, V] logits never exist, in the forward or the backward.
+    ``logprobs`` and ``entropy`` carry autograd to ``hidden``, ``weight`` and ``bias`` (the same
+    gradient as autograd through ``hidden @ weight.T``); ``sum_p_squared`` has none. It gives the
+    exact logit-gradient norm of a loss that reaches the logits only through logp:
+    ||dL/dz_t|| = |dL/dlogp_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2).
+    """
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
+    if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match hidden shape {tuple(hidden.shape)}[:-1]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab = weight.shape[0]
+    flat_tok = tokens.reshape(-1).long()
+    if flat_tok.numel() and (int(flat_tok.min()) < 0 or int(flat_tok.max()) >= vocab):
+        raise ValueError(f"tokens must lie in [0, {vocab}) (the vocabulary size)")
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    rows = _head_rows(flat.shape[0], vocab, chunk_size, flat.device)
+    logp, ent, sq = _HeadStats.apply(flat, weight, bias, flat_tok, float(temperature), rows)
+    shape = tokens.shape
+    return logp.view(shape), ent.view(shape), sq.view(shape)
