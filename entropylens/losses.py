@@ -2,22 +2,38 @@
 
 Notation (DESIGN.md): logp = log pi_theta(a_t), old = log pi_old(a_t), r = exp(logp - old),
 A the advantage, sg = detach, l_t the per-token loss (minimised), g_t = dl_t/dlogp_t,
-w_t the aggregation weight. loss = sum_t w_t l_t (- entropy_coef * sum_t w_t H_t).
+w_t the aggregation weight, c the ``scale`` (e.g. 1 / gradient_accumulation_steps).
+loss = c * (sum_t w_t l_t - entropy_coef * sum_t w_t H_t).
 
+The loss is built in three stages, each a small function (torchtune style):
+
+1. one surrogate per method returns (l [B,T] with grad, g [B,T] detached):
   grpo / dapo   l = -A r inside or on the unclipped side; -A (1-eps_low) / -A (1+eps_high)
                 (constants, g = 0) where PPO-clip removes the gradient:
                 clipped_low = r < 1-eps_low and A < 0; clipped_high = r > 1+eps_high and A > 0.
                 (Equal to max(-A r, -A clip(r, 1-eps_low, 1+eps_high)).) dapo: eps_high 0.28.
-  gppo          same value; clipped tokens keep g = -(1-eps_low) A / -(1+eps_high) A through
-                l = -A (1-eps) / sg(r) * r.
-  ce_gppo       l = -beta1 (1-eps_low)/sg(r) r A on clipped_low, -beta2 (1+eps_high)/sg(r) r A on
-                clipped_high, -r A otherwise. g = -beta1 (1-eps_low) A, -beta2 (1+eps_high) A, -r A.
+  gppo          same value; clipped tokens keep g = -(1-eps_low) A / -(1+eps_high) A.
+  ce_gppo       g = -beta1 (1-eps_low) A on clipped_low, -beta2 (1+eps_high) A on clipped_high,
+                -r A otherwise. gppo is ce_gppo with beta1 = beta2 = 1.
+                Both are written l = -A sg(k) exp(log r - sg(log r)) with k the slope above divided
+                by -A: value -A k, gradient -A k, and no 1/r (finite when r underflows to 0).
   cispo         l = -sg(clip(r, 1-eps_low, 1+eps_high)) A logp; g = -clip(r) A (never zero).
   gspo          s_i = exp(mean_t(logp - old)) per sequence; token form s_it = sg(s_i) pi / sg(pi);
                 PPO-clip on s_it (eps 3e-4 / 4e-4); seq-mean-token-mean.
+2. modifiers change (l, g) of some tokens:
   dual_clip c   A < 0 and r > c: l = -c A (constant, g = 0)  (== min(l, -c A)).
   erc (lo, hi)  rho = (H + 1e-8)/(H_old + 1e-8); keep = lo < rho < hi; l = where(keep, l, sg(l)).
-  kl_coef       + kl_coef * k3(ref || theta) with k3 = exp(ref - logp) - (ref - logp) - 1.
+  kl_coef       + kl_coef * k3(ref || theta) with k3 = exp(ref - logp) - (ref - logp) - 1,
+                g += kl_coef (1 - exp(ref - logp)).
+  entropy bonus - entropy_coef * sum_t w_t H_t (gradient through H, not through logp).
+3. columns and metrics: per-token [B,T] columns named as the schema's token columns, and the
+   step metrics named as the schema's steps columns (computed by tokenbatch.step_aggregates).
+
+Unclipped reference (what E3's entropy attribution compares against): the surrogate -A r (gspo:
+its token form -A s_it, cispo: -A sg(r) logp), same weights, scale and KL term:
+  grad_coef_unclipped = c w (-A slope + kl_coef (1 - exp(ref - logp))), slope = r (gspo: s_i).
+  grad_changed = clipping (PPO-clip, cispo's clip with A != 0), CE-GPPO/GPPO's bounded slope,
+  ERC or dual-clip changed the token's gradient; elsewhere grad_coef == grad_coef_unclipped.
 
 Aggregation weights w (mask m, L_i = sum_t m_it, B' = sequences with L_i > 0):
   token-mean            w = m / sum(m)
@@ -33,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import stats
-from .schema import CLIP_HIGH, CLIP_LOW, QUADRANT_NAMES, ZA
+from .schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, ZA
 
 METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "cispo", "gspo")
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -50,20 +66,31 @@ DEFAULT_AGG: dict[str, str] = {m: ("seq-mean-token-mean" if m == "gspo" else "to
 
 @dataclass
 class PolicyLossOutput:
-    """loss: scalar; columns: per-token [B, T] detached tensors named as the schema's token columns;
-    metrics: 0-dim detached tensors on the device (call :meth:`scalars` for floats, one host copy);
+    """loss: scalar (scale included); columns: per-token [B, T] detached tensors named as the schema's
+    token columns; metrics: 0-dim detached tensors on the device named as the schema's steps columns
+    (computed on first access; :meth:`scalars` gives floats with one host copy);
     config: the resolved hyperparameters (method, eps_low, eps_high, ...)."""
 
     loss: torch.Tensor
     columns: dict[str, torch.Tensor]
-    metrics: dict[str, torch.Tensor]
     config: dict = field(default_factory=dict)
+    mask: torch.Tensor | None = None
+    _metrics: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        if self._metrics is None:
+            from .tokenbatch import step_metrics
+
+            self._metrics = step_metrics(self.columns, self.mask, self.loss)
+        return self._metrics
 
     def scalars(self) -> dict[str, float]:
-        if not self.metrics:
+        metrics = self.metrics
+        if not metrics:
             return {}
-        keys = list(self.metrics)
-        values = torch.stack([self.metrics[k].float() for k in keys]).cpu().tolist()
+        keys = list(metrics)
+        values = torch.stack([metrics[k].double() for k in keys]).cpu().tolist()
         return dict(zip(keys, values))
 
 
@@ -81,6 +108,40 @@ def resolve_eps(method: str, eps_low: float | None, eps_high: float | None) -> t
     return low, high
 
 
+# --- inputs ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    """The loss's inputs, checked and shaped: everything [B, T]."""
+
+    mask: torch.Tensor  # [B, T] bool
+    advantage: torch.Tensor  # [B, T] float, detached, 0 off the mask
+    logp: torch.Tensor  # [B, T] float, carries grad
+    old: torch.Tensor  # [B, T] float, detached
+    log_ratio: torch.Tensor  # [B, T] logp - old, 0 off the mask, carries grad
+
+    @property
+    def ratio(self) -> torch.Tensor:  # [B, T] detached r
+        return torch.exp(self.log_ratio.detach())
+
+
+@dataclass
+class Clip:
+    """Where the method's clipped ratio (r, or gspo's s_i) leaves [1-eps_low, 1+eps_high]."""
+
+    ratio: torch.Tensor  # [B, T] detached: the ratio the method clips
+    region: torch.Tensor  # [B, T] int8: CLIP_LOW / CLIP_NONE / CLIP_HIGH
+    low: torch.Tensor  # [B, T] bool: low side and A < 0 (PPO-clip drops the gradient)
+    high: torch.Tensor  # [B, T] bool: high side and A > 0
+    eps_low: float
+    eps_high: float
+
+    @property
+    def clipped(self) -> torch.Tensor:  # [B, T] bool
+        return self.low | self.high
+
+
 def _check_finite(named: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
     """One device sync for all inputs: NaN/Inf at masked-in positions is an error."""
     flags = torch.stack([(~torch.isfinite(t.detach()) & mask).any() for t in named.values()])
@@ -90,7 +151,8 @@ def _check_finite(named: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
             raise ValueError(f"{name} contains NaN or Inf at masked-in (response) positions")
 
 
-def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy, entropy_coef):
+def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy,
+              entropy_coef, scale):
     if method not in METHODS:
         raise ValueError(f"method: unknown {method!r}; valid methods: {', '.join(METHODS)}")
     if agg not in AGGS:
@@ -115,6 +177,34 @@ def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau,
         raise ValueError(f"tau must be in (0, 1], got {tau}")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef needs entropy (with grad: logprobs_and_entropy(..., entropy_grad=True))")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale}")
+
+
+def _prepare(logprobs, old_logprobs, advantages, mask, extra: dict[str, torch.Tensor | None]) -> Tokens:
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    shape = tuple(logprobs.shape)
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), *extra.items()):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match logprobs shape {shape}")
+    if advantages.dim() == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match batch size {shape[0]}")
+        adv = advantages.detach().float().unsqueeze(1).expand(shape)  # [B, T]
+    elif tuple(advantages.shape) == shape:
+        adv = advantages.detach().float()  # [B, T]
+    else:
+        raise ValueError(f"advantages must be [B] or [B, T] = {shape}, got {tuple(advantages.shape)}")
+    m = mask.bool()
+    inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": adv}
+    inputs.update({name: t for name, t in extra.items() if t is not None})
+    _check_finite(inputs, m)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    logp = logprobs.float()
+    old = old_logprobs.detach().float()
+    log_ratio = torch.where(m, logp - old, torch.zeros((), dtype=logp.dtype, device=logp.device))
+    return Tokens(mask=m, advantage=torch.where(m, adv, zero), logp=logp, old=old, log_ratio=log_ratio)
 
 
 def aggregation_weights(mask: torch.Tensor, agg: str) -> torch.Tensor:
@@ -127,6 +217,98 @@ def aggregation_weights(mask: torch.Tensor, agg: str) -> torch.Tensor:
     if agg == "seq-mean-token-mean":
         return m / (lengths.clamp(min=1.0) * n_seq)
     return m / n_seq  # seq-mean-token-sum
+
+
+# --- stage 1: surrogates -----------------------------------------------------------------------
+
+
+def unit(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log r - sg(log r)): value 1, d/dlogp = 1, finite for any finite log r. [B, T]"""
+    return torch.exp(log_ratio - log_ratio.detach())
+
+
+def gspo_ratio(x: Tokens) -> torch.Tensor:
+    """s_i = exp(mean_t log r_it) per sequence, broadcast to [B, T], detached."""
+    lengths = x.mask.float().sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+    return torch.exp(x.log_ratio.detach().sum(-1, keepdim=True) / lengths).expand_as(x.log_ratio)  # [B, T]
+
+
+def clip_of(x: Tokens, ratio: torch.Tensor, eps_low: float, eps_high: float) -> Clip:
+    region = stats.clip_region(ratio, eps_low, eps_high)  # [B, T] int8
+    low = (region == CLIP_LOW) & (x.advantage < 0) & x.mask
+    high = (region == CLIP_HIGH) & (x.advantage > 0) & x.mask
+    return Clip(ratio=ratio, region=region, low=low, high=high, eps_low=eps_low, eps_high=eps_high)
+
+
+def ppo_clip_surrogate(x: Tokens, clip: Clip, surr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """grpo / dapo / gspo: l = -A surr (surr = r, or gspo's s_it), the constant -A (1 -/+ eps) where
+    clipped; g = -A slope(surr) unclipped, 0 clipped (slope = value of surr: d surr / dlogp = surr)."""
+    a = x.advantage
+    l = torch.where(clip.low, -a * (1.0 - clip.eps_low), torch.where(clip.high, -a * (1.0 + clip.eps_high), -a * surr))
+    g = torch.where(clip.clipped, torch.zeros_like(a), -a * clip.ratio)
+    return l, g
+
+
+def ce_gppo_surrogate(x: Tokens, clip: Clip, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """gppo (beta1 = beta2 = 1) and ce_gppo: l = -A sg(k) exp(log r - sg(log r)), g = -A k with
+    k = beta1 (1-eps_low) on clipped_low, beta2 (1+eps_high) on clipped_high, r elsewhere."""
+    k = torch.where(clip.low, torch.full_like(clip.ratio, beta1 * (1.0 - clip.eps_low)),
+                    torch.where(clip.high, torch.full_like(clip.ratio, beta2 * (1.0 + clip.eps_high)), clip.ratio))
+    g = -x.advantage * k  # [B, T] detached
+    return g * unit(x.log_ratio), g
+
+
+def cispo_surrogate(x: Tokens, clip: Clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """l = -sg(clip(r, 1-eps_low, 1+eps_high)) A logp; g = -clip(r) A."""
+    g = -clip.ratio.clamp(1.0 - clip.eps_low, 1.0 + clip.eps_high) * x.advantage
+    logp = torch.where(x.mask, x.logp, torch.zeros_like(x.logp))
+    return g * logp, g
+
+
+def surrogate(method: str, x: Tokens, eps_low: float, eps_high: float, beta1: float, beta2: float):
+    """(l [B,T], g [B,T], clip, slope [B,T]) of ``method``; slope is the unclipped surrogate's d/dlogp
+    divided by -A (r, or s_i for gspo)."""
+    if method == "gspo":
+        s = gspo_ratio(x)
+        clip = clip_of(x, s, eps_low, eps_high)
+        l, g = ppo_clip_surrogate(x, clip, s * unit(x.log_ratio))
+        return l, g, clip, s
+    r = x.ratio
+    clip = clip_of(x, r, eps_low, eps_high)
+    if method in ("grpo", "dapo"):
+        l, g = ppo_clip_surrogate(x, clip, torch.exp(x.log_ratio))
+    elif method in ("gppo", "ce_gppo"):
+        b1, b2 = (1.0, 1.0) if method == "gppo" else (float(beta1), float(beta2))
+        l, g = ce_gppo_surrogate(x, clip, b1, b2)
+    else:
+        l, g = cispo_surrogate(x, clip)
+    return l, g, clip, r
+
+
+# --- stage 2: modifiers ------------------------------------------------------------------------
+
+
+def apply_dual_clip(l, g, x: Tokens, clip: Clip, c: float):
+    """A < 0 and ratio > c (tokens PPO-clip has not already clipped): l = -c A, g = 0."""
+    dual = (x.advantage < 0) & (clip.ratio > c) & x.mask & ~clip.clipped  # [B, T] bool
+    l = torch.where(dual, (-x.advantage * c).detach(), l)
+    g = torch.where(dual, torch.zeros_like(g), g)
+    return l, g, dual
+
+
+def apply_erc(l, g, rho: torch.Tensor, band: tuple[float, float]):
+    """Keep the gradient iff band[0] < rho < band[1]; the value stays (l -> sg(l) outside)."""
+    keep = (rho > band[0]) & (rho < band[1])  # [B, T] bool
+    return torch.where(keep, l, l.detach()), torch.where(keep, g, torch.zeros_like(g)), keep
+
+
+def kl_term(x: Tokens, ref_logprobs: torch.Tensor, kl_coef: float):
+    """kl_coef * k3(ref || theta) per token [B, T] (with grad) and its d/dlogp (detached)."""
+    d = torch.where(x.mask, ref_logprobs.detach().float() - x.logp, torch.zeros_like(x.logp))  # ref - logp
+    return kl_coef * (torch.exp(d) - d - 1.0), kl_coef * (1.0 - torch.exp(d.detach()))
+
+
+# --- the loss ----------------------------------------------------------------------------------
 
 
 def policy_loss(
@@ -149,165 +331,74 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     tau: float = 0.5,
+    scale: float = 1.0,
 ) -> PolicyLossOutput:
     """Policy loss of ``method`` over response tokens. Shapes: logprobs, old_logprobs, mask [B, T];
     advantages [B] (one per sequence) or [B, T]; entropy / old_entropy / ref_logprobs [B, T].
     eps_low / eps_high / agg default per method (see :data:`DEFAULT_EPS`, :data:`DEFAULT_AGG`).
+    ``scale``: the returned loss is scale * loss (e.g. 1 / gradient_accumulation_steps).
     Formulas: module docstring. ``columns['grad_coef']`` == autograd.grad(loss, logprobs)."""
     agg = DEFAULT_AGG.get(method, "token-mean") if agg is None else agg
     if method in METHODS:
         eps_low, eps_high = resolve_eps(method, eps_low, eps_high)
-    _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy, entropy_coef)
+    scale = float(scale)
+    _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy,
+              entropy_coef, scale)
+    x = _prepare(logprobs, old_logprobs, advantages, mask,
+                 {"entropy": entropy, "old_entropy": old_entropy, "ref_logprobs": ref_logprobs})
+    w = aggregation_weights(x.mask, agg) * scale  # [B, T], scale folded in
 
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    shape = tuple(logprobs.shape)
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("entropy", entropy),
-                    ("old_entropy", old_entropy), ("ref_logprobs", ref_logprobs)):
-        if t is not None and tuple(t.shape) != shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} does not match logprobs shape {shape}")
-    if advantages.dim() == 1:
-        if advantages.shape[0] != shape[0]:
-            raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match batch size {shape[0]}")
-        adv = advantages.detach().float().unsqueeze(1).expand(shape)
-    elif tuple(advantages.shape) == shape:
-        adv = advantages.detach().float()
-    else:
-        raise ValueError(f"advantages must be [B] or [B, T] = {shape}, got {tuple(advantages.shape)}")
-
-    m = mask.bool()
-    inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": adv}
-    for name, t in (("entropy", entropy), ("old_entropy", old_entropy), ("ref_logprobs", ref_logprobs)):
-        if t is not None:
-            inputs[name] = t
-    _check_finite(inputs, m)
-
-    A = torch.where(m, adv, torch.zeros_like(adv))  # [B, T]
-    logp = logprobs.float()
-    old = old_logprobs.detach().float()
-    log_r = torch.where(m, logp - old, torch.zeros_like(old))  # [B, T], 0 off the mask
-    r = torch.exp(log_r)  # [B, T], carries grad
-    r_d = r.detach()
-
-    w = aggregation_weights(m, agg)  # [B, T]
-
-    if method == "gspo":
-        lengths = m.float().sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
-        seq_log_r = (log_r.detach().sum(-1, keepdim=True) / lengths)  # [B, 1]
-        s = torch.exp(seq_log_r).expand(shape)  # sg(s_i) broadcast, [B, T]
-        surr = s * torch.exp(log_r - log_r.detach())  # value s_i, d/dlogp = s_i
-        clip_r = s
-        slope = s  # d surr / d logp
-    else:
-        surr = r
-        clip_r = r_d
-        slope = r_d
-
-    region = stats.clip_region(clip_r, eps_low, eps_high)  # [B, T] int8
-    low_side = region == CLIP_LOW
-    high_side = region == CLIP_HIGH
-    cl = low_side & (A < 0) & m  # PPO-clip drops the gradient (low side)
-    ch = high_side & (A > 0) & m  # (high side)
-    clipped = cl | ch
-    lo_b, hi_b = 1.0 - eps_low, 1.0 + eps_high
-
-    if method in ("grpo", "dapo", "gspo"):
-        l = torch.where(cl, -A * lo_b, torch.where(ch, -A * hi_b, -A * surr))
-        g = torch.where(clipped, torch.zeros_like(A), -A * slope)
-    elif method in ("gppo", "ce_gppo"):
-        b1, b2 = (1.0, 1.0) if method == "gppo" else (float(beta1), float(beta2))
-        l = torch.where(
-            cl, -A * (b1 * lo_b) / r_d * r, torch.where(ch, -A * (b2 * hi_b) / r_d * r, -A * r)
-        )
-        g = torch.where(cl, -A * (b1 * lo_b), torch.where(ch, -A * (b2 * hi_b), -A * r_d))
-    else:  # cispo
-        w_is = clip_r.clamp(lo_b, hi_b)
-        logp_m = torch.where(m, logp, torch.zeros_like(logp))
-        l = -w_is * A * logp_m
-        g = -w_is * A
-
-    dual = torch.zeros_like(m)
-    if dual_clip is not None:
-        dual = (A < 0) & (clip_r > dual_clip) & m & ~clipped
-        l = torch.where(dual, (-A * dual_clip).detach(), l)
-        g = torch.where(dual, torch.zeros_like(g), g)
+    l, g, clip, slope = surrogate(method, x, eps_low, eps_high, beta1, beta2)
+    g_unclipped = -x.advantage * slope  # [B, T]
+    changed = clip.clipped
+    if method == "cispo":  # cispo's clip changes the slope wherever r leaves the band and A != 0
+        changed = (clip.region != CLIP_NONE) & (x.advantage != 0) & x.mask
 
     columns: dict[str, torch.Tensor] = {}
-    metrics: dict[str, torch.Tensor] = {}
-    if entropy is not None and old_entropy is not None:
-        rho = stats.entropy_ratio(entropy, old_entropy)  # [B, T]
+    dual = None
+    if dual_clip is not None:
+        l, g, dual = apply_dual_clip(l, g, x, clip, float(dual_clip))
+        changed = changed | dual
+        columns["dual_clipped"] = dual
+    if entropy is not None:
         columns["entropy"] = entropy.detach().float()
+    if entropy is not None and old_entropy is not None:
         columns["old_entropy"] = old_entropy.detach().float()
+        rho = stats.entropy_ratio(entropy, old_entropy)  # [B, T]
         columns["entropy_ratio"] = rho
         if erc is not None:
-            keep = (rho > erc[0]) & (rho < erc[1])
-            l = torch.where(keep, l, l.detach())
-            g = torch.where(keep, g, torch.zeros_like(g))
+            l, g, keep = apply_erc(l, g, rho, erc)
+            changed = changed | ~keep
             columns["erc_kept"] = keep
-    elif entropy is not None:
-        columns["entropy"] = entropy.detach().float()
-
     if ref_logprobs is not None and kl_coef != 0.0:
-        d = torch.where(m, ref_logprobs.detach().float() - logp, torch.zeros_like(logp))  # ref - logp
-        l = l + kl_coef * (torch.exp(d) - d - 1.0)
-        g = g + kl_coef * (1.0 - torch.exp(d.detach()))
+        kl, kl_slope = kl_term(x, ref_logprobs, kl_coef)
+        l, g, g_unclipped = l + kl, g + kl_slope, g_unclipped + kl_slope
 
-    l = torch.where(m, l, torch.zeros_like(l))  # nothing off the mask reaches the loss
+    l = torch.where(x.mask, l, torch.zeros_like(l))  # nothing off the mask reaches the loss
     loss = (l * w).sum()
     if entropy_coef != 0.0:
-        loss = loss - entropy_coef * (torch.where(m, entropy.float(), torch.zeros_like(w)) * w).sum()
+        loss = loss - entropy_coef * (torch.where(x.mask, entropy.float(), torch.zeros_like(w)) * w).sum()
 
-    prob = torch.exp(old)
-    quad = stats.quadrant(A, prob, tau=tau)
-    quad = torch.where(m, quad, torch.full_like(quad, ZA))
+    zero = torch.zeros_like(w)
+    prob = torch.exp(x.old)
+    quadrant = stats.quadrant(x.advantage, prob, tau=tau)
     columns.update(
-        logprob=logp.detach(),
-        old_logprob=old,
-        ratio=r_d,
-        advantage=A,
+        logprob=x.logp.detach(),
+        old_logprob=x.old,
+        ratio=x.ratio,
+        advantage=x.advantage,
         prob=prob,
-        quadrant=quad,
-        clip=region,
-        clipped=clipped,
-        grad_coef=torch.where(m, g.detach() * w, torch.zeros_like(w)),
+        quadrant=torch.where(x.mask, quadrant, torch.full_like(quadrant, ZA)),
+        clip=clip.region,
+        clipped=clip.clipped,
+        grad_coef=torch.where(x.mask, g.detach() * w, zero),
+        grad_coef_unclipped=torch.where(x.mask, g_unclipped.detach() * w, zero),
+        grad_changed=changed & x.mask,
         token_loss=l.detach(),
     )
-    if dual_clip is not None:
-        columns["dual_clipped"] = dual
-
-    n = m.sum()
-    denom = n.clamp(min=1).float()
-
-    def frac(x: torch.Tensor) -> torch.Tensor:
-        return (x & m).sum().float() / denom
-
-    metrics["loss"] = loss.detach()
-    metrics["n_tokens"] = n.float()
-    metrics["clip/low_frac"] = frac(cl)
-    metrics["clip/high_frac"] = frac(ch)
-    metrics["clip/frac"] = frac(clipped)
-    metrics["clip/region_low_frac"] = frac(low_side)
-    metrics["clip/region_high_frac"] = frac(high_side)
-    for code, name in QUADRANT_NAMES.items():
-        in_q = (quad == code) & m
-        metrics[f"quadrant/{name}_frac"] = frac(in_q)
-        if code != ZA:
-            metrics[f"clip/{name}_frac"] = (clipped & in_q).sum().float() / in_q.sum().clamp(min=1).float()
-    metrics["ratio/mean"] = (r_d * m).sum() / denom
-    metrics["kl/k3"] = (torch.where(m, stats.kl_k3(logp, old), torch.zeros_like(old))).sum() / denom
-    if "entropy" in columns:
-        metrics["entropy/mean"] = (torch.where(m, columns["entropy"], torch.zeros_like(w))).sum() / denom
-    if "entropy_ratio" in columns:
-        metrics["entropy_ratio/mean"] = (torch.where(m, columns["entropy_ratio"], torch.zeros_like(w))).sum() / denom
-    if erc is not None:
-        metrics["erc/drop_frac"] = frac(~columns["erc_kept"])
-    if dual_clip is not None:
-        metrics["clip/dual_frac"] = frac(dual)
-
     config = dict(
         method=method, eps_low=eps_low, eps_high=eps_high, beta1=float(beta1), beta2=float(beta2),
         dual_clip=dual_clip, erc=tuple(erc) if erc is not None else None, agg=agg, tau=tau,
-        entropy_coef=entropy_coef, kl_coef=kl_coef,
+        entropy_coef=entropy_coef, kl_coef=kl_coef, scale=scale,
     )
-    return PolicyLossOutput(loss=loss, columns=columns, metrics=metrics, config=config)
-
+    return PolicyLossOutput(loss=loss, columns=columns, config=config, mask=x.mask)

@@ -153,6 +153,29 @@ def step_aggregates(
     return torch.cat([o.to(dev) for o in out])
 
 
+def step_metrics(
+    cols: dict[str, torch.Tensor], mask: torch.Tensor, loss_value: torch.Tensor | None = None,
+    lgn: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`step_aggregates` as a dict of 0-dim device tensors keyed by the steps column names,
+    leaving out the ones whose inputs are absent (entropy, ERC, logit-gradient norms, loss)."""
+    aggs = step_aggregates(cols, mask, lgn, loss_value)
+    absent: set[str] = set()
+    if "entropy" not in cols:
+        absent.add("entropy_mean")
+    if "old_entropy" not in cols:
+        absent.add("old_entropy_mean")
+    if "entropy_ratio" not in cols:
+        absent.update(("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95"))
+    if "erc_kept" not in cols:
+        absent.add("erc_drop_frac")
+    if lgn is None:
+        absent.update(n for n in AGG_NAMES if n.startswith("lgn_mean_"))
+    if loss_value is None:
+        absent.add("loss")
+    return {name: v for name, v in zip(AGG_NAMES, aggs.unbind(0)) if name not in absent}
+
+
 def run_hash(run: str) -> int:
     """A stable 31-bit integer for the run id (the salt of the sequence sample)."""
     return zlib.crc32(run.encode()) & 0x7FFFFFFF

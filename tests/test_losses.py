@@ -50,10 +50,10 @@ def test_grpo_regions():
     # forward value = max(-A r, -A clip(r)):  [-1, -0.5, 0.8, -1.2, 1.5, 20, -1.2] / 7
     assert out.loss.item() == pytest.approx((-1 - 0.5 + 0.8 - 1.2 + 1.5 + 20 - 1.2) / 7)
     m = out.scalars()
-    assert m["clip/low_frac"] == pytest.approx(1 / 7)
-    assert m["clip/high_frac"] == pytest.approx(2 / 7)
-    assert m["clip/region_low_frac"] == pytest.approx(2 / 7)
-    assert m["clip/region_high_frac"] == pytest.approx(4 / 7)
+    assert m["clip_low_frac"] == pytest.approx(1 / 7)
+    assert m["clip_high_frac"] == pytest.approx(2 / 7)
+    assert m["region_low_frac"] == pytest.approx(2 / 7)
+    assert m["region_high_frac"] == pytest.approx(4 / 7)
 
 
 def test_grpo_forward_matches_max_form():
@@ -150,7 +150,7 @@ def test_erc_zeroes_exactly_out_of_band_and_keeps_value():
     (g0,) = torch.autograd.grad(base.loss, logp)
     torch.testing.assert_close(g, torch.where(keep, g0, torch.zeros_like(g0)))
     torch.testing.assert_close(out.columns["grad_coef"].double(), g)
-    assert out.scalars()["erc/drop_frac"] == pytest.approx(3 / 7)
+    assert out.scalars()["erc_drop_frac"] == pytest.approx(3 / 7)
     # dropped tokens stay in the denominator: the kept tokens' grad is still 1/7-weighted
     assert g[0, 0].item() == pytest.approx(-1.0 / 7)
 
@@ -196,10 +196,10 @@ def test_quadrant_columns_and_metrics():
     assert out.columns["quadrant"].tolist() == [[2, 1, 4, 2, 3, 4, 1]]
     torch.testing.assert_close(out.columns["prob"].double(), torch.exp(old))
     m = out.scalars()
-    assert m["quadrant/PA&LP_frac"] == pytest.approx(2 / 7)
+    assert m["n_pa_lp"] == 2 and m["n_tokens"] == 7
     # clipped: t2 (NA&LP), t3 (PA&LP), t6 (PA&HP): PA&LP 1 of 2, NA&LP 1 of 2, PA&HP 1 of 2, NA&HP 0
-    assert m["clip/PA&LP_frac"] == pytest.approx(0.5)
-    assert m["clip/NA&HP_frac"] == 0.0
+    assert m["clip_frac_pa_lp"] == pytest.approx(0.5)
+    assert m["clip_frac_na_hp"] == 0.0
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -263,3 +263,130 @@ def test_bad_inputs():
         policy_loss(logp, old, adv, mask, agg="mean")
     with pytest.raises(ValueError, match="entropy_coef needs entropy"):
         policy_loss(logp, old, adv, mask, entropy_coef=0.01)
+
+
+# --- extreme ratios, scale, the unclipped reference ---------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_extreme_log_ratios_give_finite_exact_gradients(method):
+    # log r from -200 to +50: in float32 exp(-110) underflows to 0, so the old GPPO form
+    # -A (1-eps) / sg(r) * r was 0/0 = NaN. A alternates -1, +1, so both clipped sides occur:
+    #   log r = -200, A = -1: r = 0 < 0.8, clipped_low: gppo g = -(1-0.2)(-1) = 0.8 (grpo 0)
+    #   log r = +50,  A = +1: r = 5.2e21 > 1.2, clipped_high: gppo g = -(1.2)(1) = -1.2 (grpo 0)
+    #   A = +1 at r ~ 0 (kept low side): g = -r A ~ 0; A = -1 at r = e^50 (kept high side): g = e^50.
+    lr = torch.linspace(-200.0, 50.0, 26, dtype=torch.float64)
+    lr = torch.cat([lr, torch.tensor([-110.0, -110.0], dtype=torch.float64)]).unsqueeze(0)  # [1, 28]
+    n = lr.shape[1]
+    old = torch.full((1, n), -1.0, dtype=torch.float64)
+    logp = (old + lr).requires_grad_(True)
+    adv = torch.tensor([[(-1.0) ** (i + 1) for i in range(n)]], dtype=torch.float64)  # -1, +1, ...
+    mask = torch.ones(1, n, dtype=torch.bool)
+    out = policy_loss(logp, old, adv, mask, method=method, beta1=0.5, beta2=1.0,
+                      agg="token-mean", eps_low=0.2, eps_high=0.2)
+    (g,) = torch.autograd.grad(out.loss, logp)
+    assert torch.isfinite(out.loss) and torch.isfinite(g).all()
+    for name in ("grad_coef", "grad_coef_unclipped", "token_loss"):
+        assert torch.isfinite(out.columns[name]).all(), name
+    # the expected slope per token, in float64 from the region rules (module docstring)
+    r = torch.exp(lr)
+    a = adv
+    low = (r < 0.8) & (a < 0)
+    high = (r > 1.2) & (a > 0)
+    if method in ("grpo", "dapo", "gspo"):
+        exp_g = torch.where(low | high, torch.zeros_like(r), -r * a)
+    elif method == "gppo":
+        exp_g = torch.where(low, -0.8 * a, torch.where(high, -1.2 * a, -r * a))
+    elif method == "ce_gppo":
+        exp_g = torch.where(low, -0.5 * 0.8 * a, torch.where(high, -1.0 * 1.2 * a, -r * a))
+    else:  # cispo
+        exp_g = -r.clamp(0.8, 1.2) * a
+    if method == "gspo":  # one sequence: s = exp(mean log r) = exp(-80.23) -> whole sequence low side
+        s = torch.exp(lr.mean())
+        exp_g = torch.where(a < 0, torch.zeros_like(r), -s * a)
+    torch.testing.assert_close(g, exp_g / n, rtol=1e-5, atol=1e-30)
+    torch.testing.assert_close(out.columns["grad_coef"].double(), g, rtol=1e-5, atol=1e-30)
+
+
+def test_scale_multiplies_loss_and_grad_coef():
+    # scale 0.25 (e.g. 4 gradient-accumulation steps): loss, autograd and grad_coef all x 0.25
+    logp, old, adv, mask = fixture()
+    base = policy_loss(logp, old, adv, mask, method="ce_gppo")
+    out = policy_loss(logp, old, adv, mask, method="ce_gppo", scale=0.25)
+    assert out.loss.item() == pytest.approx(0.25 * base.loss.item())
+    (g,) = torch.autograd.grad(out.loss, logp)
+    (g0,) = torch.autograd.grad(base.loss, logp)
+    torch.testing.assert_close(g, 0.25 * g0)
+    torch.testing.assert_close(out.columns["grad_coef"].double(), g)
+    torch.testing.assert_close(out.columns["grad_coef_unclipped"], 0.25 * base.columns["grad_coef_unclipped"])
+    assert out.scalars()["loss"] == pytest.approx(out.loss.item())
+    with pytest.raises(ValueError, match="scale"):
+        policy_loss(logp, old, adv, mask, scale=0.0)
+
+
+def _unclipped_reference_grad(method, logp, old, adv, mask, w, scale, ref=None, kl_coef=0.0):
+    """float64 autograd of the unclipped surrogate: sum c w (-A rho) (+ c w kl k3), rho = r, or gspo's
+    token form sg(s_i) exp(log r - sg(log r)); cispo's -A sg(r) logp has the same gradient as -A r."""
+    lr = logp - old
+    if method == "gspo":
+        s = torch.exp((lr.detach() * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True))
+        rho = s * torch.exp(lr - lr.detach())
+    else:
+        rho = torch.exp(lr)
+    a = adv if adv.dim() == 2 else adv.unsqueeze(1)
+    per_token = -a * rho
+    if ref is not None:
+        d = ref - logp
+        per_token = per_token + kl_coef * (torch.exp(d) - d - 1.0)
+    (g,) = torch.autograd.grad((scale * w * per_token * mask).sum(), logp)
+    return g
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_grad_coef_unclipped_is_autograd_of_unclipped_surrogate(method):
+    logp, old, adv, mask = fixture()
+    h_old = torch.ones(1, 7, dtype=torch.float64)
+    h = torch.tensor([[1.0, 0.94, 0.96, 1.04, 1.06, 1.0, 2.0]], dtype=torch.float64)  # ERC drops t1, t4, t6
+    ref = old + 0.1
+    kw = dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), ref_logprobs=ref, kl_coef=0.05, scale=0.5)
+    if method != "cispo":
+        kw["dual_clip"] = 10.0
+    out = policy_loss(logp, old, adv, mask, method=method, **kw)
+    w = torch.full((1, 7), 1 / 7, dtype=torch.float64)  # token-mean (gspo: one sequence of 7 -> 1/7 too)
+    g_ref = _unclipped_reference_grad(method, logp, old, adv, mask, w, 0.5, ref, 0.05)
+    torch.testing.assert_close(out.columns["grad_coef_unclipped"].double(), g_ref, rtol=1e-6, atol=1e-9)
+    # grad_coef itself stays autograd of the real loss
+    (g,) = torch.autograd.grad(out.loss, logp)
+    torch.testing.assert_close(out.columns["grad_coef"].double(), g, rtol=1e-6, atol=1e-9)
+    # where nothing changed the gradient, the two coincide
+    same = ~out.columns["grad_changed"]
+    torch.testing.assert_close(out.columns["grad_coef"][same], out.columns["grad_coef_unclipped"][same])
+
+
+def test_grad_changed_token_by_token():
+    # fixture regions (module docstring): clipped t2 (low), t3, t6 (high, eps 0.2); t5 r = 20 > c = 10
+    logp, old, adv, mask = fixture()
+    F, T = False, True
+    for method, kw, expected in [
+        ("grpo", {}, [F, F, T, T, F, F, T]),
+        ("gppo", {}, [F, F, T, T, F, F, T]),  # bounded slope -0.8 A / -1.2 A instead of -r A
+        ("ce_gppo", {}, [F, F, T, T, F, F, T]),
+        ("grpo", {"dual_clip": 10.0}, [F, F, T, T, F, T, T]),
+        ("dapo", {}, [F, F, T, T, F, F, F]),  # eps_high 0.28: t6 (r = 1.25) inside
+        ("cispo", {}, [F, T, T, T, T, T, T]),  # clip(r) != r at every r outside [0.8, 1.2]
+    ]:
+        out = policy_loss(logp, old, adv, mask, method=method, **kw)
+        assert out.columns["grad_changed"].tolist() == [expected], (method, kw)
+        diff = (out.columns["grad_coef"] - out.columns["grad_coef_unclipped"]).abs() > 1e-9
+        # every changed token here really has a different coefficient, every other one the same
+        assert diff.tolist() == [expected], (method, kw)
+    # ERC: out-of-band tokens t1, t4, t6 changed too (their gradient is zeroed)
+    h_old = torch.ones(1, 7, dtype=torch.float64)
+    h = torch.tensor([[1.0, 0.94, 0.96, 1.04, 1.06, 1.0, 2.0]], dtype=torch.float64)
+    out = policy_loss(logp, old, adv, mask, method="gppo", entropy=h, old_entropy=h_old, erc=(0.95, 1.05))
+    assert out.columns["grad_changed"].tolist() == [[F, T, T, T, T, F, T]]
+    # masked-out tokens are never changed, and their coefficients are 0
+    m2 = mask.clone()
+    m2[0, 2] = False
+    out = policy_loss(logp, old, adv, m2, method="grpo")
+    assert not out.columns["grad_changed"][0, 2] and out.columns["grad_coef_unclipped"][0, 2] == 0
