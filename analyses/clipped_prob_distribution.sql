@@ -21,7 +21,7 @@ SELECT
     (c.bin + 1) / $bins AS prob_hi,
     count(*) AS tokens,
     count(*) / sum(count(*)) OVER (PARTITION BY c.run, c.side) AS share,
-    sum(count(*) FILTER (WHERE c.prob < $tau)) OVER (PARTITION BY c.run, c.side)
+    sum(count_if(c.prob < $tau)) OVER (PARTITION BY c.run, c.side)
         / sum(count(*)) OVER (PARTITION BY c.run, c.side) AS lp_share
 FROM c
 JOIN runs AS r USING (run)

@@ -2,16 +2,23 @@
 -- columns: run, method, bin, prob_lo, prob_hi, tokens, mean_abs_log_ratio
 -- figure: ERC Sec. 3 (drift is strongest for p < 0.2 and p > 0.6)
 -- params: bins=10
+WITH b AS (
+    SELECT
+        run,
+        CAST(least(floor(prob * $bins), $bins - 1) AS INTEGER) AS bin,
+        abs(ln(entropy_ratio)) AS abs_log_ratio
+    FROM tokens
+    WHERE entropy_ratio > 0
+)
 SELECT
-    t.run,
+    b.run,
     r.method,
-    least(floor(t.prob * $bins), $bins - 1)::INTEGER AS bin,
-    least(floor(t.prob * $bins), $bins - 1) / $bins AS prob_lo,
-    (least(floor(t.prob * $bins), $bins - 1) + 1) / $bins AS prob_hi,
+    b.bin,
+    b.bin / $bins AS prob_lo,
+    (b.bin + 1) / $bins AS prob_hi,
     count(*) AS tokens,
-    avg(abs(ln(t.entropy_ratio))) AS mean_abs_log_ratio
-FROM tokens AS t
+    avg(b.abs_log_ratio) AS mean_abs_log_ratio
+FROM b
 JOIN runs AS r USING (run)
-WHERE t.entropy_ratio > 0
-GROUP BY t.run, r.method, bin, prob_lo, prob_hi
-ORDER BY t.run, bin
+GROUP BY b.run, r.method, b.bin
+ORDER BY b.run, b.bin

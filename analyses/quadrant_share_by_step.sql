@@ -7,18 +7,32 @@ WITH counts AS (
     SELECT
         run,
         step,
-        sum(n_pa_hp) AS "PA&HP",
-        sum(n_pa_lp) AS "PA&LP",
-        sum(n_na_hp) AS "NA&HP",
-        sum(n_na_lp) AS "NA&LP",
-        sum(n_za) AS "ZA",
+        sum(n_pa_hp) AS n_pa_hp,
+        sum(n_pa_lp) AS n_pa_lp,
+        sum(n_na_hp) AS n_na_hp,
+        sum(n_na_lp) AS n_na_lp,
+        sum(n_za) AS n_za,
         sum(n_tokens) AS total
     FROM steps
     WHERE n_tokens IS NOT NULL
     GROUP BY run, step
 ),
+quadrants AS (
+    SELECT 'PA&HP' AS quadrant UNION ALL SELECT 'PA&LP' UNION ALL SELECT 'NA&HP'
+    UNION ALL SELECT 'NA&LP' UNION ALL SELECT 'ZA'
+),
 long AS (
-    UNPIVOT counts ON "PA&HP", "PA&LP", "NA&HP", "NA&LP", "ZA" INTO NAME quadrant VALUE tokens
+    SELECT
+        c.run,
+        c.step,
+        q.quadrant,
+        CASE q.quadrant
+            WHEN 'PA&HP' THEN c.n_pa_hp WHEN 'PA&LP' THEN c.n_pa_lp WHEN 'NA&HP' THEN c.n_na_hp
+            WHEN 'NA&LP' THEN c.n_na_lp ELSE c.n_za
+        END AS tokens,
+        c.total
+    FROM counts AS c
+    CROSS JOIN quadrants AS q
 )
 SELECT
     l.run,
@@ -29,4 +43,5 @@ SELECT
     l.tokens / nullif(l.total, 0) AS share
 FROM long AS l
 JOIN runs AS r USING (run)
+WHERE l.tokens IS NOT NULL
 ORDER BY l.run, l.step, l.quadrant

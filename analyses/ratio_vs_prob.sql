@@ -2,7 +2,9 @@
 -- columns: run, method, step, prob, ratio, quadrant, clipped, eps_low, eps_high
 -- figure: CE-GPPO Fig. 1 left (scatter with the 1 - eps_low and 1 + eps_high lines)
 -- params: points=4000
--- A deterministic sample of at most $points token rows per run (by a hash of the row's key).
+-- A deterministic sample of at most $points token rows per run: the rows with the smallest hash of
+-- their key (step, update, rank, seq, pos), a multiplicative hash modulo the prime 2^31 - 1 written in
+-- plain integer arithmetic (every product < 2^62) so DuckDB and Spark pick the same rows.
 WITH ranked AS (
     SELECT
         t.run,
@@ -11,7 +13,14 @@ WITH ranked AS (
         t.ratio,
         t.quadrant,
         t.clipped,
-        row_number() OVER (PARTITION BY t.run ORDER BY hash(t.step, t.update, t.rank, t.seq, t.pos)) AS k
+        row_number() OVER (
+            PARTITION BY t.run
+            ORDER BY
+                ((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
+                    % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
+                    * 742938285 % 2147483647,
+                t.step, t.update, t.rank, t.seq, t.pos
+        ) AS k
     FROM tokens AS t
     WHERE t.quadrant <> 'ZA'
 )

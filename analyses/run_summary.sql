@@ -19,7 +19,7 @@ WITH per_step AS (
 agg AS (
     SELECT
         run,
-        count(*) FILTER (WHERE tokens > 0) AS steps,
+        CAST(count_if(tokens > 0) AS BIGINT) AS steps,
         sum(tokens) AS tokens,
         arg_max(entropy, step) FILTER (WHERE entropy IS NOT NULL) AS final_entropy,
         min(entropy) AS min_entropy,
