@@ -8,38 +8,52 @@
     trainer.train()
 
 What it changes in TRL (private methods, hence the version check):
-- ``_get_per_token_logps_and_entropies``: runs the model's plain forward (not TRL's fused LM head)
-  for text-only batches, so the completion logits exist; computes log-probs and full-vocabulary
-  entropies with ``entropylens.stats.logprobs_and_entropy`` (temperature applied as TRL does) and, in
-  the training pass, hooks the logits for exact logit-gradient norms. In the no-grad old-policy pass
-  it keeps the entropies, which TRL throws away, so the entropy ratio exists.
-- ``_generate_and_score_completions``: adds ``old_entropies`` and run-unique ``el_seq_ids`` to the
-  batch (they are shuffled and split with it) and records the sequences (reward, advantage, length).
+- TRL's fused LM head (``add_fused_lm_head``) is asked for one more per-token output,
+  ``log_sum_sq_probs`` (log sum_j p_j^2), besides its ``log_probs`` and ``entropy``: no [b, K, V] logits
+  exist in any pass, as with TRL alone. ``_get_per_token_logps_and_entropies`` runs TRL's own method
+  (text and multimodal batches alike) and keeps the entropies and sum p^2 it computed.
+- Training pass: a tensor hook on the [b, K] log-prob tensor gives g_t = dLoss/dlogp_t of the loss that
+  is actually back-propagated (TRL's own or entropylens', gradient accumulation included), and the
+  exact logit-gradient norm is the closed form ||dLoss/dz_t|| = |g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2).
+  The row is recorded after the backward (``training_step``).
+- Old-policy pass: its entropies are kept (TRL drops them) only for the pass whose output becomes
+  ``old_per_token_logps`` (never the reference pass, which for PEFT also runs through ``self.model``).
+- ``_generate_and_score_completions`` adds ``old_entropies`` and run-unique ``el_seq_ids``
+  (local index * world_size + rank) to the batch and records the sequences (reward, advantage, length).
 - ``_compute_loss``: ``loss=None`` keeps TRL's loss and records the update; ``loss="ce_gppo"`` (or any
   method of ``entropylens.losses``) replaces it with ``policy_loss`` (eps from GRPOConfig's
-  epsilon / epsilon_high, TRL's beta as k3 KL), token-mean per micro-batch, scaled for gradient
-  accumulation. Step aggregates go to TRL's logs as ``entropylens/...``.
+  epsilon / epsilon_high, TRL's beta as k3 KL), token-mean per micro-batch, ``scale`` =
+  1 / gradient_accumulation_steps. GRPOConfig options that entropylens' loss does not implement raise
+  before training (:func:`unsupported_trl_options`). Step aggregates go to TRL's logs as
+  ``entropylens/...``.
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
+
+Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
+backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
 
 entropylens step = optimizer step (``state.global_step``), update = micro-batch within it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import types
+import warnings
 
 import torch
 
 from ..losses import METHODS, policy_loss
 from ..recorder import Recorder
-from ..stats import logprobs_and_entropy
+from ..stats import clip_region, clipped_mask, head_stats
 
 TRL_TESTED = ("1.16",)  # major.minor releases whose private GRPOTrainer methods this was tested against
 LOG_KEYS = ("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "erc_drop_frac", "kl_k3",
             "clip_low_frac", "clip_high_frac", "clip_frac_pa_lp", "clip_frac_na_lp", "lgn_mean_pa_hp",
             "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp")
-_MM_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-            "token_type_ids", "mm_token_type_ids", "image_position_ids")
+_MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL loss types that clip like PPO
 
 
 def check_trl_version(version: str | None = None) -> str:
@@ -59,10 +73,91 @@ def check_trl_version(version: str | None = None) -> str:
     return version
 
 
+def unsupported_trl_options(args, aux_loss_enabled: bool = False) -> list[str]:
+    """The active GRPOConfig options that change TRL's objective in ways entropylens' ``policy_loss``
+    does not implement (each would be dropped silently by ``loss=...``)."""
+    out = []
+    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
+        out.append(f"top_entropy_quantile={args.top_entropy_quantile} (TRL's high-entropy token mask)")
+    if getattr(args, "off_policy_mask_threshold", None) is not None:
+        out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (TRL's off-policy sequence mask)")
+    if getattr(args, "delta", None) is not None:
+        out.append(f"delta={args.delta} (TRL's upper clamp of the ratio)")
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
+        out.append("use_vllm with vllm_importance_sampling_correction=True (TRL's vLLM importance-sampling correction)")
+    if getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
+        out.append(f"entropy_coef={args.entropy_coef}"
+                   + (" / use_adaptive_entropy=True" if getattr(args, "use_adaptive_entropy", False) else "")
+                   + " (TRL's entropy bonus)")
+    if getattr(args, "importance_sampling_level", "token") != "token":
+        out.append(f"importance_sampling_level={args.importance_sampling_level!r} (TRL's sequence-level ratio; "
+                   "entropylens has loss='gspo')")
+    if getattr(args, "use_bias_correction_kl", False) and getattr(args, "beta", 0.0):
+        out.append("use_bias_correction_kl=True (TRL's ratio-weighted KL)")
+    if aux_loss_enabled:
+        out.append(f"router_aux_loss_coef={getattr(args, 'router_aux_loss_coef', None)} (the MoE router aux loss)")
+    return out
+
+
+def _refuse(loss: str, options: list[str]) -> None:
+    if options:
+        raise ValueError(
+            f"loss={loss!r} replaces TRL's loss and does not implement these active GRPOConfig options: "
+            + "; ".join(options) + ". Unset them, or keep TRL's loss (loss=None), which is recorded as it is."
+        )
+
+
+def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high: float, logprobs: torch.Tensor,
+                     old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
+    """``clip`` / ``clipped`` [B, T] as TRL's own loss defines them (schema: column meanings).
+
+    PPO-clip types (grpo, bnpo, dr_grpo, dapo, luspo): region of the ratio TRL clips (the token ratio, or
+    the sequence ratio exp(mean_t log r) with importance_sampling_level='sequence'); clipped = the
+    advantage-gated PPO rule, plus A < 0 and r > delta when ``delta`` clamps the ratio (zero gradient).
+    cispo: +1 where the detached weight is capped (r > epsilon_high, an absolute cap), never clipped
+    (its gradient is never removed). sapo, vespo: no hard clip (0 / False)."""
+    m = mask.bool()
+    a = advantages.detach().float()
+    a = a.unsqueeze(1).expand(m.shape) if a.dim() == 1 else a
+    log_r = torch.where(m, logprobs.detach().float() - old_logprobs.detach().float(), torch.zeros_like(a))
+    if level == "sequence":
+        log_r = (log_r.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)).expand(m.shape)
+    r = torch.exp(log_r)  # [B, T]: the ratio TRL's loss uses
+    zero = torch.zeros(m.shape, dtype=torch.int8, device=m.device)
+    if loss_type in PPO_CLIP_LOSS_TYPES:
+        region = clip_region(r, eps_low, eps_high)
+        clipped = clipped_mask(region, a)
+        if delta is not None:
+            clipped = clipped | ((a < 0) & (r > delta))
+    elif loss_type == "cispo":
+        region = (r > eps_high).to(torch.int8)
+        clipped = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
+    else:
+        region, clipped = zero, torch.zeros(m.shape, dtype=torch.bool, device=m.device)
+    return {"clip": region, "clipped": clipped & m}
+
+
+def closed_form_logit_grad_norm(grad_logp: torch.Tensor, logprobs: torch.Tensor, sum_p_squared: torch.Tensor,
+                                temperature: float) -> torch.Tensor:
+    """||dL/dz_t||_2 = |g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2) for a loss that reaches the logits only
+    through logp_t (g_t = dL/dlogp_t; p_t = exp(logp_t) under the current policy). [B, T] float32."""
+    p = logprobs.detach().float().exp()
+    return grad_logp.detach().float().abs() / temperature * torch.sqrt((1.0 - 2.0 * p + sum_p_squared.float()).clamp(min=0.0))
+
+
+class _LossColumns:
+    """What ``Recorder.record_update(loss=...)`` reads: per-token columns, the loss value, settings."""
+
+    def __init__(self, columns: dict, loss=None, config: dict | None = None):
+        self.columns, self.loss, self.config = columns, loss, config or {}
+
+
 def _trainer_class():
     check_trl_version()
+    from accelerate.utils import is_peft_model
     from transformers import TrainerCallback
     from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
 
     class _Callback(TrainerCallback):
         def __init__(self, owner):
@@ -80,7 +175,12 @@ def _trainer_class():
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
                 raise ValueError("erc needs loss=... (ERC is part of entropylens' losses, not TRL's)")
+            cfg_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+            if loss is not None and cfg_args is not None:
+                _refuse(loss, unsupported_trl_options(cfg_args))  # before TRL builds anything (vLLM, ...)
             super().__init__(*args, **kwargs)
+            if loss is not None:
+                _refuse(loss, unsupported_trl_options(self.args, self.aux_loss_enabled))
             self._el_loss = loss
             self._el_loss_kw = dict(beta1=beta1, beta2=beta2, erc=tuple(erc) if erc else None, dual_clip=dual_clip,
                                     tau=tau)
@@ -88,20 +188,27 @@ def _trainer_class():
             cfg = {
                 "method": loss or f"trl-{self.loss_type}", "framework": "trl",
                 "trl_loss_type": self.loss_type, "eps_low": self.epsilon_low, "eps_high": self.epsilon_high,
+                "trl_importance_sampling_level": self.importance_sampling_level,
                 "beta1": beta1 if loss == "ce_gppo" else None, "beta2": beta2 if loss == "ce_gppo" else None,
                 "erc": erc, "dual_clip": dual_clip, "lr": self.args.learning_rate, "seed": self.args.seed,
                 "num_generations": self.num_generations, "num_iterations": self.num_iterations,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 "temperature": self.temperature, "kl_beta": self.beta,
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
             }
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
                                      rank=self.accelerator.process_index, world_size=self.accelerator.num_processes)
             self._el_micro = 0
-            self._el_seq_base = 0
-            self._el_old_entropy = None
+            self._el_seq_count = 0  # sequences generated on this rank so far
+            self._el_group_base = 0
             self._el_rewards = None
             self._el_grad_norm = None
-            self._el_last = None
+            self._el_capture = None  # list while a pass runs: log_sum_sq_probs of each fused forward
+            self._el_passes = None  # list during generation: (logps, entropies) of each no-grad pass
+            self._el_train = None  # the training pass of the current micro-batch
+            self._el_rec = None  # the update waiting for its backward
+            self._el_warned: set[str] = set()
+            self._el_fused = self._el_patch_fused_head()
             acc = self.accelerator
             orig_clip = acc.clip_grad_norm_
 
@@ -113,6 +220,36 @@ def _trainer_class():
             acc.clip_grad_norm_ = clip_grad_norm_
             self.add_callback(_Callback(self))
 
+        # -- TRL's fused head, asked for sum p^2 too --------------------------------------------------
+        def _el_base_model(self):
+            return self.model.get_base_model() if is_peft_model(self.model) else self.model
+
+        def _el_patch_fused_head(self) -> bool:
+            """Re-add TRL's fused head with log_sum_sq_probs and capture that output. False when TRL did
+            not patch the model (then the passes use entropylens' head_stats)."""
+            base = self._el_base_model()
+            if "forward" not in vars(base) or base.get_output_embeddings() is None:
+                return False
+            add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                              outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+            fused = base.forward
+            owner = self
+
+            @functools.wraps(type(base).forward)
+            def forward(self_, *a, **k):
+                out = fused(*a, **k)
+                if k.get("fused_lm_head") and owner._el_capture is not None:
+                    owner._el_capture.append(getattr(out, "log_sum_sq_probs", None))
+                return out
+
+            base.forward = types.MethodType(forward, base)
+            return True
+
+        def _el_warn_once(self, key: str, msg: str) -> None:
+            if key not in self._el_warned:
+                self._el_warned.add(key)
+                warnings.warn(f"entropylens: {msg}", stacklevel=3)
+
         # -- training entry: the recorder's status follows the run ---------------------------------
         def train(self, *args, **kwargs):
             try:
@@ -123,39 +260,73 @@ def _trainer_class():
             self.recorder.close()
             return out
 
-        # -- log-probs and entropies from the logits ----------------------------------------------
+        # -- log-probs, entropies and sum p^2 from TRL's fused head ---------------------------------
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                **mm):
-            if any(mm.get(k) is not None for k in _MM_KEYS) or mm.get("num_images") is not None:
-                return super()._get_per_token_logps_and_entropies(  # multimodal: TRL's own path, unrecorded
-                    model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                    compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **mm)
+            k = logits_to_keep
+            if self._el_fused:
+                self._el_capture = []
+                try:
+                    logps, ents, aux = super()._get_per_token_logps_and_entropies(
+                        model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=True,
+                        compute_aux_loss=compute_aux_loss, **mm)
+                    caps = self._el_capture
+                finally:
+                    self._el_capture = None
+                sq = None
+                if caps and all(c is not None for c in caps):
+                    sq = torch.cat([c[:, -k:] for c in caps])
+                    if sq.shape != logps.shape:
+                        sq = None
+                if sq is None:
+                    self._el_warn_once("sq", "TRL's fused head returned no log_sum_sq_probs for a batch; its "
+                                             "logit_grad_norm is left empty")
+            elif any(mm.get(key) is not None for key in _MM_KEYS):
+                self._el_warn_once("mm", "a multimodal batch on a model without TRL's fused head is not recorded")
+                self._el_train = None
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss, **mm)
+            else:
+                logps, ents, sq, aux = self._el_head_stats_pass(model, input_ids, attention_mask, k, batch_size,
+                                                                compute_aux_loss)
+            if torch.is_grad_enabled() and logps.requires_grad:
+                box: dict = {}
+
+                def hook(grad):  # dLoss/dlogp [b, K] of the back-propagated loss
+                    box["g"] = grad.detach()
+
+                logps.register_hook(hook)
+                self._el_train = {"lp": logps, "h": ents, "sq": sq, "box": box}
+            elif self._el_passes is not None:
+                self._el_passes.append((logps, ents))
+            return logps, (ents if compute_entropy else None), aux
+
+        def _el_head_stats_pass(self, model, input_ids, attention_mask, k, batch_size, compute_aux_loss):
+            """Fallback without TRL's fused head: the backbone's last hidden states through head_stats."""
+            self._el_warn_once("fallback", "TRL's fused LM head is not on this model; log-probs, entropies and "
+                                           "sum p^2 come from entropylens.stats.head_stats on the hidden states")
+            base = self._el_base_model()
+            backbone = getattr(base, base.base_model_prefix)
+            head = base.get_output_embeddings()
             batch_size = batch_size or input_ids.size(0)
-            logps, ents, auxes = [], [], []
-            training = torch.is_grad_enabled()
-            for start in range(0, input_ids.size(0), batch_size):
-                ids = input_ids[start : start + batch_size]
+            lps, hs, sqs, auxes = [], [], [], []
+            for s in range(0, input_ids.size(0), batch_size):
+                ids = input_ids[s : s + batch_size]
                 kw = {"output_router_logits": True} if compute_aux_loss else {}
                 with self.accelerator.autocast():
-                    out = model(input_ids=ids, attention_mask=attention_mask[start : start + batch_size],
-                                logits_to_keep=logits_to_keep + 1, **kw)
-                logits = out.logits[:, :-1]  # [b, K, V]: predicts the K completion tokens
-                tokens = ids[:, -logits_to_keep:]
-                if training and logits.requires_grad and input_ids.size(0) <= batch_size:
-                    self.recorder.watch_logits(logits)
-                lp, h = logprobs_and_entropy(logits, tokens, temperature=self.temperature)
-                logps.append(lp)
-                ents.append(h)
+                    out = backbone(input_ids=ids, attention_mask=attention_mask[s : s + batch_size], use_cache=False,
+                                   **kw)
+                hidden = out.last_hidden_state[:, -k - 1 : -1]  # [b, K, H]: predicts the K completion tokens
+                lp, h, sq = head_stats(hidden, head.weight, ids[:, -k:], bias=head.bias, temperature=self.temperature)
+                lps.append(lp)
+                hs.append(h)
+                sqs.append(sq)
                 if compute_aux_loss:
-                    auxes.append(out.aux_loss)
-            logps, ents = torch.cat(logps), torch.cat(ents)
-            if not training and model is self.model:
-                self._el_old_entropy = ents  # the old policy's entropies (TRL drops them)
-            if training:
-                self._el_last = (logps, ents)
-            aux = torch.stack(auxes).mean() if compute_aux_loss else None
-            return logps, (ents if compute_entropy or training else None), aux
+                    auxes.append(getattr(out, "aux_loss", None))
+            aux = torch.stack(auxes).mean() if compute_aux_loss and auxes and auxes[0] is not None else None
+            return torch.cat(lps), torch.cat(hs), torch.cat(sqs), aux
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -165,21 +336,30 @@ def _trainer_class():
             return rewards_per_func
 
         def _generate_and_score_completions(self, inputs):
-            self._el_old_entropy = None
-            out = super()._generate_and_score_completions(inputs)
+            self._el_passes = []
+            try:
+                out = super()._generate_and_score_completions(inputs)
+                passes = self._el_passes
+            finally:
+                self._el_passes = None
+            old = out.get("old_per_token_logps")
+            if old is not None:  # the entropies of exactly the pass that became old_per_token_logps
+                match = [h for lp, h in passes if lp is old]
+                if match and match[0] is not None:
+                    out["old_entropies"] = match[0]
             b = out["completion_ids"].size(0)
-            ids = torch.arange(self._el_seq_base, self._el_seq_base + b, device=out["completion_ids"].device)
-            self._el_seq_base += b
+            dev = out["completion_ids"].device
+            world, pi = self.accelerator.num_processes, self.accelerator.process_index
+            ids = (self._el_seq_count + torch.arange(b, device=dev)) * world + pi  # unique across ranks and steps
+            self._el_seq_count += b
             out["el_seq_ids"] = ids
-            if self._el_old_entropy is not None and "old_per_token_logps" in out:
-                out["old_entropies"] = self._el_old_entropy
             if self.model.training and self._el_rewards is not None:
-                pi = self.accelerator.process_index
                 rewards = self._el_rewards[pi * b : (pi + 1) * b]
                 texts = None
                 if self._el_texts:
                     texts = [c if isinstance(c, str) else str(c) for c in self._el_completions[:b]]
-                gidx = torch.arange(pi * b, (pi + 1) * b) // self.num_generations
+                gidx = self._el_group_base + torch.arange(pi * b, (pi + 1) * b) // self.num_generations
+                self._el_group_base += -(-b * world // self.num_generations)
                 self.recorder.record_sequences(self.state.global_step, seq_ids=ids, rewards=rewards,
                                                advantages=out["advantages"], lengths=out["completion_mask"].sum(1),
                                                group_ids=gidx, texts=texts)
@@ -190,36 +370,71 @@ def _trainer_class():
             mode = "train" if self.model.training else "eval"
             if mode != "train":
                 return super()._compute_loss(model, inputs)
+            self._el_train = None  # never another micro-batch's values
+            completion_ids = inputs["completion_ids"]
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
-            completion_ids = inputs["completion_ids"]
+            out = None
             if self._el_loss is None:
                 loss = super()._compute_loss(model, inputs)
-                lp, h = self._el_last
-                out = None
+                train = self._el_train
             else:
                 input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
                 attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+                mm = {key: inputs.get(key) for key in _MM_KEYS if inputs.get(key) is not None}
                 lp, h, _ = self._get_per_token_logps_and_entropies(model, input_ids, attn, completion_ids.size(1),
-                                                                   compute_entropy=True)
-            old_lp = inputs.get("old_per_token_logps")
-            old_lp = lp.detach() if old_lp is None else old_lp
-            old_h = inputs.get("old_entropies")
-            old_h = h.detach() if old_h is None else old_h  # on-policy micro-batch: the ratio is 1
-            adv = inputs["advantages"]
-            if self._el_loss is not None:
+                                                                   compute_entropy=True, **mm)
+                train = self._el_train
+                old_lp = inputs.get("old_per_token_logps")
+                old_lp = lp.detach() if old_lp is None else old_lp
+                old_h = inputs.get("old_entropies")
+                old_h = h.detach() if old_h is None else old_h
                 kl = dict(ref_logprobs=inputs["ref_per_token_logps"], kl_coef=self.beta) if self.beta else {}
-                out = policy_loss(lp, old_lp, adv, mask, method=self._el_loss, eps_low=self.epsilon_low,
-                                  eps_high=self.epsilon_high, entropy=h, old_entropy=old_h, **self._el_loss_kw,
-                                  **kl)
-                loss = out.loss / self.current_gradient_accumulation_steps
-            self.recorder.record_update(self.state.global_step, self._el_micro, mask=mask, advantages=adv,
-                                        logprobs=lp.detach(), old_logprobs=old_lp, entropy=h.detach(),
-                                        old_entropy=old_h, tokens=completion_ids, seq_ids=inputs.get("el_seq_ids"),
-                                        loss=out)
-            self._el_micro += 1
+                out = policy_loss(lp, old_lp, inputs["advantages"], mask, method=self._el_loss,
+                                  eps_low=self.epsilon_low, eps_high=self.epsilon_high, entropy=h, old_entropy=old_h,
+                                  scale=1.0 / self.current_gradient_accumulation_steps, **self._el_loss_kw, **kl)
+                loss = out.loss
+            self._el_train = None
+            if train is None:
+                self._el_warn_once("norec", "a micro-batch without log-probs from this trainer's pass is not recorded")
+                return loss
+            self._el_rec = {**train, "mask": mask, "adv": inputs["advantages"], "tokens": completion_ids,
+                            "old_lp": inputs.get("old_per_token_logps"), "old_h": inputs.get("old_entropies"),
+                            "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach()}
             return loss
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self._el_rec = None
+            result = super().training_step(model, inputs, num_items_in_batch)
+            rec, self._el_rec = self._el_rec, None
+            if rec is not None:  # the backward has run: the hook holds dLoss/dlogp
+                self._el_record(rec)
+            return result
+
+        def _el_record(self, rec: dict) -> None:
+            lp, mask, adv = rec["lp"].detach(), rec["mask"], rec["adv"]
+            h = rec["h"].detach() if rec["h"] is not None else None
+            old_lp = rec["old_lp"] if rec["old_lp"] is not None else lp
+            old_h = rec["old_h"] if rec["old_h"] is not None else h  # on-policy micro-batch: rho = 1
+            g = rec["box"].get("g")
+            out = rec["out"]
+            if out is not None:
+                cols, config = dict(out.columns), out.config
+            else:
+                cols = trl_clip_columns(self.loss_type, self.importance_sampling_level, self.args.delta,
+                                        self.epsilon_low, self.epsilon_high, lp, old_lp, adv, mask)
+                if g is not None:
+                    cols["grad_coef"] = torch.where(mask.bool(), g.float(), torch.zeros_like(g, dtype=torch.float32))
+                config = {}
+            # TRL's entropy bonus reaches the logits through H too: the closed form would not be the norm
+            if g is not None and rec["sq"] is not None and not (out is None and self._entropy_bonus_enabled):
+                cols["logit_grad_norm"] = closed_form_logit_grad_norm(g, lp, rec["sq"], self.temperature)
+            self.recorder.record_update(self.state.global_step, self._el_micro, mask=mask, advantages=adv,
+                                        logprobs=lp, old_logprobs=old_lp, entropy=h, old_entropy=old_h,
+                                        tokens=rec["tokens"], seq_ids=rec["seq"],
+                                        loss=_LossColumns(cols, rec["loss"], config))
+            self._el_micro += 1
 
         def _el_step_end(self) -> None:
             step = self.state.global_step - 1  # the optimizer step that just finished
@@ -247,4 +462,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["EntropyLensGRPOTrainer", "check_trl_version", "TRL_TESTED"]
+__all__ = ["EntropyLensGRPOTrainer", "check_trl_version", "unsupported_trl_options", "trl_clip_columns",
+           "closed_form_logit_grad_norm", "TRL_TESTED"]
