@@ -22,7 +22,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-PathArg = Annotated[Path, typer.Argument(help="A run directory, a directory of runs, or any directory above them.")]
+PathArg = Annotated[str, typer.Argument(
+    metavar="PATH",
+    help="A run directory, a directory of runs, or any directory above them; or an object-store URL "
+         "(s3://bucket/prefix; endpoint and keys from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...).")]
 
 
 class Format(str, Enum):
@@ -35,6 +38,7 @@ class Format(str, Enum):
 @app.callback()
 def _root() -> None:
     """Per-token training dynamics of GRPO-family RL: record, query, report."""
+    _FileWarnings._seen.clear()  # each skipped file is named once per command
 
 
 def _fail(msg: str) -> None:
@@ -49,11 +53,36 @@ def _user_errors():
     return (QueryError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
-def _connect(path: Path, runs: list[str] | None = None):
+class _FileWarnings:
+    """Print each skipped-file warning of the library once, as one line on stderr."""
+
+    _seen: set = set()  # messages printed by this command (reset by _root)
+
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings(record=True)
+        self._caught = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        from entropylens.query import UnreadableFileWarning
+
+        self._cm.__exit__(*exc)
+        for w in self._caught:
+            if issubclass(w.category, UnreadableFileWarning) and str(w.message) not in self._seen:
+                self._seen.add(str(w.message))
+                typer.echo(f"warning: {w.message}", err=True)
+        return False
+
+
+def _connect(path: str, runs: list[str] | None = None):
     from entropylens.query import connect
 
     try:
-        return connect(path, runs=runs or None)
+        with _FileWarnings():
+            return connect(path, runs=runs or None)
     except _user_errors() as e:
         _fail(str(e))
 
@@ -187,10 +216,51 @@ def report(
 
     _connect(path, run)  # path errors first, as one line
     try:
-        index = write_report(path, out, runs=run or None)
+        with _FileWarnings():
+            index = write_report(path, out, runs=run or None)
     except _user_errors() as e:
         _fail(str(e))
     typer.echo(f"report: {index}")
+
+
+@app.command()
+def verify(path: PathArg) -> None:
+    """Check every file under PATH: list the unreadable ones (exit 1), or say all is whole (exit 0)."""
+    from entropylens.catalog import verify as check
+
+    try:
+        res = check(path)
+    except _user_errors() as e:
+        _fail(str(e))
+    for f, why in res.bad:
+        typer.echo(f"bad: {f}: {why}")
+    if res.hidden:
+        typer.echo(f"note: {res.hidden} file(s) of uncommitted steps (no steps file; hidden by the views)")
+    typer.echo(f"{len(res.bad)} bad file(s) among {res.files} in {res.runs} run(s) under {path}")
+    if res.bad:
+        raise typer.Exit(code=1)
+
+
+@app.command()
+def compact(
+    path: PathArg,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+    grace: Annotated[float, typer.Option(
+        "--grace", help="Seconds between committing the compacted files and removing the originals, "
+                        "so that queries already running finish.")] = 10.0,
+    rows_per_file: Annotated[int, typer.Option("--rows-per-file", help="Token rows per compacted file.")]
+        = 16_000_000,
+) -> None:
+    """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
+    from entropylens.compact import compact as run_compact
+
+    try:
+        with _FileWarnings():
+            results = run_compact(path, runs=run or None, grace_s=grace, rows_per_file=rows_per_file)
+    except _user_errors() as e:
+        _fail(str(e))
+    for r in results:
+        typer.echo(r.summary())
 
 
 @app.command()
@@ -201,6 +271,10 @@ def demo(
     steps: Annotated[Optional[int], typer.Option("--steps", help="Training steps per run.")] = None,
     seeds: Annotated[int, typer.Option("--seeds", help="Seeds per method.")] = 1,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds), for tests and a first look.")] = False,
+    workers: Annotated[Optional[int], typer.Option(
+        "--workers", help="Runs trained in parallel processes (1 torch thread each). [default: one per core]")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace runs of the same name already under --out (refused otherwise).")] = False,
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
@@ -216,19 +290,21 @@ def demo(
     try:
         for n in names:
             config_for(n, **({"steps": steps} if steps is not None else {}))  # validate before training
-        res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick)
+        res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
+                       overwrite=overwrite)
     except ValueError as e:
         _fail(str(e))
-    _emit(_summary(res.runs_dir), Format.table, None)
+    _emit(_summary(res.runs_dir, [r.run for r in res.runs]), Format.table, None)
     typer.echo(f"runs: {res.runs_dir}")
     if res.report_dir:
         typer.echo(f"report: {res.report_dir / 'index.html'}")
 
 
-def _summary(runs_dir: Path):
+def _summary(runs_dir: Path, runs: list[str]):
+    """run_summary over exactly the demo's runs (never older runs that share the directory)."""
     from entropylens.query import connect, run_analysis
 
-    df = run_analysis(connect(runs_dir), "run_summary")
+    df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
     return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",
                "clip_high_frac", "erc_drop_frac"]]
 

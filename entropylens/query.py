@@ -1,57 +1,56 @@
 """DuckDB over recorded runs: views ``runs``, ``steps``, ``sequences``, ``tokens``.
 
-PATH may be a run directory, a directory of runs, or any directory above them: runs are found by
-their run.json. Each table view reads its Hive-partitioned Parquet files (step=/rank= from the
-path) with ``union_by_name`` (older runs that lack a newer column read as NULL) and carries a
-``run`` column. Analyses are the ``*.sql`` files in ``entropylens.analyses``.
+PATH may be a run directory, a directory of runs, or any directory above them, locally or on object
+storage (``s3://bucket/prefix``): runs are found by their run.json. Which files a view reads is
+decided by catalog.py (bad files skipped, a step shown once its steps file exists, compacted files
+preferred). Each run contributes ``read_parquet`` calls over explicit file lists (step=/rank= from
+the Hive path, or stored in compacted files) and a ``run`` column; runs are glued with
+``UNION ALL BY NAME`` (older runs that lack a newer column read as NULL). Analyses are the
+``*.sql`` files in ``entropylens.analyses``.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import warnings
+from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
+from . import catalog as cat
+from .catalog import QueryError
 from .schema import TABLES
+from .storage import location, register
 
 PARTITIONED = ("steps", "sequences", "tokens")
+UNIFORM = ("sequences", "tokens")  # one writer, one schema per run: no union_by_name, so a filtered
+# query opens only the files its step/rank filter keeps (union_by_name reads every footer first)
+STALE_INTERVALS = 3  # a running run whose heartbeat is older than this many intervals is `stale`
+DEFAULT_HEARTBEAT_S = 10.0
 
 
-class QueryError(ValueError):
-    """A user-facing query problem (bad path, unknown analysis, bad parameter, bad SQL)."""
+class UnreadableFileWarning(UserWarning):
+    """A file under the path cannot be read; it was skipped (``entropylens verify`` lists them)."""
 
 
-def run_ids(dirs: list[Path], base: Path) -> list[str]:
+def run_ids(dirs, base) -> list[str]:
     """A run's id is its directory name, or its path relative to ``base`` where names collide."""
-    names = [d.name for d in dirs]
-    return [d.name if names.count(d.name) == 1 else str(d.relative_to(base)) if d != base else d.name
-            for d in dirs]
+    return cat.run_ids([location(d) for d in dirs], location(base))
 
 
-def find_runs(path: str | Path, runs: list[str] | None = None) -> list[Path]:
-    """Run directories at or under ``path`` (a directory holding run.json), sorted by path.
-    ``runs`` selects by run id (see :func:`run_ids`) or directory name."""
-    p = Path(path)
-    if not p.exists():
-        raise QueryError(f"path does not exist: {p}")
-    if not p.is_dir():
-        raise QueryError(f"not a directory: {p}")
-    found = [p] if (p / "run.json").is_file() else sorted(q.parent for q in p.rglob("run.json"))
-    if not found:
-        raise QueryError(f"no entropylens run under {p} (no run.json found)")
-    if runs:
-        wanted = set(runs)
-        ids = run_ids(found, p)
-        unknown = wanted - set(ids) - {d.name for d in found}
-        if unknown:
-            raise QueryError(f"unknown run(s) {', '.join(sorted(unknown))}; runs here: {', '.join(ids)}")
-        found = [d for d, i in zip(found, ids) if i in wanted or d.name in wanted]
-    return found
+def find_runs(path, runs: list[str] | None = None, storage_options: dict | None = None) -> list:
+    """Run directories at or under ``path`` (a directory holding run.json), sorted by path: a Path
+    for local runs, a storage.Location for object storage. ``runs`` selects by run id or name."""
+    return [Path(d.path) if not d.remote else d for d in cat.find_runs(path, runs, storage_options)]
 
 
 def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
+
+
+def _sql_list(files: list[str]) -> str:
+    return "[" + ", ".join(_sql_str(f) for f in files) + "]"
 
 
 def _duck_type(dtype: str) -> str:
@@ -59,11 +58,27 @@ def _duck_type(dtype: str) -> str:
             "float64": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR", "dict8": "VARCHAR"}[dtype]
 
 
-def _read_run_json(d: Path, run_id: str) -> dict:
+def run_status(info: dict, now: datetime | None = None) -> str | None:
+    """run.json's status, except that a ``running`` run whose heartbeat is older than
+    STALE_INTERVALS x its heartbeat interval (run.json ``heartbeat_s``, default 10 s) is ``stale``:
+    its process died without closing (kill -9, node loss)."""
+    status = info.get("status")
+    beat = info.get("heartbeat_at") or info.get("started_at")
+    if status != "running" or not beat:
+        return status
     try:
-        info = json.loads((d / "run.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise QueryError(f"unreadable run.json in {d}: {e}") from None
+        t = datetime.fromisoformat(str(beat))
+        if t.tzinfo is None:
+            t = t.replace(tzinfo=timezone.utc)
+        interval = float(info.get("heartbeat_s") or DEFAULT_HEARTBEAT_S)
+    except (TypeError, ValueError):
+        return status
+    age = ((now or datetime.now(timezone.utc)) - t).total_seconds()
+    return "stale" if age > STALE_INTERVALS * interval + 1.0 else status  # +1 s: seconds resolution
+
+
+def run_row(info: dict, run_id: str, path: str) -> dict:
+    """The ``runs`` view row of one run.json."""
     cfg = info.get("config") or {}
     return {
         "run": run_id,
@@ -76,18 +91,28 @@ def _read_run_json(d: Path, run_id: str) -> dict:
         "eps_high": info.get("eps_high"),
         "tau": info.get("tau"),
         "sample": info.get("sample"),
-        "status": info.get("status"),
+        "status": run_status(info),
         "started_at": info.get("started_at"),
         "heartbeat_at": info.get("heartbeat_at"),
         "schema_version": info.get("schema_version"),
-        "path": str(d),
+        "path": path,
     }
+
+
+def _read_run_json(d, run_id: str) -> dict:
+    """The ``runs`` row of run directory ``d`` (a path or URL)."""
+    loc = location(d)
+    try:
+        info = json.loads((loc / "run.json").read_text())
+    except (OSError, ValueError) as e:
+        raise QueryError(f"unreadable run.json in {loc}: {e}") from None
+    return run_row(info, run_id, str(d))
 
 
 def _derived_sql(table: str, have: set[str]) -> str:
     """Derived columns (schema.Column.derived) the files lack; NULL where an input is missing too."""
     out = []
-    for c in TABLES[table]:
+    for c in TABLES.get(table, []):
         if not c.derived or c.name in have:
             continue
         inputs = set(re.findall(r"[a-z_]+", c.derived)) - {"exp", "e"}
@@ -96,36 +121,56 @@ def _derived_sql(table: str, have: set[str]) -> str:
     return "".join(out)
 
 
-def connect(path: str | Path, *, runs: list[str] | None = None, database: str = ":memory:"):
-    """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``."""
+def _sources(run: cat.RunFiles, table: str) -> list[str]:
+    """read_parquet() calls over one run's files of ``table``: its committed Hive files (step and
+    rank from the path) and its compacted files (step and rank stored). The catalog already applied
+    the commit rule (tokens/sequences of a step only once its steps file exists), dropped bad files
+    and chose compacted files over the originals they replace."""
+    out = []
+    files = run.files.get(table)
+    if files:
+        union = "false" if table in UNIFORM else "true"
+        out.append(f"read_parquet({_sql_list(files)}, hive_partitioning = true, union_by_name = {union}, "
+                   "hive_types = {'step': INTEGER, 'rank': SMALLINT})")
+    files = run.compacted.get(table)
+    if files:
+        out.append(f"read_parquet({_sql_list(files)}, union_by_name = true)")
+    return out
+
+
+def _empty_view(table: str) -> str:
+    cols = ", ".join(f"CAST(NULL AS {_duck_type(c.dtype)}) AS \"{c.name}\"" for c in TABLES.get(table, []))
+    return f"SELECT CAST(NULL AS VARCHAR) AS run{', ' + cols if cols else ''} WHERE false"
+
+
+def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
+            storage_options: dict | None = None):
+    """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``
+    (a directory or an object-store URL such as ``s3://bucket/runs``).
+
+    The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
+    later steps. Unreadable files are skipped with one UnreadableFileWarning each."""
     import duckdb
     import pandas as pd
 
-    dirs = find_runs(path, runs)
-    ids = run_ids(dirs, Path(path))
+    snap = cat.scan(path, runs, storage_options=storage_options)
+    for f, why in snap.bad:
+        warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
     con = duckdb.connect(database)
-    info = pd.DataFrame([_read_run_json(d, i) for d, i in zip(dirs, ids)])
-    for c in TABLES["runs"]:
-        if c.name not in info:
-            info[c.name] = None
+    register(con, snap.root)
+    info = pd.DataFrame([run_row(r.info, r.id, str(r.dir)) for r in snap.runs],
+                        columns=[c.name for c in TABLES["runs"]] + ["path"])
     con.register("_runs_df", info)
-    casts = ", ".join(
-        f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"]
-    )
+    casts = ", ".join(f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"])
     con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
-    for table in PARTITIONED:
+    for table in sorted(set(PARTITIONED) | set(snap.tables())):
         selects = []
-        for d, rid in zip(dirs, ids):
-            if any((d / table).rglob("*.parquet")):
-                src = (f"read_parquet({_sql_str(str(d / table / '**' / '*.parquet'))}, hive_partitioning = true, "
-                       "union_by_name = true, hive_types = {'step': INTEGER, 'rank': SMALLINT})")
-                have = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-                selects.append(f"SELECT {_sql_str(rid)} AS run, *{_derived_sql(table, have)} FROM {src}")
-        if selects:
-            con.execute(f"CREATE VIEW {table} AS " + " UNION ALL BY NAME ".join(selects))
-        else:  # no file yet: an empty view with the contract's columns
-            cols = ", ".join(f"CAST(NULL AS {_duck_type(c.dtype)}) AS \"{c.name}\"" for c in TABLES[table])
-            con.execute(f"CREATE VIEW {table} AS SELECT CAST(NULL AS VARCHAR) AS run, {cols} WHERE false")
+        for r in snap.runs:
+            for src in _sources(r, table):
+                have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+                selects.append(f"SELECT {_sql_str(r.id)} AS run, *{_derived_sql(table, have)} FROM {src}")
+        body = " UNION ALL BY NAME ".join(selects) if selects else _empty_view(table)
+        con.execute(f"CREATE VIEW {table} AS {body}")
     return con
 
 

@@ -1,5 +1,8 @@
 """Encoding host arrays into Parquet files, atomically. Runs on the recorder's writer thread.
 
+Paths are local directories or object-store locations (storage.py): a file is written to a hidden
+temporary name and renamed, or uploaded whole in one PUT under its final name.
+
 Encodings (benchmarks/writer.py measures them against pyarrow's defaults): zstd level 1;
 dictionary encoding only for low-cardinality columns (update, seq, group, quadrant, token_id,
 advantage: one value per sequence); BYTE_STREAM_SPLIT for the float columns; step and rank live in
@@ -8,13 +11,13 @@ the Hive partition path, not in the file; derived columns (schema.Column.derived
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .storage import Location, location
 from .schema import QUADRANT_NAMES, SCHEMA_VERSION, arrow_type, stored_columns
 
 TOKEN_DICT_COLUMNS = ("update", "seq", "group", "quadrant", "token_id", "advantage")
@@ -25,20 +28,31 @@ _QUADRANT_DICT = pa.array([QUADRANT_NAMES[i] for i in range(len(QUADRANT_NAMES))
 _META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
 
 
-def write_parquet_atomic(table: pa.Table, path: Path, *, dict_columns=(), float_columns=()) -> None:
-    """Write to a hidden temporary name that no ``*.parquet`` glob matches, then rename."""
-    names = set(table.column_names)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(
-        table.replace_schema_metadata({**(table.schema.metadata or {}), **_META}),
-        tmp,
+def parquet_options(names, *, dict_columns=(), float_columns=()) -> dict:
+    """pyarrow write options of every entropylens file (compaction reuses them)."""
+    names = set(names)
+    return dict(
         compression="zstd",
         compression_level=1,
         use_dictionary=[c for c in dict_columns if c in names],
         column_encoding={c: "BYTE_STREAM_SPLIT" for c in float_columns if c in names},
     )
-    os.replace(tmp, path)
+
+
+def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_columns=(), float_columns=(),
+                         fsync: bool = False) -> None:
+    """Write a whole file atomically: locally to a hidden temporary name that no ``*.parquet`` glob
+    matches, then rename (``fsync``: flush file and directory first); on object storage one PUT of
+    the finished bytes under the final name."""
+    loc = location(path)
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_META})
+    opts = parquet_options(table.column_names, dict_columns=dict_columns, float_columns=float_columns)
+    if loc.remote:
+        buf = pa.BufferOutputStream()
+        pq.write_table(table, buf, **opts)
+        loc.write_bytes(buf.getvalue().to_pybytes())
+    else:
+        loc.write_with(lambda tmp: pq.write_table(table, tmp, **opts), fsync=fsync)
 
 
 def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
@@ -61,7 +75,7 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
-def write_tokens(run_dir: Path, step: int, rank: int, updates: int | tuple[int, int], arrs: dict) -> Path:
+def write_tokens(run_dir: "Path | Location", step: int, rank: int, updates: int | tuple[int, int], arrs: dict) -> Path:
     """update-U.parquet for one update; updates-A-B.parquet for updates A..B sharing a file."""
     first, last = (updates, updates) if isinstance(updates, int) else updates
     name = f"update-{first}.parquet" if first == last else f"updates-{first}-{last}.parquet"
@@ -71,7 +85,7 @@ def write_tokens(run_dir: Path, step: int, rank: int, updates: int | tuple[int, 
     return path
 
 
-def write_sequences(run_dir: Path, step: int, rank: int, part: int, arrs: dict) -> Path:
+def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int, arrs: dict) -> Path:
     table = pa.table({
         "seq": pa.array(arrs["seq"], pa.int32()),
         "group": pa.array(arrs["group"], pa.int32()),
@@ -89,7 +103,7 @@ _STEP_INT = {"update": pa.int16(), "n_tokens": pa.int64(), "n_pa_hp": pa.int64()
              "n_na_hp": pa.int64(), "n_na_lp": pa.int64(), "n_za": pa.int64()}
 
 
-def write_steps(run_dir: Path, step: int, rank: int, rows: list[dict]) -> Path:
+def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict]) -> Path:
     """One file per (step, rank): a row per update. Known columns get the schema's dtype, extra
     metrics float64; NaN aggregates (not measured) become nulls."""
     from .schema import STEPS

@@ -1,0 +1,261 @@
+"""Which files a reader uses: one consistent listing of the runs under a path (a snapshot).
+
+Rules (docs/design.md, "Reading"):
+
+1. **Runs** are the directories holding a ``run.json``. An unreadable run.json skips that run (it is
+   reported as a bad file); the other runs are read.
+2. **Bad files** (empty, truncated, not Parquet: no ``PAR1`` magic at the end) are skipped and
+   reported; everything else stays queryable. ``check="full"`` (``entropylens verify``) also parses
+   each file's footer and reads its pages.
+3. **Step commit.** A step's steps file is written after its token and sequence files, so a
+   ``(step, rank)`` is committed when ``steps/step=S/rank=R/steps.parquet`` exists. Token and sequence
+   files of an uncommitted ``(step, rank)`` are hidden (a run killed between the two shows neither).
+   The steps directory is listed *before* the others, so every file of a committed step is seen.
+4. **Compaction** (compact.py) writes ``compacted/<table>/steps-LO-HI.part-K.parquet`` (step and rank
+   are columns there) and then ``compacted/steps/steps-LO-HI.parquet``, which commits steps LO..HI.
+   For a committed range the compacted files are read and the original files of those steps are
+   ignored (whether or not they were removed yet); compacted parts without their commit file (a
+   compaction that died) are ignored. ``compacted/`` is listed first and again last: if a commit
+   appeared meanwhile the listing is redone, so originals removed after a commit are never missed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from .storage import Location, location
+
+TABLE_DIRS = ("steps", "sequences", "tokens")  # Hive-partitioned tables of a run (probes may join)
+COMMITTED_BY_STEPS = ("sequences", "tokens")  # written before the steps file of their step
+COMPACTED = "compacted"
+_HIVE = re.compile(r"/step=(-?\d+)/rank=(-?\d+)/[^/]+\.parquet$")
+_COMPACT_NAME = re.compile(r"steps-(\d+)-(\d+)(?:\.part-(\d+))?\.parquet$")
+_MAGIC = b"PAR1"
+
+
+class QueryError(ValueError):
+    """A user-facing query problem (bad path, unknown analysis, bad parameter, bad SQL)."""
+
+
+@dataclass
+class RunFiles:
+    """The files of one run that a reader uses (URLs), and what it leaves out."""
+
+    id: str
+    dir: Location
+    info: dict
+    files: dict[str, list[str]] = field(default_factory=dict)  # table -> Hive files (step=/rank= path)
+    compacted: dict[str, list[str]] = field(default_factory=dict)  # table -> compacted files
+    ranges: list[tuple[int, int]] = field(default_factory=list)  # compacted, committed step ranges
+    hidden: list[str] = field(default_factory=list)  # uncommitted steps' files (not errors)
+    superseded: list[str] = field(default_factory=list)  # originals of compacted steps
+
+
+@dataclass
+class Catalog:
+    root: Location
+    runs: list[RunFiles]
+    bad: list[tuple[str, str]]  # (file, why it cannot be read)
+
+    def tables(self) -> list[str]:
+        names = set(TABLE_DIRS)
+        for r in self.runs:
+            names |= set(r.files) | set(r.compacted)
+        return sorted(names)
+
+
+def run_ids(dirs: list[Location], base: Location) -> list[str]:
+    """A run's id is its directory name, or its path relative to ``base`` where names collide."""
+    names = [d.name for d in dirs]
+    return [d.name if names.count(d.name) == 1 or d == base else base.relative(d) for d in dirs]
+
+
+def find_runs(path, runs: list[str] | None = None, storage_options: dict | None = None) -> list[Location]:
+    """Run directories at or under ``path`` (a directory holding run.json), sorted by path.
+    ``runs`` selects by run id (see :func:`run_ids`) or directory name."""
+    root = location(path, storage_options)
+    found, _ = _discover(root, runs)
+    return found
+
+
+def _discover(root: Location, runs: list[str] | None) -> tuple[list[Location], list[str]]:
+    try:
+        exists = root.exists()
+    except Exception as e:  # noqa: BLE001 - e.g. no credentials / unreachable endpoint: one line
+        raise QueryError(f"cannot reach {root}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not exists:
+        raise QueryError(f"path does not exist: {root}")
+    if not root.isdir():
+        raise QueryError(f"not a directory: {root}")
+    if (root / "run.json").isfile():
+        found = [root]
+    else:
+        found = sorted({root.at(p.rsplit("/", 1)[0]) for p in root.files() if p.endswith("/run.json")},
+                       key=lambda d: d.path)
+    if not found:
+        raise QueryError(f"no entropylens run under {root} (no run.json found)")
+    ids = run_ids(found, root)
+    if runs:
+        wanted = set(runs)
+        unknown = wanted - set(ids) - {d.name for d in found}
+        if unknown:
+            raise QueryError(f"unknown run(s) {', '.join(sorted(unknown))}; runs here: {', '.join(ids)}")
+        keep = [i for i, (d, rid) in enumerate(zip(found, ids)) if rid in wanted or d.name in wanted]
+        found, ids = [found[i] for i in keep], [ids[i] for i in keep]
+    return found, ids
+
+
+def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = None,
+         check: str = "magic") -> Catalog:
+    """List the runs under ``path`` and the files a reader should use (module docstring)."""
+    root = location(path, storage_options)
+    dirs, ids = _discover(root, runs)
+    out, bad = [], []
+    for d, rid in zip(dirs, ids):
+        try:
+            info = json.loads((d / "run.json").read_text())
+            if not isinstance(info, dict):
+                raise ValueError("not a JSON object")
+        except Exception as e:  # noqa: BLE001 - any unreadable run.json: skip the run, say why
+            bad.append((str(d / "run.json"), f"unreadable run.json ({_one_line(e)}); run skipped"))
+            continue
+        for _ in range(5):
+            run, run_bad, stable = _scan_run(d, rid, info, check)
+            if stable:
+                break
+        out.append(run)
+        bad.extend(run_bad)
+    return Catalog(root, out, bad)
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def _commits(d: Location) -> dict[tuple[int, int], str]:
+    """Committed compactions of run ``d``: (lo, hi) -> commit file."""
+    c = d / COMPACTED / "steps"
+    if not c.exists():
+        return {}
+    out = {}
+    for p in c.files():
+        m = _COMPACT_NAME.search(p)
+        if m and m.group(3) is None:
+            out[(int(m.group(1)), int(m.group(2)))] = p
+    return out
+
+
+def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, list, bool]:
+    run = RunFiles(rid, d, info)
+    commits = _commits(d)  # 1. compaction commits first
+    listing: dict[str, dict[str, int]] = {}
+    comp = d / COMPACTED
+    comp_files = comp.files() if commits and comp.exists() else {}
+    for table in ["steps"] + sorted(_table_dirs(d) - {"steps"}):  # 2. steps before the rest
+        t = d / table
+        listing[table] = t.files() if t.exists() else {}
+    stable = _commits(d) == commits  # 3. no compaction committed while we listed
+
+    bad_paths = dict(_bad_files(d, {p: s for f in (comp_files, *listing.values()) for p, s in f.items()
+                                    if p.endswith(".parquet")}, check))
+    bad = [(d.url(p), why) for p, why in sorted(bad_paths.items())]
+    ranges = sorted(commits)
+    run.ranges = [r for r in ranges if commits[r] not in bad_paths]
+
+    def compacted_step(s: int) -> bool:
+        return any(lo <= s <= hi for lo, hi in run.ranges)
+
+    for p in sorted(comp_files):
+        m = _COMPACT_NAME.search(p)
+        table = p.rsplit("/", 2)[-2]
+        if m and p not in bad_paths and (int(m.group(1)), int(m.group(2))) in run.ranges:
+            run.compacted.setdefault(table, []).append(d.url(p))
+
+    committed = set()
+    for table, files in listing.items():
+        for p in sorted(files):
+            m = _HIVE.search(p)
+            if not m or p in bad_paths:
+                continue
+            step, rank = int(m.group(1)), int(m.group(2))
+            if compacted_step(step):
+                run.superseded.append(d.url(p))
+                continue
+            if table == "steps":
+                committed.add((step, rank))
+            elif table in COMMITTED_BY_STEPS and (step, rank) not in committed:
+                run.hidden.append(d.url(p))
+                continue
+            run.files.setdefault(table, []).append(d.url(p))
+    return run, bad, stable
+
+
+def _table_dirs(d: Location) -> set[str]:
+    names = set(TABLE_DIRS)
+    if not d.remote:
+        import os
+
+        try:
+            names |= {n for n in os.listdir(d.path) if os.path.isdir(os.path.join(d.path, n))}
+        except OSError:
+            pass
+    else:
+        try:
+            names |= {p.rstrip("/").rsplit("/", 1)[-1] for p in d.fs.ls(d.path, detail=False)
+                      if d.fs.isdir(p)}
+        except OSError:
+            pass
+    return {n for n in names if not n.startswith(".") and n != COMPACTED}
+
+
+def _bad_files(d: Location, files: dict[str, int], check: str) -> list[tuple[str, str]]:
+    """(path, reason) of the files that are not whole Parquet files."""
+    out, tail_check = [], []
+    for p, size in files.items():
+        if size < 12:
+            out.append((p, "empty" if size == 0 else f"truncated ({size} bytes)"))
+        else:
+            tail_check.append(p)
+    for p, tail in zip(tail_check, d.tails(tail_check, 4)):
+        if isinstance(tail, Exception):
+            out.append((p, f"unreadable ({_one_line(tail)})"))
+        elif tail != _MAGIC:
+            out.append((p, "not a whole Parquet file (no PAR1 magic at the end: truncated or another format)"))
+    if check == "full":
+        import pyarrow.parquet as pq
+
+        done = {p for p, _ in out}
+        for p in tail_check:
+            if p in done:
+                continue
+            try:
+                if d.remote:
+                    with d.fs.open(p, "rb") as f:
+                        pq.ParquetFile(f).read()
+                else:
+                    pq.ParquetFile(p).read()
+            except Exception as e:  # noqa: BLE001 - any failure to read is a bad file
+                out.append((p, f"unreadable Parquet ({_one_line(e)})"))
+    return out
+
+
+@dataclass
+class Verified:
+    bad: list[tuple[str, str]]  # (file, why)
+    files: int  # files checked
+    runs: int  # readable runs
+    hidden: int  # files of uncommitted steps (normal after a crash; not errors)
+
+
+def verify(path, *, storage_options: dict | None = None) -> Verified:
+    """Every unreadable file under ``path`` (footers parsed and pages read, run.json parsed)."""
+    snap = scan(path, storage_options=storage_options, check="full")
+    n = sum(len(v) for r in snap.runs for v in (*r.files.values(), *r.compacted.values()))
+    n += sum(len(r.hidden) + len(r.superseded) + 1 for r in snap.runs) + len(snap.bad)
+    return Verified(snap.bad, n, len(snap.runs), sum(len(r.hidden) for r in snap.runs))
+
+
+__all__ = ["Catalog", "RunFiles", "QueryError", "Verified", "scan", "find_runs", "run_ids", "verify"]
