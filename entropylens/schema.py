@@ -6,13 +6,15 @@ module imports them from here. It imports nothing of the project and pyarrow onl
 
 Versions (numbered, like migrations):
   1  first layout: tables runs / steps / sequences / tokens.
+  2  entropy attribution: tokens.entropy_effect / entropy_effect_dropped, the steps' entropy-budget
+     sums (entropy_effect_*), table probes (parameter-space probe).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # --- quadrant codes (int8) -----------------------------------------------------------------
 # Advantage sign x sampling probability (p = exp(old_logprob)) against tau.
@@ -105,6 +107,19 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("erc_drop_frac", "float32", "share of tokens whose gradient ERC removes (rho outside its band)"),
     _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
     _c("reward_mean", "float32", "mean reward of the step's sequences (record_step / record_sequences)"),
+    # entropy budget: first-order entropy change per unit logit step, summed over ALL tokens of the update
+    *(
+        _c(f"entropy_effect{sfx}", "float32", f"sum of tokens.entropy_effect over {what}")
+        for sfx, what in (("", "all tokens"), *((f"_{quadrant_slug(q)}", f"{q} tokens") for q in QUADRANTS),
+                          ("_low", "tokens with r < 1-eps_low"), ("_high", "tokens with r > 1+eps_high"))
+    ),
+    *(
+        _c(f"entropy_effect_dropped{sfx}", "float32", f"sum of tokens.entropy_effect_dropped over {what} "
+           "(the entropy effect clipping / beta scaling / ERC / dual-clip took away)")
+        for sfx, what in (("", "all tokens"), *((f"_{quadrant_slug(q)}", f"{q} tokens") for q in QUADRANTS),
+                          ("_low", "tokens with r < 1-eps_low"), ("_high", "tokens with r > 1+eps_high"),
+                          ("_erc", "tokens whose gradient ERC dropped"))
+    ),
 )
 
 SEQUENCES: tuple[Column, ...] = (
@@ -129,15 +144,43 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("ratio", "float32", "importance ratio r = exp(logprob - old_logprob)", "exp(logprob - old_logprob)"),
     _c("advantage", "float32", "advantage A of the token (its sequence's)"),
     _c("quadrant", "dict8", "PA&HP / PA&LP / NA&HP / NA&LP, or ZA when A == 0 (p against tau)"),
-    _c("clip", "int8", "clip region of the ratio the method clips: -1 below 1-eps_low, +1 above 1+eps_high, else 0"),
-    _c("clipped", "bool", "PPO-clip removes the gradient: (clip = -1 and A < 0) or (clip = +1 and A > 0)"),
+    _c("clip", "int8", "clip region of the ratio the method clips: -1 below 1-eps_low, +1 above 1+eps_high, else 0 "
+       "(TRL's own loss: the ratio TRL clips, the sequence ratio with importance_sampling_level='sequence'; "
+       "TRL cispo: +1 where its weight is capped at epsilon_high; TRL sapo / vespo clip nothing: 0)"),
+    _c("clipped", "bool", "PPO-clip removes the gradient: (clip = -1 and A < 0) or (clip = +1 and A > 0) "
+       "(TRL's delta adds A < 0 and r > delta; TRL cispo / sapo / vespo never remove it: false)"),
     _c("entropy", "float32", "full-vocabulary entropy H(pi_theta(.|s_t)), nats"),
     _c("old_entropy", "float32", "full-vocabulary entropy H(pi_old(.|s_t)), nats"),
     _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)",
        "(entropy + 1e-8) / (old_entropy + 1e-8)"),
     _c("erc_kept", "bool", "ERC kept the gradient (rho inside its band); null without ERC"),
-    _c("grad_coef", "float32", "dLoss/dlogprob of the token, aggregation weight included"),
-    _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, exact from autograd"),
+    _c("grad_coef", "float32", "dLoss/dlogprob of the token for the back-propagated loss (aggregation weight and "
+       "gradient-accumulation scale included; TRL's own loss: from a hook on the [B, T] log-prob tensor)"),
+    _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary: from a hook on the logits "
+       "(watch_logits), or without logits (TRL's fused head, head_stats) the exact closed form "
+       "|g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2), g_t = dLoss/dlogp_t, p the current policy's; "
+       "null where an entropy bonus also reaches the logits"),
+    _c("entropy_effect", "float32", "first-order entropy change of the token's own position per unit logit step "
+       "of its gradient: grad_coef * s / T^2, s = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) "
+       "(stats.entropy_sensitivity; eta left out: dH_t = eta * entropy_effect)"),
+    _c("entropy_effect_dropped", "float32", "(grad_coef_unclipped - grad_coef) * s / T^2: the entropy effect "
+       "clipping, CE-GPPO's beta scaling, ERC or dual-clip took away from this token; null where they left "
+       "its gradient unchanged"),
+)
+
+PROBES: tuple[Column, ...] = _STEP_KEYS + (
+    _c("part", "string", "which gradient: a quadrant's kept gradient (PA&HP, ..., ZA), its dropped part "
+       "('PA&HP dropped': what clipping / ERC took away), 'momentum' (the optimizer's history), 'other' "
+       "(the rest of the real step: entropy bonus, weight decay, ...), 'step' (the real optimizer step)"),
+    _c("tokens", "int64", "tokens whose gradient forms the part (0 for momentum / other / step)"),
+    _c("grad_norm", "float32", "L2 norm of the part's parameter gradient (after the update's grad clipping)"),
+    _c("predicted_dh", "float64", "first-order change of the batch's mean entropy: grad(H) . step(part), "
+       "step() = the optimizer's update direction from its state (Adam: preconditioner + bias correction)"),
+    _c("measured_dh", "float64", "on the 'step' row: mean entropy on the same positions after the real "
+       "optimizer step minus before; null on the other rows"),
+    _c("entropy_before", "float64", "mean entropy of the batch's positions before the step"),
+    _c("optimizer", "string", "optimizer class (Adam, AdamW, SGD)"),
+    _c("lr", "float32", "learning rate of the step"),
 )
 
 TABLES: dict[str, tuple[Column, ...]] = {
@@ -145,6 +188,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
     "steps": STEPS,
     "sequences": SEQUENCES,
     "tokens": TOKENS,
+    "probes": PROBES,
 }
 
 

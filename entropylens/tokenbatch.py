@@ -4,13 +4,15 @@
   taken as they are from a ``policy_loss`` output;
 - :func:`step_aggregates`: exact aggregates over ALL masked-in tokens of the update;
 - :func:`sample_keep`: the deterministic sequence sample, a hash of (run, step, seq id);
-- :func:`pack` / :func:`unpack`: every selected row and every aggregate in ONE int32 tensor, so the
-  device -> host transfer is a single copy per update.
+- :func:`pack` / :func:`unpack`: every column, the aggregates and the input finite flags in ONE
+  int32 tensor of fixed size (no data-dependent shape, so no sync), so the device -> host transfer
+  is a single copy per update; rows are selected on the host (:meth:`HostUpdate.rows`).
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,10 +22,11 @@ from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, ZA, quadrant_slug
 
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
-FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm")
-INT_COLS = ("seq", "group", "pos", "token_id")  # int32
-# quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
-_Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT = 0b111, 3, 5, 6
+FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm",
+              "entropy_effect", "entropy_effect_dropped")
+# flags word per token: quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
+# | selected (masked in and sampled) << 7
+_Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT = 0b111, 3, 5, 6, 7
 
 AGG_NAMES: tuple[str, ...] = (
     "n_tokens", "entropy_mean", "old_entropy_mean", "ratio_mean",
@@ -34,6 +37,15 @@ AGG_NAMES: tuple[str, ...] = (
     "entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95",
     "erc_drop_frac", "kl_k3", "loss",
 )
+# Entropy budget (first-order attribution, DESIGN.md): sums over the update's tokens of
+# entropy_effect = g s / T^2 and entropy_effect_dropped = (g_unclipped - g) s / T^2, per quadrant and
+# per clip side (low: r < 1-eps_low, high: r > 1+eps_high); _dropped_erc: on ERC-dropped tokens.
+BUDGET_NAMES: tuple[str, ...] = tuple(
+    f"{kind}{suffix}"
+    for kind in ("entropy_effect", "entropy_effect_dropped")
+    for suffix in ("", *(f"_{quadrant_slug(q)}" for q in QUADRANTS), "_low", "_high")
+) + ("entropy_effect_dropped_erc",)
+AGG_NAMES = AGG_NAMES + BUDGET_NAMES
 
 
 def derive_columns(
@@ -48,9 +60,14 @@ def derive_columns(
     eps_low: float,
     eps_high: float,
     tau: float,
+    sensitivity: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """All token columns as [B, T] detached tensors. Columns the loss computed are used as they are
-    (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions."""
+    (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions.
+    With ``sensitivity`` (stats.entropy_sensitivity, [B, T]): entropy_effect = grad_coef s / T^2 and,
+    where the loss reports grad_changed, entropy_effect_dropped = (grad_coef_unclipped - grad_coef)
+    s / T^2 on changed tokens (NaN, stored as null, elsewhere)."""
     cols: dict[str, torch.Tensor] = dict(loss_columns or {})
     shape = logprobs.shape
     adv = advantages.detach().float()
@@ -78,7 +95,41 @@ def derive_columns(
         cols["old_entropy"] = old_entropy.detach().float()
     if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
         cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
+    if sensitivity is not None and "grad_coef" in cols:
+        sens = sensitivity.detach().float().reshape(shape)
+        cols["entropy_effect"] = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+        if "grad_coef_unclipped" in cols and "grad_changed" in cols:
+            lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
+            cols["entropy_effect_dropped"] = torch.where(cols["grad_changed"], lost, torch.full_like(lost, float("nan")))
     return cols
+
+
+def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+    """float64 [len(BUDGET_NAMES)] on the device: sums of entropy_effect and entropy_effect_dropped
+    over masked-in tokens, in total, per quadrant and per clip side (one [2, N] x [N, 7] matmul);
+    NaN where the column is absent."""
+    dev = mask.device
+    k = len(BUDGET_NAMES) // 2  # entries per kind (total, 4 quadrants, low, high)
+    out = torch.full((len(BUDGET_NAMES),), float("nan"), dtype=torch.float64, device=dev)
+    if "entropy_effect" not in cols:
+        return out
+    m = mask.reshape(-1)
+    eff = torch.where(m, cols["entropy_effect"].reshape(-1).double(), 0.0)  # [N]
+    have_drop = "entropy_effect_dropped" in cols
+    drop = cols["entropy_effect_dropped"].reshape(-1).double() if have_drop else torch.zeros_like(eff)
+    drop = torch.where(m & ~torch.isnan(drop), drop, 0.0)  # null (unchanged) tokens add nothing
+    clip = cols["clip"].reshape(-1)
+    onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES)).double()
+    codes = [c for c, v in QUADRANT_NAMES.items() if v in QUADRANTS]
+    groups = torch.cat([torch.ones_like(eff).unsqueeze(1), onehot[:, codes],
+                        (clip < CLIP_NONE).double().unsqueeze(1), (clip > CLIP_NONE).double().unsqueeze(1)], 1)
+    sums = torch.stack([eff, drop]) @ groups  # [2, 7]
+    out[:k] = sums[0]
+    if have_drop:
+        out[k:2 * k] = sums[1]
+        if "erc_kept" in cols:
+            out[2 * k] = (drop * (~cols["erc_kept"].reshape(-1)).double()).sum()
+    return out
 
 
 def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
@@ -149,6 +200,7 @@ def step_aggregates(
         (tot[9] / denom).unsqueeze(0) if "erc_kept" in cols else nan.unsqueeze(0),
         (tot[10] / denom).unsqueeze(0),
         loss_value.detach().double().reshape(1) if loss_value is not None else nan.unsqueeze(0),
+        entropy_budget(cols, mask),
     ]
     return torch.cat([o.to(dev) for o in out])
 
@@ -173,6 +225,12 @@ def step_metrics(
         absent.update(n for n in AGG_NAMES if n.startswith("lgn_mean_"))
     if loss_value is None:
         absent.add("loss")
+    if "entropy_effect" not in cols:
+        absent.update(BUDGET_NAMES)
+    elif "entropy_effect_dropped" not in cols:
+        absent.update(n for n in BUDGET_NAMES if n.startswith("entropy_effect_dropped"))
+    if "erc_kept" not in cols:
+        absent.add("entropy_effect_dropped_erc")
     return {name: v for name, v in zip(AGG_NAMES, aggs.unbind(0)) if name not in absent}
 
 
@@ -193,52 +251,123 @@ def sample_keep(seq_ids: torch.Tensor, step: int, salt: int, sample: float) -> t
     return u < sample
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where each part of a packed update block sits (in int32 words, in this order):
+    aggregates (float64) | finite flags (float64, one per checked input) | float columns (float32,
+    [n_float, B*T]) | token ids (int32 [B*T], if given) | flags (int32 [B*T]) | seq ids | group ids ([B])."""
+
+    batch: int
+    length: int
+    float_names: tuple[str, ...]
+    finite_names: tuple[str, ...]
+    has_erc: bool
+    has_tokens: bool
+
+    def parts(self) -> list[tuple[str, int]]:
+        n = self.batch * self.length
+        return [
+            ("aggregates", 2 * len(AGG_NAMES)),
+            ("finite", 2 * len(self.finite_names)),
+            ("floats", len(self.float_names) * n),
+            ("token_id", n if self.has_tokens else 0),
+            ("flags", n),
+            ("seq", self.batch),
+            ("group", self.batch),
+        ]
+
+    @property
+    def size(self) -> int:
+        return sum(k for _, k in self.parts())
+
+
+@dataclass
+class HostUpdate:
+    """A packed block on the host, split back into its parts (numpy views, no copies)."""
+
+    aggregates: dict[str, float]
+    finite: dict[str, bool]
+    columns: dict[str, np.ndarray]  # every position of [B, T], flattened to [B*T]
+    selected: np.ndarray  # [B*T] bool: masked in and sampled
+    seq: np.ndarray  # [B] int32
+    group: np.ndarray  # [B] int32
+    layout: Layout
+
+    def rows(self) -> dict[str, np.ndarray]:
+        """The selected token rows (the compaction, done on the host: one np.flatnonzero)."""
+        idx = np.flatnonzero(self.selected)
+        b_idx, pos = np.divmod(idx, self.layout.length)
+        out = {name: col[idx] for name, col in self.columns.items()}
+        out["seq"] = self.seq[b_idx]
+        out["group"] = self.group[b_idx]
+        out["pos"] = pos.astype(np.int32)
+        if "token_id" not in out:
+            out["token_id"] = np.full(len(idx), -1, np.int32)
+        return out
+
+
 def pack(
     cols: dict[str, torch.Tensor],
-    sel: torch.Tensor,
+    selected: torch.Tensor,
     aggs: torch.Tensor,
-    extra_int: dict[str, torch.Tensor],
-) -> tuple[torch.Tensor, list[str], int]:
-    """Select rows (sel [B, T] bool) and pack everything into one flat int32 tensor:
-    [aggs as float64 (2 int32 each) | float columns as float32 | int columns | flags].
-    Returns (packed, names of the float columns present, number of rows)."""
-    idx = sel.reshape(-1).nonzero().squeeze(1)  # the one data-dependent size (a sync)
-    k = idx.numel()
-    fnames = [c for c in FLOAT_COLS if c in cols]
-    f = torch.stack([cols[c].reshape(-1).float().index_select(0, idx) for c in fnames]) if fnames else None
-    ints = torch.stack([extra_int[c].reshape(-1).to(torch.int32).index_select(0, idx) for c in INT_COLS])
-    flags = cols["quadrant"].to(torch.int32) & _Q_BITS
+    finite: dict[str, torch.Tensor],
+    seq: torch.Tensor,
+    group: torch.Tensor,
+    tokens: torch.Tensor | None,
+) -> tuple[torch.Tensor, Layout]:
+    """Everything of one update in ONE flat int32 device tensor (see :class:`Layout`), with no
+    data-dependent size: rows are selected on the host (:meth:`HostUpdate.rows`), so packing never
+    synchronises. cols [B, T] each; selected [B, T] bool; aggs [len(AGG_NAMES)]; finite: name -> 0-dim
+    bool; seq, group [B]; tokens [B, T] or None."""
+    b, t = selected.shape
+    fnames = tuple(c for c in FLOAT_COLS if c in cols)
+    layout = Layout(b, t, fnames, tuple(finite), "erc_kept" in cols, tokens is not None)
+    flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [B, T]
     flags = flags | ((cols["clip"].to(torch.int32) + 1) << _CLIP_SHIFT)
     flags = flags | (cols["clipped"].to(torch.int32) << _CLIPPED_SHIFT)
-    if "erc_kept" in cols:
+    if layout.has_erc:
         flags = flags | (cols["erc_kept"].to(torch.int32) << _ERC_SHIFT)
-    flags = flags.reshape(-1).index_select(0, idx).unsqueeze(0)
-    parts = [aggs.double().contiguous().view(torch.int32)]
-    if f is not None:
-        parts.append(f.contiguous().view(torch.int32).reshape(-1))
-    parts += [ints.reshape(-1), flags.reshape(-1)]
-    return torch.cat(parts), fnames, k
+    flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
+    head = torch.cat([aggs.double().reshape(-1), torch.stack(list(finite.values())).double()]) if finite \
+        else aggs.double().reshape(-1)
+    parts = [head.view(torch.int32)]
+    if fnames:
+        floats = torch.stack([cols[c].float().reshape(-1) for c in fnames])  # [n_float, B*T]
+        parts.append(floats.view(torch.int32).reshape(-1))
+    if tokens is not None:
+        parts.append(tokens.to(torch.int32).reshape(-1))
+    parts += [flags.reshape(-1), seq.to(torch.int32).reshape(-1), group.to(torch.int32).reshape(-1)]
+    return torch.cat(parts), layout
 
 
-def unpack(host: np.ndarray, fnames: list[str], k: int, has_erc: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Inverse of :func:`pack` on the host (numpy views, no copies). Returns (aggs float64, columns)."""
-    na = len(AGG_NAMES)
-    aggs = host[: 2 * na].view(np.float64)
-    off = 2 * na
-    cols: dict[str, np.ndarray] = {}
-    nf = len(fnames)
-    fl = host[off : off + nf * k].view(np.float32).reshape(nf, k)
-    for i, c in enumerate(fnames):
-        cols[c] = fl[i]
-    off += nf * k
-    it = host[off : off + len(INT_COLS) * k].reshape(len(INT_COLS), k)
-    for i, c in enumerate(INT_COLS):
-        cols[c] = it[i]
-    off += len(INT_COLS) * k
-    flags = host[off : off + k]
+def read_finite(host: np.ndarray, layout: Layout) -> dict[str, bool]:
+    """Only the input finite flags of a packed block (a few words at its front)."""
+    off = 2 * len(AGG_NAMES)
+    flags = host[off: off + 2 * len(layout.finite_names)].view(np.float64)
+    return {name: bool(v) for name, v in zip(layout.finite_names, flags)}
+
+
+def unpack(host: np.ndarray, layout: Layout) -> HostUpdate:
+    """Inverse of :func:`pack` on the host (numpy views of ``host``, int32 [layout.size])."""
+    if host.shape != (layout.size,):
+        raise ValueError(f"packed block has {host.shape} words, its layout says {layout.size}")
+    views: dict[str, np.ndarray] = {}
+    off = 0
+    for name, k in layout.parts():
+        views[name] = host[off: off + k]
+        off += k
+    n = layout.batch * layout.length
+    aggregates = dict(zip(AGG_NAMES, views["aggregates"].view(np.float64).tolist()))
+    finite = read_finite(host, layout)
+    floats = views["floats"].view(np.float32).reshape(len(layout.float_names), n)
+    cols: dict[str, np.ndarray] = {c: floats[i] for i, c in enumerate(layout.float_names)}
+    if layout.has_tokens:
+        cols["token_id"] = views["token_id"]
+    flags = views["flags"]
     cols["quadrant"] = (flags & _Q_BITS).astype(np.int8)
     cols["clip"] = (((flags >> _CLIP_SHIFT) & 0b11) - 1).astype(np.int8)
     cols["clipped"] = ((flags >> _CLIPPED_SHIFT) & 1).astype(bool)
-    if has_erc:
+    if layout.has_erc:
         cols["erc_kept"] = ((flags >> _ERC_SHIFT) & 1).astype(bool)
-    return aggs, cols
+    selected = ((flags >> _SELECTED_SHIFT) & 1).astype(bool)
+    return HostUpdate(aggregates, finite, cols, selected, views["seq"], views["group"], layout)

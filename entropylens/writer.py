@@ -55,6 +55,9 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
         loc.write_with(lambda tmp: pq.write_table(table, tmp, **opts), fsync=fsync)
 
 
+NAN_IS_NULL = ("entropy_effect_dropped",)  # NaN on the device = null in the file
+
+
 def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
     """The token rows of one update: the stored columns (prob, ratio and entropy_ratio are exact
     functions of stored ones and are derived by the views). Absent columns are written as nulls."""
@@ -66,6 +69,8 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
         typ = arrow_type(c.dtype)
         if c.name == "quadrant":
             arr = pa.DictionaryArray.from_arrays(pa.array(arrs["quadrant"], pa.int8()), _QUADRANT_DICT)
+        elif c.name in NAN_IS_NULL and c.name in arrs:  # NaN marks "not applicable" on the device
+            arr = pa.array(arrs[c.name], typ, mask=np.isnan(arrs[c.name]))
         elif c.name in arrs:
             arr = pa.array(arrs[c.name], typ)
         else:

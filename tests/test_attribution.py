@@ -142,3 +142,85 @@ def test_neg_inf_logits_backward_against_finite_part(g_ent):
     torch.testing.assert_close(x.grad[:, keep], xr.grad, rtol=1e-5, atol=1e-7)
     banned = [j for j in range(z.shape[1]) if j not in keep]
     assert (x.grad[:, banned] == 0).all()
+
+
+# ------------------------------------------------------------------ token columns and the budget
+def _update(method="grpo", temperature=1.0, seed=0, **kw):
+    """A real update: logits [B, T, V] -> policy_loss -> derive_columns with the sensitivity."""
+    from entropylens import tokenbatch
+    from entropylens.losses import policy_loss
+
+    g = torch.Generator().manual_seed(seed)
+    b, t, v = 6, 5, 11
+    z = torch.randn(b, t, v, generator=g, dtype=torch.float64) * 2
+    tok = torch.randint(0, v, (b, t), generator=g)
+    old = (z + torch.randn(b, t, v, generator=g, dtype=torch.float64) * 0.6).float()  # an older policy
+    old_lp, old_h = stats.logprobs_and_entropy(old, tok, temperature=temperature)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.7, 0.0, 1.3])
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[2, 3:] = False
+    x = z.float().clone().requires_grad_(True)
+    lp, h, s = stats.logprobs_and_entropy(x, tok, temperature=temperature, sensitivity=True)
+    out = policy_loss(lp, old_lp, adv, mask, method=method, entropy=h, old_entropy=old_h, **kw)
+    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
+                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2,
+                                     tau=0.5, sensitivity=s, temperature=temperature)
+    return z.float().double(), tok, mask, out, cols, x
+
+
+def _dh_along(z64, tok, grad_z, temperature):
+    """Per position: d/d eta H(softmax((z - eta G)/T)) at eta = 0 = -(dH/dz) . G, float64 autograd."""
+    zz = z64.clone().requires_grad_(True)
+    la = torch.log_softmax(zz / temperature, -1)
+    h = -(la.exp() * la).sum(-1)  # [B, T]
+    (dh_dz,) = torch.autograd.grad(h.sum(), zz)  # rows are independent
+    return -(dh_dz * grad_z).sum(-1)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("method,kw", [("grpo", {}), ("ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
+                                       ("dapo", {"erc": (0.95, 1.05)}), ("grpo", {"dual_clip": 3.0})])
+def test_entropy_effect_columns_against_autograd_of_the_loss(method, kw, temperature):
+    z64, tok, mask, out, cols, x = _update(method, temperature, **kw)
+    # the real loss's gradient on the logits, per position (a token's loss reaches only its own row)
+    (gz,) = torch.autograd.grad(out.loss, x)
+    ref = _dh_along(z64, tok, gz.double(), temperature)  # dH_t per unit step along -dLoss/dz_t
+    torch.testing.assert_close(cols["entropy_effect"].double()[mask], ref[mask], rtol=2e-4, atol=1e-9)
+    # the unclipped surrogate -A r (same weights): its logit gradient minus the real one
+    w = out.columns["grad_coef_unclipped"].double()  # = dLoss_unclipped / dlogp (weights included)
+    p = torch.softmax(z64 / temperature, -1)
+    onehot = torch.nn.functional.one_hot(tok, z64.shape[-1]).double()
+    g_unclipped_z = w.unsqueeze(-1) * (onehot - p) / temperature  # dlogp/dz = (e_a - p)/T
+    ref_drop = _dh_along(z64, tok, g_unclipped_z - gz.double(), temperature)
+    changed = out.columns["grad_changed"] & mask
+    assert changed.any(), "the fixture must change some gradients"
+    got = cols["entropy_effect_dropped"]
+    torch.testing.assert_close(got.double()[changed], ref_drop[changed], rtol=2e-4, atol=1e-9)
+    assert torch.isnan(got[~changed]).all()
+
+
+def test_entropy_budget_sums():
+    from entropylens import tokenbatch
+    from entropylens.schema import CLIP_HIGH, CLIP_LOW, QUADRANT_CODES, QUADRANTS
+
+    _, _, mask, out, cols, _ = _update("grpo", 1.0, seed=3, erc=(0.95, 1.05))
+    budget = dict(zip(tokenbatch.BUDGET_NAMES, tokenbatch.entropy_budget(cols, mask).tolist()))
+    eff, drop = cols["entropy_effect"].double(), cols["entropy_effect_dropped"].double()
+    drop0 = torch.nan_to_num(drop, nan=0.0)
+    q, clip = cols["quadrant"], cols["clip"]
+    assert budget["entropy_effect"] == pytest.approx(eff[mask].sum().item(), rel=1e-9, abs=1e-15)
+    assert budget["entropy_effect_dropped"] == pytest.approx(drop0[mask].sum().item(), rel=1e-9, abs=1e-15)
+    for name in QUADRANTS:
+        sel = mask & (q == QUADRANT_CODES[name])
+        slug = name.replace("&", "_").lower()
+        assert budget[f"entropy_effect_{slug}"] == pytest.approx(eff[sel].sum().item(), rel=1e-9, abs=1e-15)
+        assert budget[f"entropy_effect_dropped_{slug}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9,
+                                                                         abs=1e-15)
+    for side, code in (("low", CLIP_LOW), ("high", CLIP_HIGH)):
+        sel = mask & (clip == code)
+        assert budget[f"entropy_effect_dropped_{side}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9,
+                                                                         abs=1e-15)
+    sel = mask & ~cols["erc_kept"]
+    assert budget["entropy_effect_dropped_erc"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9, abs=1e-15)
+    # a ZA token (advantage 0) has grad_coef 0: no effect, nothing dropped
+    assert (cols["entropy_effect"][4] == 0).all()

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from entropylens import Recorder, stats
+from entropylens import SCHEMA_VERSION, Recorder, stats
 from entropylens.losses import policy_loss
 from entropylens.query import connect
 from entropylens.recorder import RecorderError
@@ -41,7 +41,7 @@ def record_one(rec, step, update, seed=0, erc=None, method="grpo", watch=True):
     lp, h = stats.logprobs_and_entropy(logits, tokens)
     out = policy_loss(lp, old_lp, adv.float(), mask, method=method, entropy=h, old_entropy=old_h, erc=erc)
     rec.record_update(step, update, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
-                      entropy=h, old_entropy=old_h, tokens=tokens, loss=out)
+                      entropy=h, old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(B) + B * update, loss=out)
     out.loss.backward()
     rec.record_step(step, update=update, grad_norm=float(logits.grad.norm()), lr=0.01)
     return logits, tokens, mask, out
@@ -69,7 +69,7 @@ def test_rows_columns_and_hook(tmp_path):
     closed = stats.logit_grad_norm(logits.detach(), tokens, out.columns["grad_coef"])
     np.testing.assert_allclose(df["logit_grad_norm"].to_numpy(), closed.numpy()[sel], rtol=1e-4, atol=1e-9)
     info = json.loads((tmp_path / "r" / "run.json").read_text())
-    assert info["status"] == "finished" and info["schema_version"] == 1 and info["method"] == "ce_gppo"
+    assert info["status"] == "finished" and info["schema_version"] == SCHEMA_VERSION and info["method"] == "ce_gppo"
 
 
 def test_step_aggregates_equal_token_rows(tmp_path):
@@ -137,7 +137,8 @@ def kept_seqs(root, run, sample):
                 x, tokens, mask, adv, old = make_batch(step)
                 big = torch.ones(40, 4, dtype=torch.bool)
                 lp = torch.full((40, 4), -1.0)
-                rec.record_update(step, u, mask=big, advantages=torch.randn(40), logprobs=lp, old_logprobs=lp)
+                rec.record_update(step, u, mask=big, advantages=torch.randn(40), logprobs=lp, old_logprobs=lp,
+                                  seq_ids=torch.arange(40))
     return connect(root / run).execute(
         "SELECT step, update, list(DISTINCT seq ORDER BY seq) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall()
 
@@ -171,12 +172,16 @@ def test_bad_inputs(tmp_path):
         bad[1, 1] = float("nan")
         with pytest.raises(ValueError, match="logprobs contains NaN"):
             rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=bad, old_logprobs=lp)
-        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        ids = torch.arange(2)
+        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp, seq_ids=ids)
         with pytest.raises(ValueError, match="step 0 update 0 was already recorded"):
-            rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp, seq_ids=ids)
+        # a second update of a step needs seq_ids (else two mini-batches would share ids 0..B-1)
+        with pytest.raises(ValueError, match="seq_ids: step 0 has more than one update"):
+            rec.record_update(0, 1, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
         # an empty mask: no rows, no error
         rec.record_update(0, 1, mask=torch.zeros(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp,
-                          old_logprobs=lp)
+                          old_logprobs=lp, seq_ids=ids + 2)
         rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
         with pytest.raises(ValueError, match="steps must not go back"):
             rec.record_update(0, 5, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
@@ -283,3 +288,80 @@ def test_concurrent_reader_never_errors(tmp_path):
         th.join()
     assert not errors, errors[:3]
     assert reads[0] >= 8
+
+
+def test_watch_logits_context_manager_leaves_no_hook(tmp_path):
+    x, tokens, mask, adv, old = make_batch(1)
+    with torch.no_grad():
+        old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    with Recorder(tmp_path, run="r") as rec:
+        # 1) backward inside the block: the norms are recorded, no handle is left on the tensor
+        leaf = x.clone().float().requires_grad_(True)
+        logits = leaf * 1.0  # a non-leaf tensor, as a model's output is
+        with rec.watch_logits(logits) as watch:
+            assert rec.has_hook and len(logits._backward_hooks) == 1
+            lp, h = stats.logprobs_and_entropy(logits, tokens)
+            out = policy_loss(lp, old_lp, adv.float(), mask, entropy=h, old_entropy=old_h)
+            rec.record_update(0, 0, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
+                              entropy=h, old_entropy=old_h, tokens=tokens, loss=out)
+            out.loss.backward()
+        assert watch.norms is not None and not logits._backward_hooks and not rec.has_hook
+        # 2) the block is left without a backward: the exit removes the hook
+        logits2 = x.clone().float().requires_grad_(True)
+        with rec.watch_logits(logits2):
+            assert len(logits2._backward_hooks) == 1
+        assert not logits2._backward_hooks and not rec.has_hook
+        # 3) the plain call form still works (the hook removes itself when it fires)
+        logits3 = x.clone().float().requires_grad_(True)
+        rec.watch_logits(logits3)
+        lp3, _ = stats.logprobs_and_entropy(logits3, tokens)
+        lp3.sum().backward()
+        assert not logits3._backward_hooks and not rec.has_hook
+    got = connect(tmp_path).execute("SELECT count(logit_grad_norm), count(*) FROM tokens").fetchone()
+    assert got == (int(mask.sum()), int(mask.sum()))
+
+
+def test_recorder_resolves_eps_like_the_loss(tmp_path):
+    # without a loss object the recorder derives the clip region itself. dapo: eps 0.2 / 0.28, so
+    # r = 1.25 is inside (1.25 < 1.28) and r = 1.3 is on the high side; gspo: 3e-4 / 4e-4, so
+    # r = 1.001 is already high (1.001 > 1.0004) and r = 0.9995 low (0.9995 < 0.9997).
+    lp = torch.log(torch.tensor([[1.25, 1.3, 1.001, 0.9995]]))
+    old = torch.zeros(1, 4)
+    m = torch.ones(1, 4, dtype=torch.bool)
+    for method, expected in (("dapo", [0, 1, 0, 0]), ("gspo", [1, 1, 1, -1]), ("grpo", [1, 1, 0, 0])):
+        with Recorder(tmp_path, run=method, config={"method": method}) as rec:
+            rec.record_update(0, 0, mask=m, advantages=torch.ones(1), logprobs=lp, old_logprobs=old)
+        got = connect(tmp_path / method).execute("SELECT clip FROM tokens ORDER BY pos").fetchall()
+        assert [c for (c,) in got] == expected, method
+        info = json.loads((tmp_path / method / "run.json").read_text())
+        from entropylens.losses import resolve_eps
+        assert (info["eps_low"], info["eps_high"]) == resolve_eps(method, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_record_update_does_not_synchronise_on_cuda(tmp_path):
+    # every synchronising call on the caller's thread (nonzero, .item(), a blocking copy) raises here
+    dev = torch.device("cuda")
+    x, tokens, mask, adv, old = (t.to(dev) for t in make_batch(2))
+    with torch.no_grad():
+        old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    with Recorder(tmp_path, run="r", sample=0.5) as rec:
+        for update in range(2):
+            logits = x.clone().float().requires_grad_(True)
+            rec.watch_logits(logits)
+            lp, h = stats.logprobs_and_entropy(logits, tokens)
+            with torch.no_grad():
+                out_cols = policy_loss(lp.detach(), old_lp, adv.float(), mask, entropy=h.detach(), old_entropy=old_h)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                rec.record_update(0, update, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
+                                  entropy=h, old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(B, device=dev),
+                                  loss=out_cols)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            lp.sum().backward()
+        summary = rec.step_summary(0)
+    con = connect(tmp_path)
+    n = con.execute("SELECT sum(n_tokens) FROM steps").fetchone()[0]
+    assert n == 2 * int(mask.sum()) == summary["n_tokens"]
+    assert con.execute("SELECT count(logit_grad_norm) = count(*) FROM tokens").fetchone()[0]
