@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 
 from .storage import Location, location
 
-TABLE_DIRS = ("steps", "sequences", "tokens")  # Hive-partitioned tables of a run (probes may join)
-COMMITTED_BY_STEPS = ("sequences", "tokens")  # written before the steps file of their step
+TABLE_DIRS = ("steps", "sequences", "tokens", "probes")  # Hive-partitioned tables of a run
+COMMITTED_BY_STEPS = ("sequences", "tokens", "probes")  # written before the steps file of their step
 COMPACTED = "compacted"
 _HIVE = re.compile(r"/step=(-?\d+)/rank=(-?\d+)/[^/]+\.parquet$")
 _COMPACT_NAME = re.compile(r"steps-(\d+)-(\d+)(?:\.part-(\d+))?\.parquet$")
 _MAGIC = b"PAR1"
+_GONE = "removed while listing"
 
 
 class QueryError(ValueError):
@@ -49,6 +50,7 @@ class RunFiles:
     files: dict[str, list[str]] = field(default_factory=dict)  # table -> Hive files (step=/rank= path)
     compacted: dict[str, list[str]] = field(default_factory=dict)  # table -> compacted files
     ranges: list[tuple[int, int]] = field(default_factory=list)  # compacted, committed step ranges
+    sizes: dict[str, int] = field(default_factory=dict)  # url -> bytes, of every file above
     hidden: list[str] = field(default_factory=list)  # uncommitted steps' files (not errors)
     superseded: list[str] = field(default_factory=list)  # originals of compacted steps
 
@@ -159,8 +161,12 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
         listing[table] = t.files() if t.exists() else {}
     stable = _commits(d) == commits  # 3. no compaction committed while we listed
 
-    bad_paths = dict(_bad_files(d, {p: s for f in (comp_files, *listing.values()) for p, s in f.items()
-                                    if p.endswith(".parquet")}, check))
+    sizes = {p: s for f in (comp_files, *listing.values()) for p, s in f.items() if p.endswith(".parquet")}
+    bad_paths = dict(_bad_files(d, sizes, check))
+    gone = {p for p, why in bad_paths.items() if why == _GONE}
+    if gone:  # removed since the listing (a compaction's clean-up): list again
+        return run, [], False
+    run.sizes = {d.url(p): n for p, n in sizes.items()}
     bad = [(d.url(p), why) for p, why in sorted(bad_paths.items())]
     ranges = sorted(commits)
     run.ranges = [r for r in ranges if commits[r] not in bad_paths]
@@ -219,8 +225,10 @@ def _bad_files(d: Location, files: dict[str, int], check: str) -> list[tuple[str
             out.append((p, "empty" if size == 0 else f"truncated ({size} bytes)"))
         else:
             tail_check.append(p)
-    for p, tail in zip(tail_check, d.tails(tail_check, 4)):
-        if isinstance(tail, Exception):
+    for p, tail in zip(tail_check, d.tails({p: files[p] for p in tail_check}, 4)):
+        if isinstance(tail, FileNotFoundError):
+            out.append((p, _GONE))
+        elif isinstance(tail, Exception):
             out.append((p, f"unreadable ({_one_line(tail)})"))
         elif tail != _MAGIC:
             out.append((p, "not a whole Parquet file (no PAR1 magic at the end: truncated or another format)"))

@@ -23,7 +23,7 @@ from .catalog import QueryError
 from .schema import TABLES
 from .storage import location, register
 
-PARTITIONED = ("steps", "sequences", "tokens")
+PARTITIONED = ("steps", "sequences", "tokens", "probes")
 UNIFORM = ("sequences", "tokens")  # one writer, one schema per run: no union_by_name, so a filtered
 # query opens only the files its step/rank filter keeps (union_by_name reads every footer first)
 STALE_INTERVALS = 3  # a running run whose heartbeat is older than this many intervals is `stale`

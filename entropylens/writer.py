@@ -126,3 +126,20 @@ def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dic
     path = run_dir / "steps" / f"step={step}" / f"rank={rank}" / "steps.parquet"
     write_parquet_atomic(pa.table(cols), path)
     return path
+
+
+def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, rows: list[dict]) -> Path:
+    """probe-U.parquet: the parameter-space probe of one update (schema.PROBES), a row per gradient part.
+    Written before the steps file of its step (the step commits it)."""
+    from .schema import PROBES
+
+    cols = {}
+    for c in PROBES:
+        if c.name in ("step", "rank"):
+            continue  # partition keys
+        vals = [r.get(c.name) for r in rows]
+        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
+        cols[c.name] = pa.array(vals, arrow_type(c.dtype))
+    path = run_dir / "probes" / f"step={step}" / f"rank={rank}" / f"probe-{update}.parquet"
+    write_parquet_atomic(pa.table(cols), path)
+    return path

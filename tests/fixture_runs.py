@@ -28,6 +28,15 @@ CLIPPED = [False, True, True, False]
 H = {0: [0.5, 1.2, 0.9, 2.0], 1: [0.4, 1.5, 0.7, 2.4]}
 H_OLD = [0.5, 1.0, 1.0, 2.0]
 LGN = [1.0, 2.0, 3.0, 1.0]
+# entropy attribution: the clipped t1, t2 keep no gradient (effect 0) and lost +0.4 / -0.2
+EFFECT = [-0.1, 0.0, 0.0, 0.3]
+DROPPED = [float("nan"), 0.4, -0.2, float("nan")]  # NaN = null: gradient unchanged
+BUDGET = {"entropy_effect": 0.2, "entropy_effect_pa_hp": -0.1, "entropy_effect_pa_lp": 0.0,
+          "entropy_effect_na_hp": 0.3, "entropy_effect_na_lp": 0.0, "entropy_effect_low": 0.0,
+          "entropy_effect_high": 0.0, "entropy_effect_dropped": 0.2, "entropy_effect_dropped_pa_hp": 0.0,
+          "entropy_effect_dropped_pa_lp": 0.4, "entropy_effect_dropped_na_hp": 0.0,
+          "entropy_effect_dropped_na_lp": -0.2, "entropy_effect_dropped_low": -0.2,
+          "entropy_effect_dropped_high": 0.4}
 
 
 def token_arrays(update: int) -> dict:
@@ -40,13 +49,14 @@ def token_arrays(update: int) -> dict:
         "clip": np.array(CLIP, np.int8), "clipped": np.array(CLIPPED), "entropy": np.array(H[update], np.float32),
         "old_entropy": np.array(H_OLD, np.float32), "grad_coef": np.array([-0.25] * 4, np.float32),
         "logit_grad_norm": np.array(LGN, np.float32),
+        "entropy_effect": np.array(EFFECT, np.float32), "entropy_effect_dropped": np.array(DROPPED, np.float32),
     }
 
 
 def step_row(update: int, n_tokens: int, old_entropy_mean: float, grad_norm: float, kl: float) -> dict:
     return {"update": update, "n_tokens": n_tokens, "entropy_mean": 1.0, "old_entropy_mean": old_entropy_mean,
             "clip_low_frac": 0.25, "clip_high_frac": 0.25, "n_pa_hp": 1, "n_pa_lp": 1, "n_na_hp": 1, "n_na_lp": 1,
-            "n_za": 0, "grad_norm": grad_norm, "kl_k3": kl, "reward_mean": 0.5}
+            "n_za": 0, "grad_norm": grad_norm, "kl_k3": kl, "reward_mean": 0.5, **BUDGET}
 
 
 def build(root: Path) -> Path:

@@ -51,13 +51,24 @@ def test_quadrant_share_by_step(con):
 
 
 def test_clip_by_quadrant(con):
-    df = run_analysis(con, "clip_by_quadrant")
-    assert one(df, "clip_high_frac", run="a", step=None, quadrant="PA&LP") == 1.0
-    assert one(df, "tokens", run="a", step=None, quadrant="PA&LP") == 3
-    assert one(df, "clip_low_frac", run="a", step=None, quadrant="NA&LP") == 1.0
-    assert one(df, "clipped_frac", run="a", step=None, quadrant="PA&HP") == 0.0
-    assert one(df, "tokens", run="a", step=0, quadrant="NA&HP") == 2
-    assert one(df, "tokens", run="b", step=None, quadrant="NA&HP") == 1
+    df = run_analysis(con, "clip_by_quadrant")  # the whole run: no step column, nothing to double-count
+    assert list(df.columns) == ["run", "method", "quadrant", "tokens", "clip_low_frac", "clip_high_frac",
+                                "clipped_frac"]
+    assert one(df, "clip_high_frac", run="a", quadrant="PA&LP") == 1.0
+    assert one(df, "tokens", run="a", quadrant="PA&LP") == 3
+    assert one(df, "clip_low_frac", run="a", quadrant="NA&LP") == 1.0
+    assert one(df, "clipped_frac", run="a", quadrant="PA&HP") == 0.0
+    assert one(df, "tokens", run="b", quadrant="NA&HP") == 1
+
+
+def test_clip_by_quadrant_by_step(con):
+    per_step = run_analysis(con, "clip_by_quadrant_by_step")
+    assert per_step["step"].notna().all()
+    assert one(per_step, "tokens", run="a", step=0, quadrant="NA&HP") == 2
+    # summing the per-step rows gives the whole-run count (#13: they used to share one table)
+    total = per_step.groupby(["run", "quadrant"])["tokens"].sum()
+    whole = run_analysis(con, "clip_by_quadrant").set_index(["run", "quadrant"])["tokens"]
+    assert (total.sort_index() == whole.sort_index()).all()
 
 
 def test_ratio_vs_prob(con):
@@ -156,3 +167,52 @@ def test_errors(con, tmp_path):
     with pytest.raises(QueryError, match="no entropylens run"):
         connect(tmp_path)
     assert math.isfinite(run_analysis(con, "kl_by_step")["kl"].sum())
+
+
+def test_entropy_budget_by_step(con):
+    # steps rows carry the fixture's BUDGET per update; run a step 0 has two updates: sums double
+    df = run_analysis(con, "entropy_budget_by_step")
+    assert set(rows(df, run="a", step=0)["quadrant"]) == {"PA&HP", "PA&LP", "NA&HP", "NA&LP"}
+    assert one(df, "effect", run="a", step=0, quadrant="PA&HP") == pytest.approx(-0.2)
+    assert one(df, "effect", run="a", step=0, quadrant="NA&HP") == pytest.approx(0.6)
+    assert one(df, "dropped", run="a", step=0, quadrant="PA&LP") == pytest.approx(0.8)
+    assert one(df, "dropped", run="a", step=1, quadrant="NA&LP") == pytest.approx(-0.2)
+    assert one(df, "step_dropped", run="a", step=0, quadrant="PA&LP") == pytest.approx(0.4)
+    assert one(df, "dropped_low", run="b", step=0, quadrant="NA&LP") == pytest.approx(-0.2)
+    assert math.isnan(one(df, "dropped_erc", run="b", step=0, quadrant="NA&LP"))  # no ERC: null
+
+
+def test_entropy_budget_by_prob_bin(con):
+    # run a: 3 rows of each token. t0 (PA, p 0.95, bin 9) effect -0.1 x 3; t1 (PA, bin 1) dropped 0.4 x 3;
+    # t2 (NA, bin 1) dropped -0.2 x 3; t3 (NA, bin 8) effect 0.3 x 3
+    df = run_analysis(con, "entropy_budget_by_prob_bin")
+    assert one(df, "effect", run="a", sign="PA", bin=9) == pytest.approx(-0.3)
+    assert one(df, "dropped", run="a", sign="PA", bin=9) == 0
+    assert one(df, "changed", run="a", sign="PA", bin=1) == 3
+    assert one(df, "dropped", run="a", sign="PA", bin=1) == pytest.approx(1.2)
+    assert one(df, "dropped", run="a", sign="NA", bin=1) == pytest.approx(-0.6)
+    assert one(df, "effect_per_token", run="a", sign="NA", bin=8) == pytest.approx(0.3)
+    assert one(df, "tokens", run="b", sign="NA", bin=8) == 1
+
+
+def test_probe_vs_measured(con, tmp_path):
+    # the fixture has no probes: an empty result with the header's columns; with a probes file, its rows
+    from entropylens.writer import write_probes
+
+    df = run_analysis(con, "probe_vs_measured")
+    assert df.empty and "predicted_dh" in df.columns
+    import shutil
+
+    from fixture_runs import build
+
+    root = build(tmp_path / "r")
+    write_probes(root / "a", 1, 0, 0, [
+        {"update": 0, "part": "step", "tokens": 0, "grad_norm": 1.0, "predicted_dh": -0.01, "measured_dh": -0.012,
+         "entropy_before": 1.0, "optimizer": "Adam", "lr": 1e-3},
+        {"update": 0, "part": "PA&LP", "tokens": 1, "grad_norm": 0.5, "predicted_dh": 0.004, "measured_dh": None,
+         "entropy_before": 1.0, "optimizer": "Adam", "lr": 1e-3}])
+    df = run_analysis(connect(root), "probe_vs_measured")
+    assert one(df, "measured_dh", run="a", part="step") == pytest.approx(-0.012)
+    assert one(df, "predicted_dh", run="a", part="PA&LP") == pytest.approx(0.004)
+    assert math.isnan(one(df, "measured_dh", run="a", part="PA&LP"))
+    shutil.rmtree(root)

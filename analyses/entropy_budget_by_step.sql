@@ -1,0 +1,56 @@
+-- title: Entropy budget per step: each quadrant's first-order entropy effect, kept and dropped
+-- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_low, dropped_high, dropped_erc
+-- figure: CE-GPPO Sec. 3 / Fig. 1 (entropy effect of each quadrant; what PPO-clip drops)
+-- params: none
+-- effect = sum over the quadrant's tokens of g s / T^2 (the entropy change its gradient drives per unit
+-- logit step, eta left out); dropped = sum of (g_unclipped - g) s / T^2 over tokens whose gradient
+-- clipping / CE-GPPO's beta / ERC / dual-clip changed: the effect that was taken away. step_* are the
+-- step totals (ZA tokens included), dropped_low / dropped_high by clip side, dropped_erc on ERC-dropped
+-- tokens. Exact: from the steps table (all tokens, also when token rows are sampled), summed over the
+-- step's updates and ranks. NULL where a run recorded no entropy sensitivity.
+WITH s AS (
+    SELECT
+        run,
+        step,
+        sum(entropy_effect) AS step_effect,
+        sum(entropy_effect_dropped) AS step_dropped,
+        sum(entropy_effect_dropped_low) AS dropped_low,
+        sum(entropy_effect_dropped_high) AS dropped_high,
+        sum(entropy_effect_dropped_erc) AS dropped_erc,
+        sum(entropy_effect_pa_hp) AS e_pa_hp,
+        sum(entropy_effect_pa_lp) AS e_pa_lp,
+        sum(entropy_effect_na_hp) AS e_na_hp,
+        sum(entropy_effect_na_lp) AS e_na_lp,
+        sum(entropy_effect_dropped_pa_hp) AS d_pa_hp,
+        sum(entropy_effect_dropped_pa_lp) AS d_pa_lp,
+        sum(entropy_effect_dropped_na_hp) AS d_na_hp,
+        sum(entropy_effect_dropped_na_lp) AS d_na_lp
+    FROM steps
+    WHERE n_tokens IS NOT NULL
+    GROUP BY run, step
+),
+q AS (
+    SELECT run, step, 'PA&HP' AS quadrant, e_pa_hp AS effect, d_pa_hp AS dropped FROM s
+    UNION ALL
+    SELECT run, step, 'PA&LP' AS quadrant, e_pa_lp AS effect, d_pa_lp AS dropped FROM s
+    UNION ALL
+    SELECT run, step, 'NA&HP' AS quadrant, e_na_hp AS effect, d_na_hp AS dropped FROM s
+    UNION ALL
+    SELECT run, step, 'NA&LP' AS quadrant, e_na_lp AS effect, d_na_lp AS dropped FROM s
+)
+SELECT
+    q.run,
+    r.method,
+    q.step,
+    q.quadrant,
+    q.effect,
+    q.dropped,
+    s.step_effect,
+    s.step_dropped,
+    s.dropped_low,
+    s.dropped_high,
+    s.dropped_erc
+FROM q
+JOIN s ON q.run = s.run AND q.step = s.step
+JOIN runs AS r ON q.run = r.run
+ORDER BY q.run, q.step, q.quadrant
