@@ -276,7 +276,7 @@ def _trainer_class():
                     self._el_capture = None
                 sq = None
                 if caps and all(c is not None for c in caps):
-                    sq = torch.cat([c[:, -k:] for c in caps])
+                    sq = torch.cat([c[:, -k:] for c in caps]).float().exp()  # sum_j p_j^2 [b, K]
                     if sq.shape != logps.shape:
                         sq = None
                 if sq is None:

@@ -1,0 +1,238 @@
+"""TRL at real settings (real TRL 1.16, tiny Qwen2 from a config, local tokenizer, CPU, no mocks):
+gradient accumulation, the closed-form logit-gradient norm against full logits, PEFT + KL,
+TRL's non-PPO loss types, the fallback head, refused options, two processes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from entropylens.query import connect, run_analysis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+import trl_tiny  # noqa: E402
+
+
+def _snapshot_class():
+    """EntropyLensGRPOTrainer that, before each training micro-batch, computes the FULL logits of the
+    same model on the same inputs (a plain forward, no fused head) and keeps p_theta(a) and sum_j p_j^2:
+    the independent reference for the closed-form logit-gradient norm."""
+    from entropylens.integrations.trl import EntropyLensGRPOTrainer
+
+    class Snapshot(EntropyLensGRPOTrainer):
+        snaps: list
+
+        def _compute_loss(self, model, inputs):
+            if self.model.training:
+                ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+                attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+                k = inputs["completion_ids"].size(1)
+                with torch.no_grad():
+                    logits = self._el_base_model()(input_ids=ids, attention_mask=attn).logits  # [b, P+K, V]
+                u = logits[:, -k - 1 : -1].double() / self.temperature  # [b, K, V]
+                logp = u.log_softmax(-1)
+                lp_a = logp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)  # [b, K]
+                sq = logp.exp().square().sum(-1)  # [b, K]
+                seq = inputs["el_seq_ids"].unsqueeze(1).expand(-1, k)
+                pos = torch.arange(k).unsqueeze(0).expand_as(seq)
+                keep = inputs["completion_mask"].bool()
+                self.snaps.append(pd.DataFrame({
+                    "step": self.state.global_step, "seq": seq[keep].numpy(), "pos": pos[keep].numpy(),
+                    "ref_logprob": lp_a[keep].numpy(), "ref_sum_p2": sq[keep].numpy()}))
+            return super()._compute_loss(model, inputs)
+
+    Snapshot.snaps = []
+    return Snapshot
+
+
+def _rows(run_dir):
+    return connect(run_dir).execute("SELECT * FROM tokens ORDER BY step, \"update\", seq, pos").df()
+
+
+def _check_bounds(t):
+    # (1 - p)|g| <= ||dL/dz|| <= sqrt(2)|g| with p the current policy's probability of the token
+    g, lgn, p = t["grad_coef"].abs(), t["logit_grad_norm"], np.exp(t["logprob"])
+    assert t["logit_grad_norm"].notna().all() and t["grad_coef"].notna().all()
+    assert (lgn >= (1 - p) * g * (1 - 1e-5) - 1e-12).all()
+    assert (lgn <= np.sqrt(2) * g * (1 + 1e-5) + 1e-12).all()
+
+
+def _check_closed_form(t, snaps):
+    ref = pd.concat(snaps).drop_duplicates(["step", "seq", "pos"])
+    j = t.merge(ref, on=["step", "seq", "pos"], how="left", validate="one_to_one")
+    assert j["ref_sum_p2"].notna().all()
+    np.testing.assert_allclose(j["logprob"], j["ref_logprob"], atol=2e-5)  # TRL's fused head == full logits
+    p = np.exp(j["ref_logprob"])
+    want = j["grad_coef"].abs() * np.sqrt(1 - 2 * p + j["ref_sum_p2"])  # T = 1
+    np.testing.assert_allclose(j["logit_grad_norm"], want, rtol=2e-4, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def ga2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ga2")
+    cls = _snapshot_class()
+    tr = trl_tiny.trainer(out, "ga2", cls=cls, gradient_accumulation_steps=2, per_device_train_batch_size=4)
+    tr.train()
+    return _rows(out / "ga2"), cls.snaps, connect(out / "ga2")
+
+
+def test_trl_ga2_every_row_closed_form_and_bounds(ga2):
+    t, snaps, con = ga2
+    assert sorted(t["step"].unique()) == [0, 1] and sorted(t["update"].unique()) == [0, 1]
+    _check_bounds(t)
+    _check_closed_form(t, snaps)
+    # TRL's dapo loss, on-policy (r = 1): dLoss/dlogp = -A / (tokens of the generation batch): the
+    # generation batch (8 sequences) is one optimizer step here, so grad_coef = -A / n_tokens(step)
+    np.testing.assert_allclose(t["ratio"], 1.0, rtol=0, atol=1e-6)
+    n = t.groupby("step")["seq"].transform("size")
+    np.testing.assert_allclose(t["grad_coef"], -t["advantage"] / n, rtol=1e-5, atol=1e-9)
+    # the recorder's aggregates see the closed-form norms too
+    assert con.execute("SELECT count(*) FROM steps WHERE lgn_mean_na_lp IS NULL AND n_na_lp > 0").fetchone()[0] == 0
+
+
+def test_trl_ga1_twice_the_micro_batch_same_grad_coef(ga2, tmp_path):
+    t2, _, _ = ga2
+    trl_tiny.trainer(tmp_path, "ga1", gradient_accumulation_steps=1, per_device_train_batch_size=8, max_steps=1).train()
+    t1 = _rows(tmp_path / "ga1")
+    a = t2[t2["step"] == 0].set_index(["seq", "pos"]).sort_index()
+    b = t1[t1["step"] == 0].set_index(["seq", "pos"]).sort_index()
+    assert len(a) == len(b) > 0 and (a.index == b.index).all()
+    np.testing.assert_array_equal(a["token_id"], b["token_id"])  # the same completions
+    np.testing.assert_allclose(b["grad_coef"], a["grad_coef"], rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(b["logit_grad_norm"], a["logit_grad_norm"], rtol=1e-4, atol=1e-9)
+
+
+def test_trl_ce_gppo_ga2_grad_coef_includes_the_accumulation_scale(tmp_path):
+    cls = _snapshot_class()
+    trl_tiny.trainer(tmp_path, "ce", cls=cls, max_steps=1, el=dict(loss="ce_gppo")).train()
+    t = _rows(tmp_path / "ce")
+    _check_bounds(t)
+    _check_closed_form(t, cls.snaps)
+    # on-policy: g = -A r = -A, token-mean over the micro-batch's tokens, times 1 / gradient_accumulation_steps (2)
+    n = t.groupby(["step", "update"])["seq"].transform("size")
+    np.testing.assert_allclose(t["grad_coef"], -t["advantage"] / (2 * n), rtol=1e-5, atol=1e-9)
+
+
+def test_trl_peft_lora_with_kl_old_entropy_is_the_policy_not_the_reference(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    tr = trl_tiny.trainer(tmp_path, "lora", peft_config=lora, beta=0.04, num_iterations=2, max_steps=3,
+                          learning_rate=5e-2)
+    tr.train()
+    t = _rows(tmp_path / "lora")
+    # generation every 2 optimizer steps (GA 2, num_iterations 2): step 2, update 0 is a fresh batch
+    fresh = t[(t["step"] == 2) & (t["update"] == 0)]
+    same = fresh[fresh["ratio"] == 1.0]
+    assert len(same) > 0
+    np.testing.assert_array_equal(same["entropy_ratio"].to_numpy(), 1.0)
+    np.testing.assert_array_equal(same["entropy"], same["old_entropy"])
+    # ... while the reference (adapters off) has moved away from the policy by then
+    kl = [h["kl"] for h in tr.state.log_history if "kl" in h]
+    assert kl[2] > 1e-6
+    # reused batch (step 1 / 3): old != new
+    assert (t.loc[t["step"] == 1, "entropy_ratio"] - 1).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("loss_type,level", [("cispo", "token"), ("sapo", "token"), ("grpo", "sequence")])
+def test_trl_non_ppo_loss_types_write_their_own_clip_definition(tmp_path, loss_type, level):
+    kw = dict(epsilon_high=5.0) if loss_type == "cispo" else {}
+    trl_tiny.trainer(tmp_path, "r", loss_type=loss_type, importance_sampling_level=level, num_iterations=2,
+                     max_steps=2, learning_rate=5e-2, **kw).train()
+    t = _rows(tmp_path / "r")
+    assert len(t) > 0
+    if loss_type in ("cispo", "sapo"):
+        assert not t["clipped"].any()  # their gradient is never removed
+        if loss_type == "sapo":
+            assert (t["clip"] == 0).all()
+        else:
+            np.testing.assert_array_equal(t["clip"], np.where(t["ratio"] > 5.0, 1, 0))
+    else:  # clipping acts on the sequence ratio exp(mean_t log r), the same for every token of a sequence
+        assert (t.groupby(["step", "update", "seq"])["clip"].nunique() == 1).all()
+        seq_r = np.exp(t.groupby(["step", "update", "seq"])["logprob"].transform("mean")
+                       - t.groupby(["step", "update", "seq"])["old_logprob"].transform("mean"))
+        np.testing.assert_array_equal(t["clip"], np.where(seq_r < 0.8, -1, np.where(seq_r > 1.2, 1, 0)))
+    _check_bounds(t)
+
+
+def test_trl_fallback_head_stats_matches_trl_fused_head(tmp_path):
+    fused = trl_tiny.trainer(tmp_path, "fused", max_steps=1)
+    fused.train()
+    fb = trl_tiny.trainer(tmp_path, "fallback", max_steps=1)
+    fb._el_fused = False  # as for a model TRL's fused head is not on
+    with pytest.warns(UserWarning, match="head_stats"):
+        fb.train()
+    a, b = _rows(tmp_path / "fused"), _rows(tmp_path / "fallback")
+    assert len(a) == len(b) > 0
+    for c in ("logprob", "entropy", "grad_coef", "logit_grad_norm"):
+        np.testing.assert_allclose(b[c], a[c], rtol=1e-4, atol=1e-6)
+
+
+REFUSED = [
+    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+    (dict(delta=1.5), "delta"),
+    (dict(entropy_coef=0.01), "entropy_coef"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(beta=0.04, use_bias_correction_kl=True), "use_bias_correction_kl"),
+    (dict(use_vllm=True), "vllm_importance_sampling_correction"),
+]
+
+
+@pytest.mark.parametrize("opt,name", REFUSED, ids=[n for _, n in REFUSED])
+def test_trl_loss_swap_refuses_unimplemented_options(tmp_path, opt, name):
+    with pytest.raises(ValueError, match=f"loss='ce_gppo' .*{name}"):
+        trl_tiny.trainer(tmp_path, "x", el=dict(loss="ce_gppo"), **opt)
+    assert not (tmp_path / "x").exists()  # nothing recorded, nothing trained
+
+
+def test_trl_loss_swap_refuses_moe_aux_loss(tmp_path):
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    tok = trl_tiny.trl_grpo.build_tokenizer()
+    torch.manual_seed(0)
+    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+        shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=tok.pad_token_id))
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        trl_tiny.trainer(tmp_path, "moe", model=moe, el=dict(loss="ce_gppo"))
+
+
+@pytest.mark.slow
+def test_trl_two_processes(tmp_path):
+    child = Path(__file__).parent / "helpers" / "trl_two_ranks.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                        "0", str(child), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    runs = [p for p in tmp_path.iterdir() if (p / "run.json").is_file()]
+    assert len(runs) == 1  # one run id agreed by both ranks
+    run = runs[0]
+    for table in ("tokens", "sequences", "steps"):
+        assert {p.name for p in run.glob(f"{table}/step=*/rank=*")} == {"rank=0", "rank=1"}
+    con = connect(run)
+    seqs = con.execute("SELECT seq, rank, step, reward FROM sequences").df()
+    assert seqs["seq"].is_unique and set(seqs["rank"]) == {0, 1}
+    tok = con.execute("SELECT rank, seq, count(*) AS n FROM tokens GROUP BY rank, seq").df()
+    assert set(tok["seq"]) <= set(seqs["seq"])
+    assert (tok.merge(seqs, on="seq")["rank_x"] == tok.merge(seqs, on="seq")["rank_y"]).all()
+    # token counts add up: the exact step aggregates count every recorded row
+    n_steps = con.execute("SELECT sum(n_tokens) FROM steps").fetchone()[0]
+    assert n_steps == con.execute("SELECT count(*) FROM tokens").fetchone()[0] > 0
+    # the run's reward is the mean over its sequences (both ranks), not one rank's step mean
+    summary = run_analysis(con, "run_summary")
+    last = seqs[seqs["step"] == seqs["step"].max()]
+    assert summary["final_reward"].iloc[0] == pytest.approx(last["reward"].mean(), rel=1e-6)
+    per_rank = last.groupby("rank")["reward"].mean()
+    gn = run_analysis(con, "grad_norm_by_step")
+    assert (gn["updates"] == 2).all()  # gradient_accumulation_steps micro-batches, counted once per rank
+    status = con.execute("SELECT status FROM runs").fetchone()[0]
+    assert status == "finished"
+    assert per_rank.notna().all()
