@@ -1,0 +1,229 @@
+"""The recorder's writer thread: everything between the training thread and the files.
+
+The training thread only puts messages on a bounded queue (``put`` blocks when the queue is full:
+back-pressure, never a drop). The thread, in queue order:
+  update     waits for the update's host copy, checks the input finite flags, selects the token
+             rows (the compaction) and files the exact aggregates in the step table;
+  scalars    adds recorded scalars to a step row (or to every row of a step);
+  sequences  writes a sequences file;
+  close      writes the token files of the closed steps, then their steps files (a present steps
+             row implies all its token rows);
+  summary    answers a question about a step's aggregates (for trainer logs);
+  heartbeat  rewrites run.json.
+A failure is kept in ``error`` and surfaced by the recorder at its next call, never swallowed.
+run.json (rank 0 only) is written atomically from :class:`RunInfo`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import tokenbatch
+from . import writer as parquet
+from .host_copy import HostCopy
+from .schema import QUADRANT_NAMES, SCHEMA_VERSION
+from .step_table import StepTable
+from .token_buffer import TokenBuffer
+
+_STOP = object()
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@dataclass
+class RunInfo:
+    """What run.json says about the run (the recorder updates status and loss settings)."""
+
+    run: str
+    world_size: int
+    config: dict
+    eps_low: float
+    eps_high: float
+    tau: float
+    sample: float
+    status: str = "running"
+    loss: dict | None = None  # the loss's run-level settings (method, eps, agg, ...)
+    started_at: str = field(default_factory=utc_now)
+
+    def to_dict(self, error: BaseException | None) -> dict[str, Any]:
+        loss = self.loss or {}
+        return {
+            "run": self.run,
+            "method": self.config.get("method") or loss.get("method"),
+            "config": self.config,
+            "model": self.config.get("model"),
+            "seed": self.config.get("seed"),
+            "schema_version": SCHEMA_VERSION,
+            "world_size": self.world_size,
+            "started_at": self.started_at,
+            "heartbeat_at": utc_now(),
+            "status": self.status,
+            "error": None if error is None else str(error),
+            "loss": self.loss,
+            "eps_low": loss.get("eps_low", self.eps_low),
+            "eps_high": loss.get("eps_high", self.eps_high),
+            "tau": loss.get("tau", self.tau),
+            "sample": self.sample,
+            "quadrants": QUADRANT_NAMES,
+        }
+
+
+class _Reply:
+    """A one-shot answer from the writer thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.value: Any = None
+
+    def set(self, value: Any) -> None:
+        self.value = value
+        self._done.set()
+
+    def wait(self, thread: threading.Thread) -> Any:
+        while not self._done.wait(0.5):
+            if not thread.is_alive():
+                return None
+        return self.value
+
+
+class WriterThread:
+    def __init__(self, run_dir: Path, rank: int, info: RunInfo, *, queue_size: int, rows_per_file: int,
+                 heartbeat_s: float):
+        self.run_dir, self.rank, self.info = run_dir, rank, info
+        self.error: BaseException | None = None  # a write failure (sticky)
+        self._rejected: list[ValueError] = []  # bad inputs found once the block reached the host
+        self._steps = StepTable()
+        self._tokens = TokenBuffer(rows_per_file)
+        self._heartbeat_s = heartbeat_s
+        self._last_beat = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        self.write_run_json()
+        self._thread = threading.Thread(target=self._loop, name=f"entropylens-writer-{info.run}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ caller side
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def put(self, item: tuple) -> None:
+        """Blocks while the queue is full (back-pressure, never a drop); returns without queueing
+        once the thread has failed (the caller's next check raises)."""
+        while True:
+            try:
+                self._queue.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if self.error is not None or not self._thread.is_alive():
+                    return
+
+    def update(self, step: int, update: int, copy: HostCopy, layout: tokenbatch.Layout) -> None:
+        self.put(("update", step, update, copy, layout))
+
+    def scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
+        self.put(("scalars", step, update, values))
+
+    def rewards(self, step: int, total: float, count: int) -> None:
+        self.put(("rewards", step, total, count))
+
+    def sequences(self, step: int, part: int, arrays: dict) -> None:
+        self.put(("sequences", step, part, arrays))
+
+    def close_steps(self, upto: int | None) -> None:
+        """Write the token files, then the steps files, of every step <= upto (all when None)."""
+        self.put(("close", upto))
+
+    def heartbeat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_beat >= self._heartbeat_s:
+            self._last_beat = now
+            self.put(("heartbeat",))
+
+    def summary(self, step: int) -> dict[str, float]:
+        """The step table's summary of ``step`` once every queued message is handled."""
+        reply = _Reply()
+        self.put(("summary", step, reply))
+        return reply.wait(self._thread) or {}
+
+    def take_rejected(self) -> ValueError | None:
+        return self._rejected.pop(0) if self._rejected else None
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join()
+
+    def write_run_json(self) -> None:
+        if self.rank == 0:
+            text = json.dumps(self.info.to_dict(self.error), indent=2, default=str) + "\n"
+            atomic_write_text(self.run_dir / "run.json", text)
+
+    # ------------------------------------------------------------ thread side
+    def _loop(self) -> None:
+        handlers = {
+            "update": self._on_update, "scalars": self._on_scalars, "rewards": self._on_rewards,
+            "sequences": self._on_sequences, "close": self._on_close, "summary": self._on_summary,
+            "heartbeat": lambda: self.write_run_json(),
+        }
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            kind, args = item[0], item[1:]
+            if self.error is not None and kind != "summary":
+                continue  # drain after a failure; the caller sees the error at its next call
+            try:
+                handlers[kind](*args)
+            except BaseException as e:  # surfaced in the caller, never swallowed
+                self.error = e
+
+    def _on_update(self, step: int, update: int, copy: HostCopy, layout: tokenbatch.Layout) -> None:
+        host = tokenbatch.unpack(copy.wait(), layout)
+        bad = [name for name, ok in host.finite.items() if not ok]
+        if bad:  # the update is dropped; the caller raises this at its next call
+            self._rejected.append(ValueError(
+                f"{bad[0]} contains NaN or Inf at masked-in positions (step {step}, update {update})"))
+            return
+        self._steps.add_aggregates(step, update, host.aggregates)
+        rows = host.rows()
+        rows["update"] = np.full(len(rows["seq"]), update, np.int16)
+        for file_step, updates, arrays in self._tokens.add(step, update, rows):
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays)
+
+    def _on_scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
+        if update is None:
+            self._steps.add_step_scalars(step, values)
+        else:
+            self._steps.add_update_scalars(step, update, values)
+
+    def _on_rewards(self, step: int, total: float, count: int) -> None:
+        self._steps.add_rewards(step, total, count)
+
+    def _on_sequences(self, step: int, part: int, arrays: dict) -> None:
+        parquet.write_sequences(self.run_dir, step, self.rank, part, arrays)
+
+    def _on_close(self, upto: int | None) -> None:
+        for file_step, updates, arrays in self._tokens.flush(upto):
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays)
+        for step, rows in self._steps.close(upto):
+            parquet.write_steps(self.run_dir, step, self.rank, rows)
+
+    def _on_summary(self, step: int, reply: _Reply) -> None:
+        reply.set(self._steps.summary(step))

@@ -1,0 +1,57 @@
+"""pack / unpack: one block per update, every part where its Layout says, rows selected on the host."""
+
+import numpy as np
+import torch
+
+from entropylens import tokenbatch
+from entropylens.schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE
+
+
+def test_pack_unpack_round_trip_with_flags_and_selection():
+    # B = 2 sequences, T = 3 positions. Selected: seq 0 positions 0, 1 and seq 1 position 2.
+    selected = torch.tensor([[True, True, False], [False, False, True]])
+    cols = {
+        "logprob": torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]]),
+        "old_logprob": torch.tensor([[-1.5, -2.5, -3.5], [-4.5, -5.5, -6.5]]),
+        "advantage": torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]]),
+        "grad_coef": torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]),
+        "quadrant": torch.tensor([[1, 2, 0], [3, 4, 4]], dtype=torch.int8),
+        "clip": torch.tensor([[CLIP_LOW, CLIP_NONE, CLIP_HIGH], [CLIP_HIGH, CLIP_LOW, CLIP_LOW]], dtype=torch.int8),
+        "clipped": torch.tensor([[False, False, True], [False, True, True]]),
+        "erc_kept": torch.tensor([[True, False, True], [False, True, False]]),
+    }
+    aggs = torch.arange(len(tokenbatch.AGG_NAMES), dtype=torch.float64) / 8  # 0, 0.125, ... exact in float64
+    finite = {"logprobs": torch.tensor(True), "entropy": torch.tensor(False)}
+    packed, layout = tokenbatch.pack(cols, selected, aggs, finite, seq=torch.tensor([10, 11]),
+                                     group=torch.tensor([5, 6]), tokens=torch.tensor([[7, 8, 9], [1, 2, 3]]))
+    assert packed.dtype == torch.int32 and packed.shape == (layout.size,)
+    # sizes in int32 words: aggregates 2 each, 2 finite flags x 2, 4 float columns x 6, 6 token ids,
+    # 6 flags, 2 seq ids, 2 group ids
+    assert layout.size == 2 * len(tokenbatch.AGG_NAMES) + 4 + 24 + 6 + 6 + 2 + 2
+    host = tokenbatch.unpack(packed.numpy(), layout)
+    assert host.finite == {"logprobs": True, "entropy": False}
+    assert tokenbatch.read_finite(packed.numpy(), layout) == host.finite
+    assert list(host.aggregates.values()) == aggs.tolist()
+    rows = host.rows()
+    # row order: (seq 0, pos 0), (seq 0, pos 1), (seq 1, pos 2)
+    np.testing.assert_array_equal(rows["seq"], [10, 10, 11])
+    np.testing.assert_array_equal(rows["group"], [5, 5, 6])
+    np.testing.assert_array_equal(rows["pos"], [0, 1, 2])
+    np.testing.assert_array_equal(rows["token_id"], [7, 8, 3])
+    np.testing.assert_array_equal(rows["logprob"], [-1.0, -2.0, -6.0])
+    np.testing.assert_array_equal(rows["grad_coef"], np.float32([0.1, 0.2, 0.6]))
+    np.testing.assert_array_equal(rows["quadrant"], [1, 2, 4])
+    np.testing.assert_array_equal(rows["clip"], [CLIP_LOW, CLIP_NONE, CLIP_LOW])
+    np.testing.assert_array_equal(rows["clipped"], [False, False, True])
+    np.testing.assert_array_equal(rows["erc_kept"], [True, False, False])
+    assert "entropy" not in rows  # absent columns stay absent (written as nulls)
+
+
+def test_pack_without_tokens_or_erc():
+    selected = torch.tensor([[True, False]])
+    cols = {"logprob": torch.zeros(1, 2), "quadrant": torch.zeros(1, 2, dtype=torch.int8),
+            "clip": torch.zeros(1, 2, dtype=torch.int8), "clipped": torch.zeros(1, 2, dtype=torch.bool)}
+    packed, layout = tokenbatch.pack(cols, selected, torch.zeros(len(tokenbatch.AGG_NAMES)), {},
+                                     seq=torch.tensor([3]), group=torch.tensor([-1]), tokens=None)
+    rows = tokenbatch.unpack(packed.numpy(), layout).rows()
+    assert rows["token_id"].tolist() == [-1] and rows["seq"].tolist() == [3] and "erc_kept" not in rows
