@@ -114,7 +114,8 @@ def probe_update(
     """Run ONE real update on ``batch`` (forward, backward, optional grad-norm clipping, optimizer step)
     and measure its entropy effect per gradient part (module docstring). Returns one dict per part:
     part, tokens, grad_norm, predicted_dh, measured_dh (the 'step' row only), entropy_before,
-    optimizer, lr. The caller does not step the optimizer again for this batch."""
+    optimizer, lr; the 'step' row also carries grad_norm_before_clip. The caller does not step the
+    optimizer again for this batch."""
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if not params:
         raise ValueError("probe: the optimizer holds no parameters that require grad")
@@ -148,6 +149,7 @@ def probe_update(
     # the real update
     fwd.loss.backward()
     clip = 1.0
+    total = _norm([p.grad for p in params])  # before clipping (what a trainer logs as grad_norm)
     if max_grad_norm is not None:
         total = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
         clip = min(1.0, max_grad_norm / (total + 1e-6))  # the factor clip_grad_norm_ applied
@@ -173,7 +175,7 @@ def probe_update(
     rows.append({**base, "part": "momentum", "tokens": 0, "grad_norm": None, "predicted_dh": mom})
     rows.append({**base, "part": "other", "tokens": 0, "grad_norm": None, "predicted_dh": step_pred - explained - mom})
     rows.append({**base, "part": "step", "tokens": int(m.sum()), "grad_norm": _norm([p.grad for p in params]),
-                 "predicted_dh": step_pred, "measured_dh": h_after - h0})
+                 "predicted_dh": step_pred, "measured_dh": h_after - h0, "grad_norm_before_clip": total})
     return rows
 
 

@@ -332,6 +332,33 @@ class Recorder:
         self._writer.rewards(step, float(arrays["reward"].astype(np.float64).sum()), n)
         self._writer.sequences(step, part, arrays)
 
+    def probe(self, step: int, model, optimizer, loss_fn, batch, *, update: int = 0,
+              max_grad_norm: float | None = None) -> list[dict]:
+        """The parameter-space entropy probe (entropylens.probe, opt-in: call it every K steps in place
+        of one update's backward + optimizer step): runs that ONE real update on ``batch`` and records,
+        per gradient part (each quadrant's kept and dropped gradient, momentum, the real step), the
+        entropy change grad(H) . step(part) the optimizer's own step direction predicts, beside the
+        measured change, in the ``probes`` table. ``loss_fn(model, batch)`` returns a
+        :class:`entropylens.probe.ProbeForward` (it may record the update itself while grad is
+        enabled). Also records the update's grad_norm (before clipping) and lr. Returns the rows."""
+        from .probe import probe_update
+
+        self._check_alive()
+        step, update = int(step), int(update)
+        self._finalize_pending()
+        if step <= self._closed_upto:
+            raise ValueError(f"step {step} was already written; probe must come before later steps")
+        self._advance_to(step)
+        rows = probe_update(model, optimizer, loss_fn, batch, max_grad_norm=max_grad_norm)
+        self._finalize_pending()
+        before_clip = rows[-1].pop("grad_norm_before_clip", None)
+        for r in rows:
+            r["update"] = update
+        if not self._disabled:
+            self._writer.probes(step, update, rows)
+        self.record_step(step, update=update, grad_norm=before_clip, lr=rows[-1]["lr"])
+        return rows
+
     def close(self, status: str = "finished", _raise: bool = True) -> None:
         """Flush, wait for the writer, write the final status."""
         if self._closed:
@@ -466,6 +493,8 @@ class Recorder:
         columns = pending.columns
         if norms is not None:
             columns["logit_grad_norm"] = norms
+        else:  # a logit_grad_norm column given with the loss (no logits: verl's closed form from sum pi^2)
+            norms = columns.get("logit_grad_norm")
         aggregates = tokenbatch.step_aggregates(columns, pending.mask, norms, pending.loss_value)
         packed, layout = tokenbatch.pack(columns, pending.selected, aggregates, pending.finite, pending.seq,
                                          pending.group, pending.tokens)

@@ -147,6 +147,9 @@ class WriterThread:
     def sequences(self, step: int, part: int, arrays: dict) -> None:
         self.put(("sequences", step, part, arrays))
 
+    def probes(self, step: int, update: int, rows: list[dict]) -> None:
+        self.put(("probes", step, update, rows))
+
     def close_steps(self, upto: int | None) -> None:
         """Write the token files, then the steps files, of every step <= upto (all when None)."""
         self.put(("close", upto))
@@ -181,6 +184,7 @@ class WriterThread:
             "update": self._on_update, "scalars": self._on_scalars, "rewards": self._on_rewards,
             "sequences": self._on_sequences, "close": self._on_close, "summary": self._on_summary,
             "heartbeat": lambda: self.write_run_json(),
+            "probes": lambda step, update, rows: parquet.write_probes(self.run_dir, step, self.rank, update, rows),
         }
         while True:
             item = self._queue.get()

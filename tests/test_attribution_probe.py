@@ -111,3 +111,29 @@ def test_probe_rejects_unsupported_optimizer_and_no_entropy_grad():
 
     with pytest.raises(ValueError, match="entropy_grad"):
         probe_update(model, torch.optim.SGD(model.parameters(), lr=1e-3), no_grad_entropy, batch)
+
+
+def test_recorder_probe_writes_the_probes_table(tmp_path):
+    from entropylens import Recorder
+    from entropylens.query import connect, run_analysis
+
+    model, batch = _setup(seed=2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with Recorder(tmp_path, run="p", config={"method": "grpo"}) as rec:
+        def recorded_loss_fn(m, b):
+            f = loss_fn(m, b)
+            if torch.is_grad_enabled():  # the probed update is also an ordinary recorded update
+                rec.record_update(0, 0, mask=b["mask"], advantages=b["adv"], logprobs=f.logprobs,
+                                  old_logprobs=b["old_lp"], entropy=f.entropy, old_entropy=b["old_h"],
+                                  tokens=b["tok"], loss=None)
+            return f
+
+        rows = rec.probe(0, model, opt, recorded_loss_fn, batch, max_grad_norm=1.0)
+    con = connect(tmp_path)
+    df = run_analysis(con, "probe_vs_measured")
+    assert len(df) == len(rows) and set(df["part"]) == {r["part"] for r in rows}
+    step = df[df["part"] == "step"].iloc[0]
+    assert step["measured_dh"] == pytest.approx(rows[-1]["measured_dh"])
+    assert step["optimizer"] == "Adam" and step["update"] == 0
+    gn = con.execute("SELECT grad_norm, lr, n_tokens FROM steps").fetchall()
+    assert gn[0][1] == pytest.approx(1e-3) and gn[0][0] > 0 and gn[0][2] == int(batch["mask"].sum())

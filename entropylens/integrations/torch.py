@@ -49,13 +49,16 @@ def policy_update(
     if recorder is not None and logits.requires_grad:
         recorder.watch_logits(logits)
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
-    logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature=temperature, entropy_grad=entropy_grad)
+    # recording: the entropy sensitivity s comes from the same chunked pass (entropy attribution)
+    logprobs, entropy, *sens = logprobs_and_entropy(logits, tokens, temperature=temperature,
+                                                    entropy_grad=entropy_grad, sensitivity=recorder is not None)
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
     if recorder is not None:
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
-                               seq_ids=seq_ids, group_ids=group_ids, loss=out)
+                               seq_ids=seq_ids, group_ids=group_ids, loss=out, entropy_sensitivity=sens[0],
+                               temperature=temperature)
     return out
 
 
