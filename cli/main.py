@@ -35,6 +35,25 @@ class Format(str, Enum):
     parquet = "parquet"
 
 
+class Engine(str, Enum):
+    duckdb = "duckdb"
+    spark = "spark"
+
+
+EngineOpt = Annotated[Engine, typer.Option(
+    "--engine", help="duckdb (canonical, local) or spark (the same SQL on pyspark; see docs/spark.md).")]
+
+
+def _spark_connect(path, runs: list[str] | None = None):
+    """Spark views over the runs under PATH (entropylens.spark); a one-line error if Spark cannot start."""
+    from entropylens.spark import connect
+
+    try:
+        return connect(path, runs=runs or None)
+    except _user_errors() as e:
+        _fail(str(e))
+
+
 @app.callback()
 def _root() -> None:
     """Per-token training dynamics of GRPO-family RL: record, query, report."""
@@ -183,6 +202,7 @@ def analyze(
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", help="k=v parameter (repeatable).")] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+    engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Run a named analysis over the runs under PATH."""
     from entropylens.query import QueryError, render_analysis, run_analysis
@@ -197,7 +217,7 @@ def analyze(
         render_analysis(name, **params)  # unknown analysis / bad parameter before touching the data
     except QueryError as e:
         _fail(str(e))
-    con = _connect(path, run)
+    con = _spark_connect(path, run) if engine == Engine.spark else _connect(path, run)
     try:
         df = run_analysis(con, name, **params)
     except QueryError as e:
@@ -210,6 +230,7 @@ def report(
     path: PathArg,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("entropylens-report"),
+    engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH."""
     from entropylens.report import write_report
@@ -217,7 +238,7 @@ def report(
     _connect(path, run)  # path errors first, as one line
     try:
         with _FileWarnings():
-            index = write_report(path, out, runs=run or None)
+            index = write_report(path, out, runs=run or None, engine=engine.value)
     except _user_errors() as e:
         _fail(str(e))
     typer.echo(f"report: {index}")
@@ -248,15 +269,15 @@ def compact(
     grace: Annotated[float, typer.Option(
         "--grace", help="Seconds between committing the compacted files and removing the originals, "
                         "so that queries already running finish.")] = 10.0,
-    rows_per_file: Annotated[int, typer.Option("--rows-per-file", help="Token rows per compacted file.")]
-        = 16_000_000,
+    file_mb: Annotated[int, typer.Option("--file-mb", help="Target size of a compacted file (MB of originals).")]
+        = 512,
 ) -> None:
     """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
     from entropylens.compact import compact as run_compact
 
     try:
         with _FileWarnings():
-            results = run_compact(path, runs=run or None, grace_s=grace, rows_per_file=rows_per_file)
+            results = run_compact(path, runs=run or None, grace_s=grace, file_bytes=file_mb << 20)
     except _user_errors() as e:
         _fail(str(e))
     for r in results:

@@ -151,12 +151,24 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
     The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
     later steps. Unreadable files are skipped with one UnreadableFileWarning each."""
     import duckdb
-    import pandas as pd
 
-    snap = cat.scan(path, runs, storage_options=storage_options)
+    for attempt in range(3):
+        snap = cat.scan(path, runs, storage_options=storage_options)
+        try:
+            con = _views(snap, duckdb.connect(database))
+            break
+        except duckdb.IOException:  # a file vanished since the listing (compaction): list again
+            if attempt == 2:
+                raise
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
-    con = duckdb.connect(database)
+    return con
+
+
+def _views(snap: cat.Catalog, con):
+    """Create the views of a catalog snapshot on ``con``."""
+    import pandas as pd
+
     register(con, snap.root)
     info = pd.DataFrame([run_row(r.info, r.id, str(r.dir)) for r in snap.runs],
                         columns=[c.name for c in TABLES["runs"]] + ["path"])

@@ -122,8 +122,10 @@ class Location:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
-    def tails(self, paths: list[str], n: int) -> list[bytes | Exception]:
-        """The last ``n`` bytes of each file (one ranged GET each, concurrent on object storage)."""
+    def tails(self, sizes: dict[str, int], n: int) -> list[bytes | Exception]:
+        """The last ``n`` bytes of each file (path -> size from a listing): one ranged GET each,
+        concurrent on object storage. A failed read is returned as its exception."""
+        paths = list(sizes)
         if not self.remote:
             out: list[bytes | Exception] = []
             for p in paths:
@@ -135,8 +137,10 @@ class Location:
                 except OSError as e:
                     out.append(e)
             return out
-        sizes = [self.fs.size(p) for p in paths] if paths else []
-        res = self.fs.cat_ranges(paths, [max(0, s - n) for s in sizes], sizes, on_error="return")
+        if not paths:
+            return []
+        ends = [sizes[p] for p in paths]
+        res = self.fs.cat_ranges(paths, [max(0, e - n) for e in ends], ends, on_error="return")
         return list(res)
 
     def mkdirs(self) -> None:

@@ -1,0 +1,148 @@
+"""Compaction: same answers before and after, the commit rule under a concurrent reader, a crashed
+compaction, a live run (only final steps), the CLI. Runs are in the recorder's layout
+(tests/helpers/layout_run.py)."""
+
+import sys
+import threading
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from layout_run import make_run, write_step  # noqa: E402
+
+from entropylens import compact as compact_mod  # noqa: E402
+from entropylens.cli.main import app  # noqa: E402
+from entropylens.compact import compact  # noqa: E402
+from entropylens.query import connect, list_analyses, run_analysis  # noqa: E402
+
+TOTALS = """SELECT (SELECT count(*) FROM tokens), (SELECT sum(entropy)::DOUBLE FROM tokens),
+                   (SELECT count(*) FROM sequences), (SELECT count(*) FROM steps),
+                   (SELECT coalesce(sum(n_tokens), 0) FROM steps)"""
+
+
+def _parquet(d: Path) -> list[Path]:
+    return sorted(p for p in d.rglob("*.parquet"))
+
+
+def test_every_analysis_gives_the_same_rows_after_compaction(tmp_path):
+    make_run(tmp_path, "a", steps=12, rows=96, ranks=2)
+    make_run(tmp_path, "b", steps=5, rows=40)
+    before = {name: run_analysis(connect(tmp_path), name) for name, _ in list_analyses()}
+    n_before = len(_parquet(tmp_path))
+    res = compact(tmp_path, grace_s=0, file_bytes=6000)
+    assert [r.steps for r in res] == [(0, 11), (0, 4)]
+    assert res[0].rows == 12 * 2 * 96 and res[0].files_in == 12 * 2 * 3
+    after_files = _parquet(tmp_path)
+    assert all("/compacted/" in str(p) for p in after_files)
+    assert len(after_files) < n_before / 2  # several parts per table (file_bytes is tiny here)
+    con = connect(tmp_path)
+    for name, df in before.items():
+        pd.testing.assert_frame_equal(run_analysis(con, name), df, check_exact=False, rtol=1e-9,
+                                      check_dtype=False, obj=name)
+
+
+def test_compacted_files_keep_step_and_rank_and_large_row_groups(tmp_path):
+    import pyarrow.parquet as pq
+
+    make_run(tmp_path, "a", steps=30, rows=100, ranks=2)
+    compact(tmp_path, grace_s=0, row_group_rows=2000)
+    tok = _parquet(tmp_path / "a" / "compacted" / "tokens")
+    assert len(tok) == 1
+    md = pq.read_metadata(tok[0])
+    assert md.num_rows == 6000 and md.num_row_groups == 3  # 2,000-row groups of 20 (step, rank) files
+    t = pq.read_table(tok[0], columns=["step", "rank"])
+    steps = t.column("step").to_pylist()
+    assert steps == sorted(steps) and t.column("rank").to_pylist()[:200] == [0] * 100 + [1] * 100
+
+
+def test_concurrent_reader_never_double_counts_nor_misses(tmp_path):
+    """A reader connects and counts in a loop while the run grows and is compacted again and again;
+    every read equals one of the committed totals, and reads happen inside the compaction windows."""
+    d = make_run(tmp_path, "r", steps=0, status="running", ranks=1)
+    expected: dict[int, tuple] = {}
+    seen, errors = [], []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                seen.append(connect(tmp_path).execute(TOTALS).fetchall()[0])
+            except Exception as e:  # noqa: BLE001 - any error fails the test
+                errors.append(repr(e))
+
+    step = 0
+    th = threading.Thread(target=reader)
+    th.start()
+    try:
+        for _round in range(4):
+            for _ in range(6):
+                write_step(d, step, 0, 48)
+                step += 1
+            write_step(d, step, 0, 48, commit=False)  # an uncommitted step is always in flight
+            con = connect(tmp_path)
+            expected[step] = con.execute(TOTALS).fetchall()[0]
+            n_reads = len(seen)
+            compact(tmp_path, grace_s=2.0)  # longer than one connect + query here
+            assert len(seen) > n_reads  # the reader ran while this compaction did
+            write_step(d, step, 0, 48, commit=True, seed=0)  # commit it (same rows, rewritten)
+            step += 1
+    finally:
+        stop.set()
+        th.join()
+    assert not errors, errors[:3]
+    assert len(seen) > 10
+    for v in seen:
+        n_tok, _, n_seq, n_steps, sum_n = v
+        assert n_tok == sum_n == 48 * n_steps and n_seq == 6 * n_steps, v  # nothing doubled or missed
+    assert {n for n, *_ in seen} <= {48 * n for n in range(step + 1)}
+    assert sorted({v[0] for v in expected.values()}) == [48 * n for n in (6, 13, 20, 27)]
+    final = connect(tmp_path).execute(TOTALS).fetchall()[0]
+    assert final[0] == 48 * step
+
+
+def test_a_crashed_compaction_changes_nothing_and_is_cleaned_up(tmp_path, monkeypatch):
+    make_run(tmp_path, "a", steps=8, rows=64)
+    before = connect(tmp_path).execute(TOTALS).fetchall()
+
+    def die(*a, **k):
+        raise OSError("killed before the commit")
+
+    monkeypatch.setattr(compact_mod.pq, "write_table", die)  # the commit file's write
+    with pytest.raises(OSError):
+        compact(tmp_path, grace_s=0)
+    monkeypatch.undo()
+    orphans = _parquet(tmp_path / "a" / "compacted")
+    assert orphans and all("/tokens/" in str(p) or "/sequences/" in str(p) for p in orphans)
+    assert connect(tmp_path).execute(TOTALS).fetchall() == before  # parts without commit: ignored
+    compact(tmp_path, grace_s=0)
+    assert connect(tmp_path).execute(TOTALS).fetchall() == before
+    assert not any(p.exists() for p in orphans if "part-" in p.name and p.name.startswith("steps-0-7.part-9"))
+
+
+def test_live_run_compacts_only_steps_every_rank_committed(tmp_path):
+    d = make_run(tmp_path, "r", steps=4, rows=32, ranks=2, status="running")
+    for s in (4, 5):
+        write_step(d, s, 0, 32)  # rank 0 is ahead; rank 1 has committed up to step 3
+    (res,) = compact(tmp_path, grace_s=0)
+    assert res.steps == (0, 3)
+    write_step(d, 4, 1, 32)
+    write_step(d, 5, 1, 32)
+    write_step(d, 6, 0, 32)
+    (res,) = compact(tmp_path, grace_s=0)
+    assert res.steps == (4, 5)
+    got = connect(tmp_path).execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall()
+    assert got == [(s, 64) for s in range(6)] + [(6, 32)]
+
+
+def test_cli_compact(tmp_path):
+    make_run(tmp_path, "a", steps=5, rows=32)
+    res = CliRunner().invoke(app, ["compact", str(tmp_path), "--grace", "0"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.strip() == "a: steps 0-4: 15 files -> 3 (160 token rows), 15 originals removed"
+    res = CliRunner().invoke(app, ["compact", str(tmp_path), "--grace", "0"])
+    assert res.stdout.strip() == "a: nothing to compact (no final uncompacted step)"
+    res = CliRunner().invoke(app, ["compact", str(tmp_path / "missing")])
+    assert res.exit_code == 2 and res.stderr.startswith("error: path does not exist")
