@@ -106,6 +106,9 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("entropy_ratio_p95", "float32", "95th percentile of the entropy ratio"),
     _c("erc_drop_frac", "float32", "share of tokens whose gradient ERC removes (rho outside its band)"),
     _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
+    _c("n_nonfinite_ratio", "int64", "tokens whose ratio or k3 is not finite (exp overflow): left out of "
+       "ratio_mean and kl_k3, which are means over the other tokens"),
+    _c("n_nonfinite_lgn", "int64", "tokens whose logit-gradient norm is not finite: left out of lgn_mean_*"),
     _c("reward_mean", "float32", "mean reward of the step's sequences (record_step / record_sequences)"),
     # entropy budget: first-order entropy change per unit logit step, summed over ALL tokens of the update
     *(
@@ -122,6 +125,19 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     ),
 )
 
+# The steps columns computed from an update's tokens (tokenbatch.step_aggregates), in the order it
+# computes them. One name per quantity: policy_loss(...).metrics, the recorder's steps rows and
+# step_summary, trainer logs ("entropylens/<name>": a prefix, as TRL's and verl's loggers group by
+# it) and the SQL analyses all use these names.
+STEP_METRICS: tuple[str, ...] = (
+    "n_tokens", "entropy_mean", "old_entropy_mean", "ratio_mean",
+    "clip_low_frac", "clip_high_frac", "clipped_frac", "region_low_frac", "region_high_frac",
+    *(f"n_{quadrant_slug(q)}" for q in (*QUADRANTS, "ZA")),
+    *(f"clip_frac_{quadrant_slug(q)}" for q in QUADRANTS),
+    *(f"lgn_mean_{quadrant_slug(q)}" for q in QUADRANTS),
+    "entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95",
+    "erc_drop_frac", "kl_k3", "n_nonfinite_ratio", "n_nonfinite_lgn", "loss",
+)
 SEQUENCES: tuple[Column, ...] = (
     _c("step", "int32", "training step"),
     _c("rank", "int16", "rank that recorded the row"),

@@ -338,15 +338,13 @@ def quadrant(advantages: torch.Tensor, prob: torch.Tensor, *, tau: float = 0.5) 
     """int8 quadrant codes: PA if A>0, NA if A<0; HP if p >= tau else LP; ZA (0) where A == 0."""
     if advantages.shape != prob.shape:
         advantages = torch.broadcast_to(advantages, prob.shape)
-    hp = prob >= tau
-    pa = advantages > 0
-    na = advantages < 0
-    code = torch.full(prob.shape, ZA, dtype=torch.int8, device=prob.device)
-    code = torch.where(pa & hp, torch.tensor(PA_HP, dtype=torch.int8, device=prob.device), code)
-    code = torch.where(pa & ~hp, torch.tensor(PA_LP, dtype=torch.int8, device=prob.device), code)
-    code = torch.where(na & hp, torch.tensor(NA_HP, dtype=torch.int8, device=prob.device), code)
-    code = torch.where(na & ~hp, torch.tensor(NA_LP, dtype=torch.int8, device=prob.device), code)
-    return code
+    hp = (prob >= tau).to(torch.int8)
+    pa = (advantages > 0).to(torch.int8)
+    na = (advantages < 0).to(torch.int8)
+    # PA: PA_HP (1) or PA_LP (2); NA: NA_HP (3) or NA_LP (4); ZA (0) otherwise. No host-made constants
+    # (a tensor from Python on the device would be a synchronising copy).
+    assert (ZA, PA_HP, PA_LP, NA_HP, NA_LP) == (0, 1, 2, 3, 4)
+    return pa * (2 - hp) + na * (4 - hp)
 
 
 def clip_region(ratio: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import stats
-from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, ZA, quadrant_slug
+from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, STEP_METRICS, quadrant_slug
 
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
@@ -28,15 +28,7 @@ FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "
 # | selected (masked in and sampled) << 7
 _Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT = 0b111, 3, 5, 6, 7
 
-AGG_NAMES: tuple[str, ...] = (
-    "n_tokens", "entropy_mean", "old_entropy_mean", "ratio_mean",
-    "clip_low_frac", "clip_high_frac", "clipped_frac", "region_low_frac", "region_high_frac",
-    *(f"n_{quadrant_slug(q)}" for q in (*QUADRANTS, "ZA")),
-    *(f"clip_frac_{quadrant_slug(q)}" for q in QUADRANTS),
-    *(f"lgn_mean_{quadrant_slug(q)}" for q in QUADRANTS),
-    "entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95",
-    "erc_drop_frac", "kl_k3", "loss",
-)
+AGG_NAMES: tuple[str, ...] = STEP_METRICS  # defined once, in schema.py
 # Entropy budget (first-order attribution, DESIGN.md): sums over the update's tokens of
 # entropy_effect = g s / T^2 and entropy_effect_dropped = (g_unclipped - g) s / T^2, per quadrant and
 # per clip side (low: r < 1-eps_low, high: r > 1+eps_high); _dropped_erc: on ERC-dropped tokens.
@@ -120,8 +112,7 @@ def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.T
     drop = torch.where(m & ~torch.isnan(drop), drop, 0.0)  # null (unchanged) tokens add nothing
     clip = cols["clip"].reshape(-1)
     onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES)).double()
-    codes = [c for c, v in QUADRANT_NAMES.items() if v in QUADRANTS]
-    groups = torch.cat([torch.ones_like(eff).unsqueeze(1), onehot[:, codes],
+    groups = torch.cat([torch.ones_like(eff).unsqueeze(1), onehot[:, 1:5],
                         (clip < CLIP_NONE).double().unsqueeze(1), (clip > CLIP_NONE).double().unsqueeze(1)], 1)
     sums = torch.stack([eff, drop]) @ groups  # [2, 7]
     out[:k] = sums[0]
@@ -138,8 +129,8 @@ def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...])
     flat = torch.where(mask, x.float(), torch.full_like(x, float("inf"), dtype=torch.float32)).reshape(-1)
     srt, _ = torch.sort(flat)  # masked-out values sort to the end
     n = mask.sum()
-    q = torch.tensor(qs, dtype=torch.float64, device=x.device)
-    pos = q * (n - 1).clamp(min=0).double()  # [Q]
+    last = (n - 1).clamp(min=0).double()
+    pos = torch.stack([last * q for q in qs])  # [Q] (no host-made tensor: that would be a sync on CUDA)
     lo = pos.floor().long()
     hi = pos.ceil().long()
     frac = (pos - lo.double()).float()
@@ -152,57 +143,74 @@ def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...])
 def step_aggregates(
     cols: dict[str, torch.Tensor], mask: torch.Tensor, lgn: torch.Tensor | None, loss_value: torch.Tensor | None
 ) -> torch.Tensor:
-    """Exact aggregates over all masked-in tokens, float64 [len(AGG_NAMES)], on the device.
-    Fractions are of all tokens of the update; clip_frac_<q> is of the tokens of quadrant q;
-    lgn_mean_<q> the mean logit-gradient norm of quadrant q (NaN without watch_logits).
+    """Exact aggregates over all masked-in tokens, float64 [len(AGG_NAMES)], on the device, in the
+    order of schema.STEP_METRICS (then the entropy budget). Fractions are of all tokens of the update;
+    clip_frac_<q> is of the tokens of quadrant q; lgn_mean_<q> the mean logit-gradient norm of
+    quadrant q (NaN without watch_logits). A ratio or k3 that is not finite (exp overflow) or a
+    non-finite logit-gradient norm is counted (n_nonfinite_ratio, n_nonfinite_lgn) and left out of
+    its mean, never summed as 0 or inf.
 
     One matmul does the sums: rows of per-token values [K, N] times the masked one-hot quadrant
     matrix [N, 5] gives every value summed per quadrant; row totals give the overall sums."""
     dev = mask.device
     m = mask.reshape(-1)
     clip, clipped = cols["clip"].reshape(-1), cols["clipped"].reshape(-1)
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=dev)
-    have_h, have_oh = "entropy" in cols, "old_entropy" in cols
+    have_h, have_oh, have_erc = "entropy" in cols, "old_entropy" in cols, "erc_kept" in cols
     zeros = torch.zeros_like(m, dtype=torch.float32)
     rows = [
-        torch.ones_like(m, dtype=torch.float32),
-        cols["entropy"].reshape(-1).float() if have_h else zeros,
-        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,
-        cols["ratio"].reshape(-1).float(),
-        (clipped & (clip < CLIP_NONE)).float(),
-        (clipped & (clip > CLIP_NONE)).float(),
-        clipped.float(),
-        (clip < CLIP_NONE).float(),
-        (clip > CLIP_NONE).float(),
-        (~cols["erc_kept"].reshape(-1)).float() if "erc_kept" in cols else zeros,
-        stats.kl_k3(cols["logprob"], cols["old_logprob"]).reshape(-1),
-        lgn.reshape(-1).float() if lgn is not None else zeros,
+        torch.ones_like(m, dtype=torch.float32),  # 0 count
+        cols["entropy"].reshape(-1).float() if have_h else zeros,  # 1
+        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,  # 2
+        cols["ratio"].reshape(-1).float(),  # 3
+        (clipped & (clip < CLIP_NONE)).float(),  # 4
+        (clipped & (clip > CLIP_NONE)).float(),  # 5
+        clipped.float(),  # 6
+        (clip < CLIP_NONE).float(),  # 7
+        (clip > CLIP_NONE).float(),  # 8
+        (~cols["erc_kept"].reshape(-1)).float() if have_erc else zeros,  # 9
+        stats.kl_k3(cols["logprob"], cols["old_logprob"]).reshape(-1),  # 10
+        lgn.reshape(-1).float() if lgn is not None else zeros,  # 11
     ]
-    vals = torch.nan_to_num(torch.stack(rows).double(), nan=0.0, posinf=0.0, neginf=0.0)  # [12, N]
+    raw = torch.stack(rows).double()  # [12, N]
+    finite = torch.isfinite(raw)  # [12, N]
+    ratio_ok = finite[3] & finite[10]  # [N]: both ratio and k3 finite
+    lgn_ok = finite[11]  # [N]
+    keep = finite.clone()
+    keep[3] = ratio_ok
+    keep[10] = ratio_ok
+    vals = torch.cat([torch.where(keep, raw, 0.0), ratio_ok.double().unsqueeze(0), lgn_ok.double().unsqueeze(0)])
     onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES))
     onehot = onehot.double() * m.double().unsqueeze(1)  # [N, 5], masked
-    per_q = vals @ onehot  # [12, 5]: sums per quadrant code
-    tot = per_q.sum(dim=1)  # [12]
-    n = tot[0]
+    per_q = vals @ onehot  # [14, 5]: sums per quadrant code (0 = ZA, 1..4 = the quadrants)
+    tot = per_q.sum(dim=1)  # [14]
+    n = tot[0:1]
     denom = n.clamp(min=1.0)
-    codes = [k for k, v in QUADRANT_NAMES.items() if v in QUADRANTS]
-    qn = per_q[0, codes].clamp(min=1.0)
+    ratio_n = tot[12:13].clamp(min=1.0)
+    quads = slice(1, 5)  # codes PA_HP, PA_LP, NA_HP, NA_LP (schema.QUADRANT_NAMES)
+    qn = per_q[0, quads].clamp(min=1.0)
+
+    def nan(k: int) -> torch.Tensor:
+        return torch.full((k,), float("nan"), dtype=torch.float64, device=dev)
+
     out = [
-        n.unsqueeze(0),
-        (tot[1:4] / denom) * torch.tensor([1.0 if have_h else float("nan"), 1.0 if have_oh else float("nan"), 1.0],
-                                          dtype=torch.float64, device=dev),
+        n,
+        tot[1:2] / denom if have_h else nan(1),
+        tot[2:3] / denom if have_oh else nan(1),
+        tot[3:4] / ratio_n,
         tot[4:9] / denom,
-        per_q[0, [*codes, ZA]],
-        per_q[6, codes] / qn,
-        per_q[11, codes] / qn if lgn is not None else nan.repeat(len(codes)),
+        per_q[0, quads], per_q[0, 0:1],  # n_<quadrant>, n_za
+        per_q[6, quads] / qn,
+        per_q[11, quads] / per_q[13, quads].clamp(min=1.0) if lgn is not None else nan(4),
         masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double()
-        if "entropy_ratio" in cols else nan.repeat(3),
-        (tot[9] / denom).unsqueeze(0) if "erc_kept" in cols else nan.unsqueeze(0),
-        (tot[10] / denom).unsqueeze(0),
-        loss_value.detach().double().reshape(1) if loss_value is not None else nan.unsqueeze(0),
+        if "entropy_ratio" in cols else nan(3),
+        tot[9:10] / denom if have_erc else nan(1),
+        tot[10:11] / ratio_n,
+        n - tot[12:13],
+        n - tot[13:14] if lgn is not None else nan(1),
+        loss_value.detach().double().reshape(1) if loss_value is not None else nan(1),
         entropy_budget(cols, mask),
     ]
-    return torch.cat([o.to(dev) for o in out])
+    return torch.cat(out)
 
 
 def step_metrics(
@@ -223,6 +231,7 @@ def step_metrics(
         absent.add("erc_drop_frac")
     if lgn is None:
         absent.update(n for n in AGG_NAMES if n.startswith("lgn_mean_"))
+        absent.add("n_nonfinite_lgn")
     if loss_value is None:
         absent.add("loss")
     if "entropy_effect" not in cols:

@@ -92,4 +92,3 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
     assert "no entropylens run" in err("report", tmp_path)
     assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
-    assert "unknown table" in err("schema", "nope")

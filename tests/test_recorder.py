@@ -116,14 +116,18 @@ def test_without_loss_object_derives_columns(tmp_path):
         old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
     with Recorder(tmp_path, run="r", config={"eps_low": 0.1, "eps_high": 0.3}, tau=0.3) as rec:
         rec.record_update(0, 0, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp)
-    df = connect(tmp_path).execute("SELECT * FROM tokens").df()
-    r = np.exp(df["logprob"] - df["old_logprob"])
+    df = connect(tmp_path).execute("SELECT * FROM tokens ORDER BY seq, pos").df()
+    sel = mask.numpy()
+    # independent values: the ratio, probability and advantage from the input tensors (float64)
+    r = torch.exp(lp.double() - old_lp.double()).numpy()[sel]
+    np.testing.assert_allclose(df["logprob"], lp.numpy()[sel], rtol=1e-6)
     np.testing.assert_allclose(df["ratio"], r, rtol=1e-5)
     exp_clip = np.where(r < 0.9, -1, np.where(r > 1.3, 1, 0))
     np.testing.assert_array_equal(df["clip"], exp_clip)
-    a = df["advantage"].to_numpy()
+    a = adv.unsqueeze(1).expand(mask.shape).numpy()[sel]
+    np.testing.assert_array_equal(df["advantage"], a)
     np.testing.assert_array_equal(df["clipped"], ((exp_clip == -1) & (a < 0)) | ((exp_clip == 1) & (a > 0)))
-    p = df["prob"].to_numpy()
+    p = torch.exp(old_lp.double()).numpy()[sel]
     exp_q = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= 0.3, "PA&HP", "PA&LP"),
                                               np.where(p >= 0.3, "NA&HP", "NA&LP")))
     assert df["quadrant"].tolist() == exp_q.tolist()

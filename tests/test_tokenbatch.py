@@ -1,6 +1,7 @@
 """pack / unpack: one block per update, every part where its Layout says, rows selected on the host."""
 
 import numpy as np
+import pytest
 import torch
 
 from entropylens import tokenbatch
@@ -55,3 +56,29 @@ def test_pack_without_tokens_or_erc():
                                      seq=torch.tensor([3]), group=torch.tensor([-1]), tokens=None)
     rows = tokenbatch.unpack(packed.numpy(), layout).rows()
     assert rows["token_id"].tolist() == [-1] and rows["seq"].tolist() == [3] and "erc_kept" not in rows
+
+
+def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
+    # 4 tokens, A = +1, p = exp(old) = 0.6 >= tau: all PA&HP. log r = [0, ln 2, 100, 0] in float32:
+    # r = [1, 2, inf, 1]; k3 = (r - 1) - log r = [0, 1 - ln 2 = 0.306853, inf, 0].
+    # Finite tokens 0, 1, 3: ratio_mean = (1 + 2 + 1) / 3 = 4/3; kl_k3 = 0.306853 / 3 = 0.102284.
+    # (zeroing the inf, as nan_to_num did, gave ratio_mean (1 + 2 + 0 + 1) / 4 = 1.0 and hid the overflow)
+    # logit-gradient norms [1, inf, nan, 3]: two non-finite; lgn_mean_pa_hp = (1 + 3) / 2 = 2.
+    old = torch.log(torch.full((1, 4), 0.6))
+    logp = old + torch.tensor([[0.0, np.log(2.0), 100.0, 0.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    cols = tokenbatch.derive_columns(mask=mask, advantages=torch.ones(1), logprobs=logp, old_logprobs=old,
+                                     entropy=None, old_entropy=None, loss_columns=None, eps_low=0.2,
+                                     eps_high=0.2, tau=0.5)
+    lgn = torch.tensor([[1.0, float("inf"), float("nan"), 3.0]])
+    agg = tokenbatch.step_metrics(cols, mask, lgn=lgn)
+    assert agg["n_tokens"].item() == 4 and agg["n_pa_hp"].item() == 4
+    assert agg["n_nonfinite_ratio"].item() == 1
+    assert agg["ratio_mean"].item() == pytest.approx(4 / 3, rel=1e-6)
+    assert agg["kl_k3"].item() == pytest.approx((1 - np.log(2.0)) / 3, rel=1e-5)
+    assert agg["n_nonfinite_lgn"].item() == 2
+    assert agg["lgn_mean_pa_hp"].item() == pytest.approx(2.0)
+    # without non-finite values the counts are 0
+    agg2 = tokenbatch.step_metrics(cols, mask & torch.tensor([[True, True, False, True]]), lgn=torch.ones(1, 4))
+    assert agg2["n_nonfinite_ratio"].item() == 0 and agg2["n_nonfinite_lgn"].item() == 0
+    assert agg2["ratio_mean"].item() == pytest.approx(4 / 3, rel=1e-6)
