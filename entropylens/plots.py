@@ -40,7 +40,8 @@ def _lines(ax, df, x: str, y: str, colors, *, logy=False, alpha=0.9):
         method = str(g["method"].iloc[0])
         label = method if method not in seen else None
         seen.add(method)
-        ax.plot(g[x], g[y], color=colors.get(method, "k"), lw=1.4, alpha=alpha, label=label)
+        ax.plot(g[x], g[y], color=colors.get(method, "k"), lw=1.4, alpha=alpha, label=label,
+                marker="o" if len(g) < 3 else None, ms=4)  # a short run shows as points, not nothing
     if logy:
         ax.set_yscale("log")
     if seen:
@@ -98,7 +99,8 @@ def _quadrant_panels(df, y: str, ylabel: str, *, dotted: str | None = None, empt
         _lines(ax, d, "step", y, colors)
         if dotted is not None:
             for _, g in d.sort_values("step").groupby("run"):
-                ax.plot(g["step"], g[dotted], color=colors.get(str(g["method"].iloc[0])), ls=":", lw=1.1)
+                ax.plot(g["step"], g[dotted], color=colors.get(str(g["method"].iloc[0])), ls=":", lw=1.1,
+                        marker="o" if len(g) < 3 else None, ms=3, mfc="none")
         ax.set_title(q, color=QUAD_COLORS[q])
         ax.set_xlabel("training step")
         if ax is not axes[0] and ax.get_legend():
@@ -114,10 +116,10 @@ def quadrant_share(df):
 
 
 def clip_by_quadrant(df):
-    """clip_by_quadrant (overall rows) -> clip fraction by quadrant, low and high side, per method."""
+    """clip_by_quadrant (whole-run rows) -> clip fraction by quadrant, low and high side, per method."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
-    d = df[df["step"].isna()] if not df.empty else df
+    d = df[df["step"].isna()] if "step" in df else df  # tolerate the old mixed table
     if d.empty:
         return _empty(fig)
     d = d.groupby(["method", "quadrant"], as_index=False)[["clip_low_frac", "clip_high_frac"]].mean()
@@ -139,35 +141,59 @@ def clip_by_quadrant(df):
     return fig
 
 
-def ratio_vs_prob(df):
-    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with 1 -/+ eps lines
-    (CE-GPPO Fig. 1 left). One panel per run (at most 6)."""
+def ratio_vs_prob(df, *, span: float = 3.0):
+    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with the clip interval
+    [1-eps_low, 1+eps_high] shaded (CE-GPPO Fig. 1 left). One panel per run (at most 6), shared
+    linear y axis centred on 1 and ``span`` times the clip interval wide; points beyond it are drawn on
+    the edge as triangles (counted in the panel title); one legend for the figure."""
+    from matplotlib.lines import Line2D
+
     plt = _plt()
     runs = list(dict.fromkeys(df["run"])) if not df.empty else []
     n = max(1, min(6, len(runs)))
     cols = min(3, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows + 0.5), squeeze=False,
+                             sharex=True, sharey=True)
     if not runs:
+        for ax in axes.flat:
+            ax.set_visible(False)
         return _empty(fig)
+    eps_lo = df["eps_low"].astype(float).max() if df["eps_low"].notna().any() else 0.2
+    eps_hi = df["eps_high"].astype(float).max() if df["eps_high"].notna().any() else 0.2
+    y_lo, y_hi = max(0.0, 1 - span * eps_lo), 1 + span * eps_hi
     for ax, run in zip(axes.flat, runs[:6]):
         g = df[df["run"] == run]
+        lo, hi = g["eps_low"].iloc[0], g["eps_high"].iloc[0]
+        if lo == lo and lo is not None and hi == hi and hi is not None:
+            ax.axhspan(1 - lo, 1 + hi, color="0.85", alpha=0.6, lw=0, zorder=0)
+            ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
+            ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
+        outside = 0
         for q in QUAD_ORDER:
             h = g[g["quadrant"] == q]
-            ax.scatter(h["prob"], h["ratio"], s=4, alpha=0.5, color=QUAD_COLORS[q], label=q, rasterized=True)
-        lo, hi = g["eps_low"].iloc[0], g["eps_high"].iloc[0]
-        if lo == lo and lo is not None:
-            ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
-        if hi == hi and hi is not None:
-            ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
-        ax.set_title(f"{run}", fontsize=9)
+            inside = h[(h["ratio"] >= y_lo) & (h["ratio"] <= y_hi)]
+            ax.scatter(inside["prob"], inside["ratio"], s=5, alpha=0.5, color=QUAD_COLORS[q], lw=0,
+                       rasterized=True)
+            above, below = h[h["ratio"] > y_hi], h[h["ratio"] < y_lo]
+            ax.scatter(above["prob"], [y_hi] * len(above), marker="^", s=14, color=QUAD_COLORS[q], clip_on=False)
+            ax.scatter(below["prob"], [y_lo] * len(below), marker="v", s=14, color=QUAD_COLORS[q], clip_on=False)
+            outside += len(above) + len(below)
+        share = outside / max(1, len(g))
+        ax.set_title(f"{run}  ({len(g)} tokens, {share:.1%} off the axis)", fontsize=9)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(y_lo, y_hi)
+    for ax in axes[-1]:
         ax.set_xlabel("sampling probability p = pi_old(a)")
+    for ax in axes[:, 0]:
         ax.set_ylabel("importance ratio r")
-        ax.set_yscale("log")
     for ax in list(axes.flat)[len(runs[:6]):]:
         ax.set_visible(False)
-    axes.flat[0].legend(markerscale=3, fontsize=8)
-    fig.tight_layout()
+    handles = [Line2D([], [], ls="", marker="o", color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
+    handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="1 - eps_low, 1 + eps_high"))
+    handles.append(Line2D([], [], ls="", marker="^", color="0.4", label="beyond the axis"))
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.3 * rows + 0.5)))
     return fig
 
 
@@ -180,25 +206,55 @@ def grad_share(df):
 
 
 def entropy_ratio_band(df, band=(0.95, 1.05)):
-    """entropy_ratio_by_step -> median entropy ratio with its p05-p95 band and the ERC band (ERC)."""
+    """entropy_ratio_by_step -> per-token entropy ratio rho = H(pi)/H(pi_old) per step (ERC Sec. 3):
+    one panel per method (shared axes), the median as a line, the p05-p95 band shaded, ERC's band
+    dashed. Linear axis, cut at the 2nd / 98th percentile of the band edges (a few spikes may leave it;
+    the panel title says how many steps)."""
+    import numpy as np
+
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    if df.empty:
+    methods = sorted(df["method"].fillna("?").unique()) if not df.empty else []
+    n = max(1, len(methods))
+    cols = min(2, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 2.6 * rows + 0.4), squeeze=False,
+                             sharex=True, sharey=True)
+    if not methods:
+        for ax in axes.flat:
+            ax.set_visible(False)
         return _empty(fig)
     colors = method_colors(df)
-    seen = set()
-    for run, g in df.sort_values("step").groupby("run"):
-        m = str(g["method"].iloc[0])
-        ax.plot(g["step"], g["p50"], color=colors[m], lw=1.3, label=None if m in seen else m)
-        ax.fill_between(g["step"], g["p05"], g["p95"], color=colors[m], alpha=0.15, lw=0)
-        seen.add(m)
-    for b in band:
-        ax.axhline(b, color="k", ls="--", lw=0.8)
-    ax.set_yscale("log")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("entropy ratio H(pi)/H(pi_old) (log)")
-    ax.set_title("Entropy ratio: median and p05-p95 (dashed: ERC band)")
-    ax.legend(title="method", fontsize=8, title_fontsize=8)
+    lo_edge = np.nanpercentile(df["p05"], 2)
+    hi_edge = np.nanpercentile(df["p95"], 98)
+    y_lo = min(band[0], lo_edge) - 0.02
+    y_hi = max(band[1], hi_edge) + 0.02
+    for ax, m in zip(axes.flat, methods):
+        d = df[df["method"].fillna("?") == m]
+        for _, g in d.sort_values("step").groupby("run"):
+            few = len(g) < 3
+            ax.fill_between(g["step"], g["p05"], g["p95"], color=colors[m], alpha=0.25, lw=0, step=None)
+            if few:  # a short run: the band as error bars, the median as points
+                ax.errorbar(g["step"], g["p50"], yerr=[g["p50"] - g["p05"], g["p95"] - g["p50"]],
+                            fmt="o", color=colors[m], ms=4, capsize=3)
+            else:
+                ax.plot(g["step"], g["p50"], color=colors[m], lw=1.6)
+                ax.plot(g["step"], g["p05"], color=colors[m], lw=0.5, alpha=0.6)
+                ax.plot(g["step"], g["p95"], color=colors[m], lw=0.5, alpha=0.6)
+        for b in band:
+            ax.axhline(b, color="k", ls="--", lw=0.8)
+        off = int(((d["p05"] < y_lo) | (d["p95"] > y_hi)).sum())
+        out = d["outside_band"].mean() if "outside_band" in d else float("nan")
+        title = f"{m}: {out:.0%} of tokens outside the band" if out == out else m
+        ax.set_title(title + (f" ({off} step(s) beyond the axis)" if off else ""), fontsize=9, color=colors[m])
+        ax.set_ylim(y_lo, y_hi)
+    for ax in list(axes.flat)[len(methods):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("training step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("entropy ratio rho")
+    fig.suptitle(f"Entropy ratio per step: median (line), p05-p95 (shaded); dashed: ERC band "
+                 f"({band[0]}, {band[1]})", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -248,5 +304,38 @@ def entropy_change(df):
     ax.set_ylabel("entropy change (nats), minus run mean")
     ax.set_title("Measured entropy change per quadrant vs covariance law")
     ax.legend(title="method", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def clipped_prob(df, tau: float = 0.5):
+    """clipped_prob_distribution -> sampling probability of the tokens PPO-clip drops, one panel per
+    side (low: r < 1-eps_low, A < 0; high: r > 1+eps_high, A > 0), bars per method, tau dotted
+    (CE-GPPO Sec. 3: the clipped tokens are mostly low-probability)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    if df.empty:
+        return _empty(fig, "no token was clipped in these runs")
+    d = df.groupby(["method", "side", "prob_lo", "prob_hi"], as_index=False)["tokens"].sum()
+    d["share"] = d["tokens"] / d.groupby(["method", "side"])["tokens"].transform("sum")
+    colors = method_colors(d)
+    methods = list(colors)
+    for ax, side, title in ((axes[0], "low", "low side: r < 1-eps_low, A < 0"),
+                            (axes[1], "high", "high side: r > 1+eps_high, A > 0")):
+        s_ = d[d["side"] == side]
+        if s_.empty:
+            ax.text(0.5, 0.5, "no clipped token", ha="center", va="center", color="0.4", transform=ax.transAxes)
+        width = float((d["prob_hi"] - d["prob_lo"]).min()) if len(d) else 0.1
+        w = width * 0.85 / max(1, len(methods))
+        for i, m in enumerate(methods):
+            g = s_[s_["method"] == m]
+            xs = g["prob_lo"] + width * 0.075 + (i + 0.5) * w
+            ax.bar(xs, g["share"] * 100, width=w, color=colors[m], label=m)
+        ax.axvline(tau, color="k", ls=":", lw=0.9)
+        ax.set_xlim(0, 1)
+        ax.set_title(title)
+        ax.set_xlabel(f"sampling probability p (dotted: tau = {tau})")
+    axes[0].set_ylabel("% of the side's clipped tokens")
+    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
     fig.tight_layout()
     return fig

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plots
+from .captions import observed
 from .query import connect, run_analysis
 
 
@@ -25,7 +26,8 @@ class Figure:
 
 FIGURES: tuple[Figure, ...] = (
     Figure("entropy", "entropy_by_step", "entropy_vs_step", "Entropy vs step",
-           "Mean token entropy of the rollout policy per step. Mirrors CE-GPPO Fig. 2, 3 and 5."),
+           "Mean token entropy of the rollout policy per step. Mirrors CE-GPPO Fig. 2, 3 and 5: under GRPO / DAPO "
+           "entropy collapses, CE-GPPO keeps it higher."),
     Figure("reward", "reward_by_step", "reward_vs_step", "Reward vs step",
            "Mean reward of the step's responses. Mirrors CE-GPPO Fig. 2 (accuracy vs step)."),
     Figure("quadrant_share", "quadrant_share_by_step", "quadrant_share", "Quadrant shares",
@@ -33,19 +35,25 @@ FIGURES: tuple[Figure, ...] = (
            "Mirrors CE-GPPO Fig. 1 (the four token types)."),
     Figure("clip_by_quadrant", "clip_by_quadrant", "clip_by_quadrant", "Clip fractions by side and quadrant",
            "Share of each quadrant's tokens whose gradient PPO-clip removes, low and high side. "
-           "Mirrors CE-GPPO Sec. 3 / Fig. 1."),
+           "Mirrors CE-GPPO Sec. 3 / Fig. 1: the dropped gradients are mostly those of low-probability tokens."),
     Figure("ratio_vs_prob", "ratio_vs_prob", "ratio_vs_prob", "Importance ratio vs probability",
-           "Importance ratio against sampling probability, coloured by quadrant, with the 1 - eps_low and "
-           "1 + eps_high clip lines (a bounded sample). Mirrors CE-GPPO Fig. 1 left."),
+           "Importance ratio against sampling probability, coloured by quadrant, with the clip interval "
+           "[1 - eps_low, 1 + eps_high] shaded (a bounded sample). Mirrors CE-GPPO Fig. 1 left: the tokens "
+           "that leave the interval are mostly low-probability."),
+    Figure("clipped_prob", "clipped_prob_distribution", "clipped_prob", "Probability of the clipped tokens",
+           "Sampling probability of the tokens whose gradient PPO-clip drops, low and high side. Mirrors "
+           "CE-GPPO Sec. 3: the clipped tokens are mostly low-probability (PA&LP on the high side, NA&LP on "
+           "the low side)."),
     Figure("grad_share", "grad_share_by_quadrant", "grad_share", "Gradient share by quadrant",
            "Each quadrant's share of the squared logit-gradient norm per step; dotted: the part carried by "
            "tokens PPO-clip would drop. Mirrors CE-GPPO Sec. 3 (gradient of clipped tokens)."),
     Figure("entropy_ratio", "entropy_ratio_by_step", "entropy_ratio_band", "Entropy-ratio band",
-           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old), with ERC's (0.95, 1.05) band. "
-           "Mirrors ERC Sec. 3 (the entropy ratio as a global trust region)."),
+           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old) per step, one panel per method, "
+           "with ERC's (0.95, 1.05) band. Mirrors ERC Sec. 3: the entropy ratio is a global trust region, and "
+           "ERC keeps more tokens inside the band."),
     Figure("drift_by_prob", "drift_by_prob_bin", "drift_by_prob", "Drift by probability bin",
-           "Mean |log entropy ratio| by sampling-probability bin. Mirrors ERC Sec. 3 (drift is strongest "
-           "below 0.2 and above 0.6)."),
+           "Mean |log entropy ratio| by sampling-probability bin. The ERC paper reports drift strongest "
+           "for tokens below 0.2 and above 0.6 (dotted lines)."),
     Figure("grad_norm", "grad_norm_by_step", "grad_norm_vs_step", "Gradient norm vs step",
            "Global gradient norm before clipping, mean over the step's updates. Mirrors CE-GPPO Fig. 4 right."),
     Figure("kl", "kl_by_step", "kl_vs_step", "KL vs step",
@@ -95,12 +103,19 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_report(path, out_dir, *, runs: list[str] | None = None) -> Path:
+def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb") -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``. Returns the path of index.html."""
     import matplotlib.pyplot as plt
 
-    con = connect(path, runs=runs)
+    if engine == "spark":  # the same analyses on Spark (entropylens.spark); DuckDB is canonical
+        from .spark import connect as spark_connect
+
+        con = spark_connect(path, runs=runs)
+    elif engine == "duckdb":
+        con = connect(path, runs=runs)
+    else:
+        raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con)
@@ -111,7 +126,7 @@ def write_report(path, out_dir, *, runs: list[str] | None = None) -> Path:
         png = f"{f.name}.png"
         fig.savefig(out / png, dpi=110)
         plt.close(fig)
-        rendered.append((f, png))
+        rendered.append((f, png, observed(f.name, df)))
     _write_markdown(out / "report.md", summary, rendered)
     index = out / "index.html"
     index.write_text(_html(summary, rendered))
@@ -125,8 +140,9 @@ def _write_markdown(path: Path, summary, rendered) -> None:
     for row in summary.to_dict("records"):
         lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in SUMMARY_COLUMNS) + " |")
     lines.append("")
-    for f, png in rendered:
-        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* (analysis: `{f.analysis}`)", ""]
+    for f, png, seen in rendered:
+        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
+                  ""]
     path.write_text("\n".join(lines))
 
 
@@ -139,10 +155,11 @@ def _html(summary, rendered) -> str:
     )
     figs = "".join(
         f'<figure id="{e(f.name)}"><h2>{e(f.title)}</h2><img src="{e(png)}" alt="{e(f.title)}">'
-        f"<figcaption>{e(f.caption)} <code>entropylens analyze PATH {e(f.analysis)}</code></figcaption></figure>"
-        for f, png in rendered
+        f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
+        "</figcaption></figure>"
+        for f, png, seen in rendered
     )
-    toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, _ in rendered)
+    toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, *_ in rendered)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>entropylens report</title>
 <style>

@@ -9,9 +9,11 @@ before clipping and the lr; then the step's sequences and reward.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -33,12 +35,34 @@ class RunResult:
     rewards: list[float]
     entropies: list[float]
     seconds: float
+    pid: int = field(default_factory=os.getpid)  # the process that trained it
+    threads: int = 0  # torch intra-op threads it trained with
 
 
-def warm_start(cfg: ToyConfig):
+@contextlib.contextmanager
+def torch_threads(n: int = 1):
+    """Run the block with ``n`` intra-op threads, then restore. A toy model is far too small to
+    gain from more than one thread, and extra threads spin against other processes on a busy
+    machine (the demo parallelises over runs in worker processes instead)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def warm_key(cfg: ToyConfig) -> tuple:
+    """What the warm start depends on: runs with equal keys start from the same weights."""
+    return (cfg.seed, cfg.hidden, cfg.layers, cfg.heads, cfg.sft_steps, cfg.sft_lr)
+
+
+def warm_start(cfg: ToyConfig, on_progress: Callable[[int, int], None] | None = None):
     """Model after ``sft_steps`` of supervised training on noisy targets. Deterministic per
-    (seed, model shape, sft settings); cached in-process so several runs share the same start."""
-    key = (cfg.seed, cfg.hidden, cfg.layers, cfg.heads, cfg.sft_steps, cfg.sft_lr)
+    :func:`warm_key`; cached in-process so several runs share the same start (the demo computes it
+    once and hands the weights to its worker processes through :func:`set_warm_state`).
+    ``on_progress(done, total)`` is called every few supervised steps."""
+    key = warm_key(cfg)
     model = build_model(cfg.hidden, cfg.layers, cfg.heads, seed=cfg.seed)
     if key in _WARM_CACHE:
         model.load_state_dict(_WARM_CACHE[key])
@@ -46,7 +70,10 @@ def warm_start(cfg: ToyConfig):
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.sft_lr)
     p_len = task.PROMPT_LEN + 2
-    for _ in range(cfg.sft_steps):
+    every = max(1, cfg.sft_steps // 20)
+    for i in range(cfg.sft_steps):
+        if on_progress and i % every == 0:
+            on_progress(i, cfg.sft_steps)
         prompts = task.make_prompts(64, gen)
         y = task.noisy_targets(prompts, gen)  # [64, T]
         logits = response_logits(model, torch.cat([prompts, y], dim=1), p_len)  # [64, T, V]
@@ -55,7 +82,20 @@ def warm_start(cfg: ToyConfig):
         loss.backward()
         opt.step()
     _WARM_CACHE[key] = copy.deepcopy(model.state_dict())
+    if on_progress:
+        on_progress(cfg.sft_steps, cfg.sft_steps)
     return model
+
+
+def warm_state(cfg: ToyConfig, on_progress: Callable[[int, int], None] | None = None) -> dict:
+    """The warm-start weights of ``cfg`` (computed once per :func:`warm_key`)."""
+    warm_start(cfg, on_progress)
+    return _WARM_CACHE[warm_key(cfg)]
+
+
+def set_warm_state(cfg: ToyConfig, state: dict) -> None:
+    """Seed this process's warm-start cache with weights computed elsewhere (a demo worker)."""
+    _WARM_CACHE[warm_key(cfg)] = state
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -149,4 +189,5 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
         raise
     if rec:
         rec.close()
-    return RunResult(run, Path(out_dir) / run, rewards_hist, ent_hist, time.perf_counter() - t0)
+    return RunResult(run, Path(out_dir) / run, rewards_hist, ent_hist, time.perf_counter() - t0,
+                     threads=torch.get_num_threads())
