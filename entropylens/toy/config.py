@@ -42,9 +42,12 @@ class ToyConfig:
     sample: float = 1.0  # token-row keep fraction
     seed: int = 0
     name: str = ""
+    regime: str = "fast"  # the named regime (REGIMES) these settings came from
 
     def validate(self) -> None:
         """Fails before training, with the field that is wrong."""
+        if self.regime not in REGIMES:
+            raise ValueError(f"regime: unknown {self.regime!r}; valid regimes: {', '.join(REGIMES)}")
         if self.method not in METHODS:
             raise ValueError(f"method: unknown {self.method!r}; valid methods: {', '.join(METHODS)}")
         if self.agg is not None and self.agg not in AGGS:
@@ -85,6 +88,19 @@ class ToyConfig:
         return asdict(self)
 
 
+# Named regimes: the training scale every named run starts from (a run's own preset and explicit
+# overrides come on top). Measured per-update values (one GRPO seed, see reports/paper-claims.md):
+# - fast: today's lab. 8 updates per step at lr 7e-4: KL(old || new) ~1e-2 per update, clip fraction
+#   ~2-4e-2 per side, the grad-norm clip at 1.0 active on a large share of updates. Collapses in ~40 steps.
+# - paper: the papers' order of magnitude as far as a CPU allows: 4 mini-batches x 1 epoch (verl's
+#   usual one pass over the rollout batch in mini-batches), Adam lr 1e-4. KL ~3e-4 per update (papers
+#   ~1e-5: still ~30x above, the price of collapsing within a CPU budget), clip fraction ~3e-4 per side
+#   (papers: PPO-clip ~2e-4), grad-norm clip rarely active.
+REGIMES: dict[str, dict] = {
+    "fast": {},
+    "paper": dict(lr=1e-4, minibatches=4, epochs=1, steps=400),
+}
+
 # Named runs: the paper's methods and baselines. Values override ToyConfig's defaults.
 RUNS: dict[str, dict] = {
     "grpo": dict(method="grpo"),
@@ -111,8 +127,11 @@ def run_names() -> list[str]:
     return [*RUNS, "entropy_bonus_<coef>", "ce_gppo_<beta1>_<beta2>", "dual_clip_<c>"]
 
 
-def config_for(name: str, **overrides) -> ToyConfig:
-    """The config of a named run, e.g. 'grpo', 'ce_gppo', 'entropy_bonus_0.003', 'ce_gppo_0.75_1'."""
+def config_for(name: str, regime: str = "fast", **overrides) -> ToyConfig:
+    """The config of a named run, e.g. 'grpo', 'ce_gppo', 'entropy_bonus_0.003', 'ce_gppo_0.75_1', in a named
+    regime ('fast', the default, or 'paper'): regime settings, then the run's preset, then ``overrides``."""
+    if regime not in REGIMES:
+        raise ValueError(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
     if name in RUNS:
         preset = RUNS[name]
     else:
@@ -123,9 +142,9 @@ def config_for(name: str, **overrides) -> ToyConfig:
                 break
         else:
             raise ValueError(f"unknown run {name!r}; known: {', '.join(run_names())}")
-    cfg = replace(ToyConfig(), **{**preset, **overrides}, name=name)
+    cfg = replace(ToyConfig(), **{**REGIMES[regime], **preset, **overrides}, name=name, regime=regime)
     cfg.validate()
     return cfg
 
 
-__all__ = ["ToyConfig", "RUNS", "DEMO_DEFAULT", "config_for", "run_names"]
+__all__ = ["ToyConfig", "REGIMES", "RUNS", "DEMO_DEFAULT", "config_for", "run_names"]
