@@ -94,6 +94,30 @@ class PolicyLossOutput:
         return dict(zip(keys, values))
 
 
+# Settings fixed for a run (run.json) and settings of one update (steps rows; they may change over a
+# run, e.g. a beta1 schedule). An update writes only the settings its method has.
+RUN_SETTINGS: tuple[str, ...] = ("method", "eps_low", "eps_high", "agg", "tau")
+
+
+def update_settings(config: dict) -> dict[str, float]:
+    """The per-update settings of a resolved loss ``config`` (PolicyLossOutput.config) that apply:
+    beta1 / beta2 for ce_gppo only; dual_clip, erc_low / erc_high, entropy_coef, kl_coef where set;
+    loss_scale where not 1. Keys are steps columns (schema.STEPS)."""
+    out: dict[str, float] = {}
+    if config.get("method") == "ce_gppo":
+        out["beta1"], out["beta2"] = float(config["beta1"]), float(config["beta2"])
+    if config.get("dual_clip") is not None:
+        out["dual_clip"] = float(config["dual_clip"])
+    if config.get("erc") is not None:
+        out["erc_low"], out["erc_high"] = (float(x) for x in config["erc"])
+    for key in ("entropy_coef", "kl_coef"):
+        if config.get(key):
+            out[key] = float(config[key])
+    if config.get("scale", 1.0) != 1.0:
+        out["loss_scale"] = float(config["scale"])
+    return out
+
+
 def resolve_eps(method: str, eps_low: float | None, eps_high: float | None) -> tuple[float, float]:
     """Method defaults: 0.2 / 0.2, dapo 0.2 / 0.28, gspo 3e-4 / 4e-4. eps_high defaults to eps_low
     when only eps_low is given (except dapo and gspo, which keep their own high side)."""

@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import tokenbatch
+from . import storage, tokenbatch
 from .host_copy import HostCopy
-from .losses import METHODS, resolve_eps
+from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
 from .writer_thread import RunInfo, WriterThread
 
 
@@ -132,6 +132,7 @@ class Recorder:
         on_error: str = "raise",
         heartbeat_s: float = 10.0,
         rows_per_file: int = 262_144,
+        storage_options: dict | None = None,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -152,15 +153,16 @@ class Recorder:
         if not run or "/" in run or run.startswith("."):
             raise ValueError(f"run id must be a plain directory name, got {run!r}")
         self.run = run
-        self.root = Path(root)
+        self.root = storage.location(root, storage_options)  # a local directory or s3://bucket/prefix
         self.dir = self.root / run
         try:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            self.dir.mkdirs()
             probe = self.dir / f".probe-{self.rank}.tmp"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise RecorderError(f"cannot write the run directory {self.dir}: {e.strerror or e}") from None
+            probe.write_bytes(b"")
+            probe.remove()
+        except Exception as e:  # noqa: BLE001 - OSError locally; credentials/bucket errors on S3
+            why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
@@ -252,9 +254,12 @@ class Recorder:
         b, _ = m.shape
         dev = m.device
         settings = getattr(loss, "config", {}) or {}
-        if settings and self._info.loss is None:  # the resolved eps / method, once, into run.json
-            self._info.loss = dict(settings)
+        if settings and self._info.loss is None:  # the run-level settings (method, eps, ...), once, into run.json
+            self._info.loss = {k: settings[k] for k in RUN_SETTINGS if k in settings}
             self._writer.heartbeat(force=True)
+        per_update = update_settings(settings)  # beta1 etc.: they may change over a run -> steps rows
+        if per_update:
+            self._writer.scalars(step, update, per_update)
         columns = tokenbatch.derive_columns(
             mask=m, advantages=advantages, logprobs=logprobs, old_logprobs=old_logprobs, entropy=entropy,
             old_entropy=old_entropy, loss_columns=getattr(loss, "columns", None),
@@ -497,7 +502,7 @@ class Recorder:
             norms = columns.get("logit_grad_norm")
         aggregates = tokenbatch.step_aggregates(columns, pending.mask, norms, pending.loss_value)
         packed, layout = tokenbatch.pack(columns, pending.selected, aggregates, pending.finite, pending.seq,
-                                         pending.group, pending.tokens)
+                                         pending.group, pending.tokens, pending.mask)
         copy = HostCopy(packed)
         if copy.ready:  # on the CPU the flags can be read now: bad input fails this call
             bad = [name for name, ok in tokenbatch.read_finite(copy.wait(), layout).items() if not ok]

@@ -110,6 +110,15 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
        "ratio_mean and kl_k3, which are means over the other tokens"),
     _c("n_nonfinite_lgn", "int64", "tokens whose logit-gradient norm is not finite: left out of lgn_mean_*"),
     _c("reward_mean", "float32", "mean reward of the step's sequences (record_step / record_sequences)"),
+    # loss settings of the update (losses.update_settings): null where the method has none
+    _c("beta1", "float32", "CE-GPPO's low-side gradient scale of this update (ce_gppo only)"),
+    _c("beta2", "float32", "CE-GPPO's high-side gradient scale of this update (ce_gppo only)"),
+    _c("dual_clip", "float32", "dual-clip constant c of this update (when set)"),
+    _c("erc_low", "float32", "ERC band, low end (when set)"),
+    _c("erc_high", "float32", "ERC band, high end (when set)"),
+    _c("entropy_coef", "float32", "entropy-bonus coefficient of this update (when not 0)"),
+    _c("kl_coef", "float32", "KL-penalty coefficient of this update (when not 0)"),
+    _c("loss_scale", "float32", "scale of the back-propagated loss, e.g. 1 / gradient accumulation (when not 1)"),
     # entropy budget: first-order entropy change per unit logit step, summed over ALL tokens of the update
     *(
         _c(f"entropy_effect{sfx}", "float32", f"sum of tokens.entropy_effect over {what}")

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .tokenbatch import AGG_NAMES
+
+QUANTILES = {"entropy_ratio_p05": 0.05, "entropy_ratio_p50": 0.5, "entropy_ratio_p95": 0.95}
 
 
 class StepTable:
@@ -18,11 +22,15 @@ class StepTable:
         self._rows: dict[tuple[int, int], dict[str, Any]] = {}  # (step, update) -> values
         self._step_scalars: dict[int, dict[str, Any]] = {}  # step -> values shared by its rows
         self._rewards: dict[int, tuple[float, int]] = {}  # step -> (sum of rewards, count)
+        self._entropy_ratios: dict[int, list[np.ndarray]] = {}  # step -> every token's rho, per update
 
     def add_aggregates(self, step: int, update: int, aggregates: dict[str, float]) -> None:
         row = self._rows.setdefault((step, update), {})
         for name, value in aggregates.items():
             row.setdefault(name, value)
+
+    def add_entropy_ratios(self, step: int, ratios: np.ndarray) -> None:
+        self._entropy_ratios.setdefault(step, []).append(ratios)
 
     def add_update_scalars(self, step: int, update: int, values: dict[str, Any]) -> None:
         self._rows.setdefault((step, update), {}).update(values)
@@ -42,6 +50,7 @@ class StepTable:
         for step in steps:
             if upto is not None and step > upto:
                 continue
+            self._entropy_ratios.pop(step, None)
             shared = self._step_scalars.pop(step, {})
             reward_sum, reward_count = self._rewards.pop(step, (0.0, 0))
             if reward_count > 0:
@@ -52,8 +61,10 @@ class StepTable:
         return out
 
     def summary(self, step: int) -> dict[str, float]:
-        """Token-weighted means of the exact aggregates over the updates of ``step`` so far
-        (n_* counts summed; NaN aggregates, i.e. not measured, left out). Empty once closed."""
+        """The step's aggregates over the updates of ``step`` so far: n_* counts summed, the entropy-ratio
+        quantiles over all the step's tokens (linear interpolation, as torch.quantile), the other
+        aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out).
+        Empty once closed."""
         rows = [r for (s, _), r in self._rows.items() if s == step and "n_tokens" in r]
         n_tokens = sum(r["n_tokens"] for r in rows)
         out: dict[str, float] = {"n_tokens": float(n_tokens)}
@@ -69,4 +80,10 @@ class StepTable:
             weight = sum(n for _, n in pairs)
             if weight:
                 out[name] = sum(v * n for v, n in pairs) / weight
+        ratios = self._entropy_ratios.get(step)
+        if ratios:
+            every = np.concatenate(ratios)
+            if len(every):
+                for name, q in QUANTILES.items():
+                    out[name] = float(np.quantile(every.astype(np.float64), q))
         return out

@@ -25,8 +25,8 @@ from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, STEP_METRICS, quadrant
 FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm",
               "entropy_effect", "entropy_effect_dropped")
 # flags word per token: quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
-# | selected (masked in and sampled) << 7
-_Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT = 0b111, 3, 5, 6, 7
+# | selected (masked in and sampled) << 7 | masked in << 8
+_Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT, _MASK_SHIFT = 0b111, 3, 5, 6, 7, 8
 
 AGG_NAMES: tuple[str, ...] = STEP_METRICS  # defined once, in schema.py
 # Entropy budget (first-order attribution, DESIGN.md): sums over the update's tokens of
@@ -298,9 +298,17 @@ class HostUpdate:
     finite: dict[str, bool]
     columns: dict[str, np.ndarray]  # every position of [B, T], flattened to [B*T]
     selected: np.ndarray  # [B*T] bool: masked in and sampled
+    masked: np.ndarray  # [B*T] bool: masked in (a response token)
     seq: np.ndarray  # [B] int32
     group: np.ndarray  # [B] int32
     layout: Layout
+
+    def entropy_ratios(self) -> np.ndarray | None:
+        """rho = (H + 1e-8) / (H_old + 1e-8) of every masked-in token (float32, as on the device)."""
+        if "entropy" not in self.columns or "old_entropy" not in self.columns:
+            return None
+        h, h_old = self.columns["entropy"][self.masked], self.columns["old_entropy"][self.masked]
+        return (h + np.float32(1e-8)) / (h_old + np.float32(1e-8))
 
     def rows(self) -> dict[str, np.ndarray]:
         """The selected token rows (the compaction, done on the host: one np.flatnonzero)."""
@@ -323,11 +331,14 @@ def pack(
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Layout]:
     """Everything of one update in ONE flat int32 device tensor (see :class:`Layout`), with no
     data-dependent size: rows are selected on the host (:meth:`HostUpdate.rows`), so packing never
     synchronises. cols [B, T] each; selected [B, T] bool; aggs [len(AGG_NAMES)]; finite: name -> 0-dim
-    bool; seq, group [B]; tokens [B, T] or None."""
+    bool; seq, group [B]; tokens [B, T] or None; mask [B, T] bool (None: the selected tokens)."""
+    if mask is None:
+        mask = selected
     b, t = selected.shape
     fnames = tuple(c for c in FLOAT_COLS if c in cols)
     layout = Layout(b, t, fnames, tuple(finite), "erc_kept" in cols, tokens is not None)
@@ -337,6 +348,8 @@ def pack(
     if layout.has_erc:
         flags = flags | (cols["erc_kept"].to(torch.int32) << _ERC_SHIFT)
     flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
+    if mask is not None:
+        flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
     head = torch.cat([aggs.double().reshape(-1), torch.stack(list(finite.values())).double()]) if finite \
         else aggs.double().reshape(-1)
     parts = [head.view(torch.int32)]
@@ -379,4 +392,5 @@ def unpack(host: np.ndarray, layout: Layout) -> HostUpdate:
     if layout.has_erc:
         cols["erc_kept"] = ((flags >> _ERC_SHIFT) & 1).astype(bool)
     selected = ((flags >> _SELECTED_SHIFT) & 1).astype(bool)
-    return HostUpdate(aggregates, finite, cols, selected, views["seq"], views["group"], layout)
+    masked = ((flags >> _MASK_SHIFT) & 1).astype(bool)
+    return HostUpdate(aggregates, finite, cols, selected, masked, views["seq"], views["group"], layout)

@@ -17,7 +17,6 @@ run.json (rank 0 only) is written atomically from :class:`RunInfo`.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from . import tokenbatch
+from . import storage, tokenbatch
 from . import writer as parquet
 from .host_copy import HostCopy
 from .schema import QUADRANT_NAMES, SCHEMA_VERSION
@@ -42,10 +41,9 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def atomic_write_text(path: "Path | storage.Location", text: str) -> None:
+    """Local: a hidden temporary file renamed into place; object storage: one PUT (storage.py)."""
+    storage.location(path).write_text(text)
 
 
 @dataclass
@@ -175,7 +173,8 @@ class WriterThread:
 
     def write_run_json(self) -> None:
         if self.rank == 0:
-            text = json.dumps(self.info.to_dict(self.error), indent=2, default=str) + "\n"
+            info = {**self.info.to_dict(self.error), "heartbeat_s": self._heartbeat_s}  # readers: stale after a few
+            text = json.dumps(info, indent=2, default=str) + "\n"
             atomic_write_text(self.run_dir / "run.json", text)
 
     # ------------------------------------------------------------ thread side
@@ -187,7 +186,10 @@ class WriterThread:
             "probes": lambda step, update, rows: parquet.write_probes(self.run_dir, step, self.rank, update, rows),
         }
         while True:
-            item = self._queue.get()
+            try:  # a quiet queue (a long step) still beats: a live run never looks stale
+                item = self._queue.get(timeout=self._heartbeat_s)
+            except queue.Empty:
+                item = ("heartbeat",)
             if item is _STOP:
                 return
             kind, args = item[0], item[1:]
@@ -206,6 +208,9 @@ class WriterThread:
                 f"{bad[0]} contains NaN or Inf at masked-in positions (step {step}, update {update})"))
             return
         self._steps.add_aggregates(step, update, host.aggregates)
+        ratios = host.entropy_ratios()
+        if ratios is not None:
+            self._steps.add_entropy_ratios(step, ratios)
         rows = host.rows()
         rows["update"] = np.full(len(rows["seq"]), update, np.int16)
         for file_step, updates, arrays in self._tokens.add(step, update, rows):

@@ -249,6 +249,9 @@ def test_schema_evolution_reads_older_files(tmp_path):
                              "pos": pa.array([0, 1], pa.int32()), "ratio": pa.array([1.0, 1.1], pa.float32()),
                              "quadrant": ["PA&HP", "NA&LP"]}),
                    old_dir / "tokens" / "step=0" / "rank=0" / "update-0.parquet")
+    (old_dir / "steps" / "step=0" / "rank=0").mkdir(parents=True)  # the steps file commits step 0
+    pq.write_table(pa.table({"update": pa.array([0], pa.int16()), "n_tokens": pa.array([2], pa.int64())}),
+                   old_dir / "steps" / "step=0" / "rank=0" / "steps.parquet")
     with Recorder(tmp_path, run="new") as rec:
         record_one(rec, 0, 0)
     con = connect(tmp_path)
@@ -369,3 +372,21 @@ def test_record_update_does_not_synchronise_on_cuda(tmp_path):
     n = con.execute("SELECT sum(n_tokens) FROM steps").fetchone()[0]
     assert n == 2 * int(mask.sum()) == summary["n_tokens"]
     assert con.execute("SELECT count(logit_grad_norm) = count(*) FROM tokens").fetchone()[0]
+
+
+def test_step_summary_quantiles_are_quantiles_of_the_step(tmp_path):
+    # update 0: rho = [1, 1, 1] (3 tokens); update 1: rho = [2, 4] (2 tokens). The step's 5 values
+    # sorted are [1, 1, 1, 2, 4]: median 1, p95 at position 0.95 * 4 = 3.8 -> 2 + 0.8 * (4 - 2) = 3.6,
+    # p05 at 0.2 -> 1. (The token-weighted mean of the updates' medians would be (3*1 + 2*3) / 5 = 1.8.)
+    with Recorder(tmp_path, run="r", sample=0.5) as rec:
+        for update, h in ((0, [[1.0, 1.0, 1.0]]), (1, [[2.0, 4.0, 9.0]])):
+            mask = torch.tensor([[True, True, update == 0]])
+            lp = torch.zeros(1, 3)
+            rec.record_update(0, update, mask=mask, advantages=torch.ones(1), logprobs=lp, old_logprobs=lp,
+                              entropy=torch.tensor(h), old_entropy=torch.ones(1, 3), seq_ids=torch.tensor([update]))
+        summary = rec.step_summary(0)
+    assert summary["n_tokens"] == 5
+    assert summary["entropy_ratio_p50"] == pytest.approx(1.0)
+    assert summary["entropy_ratio_p95"] == pytest.approx(3.6, rel=1e-6)
+    assert summary["entropy_ratio_p05"] == pytest.approx(1.0)
+    assert summary["entropy_mean"] == pytest.approx((3 * 1 + 2 + 4) / 5)

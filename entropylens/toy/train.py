@@ -120,6 +120,11 @@ class ToyTrainer:
                             dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef,
                             tau=cfg.tau)
 
+    def _probed_update(self, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1) -> None:
+        """Update u of a probe step through Recorder.probe (the same real update, measured)."""
+        fn = _probe_update_fn(self, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
+        rec.probe(step, self.model, self.opt, fn, None, update=u, max_grad_norm=self.cfg.grad_clip)
+
     def rl_step(self, step: int, rec: Recorder | None) -> tuple[float, float]:
         """Rollout, advantages, old-policy pass, ``updates`` recorded policy updates. -> (reward, entropy)."""
         cfg, model, gen = self.cfg, self.model, self.gen
@@ -145,6 +150,9 @@ class ToyTrainer:
         for u in range(cfg.updates):
             k = u % cfg.minibatches
             idx = order[u // cfg.minibatches][k * mb : (k + 1) * mb]
+            if rec and cfg.probe_every and step % cfg.probe_every == 0 and u == 0:
+                self._probed_update(rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
+                continue
             logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
             out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
                                 old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
@@ -154,7 +162,7 @@ class ToyTrainer:
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             self.opt.step()
             if rec:
-                rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr, beta1=beta1)
+                rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr)  # beta1: from the loss (ce_gppo)
         # 4. the step's sequences and scalars
         r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
         if rec:
@@ -162,6 +170,31 @@ class ToyTrainer:
                                  lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group)
             rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
         return r_mean, h_mean
+
+
+def _probe_update_fn(trainer, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1):
+    """loss_fn for Recorder.probe: the update's loss with the entropy graph; records the update while
+    grad is enabled (its logit_grad_norm stays null: the probe's own backward passes would fire a hook)."""
+    from ..losses import policy_loss
+    from ..probe import ProbeForward
+    from ..stats import logprobs_and_entropy
+
+    cfg, p_len = trainer.cfg, task.PROMPT_LEN + 2
+
+    def loss_fn(model, _batch):
+        logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
+        lp, h, s = logprobs_and_entropy(logits, resp[idx], temperature=cfg.temperature, entropy_grad=True,
+                                        sensitivity=True)
+        out = policy_loss(lp, old_lp[idx], adv[idx], mask[idx], entropy=h, old_entropy=old_h[idx], beta1=beta1,
+                          **trainer.loss_kw)
+        if torch.is_grad_enabled():
+            rec.record_update(step, u, mask=mask[idx], advantages=adv[idx], logprobs=lp, old_logprobs=old_lp[idx],
+                              entropy=h, old_entropy=old_h[idx], tokens=resp[idx], seq_ids=idx,
+                              group_ids=idx // cfg.group, loss=out, entropy_sensitivity=s,
+                              temperature=cfg.temperature)
+        return ProbeForward(out.loss, lp, h, mask[idx], out.columns)
+
+    return loss_fn
 
 
 def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
