@@ -91,6 +91,20 @@ def test_clipped_prob_distribution(con):
     assert one(df5, "prob_hi", run="a", side="high", bin=0) == pytest.approx(0.2)
 
 
+def test_clipped_prob_distribution_uses_the_runs_own_tau(tmp_path):
+    # run a again with tau 0.13 in run.json: clipped low t2 (p 0.12 < 0.13) is LP -> lp_share 1;
+    # clipped high t1 (p 0.15 >= 0.13) is HP -> lp_share 0. (A fixed tau of 0.5 would give 1 and 1.)
+    import json
+
+    root = build(tmp_path)
+    info = json.loads((root / "a" / "run.json").read_text())
+    (root / "a" / "run.json").write_text(json.dumps({**info, "tau": 0.13}))
+    df = run_analysis(connect(root), "clipped_prob_distribution")
+    assert one(df, "lp_share", run="a", side="low", bin=1) == 1.0
+    assert one(df, "lp_share", run="a", side="high", bin=1) == 0.0
+    assert one(df, "lp_share", run="b", side="high", bin=1) == 1.0  # run b keeps tau 0.5
+
+
 def test_grad_share_by_quadrant(con):
     df = run_analysis(con, "grad_share_by_quadrant")
     # step 0 of run a: grad_sq PA&HP 1+1, PA&LP 4+4, NA&LP 9+9, NA&HP 1+1 -> total 30
