@@ -119,16 +119,42 @@ def _emit(df, fmt: Format, output: Path | None) -> None:
     elif fmt == Format.json:
         text = df.to_json(orient="records", indent=1) + "\n"
     else:
-        import pandas as pd
-
-        with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 200,
-                               "display.float_format", lambda v: f"{v:.6g}"):
-            text = (df.to_string(index=False) if len(df) else "(no rows)") + "\n"
+        text = table_text(df)
     if output is not None:
         output.write_text(text)
         typer.echo(f"wrote {len(df)} rows to {output}")
     else:
         typer.echo(text, nl=False)
+
+
+FOLD = 60  # characters: wider text cells (config JSON) are folded in tables; csv / json keep them whole
+
+
+def _number(v: float) -> str:
+    """Whole numbers as integers (a sum of counts is 1966080, not 1.96608e+06), others to 6 digits."""
+    return f"{v:.0f}" if v == v and abs(v) < 1e15 and float(v).is_integer() else f"{v:.6g}"
+
+
+def table_text(df) -> str:
+    """Aligned text table: integers as integers, text longer than FOLD folded to one line with '...'."""
+    import pandas as pd
+
+    if not len(df):
+        return "(no rows)\n"
+    d = df.copy()
+    folded = []
+    for c in d.columns:
+        if d[c].dtype == object or pd.api.types.is_string_dtype(d[c]):
+            cells = [x if isinstance(x, str) else None for x in d[c]]
+            if max((len(x) for x in cells if x is not None), default=0) > FOLD:
+                d[c] = [x if x is None or len(x) <= FOLD else x[: FOLD - 3] + "..." for x in cells]
+                folded.append(c)
+    with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 250,
+                           "display.max_colwidth", FOLD + 5, "display.float_format", _number):
+        text = d.to_string(index=False) + "\n"
+    if folded:
+        text += f"({', '.join(folded)} folded to {FOLD} characters; --format json prints them whole)\n"
+    return text
 
 
 @app.command()
