@@ -322,6 +322,9 @@ def demo(
         "--workers", help="Runs trained in parallel processes (1 torch thread each). [default: one per core]")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace runs of the same name already under --out (refused otherwise).")] = False,
+    probe_every: Annotated[int, typer.Option(
+        "--probe-every", metavar="K", min=0,
+        help="Parameter-space entropy probe (probes table) on every K-th step; 0: off.")] = 0,
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
@@ -338,7 +341,7 @@ def demo(
         for n in names:
             config_for(n, **({"steps": steps} if steps is not None else {}))  # validate before training
         res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
-                       overwrite=overwrite)
+                       overwrite=overwrite, probe_every=probe_every)
     except ValueError as e:
         _fail(str(e))
     _emit(_summary(res.runs_dir, [r.run for r in res.runs]), Format.table, None)

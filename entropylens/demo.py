@@ -119,6 +119,7 @@ def run_demo(
     console=None,
     workers: int | None = None,
     overwrite: bool = False,
+    probe_every: int = 0,
 ) -> DemoResult:
     """Train every (method, seed), record under ``out/runs/<method>-s<seed>``, report to ``out/report``.
 
@@ -135,6 +136,8 @@ def run_demo(
     overrides = dict(QUICK) if quick else {}
     if steps is not None:
         overrides["steps"] = steps
+    if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
+        overrides["probe_every"] = probe_every
     cfgs = [config_for(m, seed=s, **overrides) for m in methods for s in range(seeds)]  # fail early
     ids = [run_id(c) for c in cfgs]
     if len(set(ids)) != len(ids):

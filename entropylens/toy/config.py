@@ -40,6 +40,7 @@ class ToyConfig:
     tau: float = 0.5  # HP / LP threshold on the sampling probability
     # recording
     sample: float = 1.0  # token-row keep fraction
+    probe_every: int = 0  # parameter-space entropy probe on update 0 of every K-th step (0: off)
     seed: int = 0
     name: str = ""
     regime: str = "fast"  # the named regime (REGIMES) these settings came from
@@ -69,6 +70,8 @@ class ToyConfig:
             raise ValueError("lr, sft_lr and temperature must be > 0")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        if self.probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0, got {self.probe_every}")
         if not 0 < self.sample <= 1:
             raise ValueError(f"sample must be in (0, 1], got {self.sample}")
 
