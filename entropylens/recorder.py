@@ -116,6 +116,8 @@ class Recorder:
     loss would (``losses.resolve_eps``) and ``tau``. ``sample`` in (0, 1] keeps whole sequences by a
     hash of (run, step, seq id); step aggregates always cover all tokens. ``on_error="warn"`` turns a
     writer failure into one warning (recording stops, training goes on, run.json says so).
+    ``fsync`` (default on): each file and its directory are flushed to disk before the steps file
+    that commits the step (safe against power loss, not only against a killed process).
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class Recorder:
         heartbeat_s: float = 10.0,
         rows_per_file: int = 262_144,
         storage_options: dict | None = None,
+        fsync: bool = True,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -175,7 +178,7 @@ class Recorder:
         self._info = RunInfo(run=run, world_size=self.world_size, config=self.config, eps_low=self.eps_low,
                              eps_high=self.eps_high, tau=self.tau, sample=self.sample)
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
-                                    rows_per_file=rows_per_file, heartbeat_s=heartbeat_s)
+                                    rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
         atexit.register(self._atexit)
 
     def _default_run_id(self, dist_on: bool) -> str:
@@ -387,7 +390,7 @@ class Recorder:
                 status = "failed"
             self._info.status = status
             try:
-                self._writer.write_run_json()
+                self._writer.write_run_json(fsync=True)
             except OSError:
                 pass
             try:

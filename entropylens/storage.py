@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -174,7 +175,7 @@ class Location:
             return
         parent = os.path.dirname(self.path) or "."
         os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{self.name}.{os.getpid()}.tmp")
+        tmp = os.path.join(parent, f".{self.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             fill(tmp)
             if fsync:

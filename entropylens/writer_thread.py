@@ -41,9 +41,9 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def atomic_write_text(path: "Path | storage.Location", text: str) -> None:
+def atomic_write_text(path: "Path | storage.Location", text: str, fsync: bool = False) -> None:
     """Local: a hidden temporary file renamed into place; object storage: one PUT (storage.py)."""
-    storage.location(path).write_text(text)
+    storage.location(path).write_text(text, fsync=fsync)
 
 
 @dataclass
@@ -104,8 +104,11 @@ class _Reply:
 
 class WriterThread:
     def __init__(self, run_dir: Path, rank: int, info: RunInfo, *, queue_size: int, rows_per_file: int,
-                 heartbeat_s: float):
+                 heartbeat_s: float, fsync: bool = True):
         self.run_dir, self.rank, self.info = run_dir, rank, info
+        # fsync: every file (and its directory) reaches the disk before the steps file that commits its
+        # step is renamed into place, and that steps file before the next one: safe against power loss
+        self.fsync = fsync
         self.error: BaseException | None = None  # a write failure (sticky)
         self._rejected: list[ValueError] = []  # bad inputs found once the block reached the host
         self._steps = StepTable()
@@ -171,11 +174,12 @@ class WriterThread:
         self._queue.put(_STOP)
         self._thread.join()
 
-    def write_run_json(self) -> None:
+    def write_run_json(self, fsync: bool = False) -> None:
+        """``fsync``: the final status (close) reaches the disk; heartbeats need not."""
         if self.rank == 0:
             info = {**self.info.to_dict(self.error), "heartbeat_s": self._heartbeat_s}  # readers: stale after a few
             text = json.dumps(info, indent=2, default=str) + "\n"
-            atomic_write_text(self.run_dir / "run.json", text)
+            atomic_write_text(self.run_dir / "run.json", text, fsync=fsync and self.fsync)
 
     # ------------------------------------------------------------ thread side
     def _loop(self) -> None:
@@ -183,7 +187,8 @@ class WriterThread:
             "update": self._on_update, "scalars": self._on_scalars, "rewards": self._on_rewards,
             "sequences": self._on_sequences, "close": self._on_close, "summary": self._on_summary,
             "heartbeat": lambda: self.write_run_json(),
-            "probes": lambda step, update, rows: parquet.write_probes(self.run_dir, step, self.rank, update, rows),
+            "probes": lambda step, update, rows: parquet.write_probes(self.run_dir, step, self.rank, update, rows,
+                                                                       fsync=self.fsync),
         }
         while True:
             try:  # a quiet queue (a long step) still beats: a live run never looks stale
@@ -214,7 +219,7 @@ class WriterThread:
         rows = host.rows()
         rows["update"] = np.full(len(rows["seq"]), update, np.int16)
         for file_step, updates, arrays in self._tokens.add(step, update, rows):
-            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays)
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
 
     def _on_scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
         if update is None:
@@ -226,13 +231,13 @@ class WriterThread:
         self._steps.add_rewards(step, total, count)
 
     def _on_sequences(self, step: int, part: int, arrays: dict) -> None:
-        parquet.write_sequences(self.run_dir, step, self.rank, part, arrays)
+        parquet.write_sequences(self.run_dir, step, self.rank, part, arrays, fsync=self.fsync)
 
     def _on_close(self, upto: int | None) -> None:
         for file_step, updates, arrays in self._tokens.flush(upto):
-            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays)
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
         for step, rows in self._steps.close(upto):
-            parquet.write_steps(self.run_dir, step, self.rank, rows)
+            parquet.write_steps(self.run_dir, step, self.rank, rows, fsync=self.fsync)
 
     def _on_summary(self, step: int, reply: _Reply) -> None:
         reply.set(self._steps.summary(step))

@@ -390,3 +390,41 @@ def test_step_summary_quantiles_are_quantiles_of_the_step(tmp_path):
     assert summary["entropy_ratio_p95"] == pytest.approx(3.6, rel=1e-6)
     assert summary["entropy_ratio_p05"] == pytest.approx(1.0)
     assert summary["entropy_mean"] == pytest.approx((3 * 1 + 2 + 4) / 5)
+
+
+def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monkeypatch):
+    # observe the real os.fsync / os.replace calls (they still run): every token and sequences file,
+    # and its directory, is fsynced before the steps file of its step is renamed into place
+    import os
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with Recorder(tmp_path, run="r") as rec:
+        for step in range(2):
+            for u in range(2):
+                record_one(rec, step, u, seed=step + u, watch=False)
+            rec.record_sequences(step, seq_ids=torch.arange(B), rewards=torch.ones(B), advantages=torch.zeros(B),
+                                 lengths=torch.full((B,), T))
+    monkeypatch.undo()
+    run_dir = str((tmp_path / "r").resolve())
+    for step in range(2):
+        commit = events.index(("replace", f"{run_dir}/steps/step={step}/rank=0/steps.parquet"))
+        files = [dst for kind, dst in events[:commit] if kind == "replace" and f"/step={step}/" in dst]
+        assert any("/tokens/" in f for f in files) and any("/sequences/" in f for f in files)
+        for f in files:
+            i = events.index(("replace", f))
+            assert events[i - 1][0] == "fsync" and events[i - 1][1].endswith(".tmp")  # the file, before its rename
+            assert ("fsync", os.path.dirname(f)) in events[i + 1: commit]  # its directory, before the commit
+        assert ("fsync", f"{run_dir}/steps/step={step}/rank=0") in events[commit + 1:]  # the commit itself
+    assert connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0] == 4

@@ -48,8 +48,8 @@ def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
     assert bad == []
     per_run = con.execute("SELECT run, count(DISTINCT step) FROM steps GROUP BY run").fetchall()
     assert len(per_run) == kills and all(n >= 2 for _, n in per_run)  # finished steps are readable
-    status = con.execute("SELECT DISTINCT status FROM runs").fetchall()
-    assert status == [("running",)]  # killed: never marked finished
+    status = {s for (s,) in con.execute("SELECT DISTINCT status FROM runs").fetchall()}
+    assert status <= {"running", "stale"}  # killed: never marked finished (stale once the heartbeat ages)
 
 
 def _free_port() -> int:
