@@ -233,7 +233,7 @@ def _result(regime, reduced, verdicts):
           for i, v in enumerate(verdicts)]
     m = [1e-3, 1e-4]
     return {"regime": regime, "seeds": 2 if reduced else 5, "steps": 10, "reduced": reduced, "command": f"cmd {regime}",
-            "minutes": 3.0, "workers": 2, "settings": {"lr": 1e-4}, "table": {},
+            "minutes": 3.0, "core_minutes": 5.0, "workers": 2, "settings": {"lr": 1e-4}, "table": {},
             "measured": {k: m for k in ("kl", "clip_low", "clip_high", "gclip_share", "gn_median")}, "claims": cl}
 
 

@@ -39,7 +39,7 @@ PAPER_VALUES = {"kl": "~1e-5", "clip_low": "~1e-4 (0.02% both sides)", "clip_hig
 
 
 # ------------------------------------------------------------------ training
-def _train_one(args) -> str:
+def _train_one(args) -> tuple[str, str, float]:
     name, seed, runs_dir, regime, over = args
     import torch
 
@@ -47,7 +47,8 @@ def _train_one(args) -> str:
     from .config import config_for
     from .train import train
 
-    return train(config_for(name, regime=regime, seed=seed, **over), runs_dir, run=f"{name}-s{seed}").run
+    res = train(config_for(name, regime=regime, seed=seed, **over), runs_dir, run=f"{name}-s{seed}")
+    return runs_dir, res.run, res.seconds
 
 
 def _finished(d: Path) -> bool:
@@ -55,14 +56,26 @@ def _finished(d: Path) -> bool:
     return f.exists() and json.loads(f.read_text()).get("status") == "finished"
 
 
-def train_all(runs_dir: Path, seeds: int, workers: int, regime: str = "fast", **overrides) -> None:
+def timings(runs_dir: Path) -> dict[str, float]:
+    """Seconds each run took to train (one torch thread), as recorded by :func:`train_all`."""
+    f = Path(runs_dir) / "timings.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fast", **overrides) -> None:
     """Train every missing (config, seed) in ``workers`` processes (one torch thread each; ``overrides`` go
-    to every config); finished runs are kept, so an interrupted regeneration resumes."""
-    jobs = [(n, s, str(runs_dir), regime, overrides) for s in range(seeds) for n in CONFIGS
-            if not _finished(runs_dir / f"{n}-s{s}")]
+    to every config); finished runs are kept, so an interrupted regeneration resumes. Seed-major order, so
+    an interrupted run leaves whole seeds. ``runs_dir`` may map several regimes to their directories: their
+    jobs interleave seed by seed (at any moment the regimes hold about as many finished seeds)."""
+    dirs = {regime: Path(runs_dir)} if not isinstance(runs_dir, dict) else {k: Path(v) for k, v in runs_dir.items()}
+    jobs = [(n, s, str(d), reg, overrides) for s in range(seeds) for reg, d in dirs.items() for n in CONFIGS
+            if not _finished(d / f"{n}-s{s}")]
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        for i, run in enumerate(pool.map(_train_one, jobs), 1):
-            print(f"[{i}/{len(jobs)}] {run}", flush=True)
+        for i, (d, run, sec) in enumerate(pool.map(_train_one, jobs), 1):
+            t = timings(Path(d))
+            t[run] = sec
+            (Path(d) / "timings.json").write_text(json.dumps(t, indent=0))
+            print(f"[{i}/{len(jobs)}] {Path(d).name}/{run} {sec:.0f} s", flush=True)
 
 
 # ------------------------------------------------------------------ measures
@@ -352,7 +365,7 @@ TABLE_COLS = (("h_final", "final entropy", 3), ("h_min", "min entropy", 3), ("r_
 
 
 def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None, workers: int,
-                  minutes: float) -> dict:
+                  minutes: float, core_minutes: float) -> dict:
     """Everything the claims file shows for one regime (saved as JSON, so regimes regenerate separately)."""
     from .config import config_for
 
@@ -373,7 +386,7 @@ def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None
     if steps:
         cmd += f" --steps {steps}"
     return {"regime": regime, "seeds": seeds, "steps": cfg.steps, "reduced": seeds < FULL_SEEDS or steps is not None,
-            "command": cmd, "minutes": minutes, "workers": workers,
+            "command": cmd, "minutes": minutes, "core_minutes": core_minutes, "workers": workers,
             "settings": {k: getattr(cfg, k) for k in ("lr", "prompts", "group", "minibatches", "epochs", "grad_clip",
                                                       "steps", "sft_steps")},
             "measured": measured, "table": table, "claims": [asdict(c) for c in claims],
@@ -398,10 +411,14 @@ def write_markdown(out: Path) -> Path:
              "from the recorded Parquet with entropylens' own analyses. Final = mean of the last 5 steps.", "",
              "## Regeneration", "", "| regime | command | time | runs |", "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['regime']} | `{r['command']}` | {r['minutes']:.0f} min with {r['workers']} workers "
-                     f"| {'**REDUCED** ' if r['reduced'] else 'full: '}{r['seeds']} seeds x {len(CONFIGS)} configs x "
-                     f"{r['steps']} steps |")
-    lines += ["", "Times were measured on a shared 2-core machine; they vary with the load.", "",
+        lines.append(f"| {r['regime']} | `{r['command']}` | training {r['core_minutes']:.0f} core-minutes (about "
+                     f"{r['core_minutes'] / r['workers']:.0f} min with {r['workers']} workers on free cores); this "
+                     f"regeneration took {r['minutes']:.0f} min | {'**REDUCED** ' if r['reduced'] else 'full: '}"
+                     f"{r['seeds']} seeds x {len(CONFIGS)} configs x {r['steps']} steps |")
+    lines += ["", "Core-minutes are the sum of the runs' own training times (one torch thread each), measured on a "
+              "shared 2-core machine while other jobs ran: on a free machine they are shorter. Wall time covers "
+              "the whole invocation (runs trained earlier and reused are not in it; regimes trained together "
+              "share it).", "",
               "## The regimes against the papers", "",
               "Measured on the GRPO runs, mean ± sd over seeds, per policy update (KL(old || new) is the k3 "
               "estimator at the update's forward pass, as verl's `ppo_kl` is logged per mini-batch).", "",
@@ -454,27 +471,43 @@ def main(argv=None) -> None:
     from .config import REGIMES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--regime", default="fast", choices=list(REGIMES))
+    ap.add_argument("--regime", default="fast",
+                    help=f"one regime or several, comma-separated (trained interleaved seed by seed): {', '.join(REGIMES)}")
     ap.add_argument("--out", default="reports")
-    ap.add_argument("--runs", default=None, help="where the runs go (default: OUT/paper-claims-runs/REGIME)")
+    ap.add_argument("--runs", default=None, help="where the runs go (default: OUT/paper-claims-runs); one folder per regime")
     ap.add_argument("--seeds", type=int, default=FULL_SEEDS)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="override the steps per run (a reduced run)")
+    ap.add_argument("--no-train", action="store_true", help="only evaluate the finished runs of the first SEEDS seeds")
     a = ap.parse_args(argv)
+    regimes = [r.strip() for r in a.regime.split(",") if r.strip()]
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad or not regimes:
+        ap.error(f"unknown regime {', '.join(bad) or a.regime!r}; known: {', '.join(REGIMES)}")
     out = Path(a.out)
-    runs_dir = Path(a.runs) if a.runs else out / "paper-claims-runs" / a.regime
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(a.runs) if a.runs else out / "paper-claims-runs"
+    dirs = {r: root / r for r in regimes}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    train_all(runs_dir, a.seeds, a.workers, a.regime, **({"steps": a.steps} if a.steps else {}))
+    if not a.no_train:
+        train_all(dirs, a.seeds, a.workers, **({"steps": a.steps} if a.steps else {}))
     from ..query import connect
 
-    con = connect(runs_dir, runs=[f"{n}-s{s}" for n in CONFIGS for s in range(a.seeds)])
-    metrics = per_run_metrics(con)
-    claims = evaluate(con, metrics)
-    figures(con, out, a.regime)
-    res = regime_result(a.regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
-                        minutes=(time.time() - t0) / 60)
-    (out / f"paper-claims-{a.regime}.json").write_text(json.dumps(res, indent=1, default=float))
+    wall = (time.time() - t0) / 60
+    for regime, runs_dir in dirs.items():
+        ids = [f"{n}-s{s}" for s in range(a.seeds) for n in CONFIGS]
+        missing = [i for i in ids if not _finished(runs_dir / i)]
+        if missing:
+            raise SystemExit(f"{runs_dir}: runs not finished: {', '.join(missing)}")
+        con = connect(runs_dir, runs=ids)
+        metrics = per_run_metrics(con)
+        claims = evaluate(con, metrics)
+        figures(con, out, regime)
+        t = timings(runs_dir)
+        res = regime_result(regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
+                            minutes=wall, core_minutes=sum(t.get(i, 0.0) for i in ids) / 60)
+        (out / f"paper-claims-{regime}.json").write_text(json.dumps(res, indent=1, default=float))
     print(write_markdown(out).read_text())
 
 
