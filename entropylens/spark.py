@@ -29,8 +29,9 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from . import catalog as cat
 from .portable import to_spark
-from .query import PARTITIONED, QueryError, _read_run_json, find_runs, render_analysis, run_ids
+from .query import PARTITIONED, QueryError, UnreadableFileWarning, find_runs, render_analysis, run_row
 from .schema import TABLES
 
 _SPARK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INT", "int64": "BIGINT", "float32": "FLOAT",
@@ -111,36 +112,28 @@ def session(master: str | None = None, conf: dict | None = None):
 
 
 # ---------------------------------------------------------------- views
-def _table_files(run_dir: Path, table: str) -> list[str]:
-    """The Parquet files of one table of one run that the DuckDB view reads (hidden temporaries
-    excluded: Spark would skip them anyway)."""
-    root = run_dir / table
-    if not root.is_dir():
-        return []
-    return sorted(str(p) for p in root.rglob("*.parquet")
-                  if not any(part.startswith((".", "_")) for part in p.relative_to(root).parts))
+def spark_url(url: str) -> str:
+    """A catalog URL as Spark's Hadoop filesystems name it: s3:// -> s3a:// (hadoop-aws)."""
+    return "s3a://" + url[len("s3://"):] if url.startswith("s3://") else url
 
 
-def _is_hive(path: str, root: Path) -> bool:
-    parts = Path(path).relative_to(root).parts[:-1]
-    return bool(parts) and all("=" in p for p in parts)
-
-
-def _read_table(spark, run_dir: Path, table: str):
-    """One run's files of ``table`` as a DataFrame (partition columns typed as DuckDB types them), or None."""
+def _read_files(spark, run: "cat.RunFiles", table: str):
+    """One run's files of ``table`` that the DuckDB view reads (catalog.py chose them: committed
+    steps only, bad files skipped, compacted files instead of the originals they replace), as one
+    DataFrame with step INT and rank SMALLINT; None without files."""
     from functools import reduce
 
-    files = _table_files(run_dir, table)
-    if not files:
-        return None
-    root = run_dir / table
-    hive = [f for f in files if _is_hive(f, root)]
-    plain = [f for f in files if not _is_hive(f, root)]  # e.g. compacted files that hold step/rank columns
     frames = []
-    if hive:
-        frames.append(spark.read.option("basePath", str(root)).option("mergeSchema", "true").parquet(*hive))
-    if plain:
-        frames.append(spark.read.option("mergeSchema", "true").parquet(*plain))
+    hive = run.files.get(table)
+    if hive:  # step / rank from the Hive path, as read_parquet(hive_partitioning = true)
+        base = spark_url(str(run.dir / table))
+        frames.append(spark.read.option("basePath", base).option("mergeSchema", "true")
+                      .parquet(*map(spark_url, hive)))
+    compacted = run.compacted.get(table)
+    if compacted:  # step / rank stored in the file
+        frames.append(spark.read.option("mergeSchema", "true").parquet(*map(spark_url, compacted)))
+    if not frames:
+        return None
     df = reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
     casts = [f"CAST(`{c}` AS {_PART_TYPES[c]}) AS `{c}`" if c in _PART_TYPES else f"`{c}`" for c in df.columns]
     return df.selectExpr(*casts)
@@ -152,7 +145,7 @@ def _with_derived(df, table: str):
 
     have = set(df.columns)
     exprs = ["*"]
-    for c in TABLES[table]:
+    for c in TABLES.get(table, ()):
         if not c.derived or c.name in have:
             continue
         inputs = set(re.findall(r"[a-z_]+", c.derived)) - {"exp", "e"}
@@ -162,8 +155,8 @@ def _with_derived(df, table: str):
 
 
 def _empty(spark, table: str):
-    cols = ", ".join(f"CAST(NULL AS {_SPARK_TYPES[c.dtype]}) AS `{c.name}`" for c in TABLES[table])
-    return spark.sql(f"SELECT CAST(NULL AS STRING) AS run, {cols} WHERE false")
+    cols = "".join(f", CAST(NULL AS {_SPARK_TYPES[c.dtype]}) AS `{c.name}`" for c in TABLES.get(table, ()))
+    return spark.sql(f"SELECT CAST(NULL AS STRING) AS run{cols} WHERE false")
 
 
 def _coerce(value, dtype: str):
@@ -223,24 +216,24 @@ class SparkConnection:
     """Spark views over the runs under a path. ``execute(duckdb_sql)`` translates and runs SQL, so
     ``query.run_analysis(con, name)`` / ``query.run_sql`` and report.py work unchanged."""
 
-    def __init__(self, spark, path, runs: list[str] | None = None):
-        self.spark = spark.newSession()  # its own temporary views; shares the SparkContext
-        dirs = find_runs(path, runs)
-        ids = run_ids(dirs, Path(path))
-        self._runs_dirs = list(zip(dirs, ids))
-        self.spark.conf.set("spark.sql.session.timeZone", "UTC")
-        _runs_df(self.spark, [_read_run_json(d, i) for d, i in self._runs_dirs]).createOrReplaceTempView("runs")
+    def __init__(self, spark, path, runs: list[str] | None = None, storage_options: dict | None = None):
         from functools import reduce
 
         from pyspark.sql import functions as F
 
-        for table in PARTITIONED:
+        self.spark = spark.newSession()  # its own temporary views; shares the SparkContext
+        self.spark.conf.set("spark.sql.session.timeZone", "UTC")
+        snap = cat.scan(path, runs, storage_options=storage_options)  # the same snapshot rules as DuckDB
+        for f, why in snap.bad:
+            warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=3)
+        _runs_df(self.spark, [run_row(r.info, r.id, str(r.dir)) for r in snap.runs]).createOrReplaceTempView("runs")
+        for table in sorted(set(PARTITIONED) | set(snap.tables())):
             frames = []
-            for d, rid in self._runs_dirs:
-                df = _read_table(self.spark, d, table)
+            for r in snap.runs:
+                df = _read_files(self.spark, r, table)
                 if df is not None:
                     df = _with_derived(df, table)
-                    frames.append(df.select(F.lit(rid).alias("run"), *[F.col(f"`{c}`") for c in df.columns]))
+                    frames.append(df.select(F.lit(r.id).alias("run"), *[F.col(f"`{c}`") for c in df.columns]))
             view = (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames) if frames
                     else _empty(self.spark, table))
             view.createOrReplaceTempView(table)
@@ -266,18 +259,21 @@ def _one_line(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def connect(path, *, runs: list[str] | None = None, spark=None) -> SparkConnection:
-    """Spark views runs / steps / sequences / tokens over the runs under ``path`` (see module doc)."""
+def connect(path, *, runs: list[str] | None = None, spark=None,
+            storage_options: dict | None = None) -> SparkConnection:
+    """Spark views runs / steps / sequences / tokens (/ probes) over the runs under ``path`` (see
+    module doc); ``spark``: a session to use (default: :func:`session`)."""
     if spark is None:
-        find_runs(path, runs)  # a bad path is a one-line error before any JVM starts
+        find_runs(path, runs, storage_options)  # a bad path is a one-line error before any JVM starts
         spark = session()
-    return SparkConnection(spark, path, runs)
+    return SparkConnection(spark, path, runs, storage_options)
 
 
-def run_analysis(path, name: str, *, runs: list[str] | None = None, spark=None, **params):
+def run_analysis(path, name: str, *, runs: list[str] | None = None, spark=None,
+                 storage_options: dict | None = None, **params):
     """analyses/<name>.sql on Spark over the runs under ``path``: a pandas DataFrame."""
     sql = render_analysis(name, **params)  # unknown analysis / bad parameter before Spark starts
-    con = connect(path, runs=runs, spark=spark)
+    con = connect(path, runs=runs, spark=spark, storage_options=storage_options)
     try:
         return con.execute(sql).df()
     except QueryError as e:

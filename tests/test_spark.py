@@ -1,9 +1,11 @@
 """DuckDB / Spark parity: every analysis gives the same rows on both engines (pyspark local[1]).
 
-Fixture: the hand-built runs a and b of tests/fixture_runs.py plus two random runs (c: 2 ranks,
+Fixture: the hand-built runs a and b of tests/fixture_runs.py plus random runs (c: 2 ranks,
 3 steps, 2 updates of the same tokens; d: in a sub-directory, files written without the
 erc_kept / logit_grad_norm columns (an older schema: union by name), a steps file with an extra
-metric column, zero-advantage tokens). One SparkSession for the module (start-up is the cost).
+metric column; e: steps 0-2 compacted (entropylens.compact), step 3 in the original files, step 4
+uncommitted (token files, no steps file: hidden), one truncated file (skipped)). Zero-advantage
+tokens everywhere. One SparkSession for the module (start-up is the cost).
 
 Tolerances: floats within 1e-6 relative (+1e-9 absolute, for differences of means that are ~0);
 the approximate quantiles (entropy_ratio_by_step p05/p95: DuckDB t-digest, Spark percentile_approx)
@@ -33,14 +35,15 @@ EXTRA_PARAMS = [("ratio_vs_prob", {"points": 25}), ("clipped_prob_distribution",
                 ("drift_by_prob_bin", {"bins": 7}), ("entropy_ratio_by_step", {"band_low": 0.9, "band_high": 1.1})]
 
 
-def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric=False):
+def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric=False, first_step=0,
+                uncommitted=()):
     rng = np.random.default_rng(seed)
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "run.json").write_text(json.dumps({
         "run": d.name, "method": method, "status": "finished", "eps_low": 0.2, "eps_high": 0.28, "tau": 0.5,
         "world_size": ranks, "seed": seed, "schema_version": 1, "config": {"method": method, "lr": 1e-6}}))
-    seq0 = 0
-    for step in range(steps):
+    seq0 = 1000 * first_step
+    for step in range(first_step, first_step + steps):
         for rank in range(ranks):
             n_seq = 6
             lengths = rng.integers(4, 12, n_seq)
@@ -80,7 +83,8 @@ def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric
                        (("pa_hp", 1), ("pa_lp", 2), ("na_hp", 3), ("na_lp", 4), ("za", 0))},
                     "erc_drop_frac": float(rng.uniform(0, 0.1)), "kl_k3": float(rng.uniform(0, 0.01)),
                     "reward_mean": float(rng.uniform()), **({"my_metric": float(rng.normal())} if extra_metric else {})})
-            write_steps(d, step, rank, rows)
+            if step not in uncommitted:
+                write_steps(d, step, rank, rows)
             write_sequences(d, step, rank, 0, {
                 "seq": np.arange(seq0 - n_seq, seq0, dtype=np.int32), "group": np.arange(n_seq, dtype=np.int32) // 3,
                 "reward": rng.uniform(0, 1, n_seq).astype(np.float32), "advantage": adv_seq,
@@ -93,6 +97,12 @@ def root(tmp_path_factory):
     _random_run(r / "c", method="dapo", ranks=2, steps=3, updates=2, seed=1)
     _random_run(r / "older" / "d", method="ce_gppo", ranks=1, steps=2, updates=2, seed=2,
                 drop=("erc_kept", "logit_grad_norm"), extra_metric=True)
+    from entropylens.compact import compact
+
+    _random_run(r / "e", method="grpo", ranks=2, steps=3, updates=2, seed=3)
+    assert compact(r, runs=["e"], grace_s=0)[0].steps == (0, 2)
+    _random_run(r / "e", method="grpo", ranks=2, steps=2, updates=1, seed=4, first_step=3, uncommitted=(4,))
+    (r / "e" / "tokens" / "step=3" / "rank=1" / "update-0.parquet").write_bytes(b"PAR1 cut sho")
     return r
 
 
@@ -158,7 +168,7 @@ def test_same_rows_on_duckdb_and_spark(cons, name, params):
                 assert lo - 1e-6 <= row[col] <= hi + 1e-6, (name, col, row, lo, hi)
 
 
-def test_views_are_equal(cons):
+def test_views_are_equal(cons, root):
     """Every view has the same rows and columns on both engines (derived columns, run, union by name)."""
     duck, sc = cons
     for table, key in (("tokens", "run, step, update, rank, seq, pos"), ("steps", "run, step, rank, update"),
@@ -172,6 +182,11 @@ def test_views_are_equal(cons):
     assert t["n"].tolist()[1] > 0 and t["kept"].tolist()[1] == 0 and t["kept"].tolist()[0] > 0
     m = sc.execute("SELECT run = 'd' AS d, count(my_metric) AS m FROM steps GROUP BY 1 ORDER BY 1").df()
     assert m["m"].tolist()[0] == 0 and m["m"].tolist()[1] > 0
+    # and the catalog's rules: run e reads compacted steps 0-2, step 3 (rank 1's file is truncated:
+    # skipped), never the uncommitted step 4
+    e = sc.execute("SELECT step, rank, count(*) AS n FROM tokens WHERE run = 'e' GROUP BY 1, 2 ORDER BY 1, 2").df()
+    assert list(zip(e["step"], e["rank"])) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0)]
+    assert (root / "e" / "compacted").is_dir() and not (root / "e" / "tokens" / "step=0").exists()
 
 
 def test_python_api_and_cli(root, spark, tmp_path):
