@@ -3,7 +3,8 @@
 -- figure: CE-GPPO Sec. 3 / Fig. 1 (entropy effect of each quadrant; Cui et al. covariance law)
 -- params: none
 -- dH of a token = its state's entropy at the next update that sees it again minus the entropy at this
--- update (a token appears again when the batch is reused: several epochs / num_iterations > 1). Where
+-- update (a token appears again when the batch is reused: several epochs / num_iterations > 1, also at
+-- the next step: seq ids are run-unique). Where
 -- no token is seen twice, dH = entropy - old_entropy at updates after the first (drift since the
 -- rollout). relative_dh = mean_dh minus the run's mean over all quadrants (removes the common
 -- drift); agrees compares sign(relative_dh) with the law: PA&HP -, PA&LP +, NA&HP +, NA&LP -.
@@ -14,7 +15,7 @@ WITH seen AS (
         entropy,
         old_entropy,
         update,
-        lead(entropy) OVER (PARTITION BY run, step, rank, seq, pos ORDER BY update) AS next_entropy
+        lead(entropy) OVER (PARTITION BY run, rank, seq, pos ORDER BY step, update) AS next_entropy
     FROM tokens
     WHERE quadrant <> 'ZA' AND entropy IS NOT NULL
 ),

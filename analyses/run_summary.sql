@@ -3,6 +3,7 @@
 -- figure: the report's summary table
 -- params: none
 -- final_*: the last recorded step; clip fractions are token-weighted over the whole run (exact, from steps).
+-- final_reward: mean reward over the last step's sequences, all ranks (steps' reward_mean for runs without sequences).
 WITH per_step AS (
     SELECT
         run,
@@ -11,10 +12,40 @@ WITH per_step AS (
         sum(n_tokens) AS tokens,
         sum(clip_low_frac * n_tokens) AS clip_low,
         sum(clip_high_frac * n_tokens) AS clip_high,
-        sum(erc_drop_frac * n_tokens) AS erc_drop,
-        max(reward_mean) AS reward
+        sum(erc_drop_frac * n_tokens) AS erc_drop
     FROM steps
     GROUP BY run, step
+),
+seq_reward AS (
+    SELECT
+        run,
+        step,
+        avg(reward) AS reward
+    FROM sequences
+    GROUP BY run, step
+),
+rewards AS (
+    SELECT
+        run,
+        step,
+        reward
+    FROM seq_reward
+    UNION ALL
+    SELECT
+        run,
+        step,
+        avg(reward_mean) AS reward
+    FROM steps
+    WHERE reward_mean IS NOT NULL
+        AND run NOT IN (SELECT run FROM seq_reward)
+    GROUP BY run, step
+),
+final_reward AS (
+    SELECT
+        run,
+        arg_max(reward, step) FILTER (WHERE reward IS NOT NULL) AS final_reward
+    FROM rewards
+    GROUP BY run
 ),
 agg AS (
     SELECT
@@ -23,7 +54,6 @@ agg AS (
         sum(tokens) AS tokens,
         arg_max(entropy, step) FILTER (WHERE entropy IS NOT NULL) AS final_entropy,
         min(entropy) AS min_entropy,
-        arg_max(reward, step) FILTER (WHERE reward IS NOT NULL) AS final_reward,
         sum(clip_low) / nullif(sum(tokens), 0) AS clip_low_frac,
         sum(clip_high) / nullif(sum(tokens), 0) AS clip_high_frac,
         sum(erc_drop) / nullif(sum(tokens), 0) AS erc_drop_frac
@@ -38,7 +68,7 @@ SELECT
     coalesce(a.tokens, 0) AS tokens,
     a.final_entropy,
     a.min_entropy,
-    a.final_reward,
+    fr.final_reward,
     a.clip_low_frac,
     a.clip_high_frac,
     a.erc_drop_frac,
@@ -47,4 +77,5 @@ SELECT
     r.config
 FROM runs AS r
 LEFT JOIN agg AS a USING (run)
+LEFT JOIN final_reward AS fr USING (run)
 ORDER BY r.run

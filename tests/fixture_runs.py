@@ -9,6 +9,7 @@ with update 0. The four tokens (seq, pos), advantage A, sampling prob p, ratio r
 entropy / old_entropy: update 0: t0 0.5/0.5, t1 1.2/1.0, t2 0.9/1.0, t3 2.0/2.0;
                        update 1: t0 0.4/0.5, t1 1.5/1.0, t2 0.7/1.0, t3 2.4/2.0.
 logit_grad_norm t0..t3 = 1, 2, 3, 1. Run "b" (ce_gppo) holds one step of the same tokens (update 0).
+Seq ids are run-unique: step 1's tokens are sequences 2 and 3 (a new rollout), not 0 and 1 again.
 """
 
 import json
@@ -39,10 +40,10 @@ BUDGET = {"entropy_effect": 0.2, "entropy_effect_pa_hp": -0.1, "entropy_effect_p
           "entropy_effect_dropped_high": 0.4}
 
 
-def token_arrays(update: int) -> dict:
+def token_arrays(update: int, step: int = 0) -> dict:
     old = np.log(np.array(P, np.float32))
     return {
-        "update": np.full(4, update, np.int16), "seq": np.array([0, 0, 1, 1], np.int32),
+        "update": np.full(4, update, np.int16), "seq": np.array([0, 0, 1, 1], np.int32) + 2 * step,
         "group": np.zeros(4, np.int32), "pos": np.array([0, 1, 0, 1], np.int32),
         "token_id": np.array([3, 4, 5, 6], np.int32), "logprob": (old + np.log(np.array(R, np.float32))),
         "old_logprob": old, "advantage": np.array(A, np.float32), "quadrant": np.array(Q, np.int8),
@@ -68,11 +69,11 @@ def build(root: Path) -> Path:
                                                 "config": {"method": method, "lr": 0.001}}))
         for step, updates in steps.items():
             for u in updates:
-                write_tokens(d, step, 0, u, token_arrays(u))
+                write_tokens(d, step, 0, u, token_arrays(u, step))
             # step 0: updates with 10 and 30 tokens, old entropy 1 and 2 -> token-weighted 1.75
             rows = [step_row(0, 10, 1.0, 2.0, 0.01), step_row(1, 30, 2.0, 4.0, 0.03)][: len(updates)]
             write_steps(d, step, 0, rows)
-            write_sequences(d, step, 0, 0, {"seq": np.array([0, 1], np.int32), "group": np.zeros(2, np.int32),
+            write_sequences(d, step, 0, 0, {"seq": np.array([0, 1], np.int32) + 2 * step, "group": np.zeros(2, np.int32),
                                              "reward": np.array([0.25, 0.75 + step * 0.1], np.float32),
                                              "advantage": np.array([1.0, -1.0], np.float32),
                                              "length": np.array([2, 2], np.int32)})

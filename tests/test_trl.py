@@ -209,8 +209,8 @@ def test_trl_loss_swap_refuses_moe_aux_loss(tmp_path):
 def test_trl_two_processes(tmp_path):
     child = Path(__file__).parent / "helpers" / "trl_two_ranks.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                        "0", str(child), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(child), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     runs = [p for p in tmp_path.iterdir() if (p / "run.json").is_file()]
     assert len(runs) == 1  # one run id agreed by both ranks

@@ -8,6 +8,13 @@
                             old_entropy=mb.old_h, method="ce_gppo", beta1=0.5, beta2=1.0)
         out.loss.backward()
         rec.record_step(step, update=u, grad_norm=clip_grad_norm_(params, 1.0), lr=lr)
+
+Without logits (large vocabularies): pass the hidden states and the LM head instead; the fused head
+``entropylens.stats.head_stats`` projects them in tiles, so no [B, T, V] tensor ever exists:
+
+    hidden = model.model(mb.input_ids).last_hidden_state[:, P - 1 : -1]  # [B, T, H]
+    out = policy_update(rec, step, u, None, mb.tokens, mb.mask, mb.adv, mb.old_lp, hidden=hidden,
+                        head=model.lm_head, old_entropy=mb.old_h, method="ce_gppo", scale=1 / accum)
 """
 
 from __future__ import annotations
@@ -16,13 +23,31 @@ import torch
 
 from ..losses import PolicyLossOutput, policy_loss
 from ..recorder import Recorder
-from ..stats import logprobs_and_entropy
+from ..stats import head_stats, logprobs_and_entropy
+
+
+def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [V, H], bias [V] | None) of an nn.Linear LM head, or a bare weight tensor."""
+    if isinstance(head, torch.Tensor):
+        return head, None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"head must be an LM head with a [V, H] weight (nn.Linear) or that weight, got {type(head)}")
+    return weight, getattr(head, "bias", None)
 
 
 @torch.no_grad()
-def old_policy_pass(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0,
-                    chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The old policy's log-probs and full-vocabulary entropies, [B, T] each, in one chunked pass."""
+def old_policy_pass(logits: torch.Tensor | None, tokens: torch.Tensor, *, temperature: float = 1.0,
+                    chunk_size: int | None = None, hidden: torch.Tensor | None = None,
+                    head=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The old policy's log-probs and full-vocabulary entropies, [B, T] each, in one chunked pass,
+    from ``logits`` [B, T, V] or from ``hidden`` [B, T, H] + ``head`` (no logits built)."""
+    if logits is None:
+        if hidden is None or head is None:
+            raise ValueError("old_policy_pass needs logits, or hidden states and the head")
+        weight, bias = _head_params(head)
+        lp, ent, _ = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature, chunk_size=chunk_size)
+        return lp.float(), ent.float()
     return logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
 
 
@@ -30,7 +55,7 @@ def policy_update(
     recorder: Recorder | None,
     step: int,
     update: int,
-    logits: torch.Tensor,
+    logits: torch.Tensor | None,
     tokens: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
@@ -40,25 +65,45 @@ def policy_update(
     temperature: float = 1.0,
     seq_ids: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    head=None,
+    chunk_size: int | None = None,
     **loss_kwargs,
 ) -> PolicyLossOutput:
-    """One policy update: hooks ``logits`` [B, T, V] for exact logit-gradient norms, computes log-probs
-    and entropies (``logprobs_and_entropy``), the loss (``policy_loss(**loss_kwargs)``: method, eps,
-    beta1, beta2, erc, dual_clip, entropy_coef, agg, ...) and records the update. Call
-    ``out.loss.backward()`` afterwards; the recorder picks the gradient norms up from the backward."""
-    if recorder is not None and logits.requires_grad:
-        recorder.watch_logits(logits)
+    """One policy update: log-probs and entropies, the loss (``policy_loss(**loss_kwargs)``: method,
+    eps, beta1, beta2, erc, dual_clip, entropy_coef, agg, scale, ...) and the recorded update. Call
+    ``out.loss.backward()`` afterwards.
+
+    From ``logits`` [B, T, V]: a hook on them gives the exact ||dLoss/dz_t|| during the backward.
+    From ``hidden`` [B, T, H] and ``head`` (``logits=None``): ``head_stats`` gives log-probs,
+    entropies and sum_j p_j^2 without logits, and ``logit_grad_norm`` is the exact closed form
+    |grad_coef| / T * sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus, whose gradient also
+    reaches the logits through H)."""
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
-    # recording: the entropy sensitivity s comes from the same chunked pass (entropy attribution)
-    logprobs, entropy, *sens = logprobs_and_entropy(logits, tokens, temperature=temperature,
-                                                    entropy_grad=entropy_grad, sensitivity=recorder is not None)
+    sum_p2 = None
+    if logits is None:
+        if hidden is None or head is None:
+            raise ValueError("policy_update needs logits, or hidden states and the head")
+        weight, bias = _head_params(head)
+        logprobs, entropy, sum_p2 = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature,
+                                               chunk_size=chunk_size)
+        if not entropy_grad:
+            entropy = entropy.detach()
+    else:
+        if recorder is not None and logits.requires_grad:
+            recorder.watch_logits(logits)
+        logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size,
+                                                 entropy_grad=entropy_grad)
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
+    if sum_p2 is not None and not entropy_grad:
+        p = logprobs.detach().float().exp()
+        out.columns["logit_grad_norm"] = (out.columns["grad_coef"].abs() / temperature
+                                          * torch.sqrt((1.0 - 2.0 * p + sum_p2.float()).clamp(min=0.0)))
     if recorder is not None:
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
-                               seq_ids=seq_ids, group_ids=group_ids, loss=out, entropy_sensitivity=sens[0],
-                               temperature=temperature)
+                               seq_ids=seq_ids, group_ids=group_ids, loss=out)
     return out
 
 
