@@ -14,6 +14,41 @@ from typing import Annotated, Optional
 
 import typer
 
+def _plain_metavars() -> None:
+    """Help as users expect it (#13): `--quick` (no `<bool>`), `PATH` (no `{PATH}` / `<str>`), `--run RUN`
+    (no `<list[str]>`), choices as `[table|csv]`. Typer 0.29 has no setting for this; its display hooks
+    are wrapped once here (skipped where a Typer version lacks them)."""
+    from typer import core
+
+    opt, arg = getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)
+    if opt is None or arg is None or getattr(opt, "_entropylens_plain", False):
+        return
+    orig = opt.display_type_rich
+
+    def option_type(self, ctx):
+        if self.is_flag or getattr(self, "count", False):
+            return None
+        if self.metavar is not None:
+            return self.metavar
+        shown = orig(self, ctx) or ""
+        if "|" in shown:  # a choice: <table|csv> or <list[a|b]>
+            return "[" + shown.strip("<>").removeprefix("list[").rstrip("]") + "]"
+        names = [o for o in self.opts if o.startswith("--")] or self.opts
+        return max(names, key=len).lstrip("-").replace("-", "_").upper()
+
+    def argument_usage(self):
+        name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    opt.display_type_rich = option_type
+    arg.display_type_rich = lambda self, ctx: None  # the name column already says PATH / SQL / NAME
+    if hasattr(arg, "_usage_display_name"):
+        arg._usage_display_name = argument_usage
+    opt._entropylens_plain = True
+
+
+_plain_metavars()
+
 app = typer.Typer(
     name="entropylens",
     help="Per-token training dynamics of GRPO-family RL: record, query, report.",
@@ -159,7 +194,7 @@ def table_text(df) -> str:
 
 @app.command()
 def schema(
-    table: Annotated[Optional[str], typer.Argument(help="Only this table (runs, steps, sequences, tokens).")] = None,
+    table: Annotated[Optional[str], typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens).")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print Markdown tables (as in README).")] = False,
 ) -> None:
     """Print the column contract (name, dtype, meaning) of every table."""
@@ -194,9 +229,9 @@ def runs(path: PathArg) -> None:
 @app.command()
 def query(
     path: PathArg,
-    sql: Annotated[str, typer.Argument(help="SQL over the views runs, steps, sequences, tokens.")],
+    sql: Annotated[str, typer.Argument(metavar="SQL", help="SQL over the views runs, steps, sequences, tokens.")],
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
 ) -> None:
     """Run SQL (DuckDB) over the runs under PATH."""
@@ -223,11 +258,11 @@ def analyses() -> None:
 @app.command()
 def analyze(
     path: PathArg,
-    name: Annotated[str, typer.Argument(help="Analysis name (see `entropylens analyses`).")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Analysis name (see `entropylens analyses`).")],
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
-    param: Annotated[Optional[list[str]], typer.Option("--param", "-p", help="k=v parameter (repeatable).")] = None,
+    param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="K=V", help="An analysis parameter, e.g. bins=5 (repeatable).")] = None,
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write to this file.")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
     engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Run a named analysis over the runs under PATH."""
@@ -255,7 +290,7 @@ def analyze(
 def report(
     path: PathArg,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
-    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path("entropylens-report"),
+    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Output directory.")] = Path("entropylens-report"),
     engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH."""
@@ -268,6 +303,54 @@ def report(
     except _user_errors() as e:
         _fail(str(e))
     typer.echo(f"report: {index}")
+
+
+@app.command()
+def check(
+    path: PathArg,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+    collapse: Annotated[float, typer.Option(
+        "--collapse", help="collapse: entropy below this fraction of its initial value.")] = 0.25,
+    explosion: Annotated[float, typer.Option(
+        "--explosion", help="explosion: entropy above this multiple of its initial value.")] = 2.0,
+    budget_steps: Annotated[int, typer.Option(
+        "--budget-steps", help="negative_budget: entropy budget below 0 for this many steps in a row.")] = 10,
+    clip_spike: Annotated[float, typer.Option(
+        "--clip-spike", help="clip_spike: clipped fraction above this multiple of the rolling median.")] = 3.0,
+    kl_spike: Annotated[float, typer.Option(
+        "--kl-spike", help="kl_spike: KL above this multiple of the rolling median.")] = 5.0,
+    grad_norm_spike: Annotated[float, typer.Option(
+        "--grad-norm-spike", help="grad_norm_spike: grad norm above this multiple of the rolling median.")] = 3.0,
+    erc_drop_min: Annotated[float, typer.Option(
+        "--erc-drop-min", help="erc_drop_rate: ERC drop fraction below this.")] = 0.001,
+    erc_drop_max: Annotated[float, typer.Option(
+        "--erc-drop-max", help="erc_drop_rate: ERC drop fraction above this.")] = 0.5,
+    window: Annotated[int, typer.Option("--window", help="Steps in the rolling median of the spike rules.")] = 20,
+    baseline: Annotated[int, typer.Option(
+        "--baseline", help="First steps whose mean entropy is the initial entropy.")] = 3,
+) -> None:
+    """Alarms over the runs' step aggregates: one line per finding (run, step, rule, value, threshold);
+    exit 1 when any rule fires, 0 when none (a CI gate for training runs)."""
+    from entropylens.alarms import Thresholds
+    from entropylens.alarms import check as run_check
+
+    try:
+        t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps, clip_spike=clip_spike,
+                       kl_spike=kl_spike, grad_norm_spike=grad_norm_spike, erc_drop_min=erc_drop_min,
+                       erc_drop_max=erc_drop_max, window=window, baseline=baseline)
+    except ValueError as e:
+        _fail(str(e))
+    _connect(path, run)  # path errors first, as one line
+    try:
+        with _FileWarnings():
+            findings = run_check(path, t, runs=run or None)
+    except _user_errors() as e:
+        _fail(str(e))
+    for f in findings:
+        typer.echo(f.line())
+    if findings:
+        raise typer.Exit(code=1)
+    typer.echo(f"no alarm in the runs under {path}")
 
 
 @app.command()
@@ -312,14 +395,14 @@ def compact(
 
 @app.command()
 def demo(
-    out: Annotated[Path, typer.Option("--out", help="Output directory (runs/ and report/ inside).")] = Path(
+    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Output directory (runs/ and report/ inside).")] = Path(
         "entropylens-demo"),
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated named runs.")] = "grpo,dapo,ce_gppo,erc_dapo",
-    steps: Annotated[Optional[int], typer.Option("--steps", help="Training steps per run.")] = None,
-    seeds: Annotated[int, typer.Option("--seeds", help="Seeds per method.")] = 1,
+    methods: Annotated[str, typer.Option("--methods", metavar="A,B,...", help="Comma-separated named runs.")] = "grpo,dapo,ce_gppo,erc_dapo",
+    steps: Annotated[Optional[int], typer.Option("--steps", metavar="N", help="Training steps per run.")] = None,
+    seeds: Annotated[int, typer.Option("--seeds", metavar="K", help="Seeds per method.")] = 1,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds), for tests and a first look.")] = False,
     workers: Annotated[Optional[int], typer.Option(
-        "--workers", help="Runs trained in parallel processes (1 torch thread each). [default: one per core]")] = None,
+        "--workers", metavar="N", help="Runs trained in parallel processes (1 torch thread each); default: one per core.")] = None,
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace runs of the same name already under --out (refused otherwise).")] = False,
     probe_every: Annotated[int, typer.Option(

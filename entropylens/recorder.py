@@ -118,6 +118,9 @@ class Recorder:
     writer failure into one warning (recording stops, training goes on, run.json says so).
     ``fsync`` (default on): each file and its directory are flushed to disk before the steps file
     that commits the step (safe against power loss, not only against a killed process).
+    ``alarms`` (True, or an ``alarms.Thresholds``): the rules of ``entropylens check`` run live on
+    each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``probe`` runs the
+    parameter-space entropy probe on one update.
     """
 
     def __init__(
@@ -136,6 +139,7 @@ class Recorder:
         rows_per_file: int = 262_144,
         storage_options: dict | None = None,
         fsync: bool = True,
+        alarms=None,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -144,6 +148,11 @@ class Recorder:
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         self.config = dict(config or {})
+        self._alarm_thresholds = None
+        if alarms:  # live alarms (entropylens.alarms): True for the defaults, or a Thresholds
+            from .alarms import Thresholds
+
+            self._alarm_thresholds = alarms if isinstance(alarms, Thresholds) else Thresholds()
         self.tau, self.sample, self.on_error = float(tau), float(sample), on_error
         self.eps_low, self.eps_high = _run_level_eps(self.config)
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -156,6 +165,7 @@ class Recorder:
         if not run or "/" in run or run.startswith("."):
             raise ValueError(f"run id must be a plain directory name, got {run!r}")
         self.run = run
+        self._alarms = None  # LiveAlarms, made at the first closed step when alarms= is set
         self.root = storage.location(root, storage_options)  # a local directory or s3://bucket/prefix
         self.dir = self.root / run
         try:
@@ -381,6 +391,8 @@ class Recorder:
                     status = "failed"
                     raise
                 finally:
+                    if self._last_step >= 0:
+                        self._observe_alarms(self._last_step)
                     self._writer.close_steps(upto=None)
         finally:
             self._remove_hook()
@@ -475,10 +487,21 @@ class Recorder:
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
 
+    def _observe_alarms(self, step: int) -> None:
+        """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule."""
+        if self._alarm_thresholds is None:
+            return
+        if self._alarms is None:
+            from .alarms import LiveAlarms
+
+            self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
+        self._alarms.observe(step, self._writer.summary(step))
+
     def _advance_to(self, step: int) -> None:
         """A later step closes the earlier ones: their steps rows are written (after their tokens)."""
         if step > self._last_step:
             if self._last_step >= 0 and not self._disabled:
+                self._observe_alarms(self._last_step)
                 self._writer.close_steps(upto=step - 1)
                 self._closed_upto = step - 1
             self._last_step = step

@@ -230,3 +230,14 @@ def test_probe_vs_measured(con, tmp_path):
     assert one(df, "predicted_dh", run="a", part="PA&LP") == pytest.approx(0.004)
     assert math.isnan(one(df, "measured_dh", run="a", part="PA&LP"))
     shutil.rmtree(root)
+
+
+def test_step_health(con):
+    # run a step 0: updates of 10 and 30 tokens, old entropy 1 and 2 -> 1.75; KL 0.01 / 0.03 -> 0.025;
+    # grad norm mean(2, 4) = 3; entropy budget BUDGET["entropy_effect"] 0.2 per update -> 0.4
+    df = run_analysis(con, "step_health")
+    assert one(df, "old_entropy", run="a", step=0) == pytest.approx(1.75)
+    assert one(df, "kl", run="a", step=0) == pytest.approx(0.025)
+    assert one(df, "grad_norm", run="a", step=0) == pytest.approx(3.0)
+    assert one(df, "entropy_effect", run="a", step=0) == pytest.approx(0.4)
+    assert math.isnan(one(df, "erc_drop_frac", run="a", step=0))
