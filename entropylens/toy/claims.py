@@ -120,6 +120,13 @@ def per_run_metrics(con) -> dict[str, dict]:
                         grad_spikes=list(st.grad_spikes), kl_spikes=list(st.kl_spikes))
     for run, g in gn_all.groupby("run"):
         out[run]["gclip_share"] = float((g["grad_norm"] > out[run]["grad_clip"]).mean())
+    try:  # first-order entropy attribution (runs recorded before it existed have no such columns)
+        for run, erc_drop, eff, drop in q("""
+                SELECT run, sum(entropy_effect_dropped_erc), sum(entropy_effect), sum(entropy_effect_dropped)
+                FROM steps WHERE grad_norm IS NOT NULL GROUP BY run""").fetchall():
+            out[run].update(effect_erc_dropped=erc_drop, effect_kept=eff, effect_dropped=drop)
+    except Exception:  # noqa: BLE001 - a missing column: no attribution in these runs
+        pass
     for run, lp_share, abs_r, n_clipped in q(f"""
             SELECT run, count_if(prob < {TAU} AND clipped) / nullif(count_if(clipped), 0), avg(abs(ratio - 1)),
                    count_if(clipped)
@@ -271,10 +278,17 @@ def claim_erc(agg) -> Claim:
         parts.append(w.holds)
         texts.append(f"{label} ERC-DAPO {_fmt(*_ms(agg['erc_dapo'][key]), 4)} vs DAPO "
                      f"{_fmt(*_ms(agg['dapo'][key]), 4)}, DAPO above ERC: {w.text()}")
+    e = agg.get("erc_dapo", {})
+    attribution = ""
+    if any(v is not None for v in e.get("effect_erc_dropped", [])):
+        attribution = (" Attribution (first-order entropy effect g s / T^2 summed over the run, `entropy_effect*` "
+                       f"columns): the tokens ERC dropped would have moved entropy by {_fmt(*_ms(e['effect_erc_dropped']), 4)} "
+                       f"per unit logit step, against {_fmt(*_ms(e['effect_kept']), 4)} for the gradients kept "
+                       "(descriptive; not part of the rule).")
     return Claim("6", "ERC keeps the entropy ratio inside its band, importance ratios closer to 1, and the gradient "
                  "norm steadier than its base method.", "erc", _verdict(parts),
                  "; ".join(texts) + " (rule: ERC lower on each by a one-sided Welch test at 5%; the verdict counts "
-                 "how many hold).", [beside(agg, n) for n in ("erc_dapo", "dapo")])
+                 "how many hold)." + attribution, [beside(agg, n) for n in ("erc_dapo", "dapo")])
 
 
 def claim_drift(drift) -> Claim:
