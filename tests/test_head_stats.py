@@ -1,6 +1,7 @@
 """stats.head_stats: a fused LM head (hidden states -> log-probs, entropies, sum p^2) against float64
 autograd through the full logits hidden @ weight.T."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,40 @@ def test_head_stats_minus_inf_bias_and_bad_input():
         head_stats(h, w, torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="do not match"):
         head_stats(h, w.T, tok)
+
+
+def test_policy_update_from_hidden_states_records_the_same_rows_as_from_logits(tmp_path):
+    # the same update twice: from logits (hook on the logits) and from hidden states + head (no logits,
+    # closed-form norm); with scale 0.5 (gradient accumulation 2) both must see the back-propagated loss
+    from entropylens.integrations.torch import policy_update
+    from entropylens.query import connect
+    from entropylens.recorder import Recorder
+
+    g = torch.Generator().manual_seed(3)
+    b, t, hdim, v = 3, 5, 8, 40
+    head = torch.nn.Linear(hdim, v, bias=True)
+    hidden0 = torch.randn(b, t, hdim, generator=g)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[0, 3:] = False
+    adv = torch.tensor([1.0, -0.5, 0.25])
+    with torch.no_grad():
+        old_lp = (head(hidden0) / 0.9).log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1) - 0.1
+    kw = dict(method="ce_gppo", temperature=0.9, seq_ids=torch.arange(b), scale=0.5)
+    grads = {}
+    for mode in ("logits", "hidden"):
+        with Recorder(tmp_path, mode, config={"method": "ce_gppo"}) as rec:
+            hidden = hidden0.clone().requires_grad_()
+            if mode == "logits":
+                out = policy_update(rec, 0, 0, head(hidden), tokens, mask, adv, old_lp, **kw)
+            else:
+                out = policy_update(rec, 0, 0, None, tokens, mask, adv, old_lp, hidden=hidden, head=head, **kw)
+            out.loss.backward()
+            grads[mode] = hidden.grad.clone()
+            rec.record_step(0, update=0, grad_norm=1.0, lr=0.1)
+    a = connect(tmp_path / "logits").execute("SELECT * FROM tokens ORDER BY seq, pos").df()
+    h = connect(tmp_path / "hidden").execute("SELECT * FROM tokens ORDER BY seq, pos").df()
+    assert len(a) == len(h) == int(mask.sum())
+    for c in ("logprob", "entropy", "grad_coef", "logit_grad_norm"):
+        np.testing.assert_allclose(h[c], a[c], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads["hidden"], grads["logits"], rtol=1e-5, atol=1e-7)
