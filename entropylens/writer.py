@@ -80,17 +80,19 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
-def write_tokens(run_dir: "Path | Location", step: int, rank: int, updates: int | tuple[int, int], arrs: dict) -> Path:
+def write_tokens(run_dir: "Path | Location", step: int, rank: int, updates: int | tuple[int, int], arrs: dict,
+                 *, fsync: bool = False) -> Path:
     """update-U.parquet for one update; updates-A-B.parquet for updates A..B sharing a file."""
     first, last = (updates, updates) if isinstance(updates, int) else updates
     name = f"update-{first}.parquet" if first == last else f"updates-{first}-{last}.parquet"
     path = run_dir / "tokens" / f"step={step}" / f"rank={rank}" / name
     write_parquet_atomic(tokens_table(arrs), path, dict_columns=TOKEN_DICT_COLUMNS,
-                         float_columns=TOKEN_FLOAT_COLUMNS)
+                         float_columns=TOKEN_FLOAT_COLUMNS, fsync=fsync)
     return path
 
 
-def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int, arrs: dict) -> Path:
+def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int, arrs: dict, *,
+                    fsync: bool = False) -> Path:
     table = pa.table({
         "seq": pa.array(arrs["seq"], pa.int32()),
         "group": pa.array(arrs["group"], pa.int32()),
@@ -100,7 +102,7 @@ def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int,
         "text": pa.array(arrs.get("text") or [None] * len(arrs["seq"]), pa.string()),
     })
     path = run_dir / "sequences" / f"step={step}" / f"rank={rank}" / f"part-{part}.parquet"
-    write_parquet_atomic(table, path, dict_columns=("group",))
+    write_parquet_atomic(table, path, dict_columns=("group",), fsync=fsync)
     return path
 
 
@@ -108,7 +110,7 @@ _STEP_INT = {"update": pa.int16(), "n_tokens": pa.int64(), "n_pa_hp": pa.int64()
              "n_na_hp": pa.int64(), "n_na_lp": pa.int64(), "n_za": pa.int64()}
 
 
-def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict]) -> Path:
+def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
     """One file per (step, rank): a row per update. Known columns get the schema's dtype, extra
     metrics float64; NaN aggregates (not measured) become nulls."""
     from .schema import STEPS
@@ -124,11 +126,12 @@ def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dic
             vals = [None if v is None else int(round(v)) for v in vals]
         cols[name] = pa.array(vals, typ)
     path = run_dir / "steps" / f"step={step}" / f"rank={rank}" / "steps.parquet"
-    write_parquet_atomic(pa.table(cols), path)
+    write_parquet_atomic(pa.table(cols), path, fsync=fsync)
     return path
 
 
-def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, rows: list[dict]) -> Path:
+def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, rows: list[dict], *,
+                 fsync: bool = False) -> Path:
     """probe-U.parquet: the parameter-space probe of one update (schema.PROBES), a row per gradient part.
     Written before the steps file of its step (the step commits it)."""
     from .schema import PROBES
@@ -141,5 +144,5 @@ def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, 
         vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
         cols[c.name] = pa.array(vals, arrow_type(c.dtype))
     path = run_dir / "probes" / f"step={step}" / f"rank={rank}" / f"probe-{update}.parquet"
-    write_parquet_atomic(pa.table(cols), path)
+    write_parquet_atomic(pa.table(cols), path, fsync=fsync)
     return path
