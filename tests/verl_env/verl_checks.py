@@ -1,0 +1,393 @@
+"""Checks that run INSIDE the verl virtualenv (tests/verl_env/build.sh), driven by tests/test_verl.py.
+
+Real verl 0.9.1, no mocks: its policy-loss registry, its hydra config composed as the trainer composes
+it, ActorConfig built the way the actor worker builds it (omega_conf_to_dataclass), its TensorDict
+no-padding micro-batch helpers, its loss (ppo_loss, agg_loss, compute_policy_loss_vanilla), a tiny
+Qwen2 built from a config. Not collected by the main suite (file name is not test_*); run as
+``<verl-venv>/bin/python -m pytest tests/verl_env/verl_checks.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------- helpers
+def actor_config(**policy_loss):
+    """ActorConfig as verl's actor worker builds it: hydra composes ppo_trainer.yaml with the user's
+    command-line overrides, then ``omega_conf_to_dataclass(config.actor_rollout_ref.actor)``."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    overrides = [
+        "actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    for k, v in policy_loss.items():
+        if k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
+                 "use_kl_loss", "calculate_entropy"):
+            overrides.append(f"actor_rollout_ref.actor.{k}={v}")
+        elif k == "loss_mode":
+            overrides.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={v}")
+        else:
+            overrides.append(f"+actor_rollout_ref.actor.policy_loss.{k}={'null' if v is None else v}")
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=cfg_dir, version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def region_batch(seed=0, b=6, t=9, dtype=torch.float64):
+    """Random [B, T] tensors whose ratios r = exp(logp - old) fall in every region: far below 1-eps,
+    inside, far above 1+eps, beyond the dual-clip bound (r > 3 with A < 0), with A > 0, A < 0, A == 0,
+    and a masked tail."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=dtype) * 3 - 0.05
+    log_r = torch.tensor([-0.9, -0.4, -0.05, 0.0, 0.05, 0.4, 0.9, 1.3, -0.25], dtype=dtype)[:t]
+    log_r = log_r[torch.randperm(t, generator=g)].expand(b, t) + torch.randn(b, t, generator=g, dtype=dtype) * 0.01
+    logp = (old + log_r).clone().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 0.7, -0.3, 0.0, 2.0], dtype=dtype)[:b]
+    adv = adv.unsqueeze(1).expand(b, t).clone()
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, -3:] = False
+    mask[3, -1:] = False
+    return old, logp, adv, mask
+
+
+# ----------------------------------------------------------------------------------- registration
+def test_entry_point_registers_on_import_verl():
+    """A fresh interpreter: `import verl` alone (verl's plug-in loader) registers our losses."""
+    code = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "assert 'entropylens.integrations.verl' in sys.modules, 'plug-in not loaded by import verl'\n"
+        "for n in ('gppo', 'ce_gppo', 'entropylens_grpo', 'entropylens_dapo', 'entropylens_cispo'):\n"
+        "    print(n, get_policy_loss_fn(n).entropylens_method)\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "print('trainer', get_trainer_cls('entropylens').__name__)\n"
+    )
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ce_gppo ce_gppo" in p.stdout and "gppo gppo" in p.stdout and "entropylens_cispo cispo" in p.stdout
+    assert "trainer EntropyLensTrainer" in p.stdout
+
+    # with plug-ins off, nothing is registered, and verl's own error names the loss
+    code_off = (
+        "import sys, verl\n"
+        "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
+        "assert 'entropylens.integrations.verl' not in sys.modules\n"
+        "try:\n    get_policy_loss_fn('ce_gppo')\nexcept ValueError as e:\n    print('ERR', e)\n"
+    )
+    env["VERL_USE_EXTERNAL_PLUGINS"] = "none"
+    p = subprocess.run([sys.executable, "-c", code_off], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ERR Unsupported loss mode: ce_gppo" in p.stdout
+
+
+def test_version_check_names_the_release(monkeypatch):
+    from entropylens.integrations.verl import check_verl_version
+
+    assert check_verl_version("0.9.1") == "0.9.1"
+    monkeypatch.delenv("ENTROPYLENS_VERL_UNSAFE", raising=False)
+    with pytest.raises(RuntimeError, match=r"supports verl 0\.9\.x; found 0\.7\.0.*ENTROPYLENS_VERL_UNSAFE=1"):
+        check_verl_version("0.7.0")
+    monkeypatch.setenv("ENTROPYLENS_VERL_UNSAFE", "1")
+    assert check_verl_version("0.7.0") == "0.7.0"
+
+
+def test_config_dataclass_from_hydra_and_bad_values():
+    cfg = actor_config(loss_mode="ce_gppo", beta1=0.75, beta2=1.0, erc_low=0.95, erc_high=1.05)
+    from entropylens.integrations.verl import EntropyLensLossConfig
+
+    assert isinstance(cfg.policy_loss, EntropyLensLossConfig)
+    assert cfg.policy_loss.beta1 == 0.75 and cfg.policy_loss.erc == (0.95, 1.05)
+    with pytest.raises(Exception, match="erc_low and policy_loss.erc_high must be set together"):
+        actor_config(loss_mode="ce_gppo", erc_low=0.95)
+    with pytest.raises(Exception, match="verl's own loss; ERC and recording need"):
+        actor_config(loss_mode="vanilla", erc_low=0.95, erc_high=1.05)
+    with pytest.raises(Exception, match="0 <= erc_low < 1 < erc_high"):
+        actor_config(loss_mode="gppo", erc_low=1.01, erc_high=1.05)
+
+
+# ----------------------------------------------------------------------------------- the maths
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                 "token-sum"])
+def test_registered_ce_gppo_equals_policy_loss_float64(agg):
+    """get_policy_loss_fn('ce_gppo') == policy_loss(method='ce_gppo') in value and gradient, with verl's
+    global normalisation (dp_size=2 and global counts) folded into ``scale``."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from entropylens.losses import policy_loss
+
+    cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=0.8, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                       loss_agg_mode=agg)
+    old, logp, adv, mask = region_batch()
+    n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    # global counts of a 2-rank batch in which the other rank holds 7 more tokens and 3 more sequences
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 7, global_batch_size=n_seq + 3,
+                                 loss_scale_factor=None)
+    loss, metrics = get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, agg, cfg, None)
+    (g,) = torch.autograd.grad(loss, logp)
+
+    ours_agg = {"token-sum": "token-mean", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(agg, agg)
+    scale = {"token-mean": n_tok * 2 / (n_tok + 7), "token-sum": n_tok * 2,
+             "seq-mean-token-mean": n_seq * 2 / (n_seq + 3), "seq-mean-token-sum": n_seq * 2 / (n_seq + 3),
+             "seq-mean-token-sum-norm": n_seq * 2 / (n_seq + 3) / mask.shape[1]}[agg]
+    logp2 = logp.detach().clone().requires_grad_(True)
+    ref = policy_loss(logp2, old, adv, mask, method="ce_gppo", eps_low=0.2, eps_high=0.28, beta1=0.5, beta2=0.8,
+                      dual_clip=3.0, agg=ours_agg, scale=scale)
+    (g_ref,) = torch.autograd.grad(ref.loss, logp2)
+    torch.testing.assert_close(loss.double(), ref.loss.double(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g, g_ref.to(g.dtype), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref.columns["grad_coef"].double(), g_ref.double(), rtol=1e-5, atol=1e-7)
+    assert metrics["entropylens/clipped_frac"] == pytest.approx(float(ref.metrics["clipped_frac"]))
+
+    # every region present, and each region's gradient is the CE-GPPO formula (token-mean weights w)
+    r = torch.exp(logp.detach() - old)
+    a = adv
+    low, high = r < 0.8, r > 1.28
+    cl, ch, dual = low & (a < 0) & mask, high & (a > 0) & mask, (a < 0) & (r > 3.0) & mask
+    inside = mask & ~cl & ~ch & ~dual
+    for name, region in (("low-clipped", cl), ("high-clipped", ch), ("dual", dual), ("inside", inside),
+                         ("zero-adv", (a == 0) & mask)):
+        assert region.any(), f"the batch misses region {name}"
+    if agg == "token-mean":
+        w = scale / n_tok  # g = dLoss/dlogp = w * dl/dlogp
+        torch.testing.assert_close(g[cl], (-0.5 * 0.8 * a * w)[cl])  # -beta1 (1-eps_low) A w
+        torch.testing.assert_close(g[ch], (-0.8 * 1.28 * a * w)[ch])  # -beta2 (1+eps_high) A w
+        torch.testing.assert_close(g[dual], torch.zeros_like(g[dual]))  # dual-clip: constant
+        torch.testing.assert_close(g[inside], (-r * a * w)[inside])  # -r A w
+        torch.testing.assert_close(g[~mask], torch.zeros_like(g[~mask]))
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
+                                 "token-sum"])
+def test_entropylens_grpo_equals_verl_vanilla(agg):
+    """An independent check of the aggregation mapping: our PPO-clip (+ verl's dual-clip) registered as
+    entropylens_grpo equals verl's own compute_policy_loss_vanilla (value and gradient) for every mode."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    cfg = actor_config(loss_mode="entropylens_grpo", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg)
+    old, logp, adv, mask = region_batch(seed=1)
+    n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 1,
+                                 loss_scale_factor=None)
+    ours, _ = get_policy_loss_fn("entropylens_grpo")(old, logp, adv, mask, agg, cfg, None)
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    theirs, _ = get_policy_loss_fn("vanilla")(old, logp, adv, mask, agg, cfg, None)
+    (g_theirs,) = torch.autograd.grad(theirs, logp)
+    # policy_loss accumulates in float32 (verl here in float64); verl's seq-mean-token-mean divides by
+    # (L + 1e-8): both are far below 1e-6 relative
+    torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(g_ours.double(), g_theirs.double(), rtol=1e-6, atol=1e-9)
+
+
+def test_gppo_is_ce_gppo_with_unit_betas():
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    cfg1 = actor_config(loss_mode="gppo")
+    cfg2 = actor_config(loss_mode="ce_gppo", beta1=1.0, beta2=1.0)
+    old, logp, adv, mask = region_batch(seed=2)
+    for c in (cfg1, cfg2):
+        c.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    l1, _ = get_policy_loss_fn("gppo")(old, logp, adv, mask, "token-mean", cfg1, None)
+    (g1,) = torch.autograd.grad(l1, logp)
+    l2, _ = get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, "token-mean", cfg2, None)
+    (g2,) = torch.autograd.grad(l2, logp)
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+def test_rollout_correction_weights_refused():
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    cfg = actor_config(loss_mode="ce_gppo")
+    old, logp, adv, mask = region_batch()
+    with pytest.raises(ValueError, match="rollout_is_weights"):
+        get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, "token-mean", cfg, torch.ones_like(old))
+
+
+# ----------------------------------------------------------------------------------- real objects
+TEMP = 0.7  # sampling temperature: log-probs, entropies and sum pi^2 are of softmax(z / T)
+
+
+def tiny_qwen2(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).double().eval()  # float64: autograd references at 1e-10
+
+
+def rollout_batch(seed=0, b=6, p_max=5, r_max=7):
+    """A padded GRPO batch as verl's rollout produces it (left-padded prompts, right-padded responses),
+    converted to verl's no-padding layout with its own helper (left_right_2_no_padding), plus the
+    old-policy tensors the trainer adds: old_log_probs, advantages, old entropy (``entropy``, nested,
+    as v1's _compute_old_log_prob stores it) and our int64 sample ids and step."""
+    from tensordict import TensorDict
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(2, p_max + 1, (b,), generator=g)
+    r_len = torch.randint(2, r_max + 1, (b,), generator=g)
+    prompts = torch.zeros(b, p_max, dtype=torch.long)
+    responses = torch.zeros(b, r_max, dtype=torch.long)
+    attn = torch.zeros(b, p_max + r_max, dtype=torch.long)
+    for i in range(b):
+        prompts[i, p_max - p_len[i]:] = torch.randint(1, 97, (int(p_len[i]),), generator=g)
+        responses[i, : r_len[i]] = torch.randint(1, 97, (int(r_len[i]),), generator=g)
+        attn[i, p_max - p_len[i]: p_max + r_len[i]] = 1
+    resp_mask = attn[:, p_max:].clone()
+    input_ids = torch.cat([prompts, responses], dim=1)
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.0, 1.5])[:b].double().unsqueeze(1).expand(b, r_max) * resp_mask
+    old_lp = (-torch.rand(b, r_max, generator=g, dtype=torch.float64) * 3.0 - 0.05) * resp_mask
+    old_ent = (torch.rand(b, r_max, generator=g, dtype=torch.float64) * 2.0 + 1.0) * resp_mask
+    sample_id = torch.arange(100, 100 + b, dtype=torch.int64)  # run-unique ids, not row positions
+    td = TensorDict({
+        "input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids, "prompts": prompts,
+        "responses": responses, "response_mask": resp_mask, "old_log_probs": old_lp, "advantages": adv,
+        "entropylens_sample_id": sample_id, "entropylens_step": torch.full((b,), 3, dtype=torch.int64),
+    }, batch_size=b)
+    td = left_right_2_no_padding(td)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), r_len.cumsum(0)])
+    td["entropy"] = torch.nested.nested_tensor_from_jagged(
+        torch.cat([old_ent[i, : r_len[i]] for i in range(b)]), offsets)
+    return td, dict(old_lp=old_lp, old_ent=old_ent, adv=adv, mask=resp_mask.bool(), responses=responses,
+                    sample_id=sample_id, r_len=r_len)
+
+
+def model_output(model, micro_batch):
+    """What verl's FSDP engine hands the loss function (prepare_model_outputs, no fused kernels): nested
+    [b, prompt+response] log-probs of the next token, entropies and sum pi^2 of softmax(z / T), each
+    computed with verl's own torch_functional helpers. Returns (model_output, per-sample logits)."""
+    from verl.utils import torch_functional as verl_F
+
+    ids = micro_batch["input_ids"]  # nested [b, j1]
+    cu = ids.offsets()
+    lps, ents, spps, logits_list = [], [], [], []
+    for i, seq in enumerate(ids.unbind()):
+        logits = model(input_ids=seq.unsqueeze(0)).logits[0]  # [L, V]
+        logits.retain_grad()
+        logits_list.append(logits)
+        z = logits / TEMP
+        labels = torch.roll(seq, -1)
+        lps.append(verl_F.logprobs_from_logits(z, labels))
+        ents.append(verl_F.entropy_from_logits(z))
+        spps.append(verl_F.calculate_sum_pi_squared_from_logits(z))
+    nested = lambda xs: torch.nested.nested_tensor_from_jagged(torch.cat(xs), cu)  # noqa: E731
+    out = {"log_probs": nested(lps), "entropy": nested(ents), "sum_pi_squared": nested(spps)}
+    return out, logits_list
+
+
+def _micro_batches(td, *, dynamic: bool, seed: int):
+    """Micro-batches the way verl's engine makes them: a shuffled mini-batch (tu.make_iterator with
+    shuffle, as train_mini_batch) then prepare_micro_batches, whose dynamic batch sizing reorders."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    it = tu.make_iterator(td, mini_batch_size=len(td), epochs=1, seed=seed, dataloader_kwargs={"shuffle": True})
+    (mini,) = list(it)
+    tu.assign_non_tensor(mini, use_dynamic_bsz=dynamic, max_token_len_per_gpu=24, micro_batch_size_per_gpu=2,
+                         sp_size=1)
+    mbs, _ = prepare_micro_batches(mini, dp_group=torch.distributed.group.WORLD if dynamic else None)
+    return mini, mbs
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, gloo, dynamic):
+    """Our loss function driven as verl's engine drives it: rows recorded for every response token,
+    equal to the tensors of the sample they claim (joined by sample id after shuffling / dynamic
+    re-ordering), grad_coef == autograd dLoss/dlogp, logit_grad_norm == ||dLoss/dz|| from autograd."""
+    from verl.utils import tensordict_utils as tu
+
+    from entropylens import query
+    from entropylens.integrations.verl import EntropyLensLoss, close_recorders
+
+    cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=1.0, erc_low=0.8, erc_high=1.25,
+                       record_dir=str(tmp_path), run="verl-test", clip_ratio_low=0.2, clip_ratio_high=0.28,
+                       loss_agg_mode="token-mean")
+    loss_fn = EntropyLensLoss(cfg)
+    model = tiny_qwen2()
+    td, ref = rollout_batch(seed=1)
+    mini, mbs = _micro_batches(td, dynamic=dynamic, seed=7)
+    assert len(mbs) >= 2
+    order = torch.cat([mb["entropylens_sample_id"] for mb in mbs]).tolist()
+    assert order != sorted(order), "the micro-batches did not re-order the samples"
+    n_total = int(ref["mask"].sum())
+
+    expect = {}  # (sample id, pos) -> dict of exact values
+    for mb in mbs:
+        tu.assign_non_tensor(mb, dp_size=1, batch_num_tokens=n_total, global_batch_size=len(td), temperature=TEMP)
+        out, logits = model_output(model, mb)
+        lp_values = out["log_probs"].values()
+        lp_values.retain_grad()
+        loss, metrics = loss_fn(out, mb, dp_group=torch.distributed.group.WORLD)
+        loss.backward()
+        assert "entropylens/clipped_frac" in metrics and "actor/pg_loss" in metrics
+        cu = mb["input_ids"].offsets()
+        for i, sid in enumerate(mb["entropylens_sample_id"].tolist()):
+            row = sid - 100
+            r_len = int(ref["r_len"][row])
+            start = int(cu[i + 1]) - r_len - 1  # verl's response slice: positions predicting the response
+            for pos in range(r_len):
+                k = start + pos
+                z = logits[i][k - int(cu[i])].detach() / TEMP
+                p = torch.softmax(z, -1)
+                expect[(sid, pos)] = dict(
+                    token_id=int(ref["responses"][row, pos]),
+                    old_logprob=float(ref["old_lp"][row, pos]), advantage=float(ref["adv"][row, pos]),
+                    old_entropy=float(ref["old_ent"][row, pos]),
+                    logprob=float(out["log_probs"].values()[k]),
+                    entropy=float(-(p * torch.log(p)).sum()),
+                    grad_coef=float(lp_values.grad[k]),
+                    logit_grad_norm=float(torch.linalg.vector_norm(logits[i].grad[k - int(cu[i])])),
+                )
+    close_recorders()
+
+    con = query.connect(tmp_path / "verl-test")
+    rows = con.execute("select seq, pos, token_id, logprob, old_logprob, advantage, entropy, old_entropy, "
+                       "grad_coef, logit_grad_norm, step, rank from tokens").fetchall()
+    assert len(rows) == n_total == len(expect)
+    for seq, pos, tok, lp, olp, adv, ent, oent, gc, lgn, step, rank in rows:
+        e = expect[(seq, pos)]
+        assert (step, rank, tok) == (3, 0, e["token_id"])
+        assert olp == pytest.approx(e["old_logprob"], rel=1e-6, abs=1e-6)
+        assert adv == pytest.approx(e["advantage"], rel=1e-6, abs=1e-7)
+        assert oent == pytest.approx(e["old_entropy"], rel=1e-6)
+        assert lp == pytest.approx(e["logprob"], rel=1e-6, abs=1e-6)
+        assert ent == pytest.approx(e["entropy"], rel=1e-5)
+        assert gc == pytest.approx(e["grad_coef"], rel=1e-5, abs=1e-9)
+        assert lgn == pytest.approx(e["logit_grad_norm"], rel=1e-4, abs=1e-9)
+    # the steps table has the step's exact aggregates, ERC's drop share among them
+    steps = con.execute("select step, sum(n_tokens), max(erc_drop_frac) from steps group by step").fetchall()
+    assert steps[0][0] == 3 and steps[0][1] == n_total and steps[0][2] is not None
+
