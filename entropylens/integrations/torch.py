@@ -80,7 +80,7 @@ def policy_update(
     |grad_coef| / T * sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus, whose gradient also
     reaches the logits through H)."""
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
-    sum_p2 = None
+    sum_p2, sens = None, [None]
     if logits is None:
         if hidden is None or head is None:
             raise ValueError("policy_update needs logits, or hidden states and the head")
@@ -92,8 +92,10 @@ def policy_update(
     else:
         if recorder is not None and logits.requires_grad:
             recorder.watch_logits(logits)
-        logprobs, entropy = logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size,
-                                                 entropy_grad=entropy_grad)
+        # recording: the entropy sensitivity s from the same chunked pass (entropy attribution)
+        logprobs, entropy, *sens = logprobs_and_entropy(logits, tokens, temperature=temperature,
+                                                        chunk_size=chunk_size, entropy_grad=entropy_grad,
+                                                        sensitivity=recorder is not None)
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
     if sum_p2 is not None and not entropy_grad:
@@ -103,7 +105,8 @@ def policy_update(
     if recorder is not None:
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
-                               seq_ids=seq_ids, group_ids=group_ids, loss=out)
+                               seq_ids=seq_ids, group_ids=group_ids, loss=out, entropy_sensitivity=sens[0],
+                               temperature=temperature)
     return out
 
 
