@@ -1,13 +1,16 @@
 """The same analyses on Spark: views equal to query.py's DuckDB views, analyses translated by sqlglot.
 
 DuckDB stays canonical. This engine builds the Spark temporary views ``runs``, ``steps``,
-``sequences`` and ``tokens`` over the same Hive layout (``TABLE/step=S/rank=R/*.parquet``) with the
-same rules as :func:`entropylens.query.connect`: a ``run`` column per run directory, files of one
-table unioned by name (a column a file lacks reads as NULL), ``step`` INT and ``rank`` SMALLINT from
-the partition path, the derived columns of schema.py (prob = exp(old_logprob), ratio =
+``sequences``, ``tokens`` (and ``probes``) with the same rules as :func:`entropylens.query.connect`:
+the files are the ones catalog.py selects (a step's token / sequence rows only once its steps file
+exists, unreadable files skipped with an UnreadableFileWarning, compacted files in place of the
+originals of the steps they cover); a ``run`` column per run; files unioned by name (a column a
+file lacks reads as NULL); ``step`` INT and ``rank`` SMALLINT (from the Hive path, or stored in
+compacted files); the derived columns of schema.py (prob = exp(old_logprob), ratio =
 exp(logprob - old_logprob), entropy_ratio = (entropy + 1e-8) / (old_entropy + 1e-8)) computed in the
-view, and ``runs`` from each run.json. An analysis (``analyses/NAME.sql``, parameters filled in by
-query.render_analysis) is translated DuckDB -> Spark by :func:`entropylens.portable.to_spark`.
+view; ``runs`` from each run.json (query.run_row). An analysis (``analyses/NAME.sql``, parameters
+filled in by query.render_analysis) is translated DuckDB -> Spark by
+:func:`entropylens.portable.to_spark`. ``s3://`` URLs are read by Spark as ``s3a://``.
 
 Python API::
 
@@ -93,7 +96,6 @@ def session(master: str | None = None, conf: dict | None = None):
     """The active SparkSession, or a new local one (``master``, else $ENTROPYLENS_SPARK_MASTER, else
     ``local[*]``) with :data:`LOCAL_CONF` plus ``conf``. A one-line SparkUnavailable if it cannot start."""
     SparkSession = _import_pyspark()
-    warnings.filterwarnings("ignore", message="PySpark does not yet fully support pandas")
     active = SparkSession.getActiveSession()
     if active is not None:
         return active

@@ -1,0 +1,230 @@
+"""Scale figures: a large synthetic run in the recorder's real layout, the whole report on it before
+and after compaction, and the arithmetic for a 7B DAPO run.
+
+  python benchmarks/scale.py [--rows 100000000] [--ranks 64] [--rows-per-file 4096] [--dir DIR]
+                             [--workers 2] [--keep] [--skip-uncompacted]
+
+Token rows are written by entropylens.writer (write_tokens / write_steps / write_sequences: the
+recorder's Hive layout, encodings and atomic writes), one file per (step, rank) holding all the
+step's updates (``updates-0-U.parquet``, as the recorder coalesces small updates), with values shaped
+like a toy GRPO run (benchmarks/writer.py's ``toy_like_rows``; a 2M-row pool generated once per
+worker with vectorised numpy, sliced per file, sequence ids made unique and entropy decaying with
+the step). The default layout (64 ranks x 4,096 rows per file) is what a multi-node run writes at
+the small ``sample`` fraction that keeps it on one machine (see the arithmetic printed at the end).
+
+Printed: bytes per token row (Parquet, before / after compaction); every analysis (SQL only) and
+the whole report (entropylens.report.write_report: analyses, figures, HTML) on DuckDB before
+compaction; the compaction time (entropylens.compact); the same after; the ratios. Each timing is
+wall-clock and CPU seconds of this process (DuckDB's threads included): on a shared machine the
+wall time is inflated by others' load (printed), the CPU time much less so; CPU / 2 estimates the
+wall time on 2 idle cores.
+Last line: rows=<n> bytes_per_row=<b> report_s=<before> compacted_report_s=<after> speedup=<x>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from writer import toy_like_rows  # noqa: E402
+
+from entropylens.schema import STEPS  # noqa: E402
+from entropylens.writer import write_sequences, write_steps, write_tokens  # noqa: E402
+
+POOL_ROWS = 1 << 21
+UPDATES = 4  # policy updates per step (mini-batches), all in the (step, rank) file
+# 7B DAPO (DESIGN.md, #12): 512 prompts x 16 responses x up to 16k response tokens per step
+PROMPTS, RESPONSES, MAX_LEN = 512, 16, 16_384
+
+
+def _steps_rows(rng, quadrant: np.ndarray, update: np.ndarray) -> list[dict]:
+    rows = []
+    for u in range(UPDATES):
+        q = quadrant[update == u]
+        counts = np.bincount(q, minlength=5)
+        row = {c.name: float(rng.random()) for c in STEPS
+               if c.dtype.startswith("float") and c.name not in ("step", "update", "rank")}
+        row.update(update=u, n_tokens=len(q), n_za=int(counts[0]), n_pa_hp=int(counts[1]), n_pa_lp=int(counts[2]),
+                   n_na_hp=int(counts[3]), n_na_lp=int(counts[4]), lr=1e-6)
+        rows.append(row)
+    return rows
+
+
+def write_steps_range(run_dir: str, steps: list[int], ranks: int, rows_per_file: int, n_steps: int) -> int:
+    """Write the files of ``steps`` (all ranks); returns the token rows written."""
+    run_dir = Path(run_dir)
+    pool = toy_like_rows(POOL_ROWS, seed=steps[0] if steps else 0)
+    for k in ("prob", "ratio", "entropy_ratio"):  # derived by the views, never stored
+        pool.pop(k)
+    rng = np.random.default_rng(1 + (steps[0] if steps else 0))
+    n = rows_per_file
+    per_update = n // UPDATES
+    update = np.repeat(np.arange(UPDATES, dtype=np.int16), per_update)
+    update = np.concatenate([update, np.full(n - len(update), UPDATES - 1, np.int16)])
+    written = 0
+    for step in steps:
+        decay = np.float32(1.0 - 0.9 * step / max(n_steps - 1, 1))  # entropy falls over the run
+        for rank in range(ranks):
+            off = int(rng.integers(0, POOL_ROWS - n))
+            chunk = {k: v[off: off + n] for k, v in pool.items()}
+            seq = chunk["seq"] - chunk["seq"][0]
+            chunk["seq"] = (seq + (step * ranks + rank) * (n // 12 + 8)).astype(np.int32)  # unique in the run
+            chunk["entropy"] = chunk["entropy"] * decay
+            chunk["old_entropy"] = chunk["old_entropy"] * decay
+            chunk["update"] = update
+            write_tokens(run_dir, step, rank, (0, UPDATES - 1), chunk)
+            n_seq = int(seq[-1]) + 1
+            write_sequences(run_dir, step, rank, 0, {
+                "seq": np.arange(n_seq, dtype=np.int32) + chunk["seq"][0], "group": np.arange(n_seq, dtype=np.int32) // 16,
+                "reward": rng.random(n_seq).astype(np.float32), "advantage": rng.standard_normal(n_seq).astype(np.float32),
+                "length": np.bincount(seq).astype(np.int32)})
+            write_steps(run_dir, step, rank, _steps_rows(rng, chunk["quadrant"], update))  # commits (step, rank)
+            written += n
+    return written
+
+
+def build(run_dir: Path, rows: int, ranks: int, rows_per_file: int, workers: int) -> tuple[int, int]:
+    n_steps = max(1, rows // (ranks * rows_per_file))
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({
+        "run": run_dir.name, "method": "dapo", "status": "finished", "eps_low": 0.2, "eps_high": 0.28, "tau": 0.5,
+        "world_size": ranks, "sample": None, "schema_version": 1, "config": {"method": "dapo"}}))
+    chunks = [list(range(n_steps))[i::workers] for i in range(workers)]
+    with ProcessPoolExecutor(workers) as ex:
+        written = sum(ex.map(write_steps_range, [str(run_dir)] * workers, chunks, [ranks] * workers,
+                             [rows_per_file] * workers, [n_steps] * workers))
+    return written, n_steps
+
+
+def tree_bytes(path: Path, part: str) -> tuple[int, int]:
+    """(bytes, files) of the Parquet files under path whose path contains ``part``."""
+    total = files = 0
+    for dirpath, _, names in os.walk(path):
+        for f in names:
+            p = os.path.join(dirpath, f)
+            if f.endswith(".parquet") and part in p:
+                total += os.path.getsize(p)
+                files += 1
+    return total, files
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(run_dir: Path, out: Path) -> dict:
+    """Wall and CPU seconds (this process, all DuckDB threads) of every analysis (SQL only, one
+    connection) and of the whole report (connect, analyses, figures, HTML)."""
+    from entropylens.query import connect, list_analyses, run_analysis
+    from entropylens.report import write_report
+
+    shutil.rmtree(out, ignore_errors=True)
+    c0, t0 = _cpu(), time.perf_counter()
+    con = connect(run_dir)
+    for name, _ in list_analyses():
+        run_analysis(con, name)
+    con.close()
+    c1, t1 = _cpu(), time.perf_counter()
+    write_report(run_dir, out)
+    c2, t2 = _cpu(), time.perf_counter()
+    return {"sql_s": t1 - t0, "sql_cpu": c1 - c0, "report_s": t2 - t1, "report_cpu": c2 - c1}
+
+
+def _show(label: str, m: dict) -> None:
+    print(f"{label}: all analyses {m['sql_s']:.1f} s wall / {m['sql_cpu']:.1f} s CPU; whole report "
+          f"{m['report_s']:.1f} s wall / {m['report_cpu']:.1f} s CPU (load {os.getloadavg()[0]:.1f})")
+
+
+def arithmetic(bytes_per_row: float, rows_per_s_report: float) -> None:
+    rows_step = PROMPTS * RESPONSES * MAX_LEN
+    gb_1000 = rows_step * 1000 * bytes_per_row / 1e9
+    print(f"\n7B DAPO run: {PROMPTS} prompts x {RESPONSES} responses x {MAX_LEN:,} tokens = "
+          f"{rows_step:,} token rows per step (at full response length)")
+    print(f"  at {bytes_per_row:.1f} B/row (measured above, compacted): {rows_step * bytes_per_row / 1e9:,.2f} GB "
+          f"per step, {gb_1000:,.0f} GB = {gb_1000 / 1e3:,.1f} TB per 1,000 steps")
+    for budget_gb in (100, 500):
+        s = budget_gb / gb_1000
+        print(f"  sample={s:.2g} keeps 1,000 steps within {budget_gb} GB of token rows "
+              f"({s * rows_step * 1000 / 1e6:,.0f}M rows)")
+    rows_60 = rows_per_s_report * 60
+    s = rows_60 / (rows_step * 1000)
+    print(f"  the compacted analyses ran at {rows_per_s_report / 1e6:.1f}M rows/s on 2 cores (CPU seconds / 2): "
+          f"a 60 s report holds "
+          f"{rows_60 / 1e6:,.0f}M rows -> sample={s:.2g} for 1,000 steps "
+          f"({s * rows_step:,.0f} rows per step, ~{s * rows_step / (PROMPTS * RESPONSES):.1f} per response)")
+    print("  steps rows stay exact at any sample (aggregates over all tokens on the device): "
+          "1,000 steps x 16 updates x 64 ranks = 1.0M rows, a few MB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=100_000_000)
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--rows-per-file", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=2, help="processes writing the files")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="keep the data (default: removed at the end)")
+    ap.add_argument("--skip-uncompacted", action="store_true", help="do not time the report before compaction")
+    a = ap.parse_args()
+    base = Path(tempfile.mkdtemp(prefix="entropylens-scale-", dir=a.dir))
+    run_dir = base / "scale"
+    try:
+        print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
+        (rows, n_steps), t_gen = timed(lambda: build(run_dir, a.rows, a.ranks, a.rows_per_file, a.workers))
+        size, files = tree_bytes(run_dir / "tokens", "")
+        bpr = size / rows
+        print(f"{rows:,} token rows: {n_steps} steps x {a.ranks} ranks x {a.rows_per_file:,} rows per file "
+              f"({files:,} token files) written in {t_gen:.0f} s ({rows / t_gen / 1e6:.2f}M rows/s, "
+              f"{a.workers} processes)")
+        print(f"tokens: {size / 1e9:.2f} GB, {bpr:.1f} bytes per row")
+        before = None
+        if not a.skip_uncompacted:
+            before = measure(run_dir, base / "report-before")
+            _show("original files", before)
+        try:
+            from entropylens.compact import compact
+        except ImportError:
+            print("entropylens.compact is not available: the compacted half is skipped")
+            return
+        res, t_compact = timed(lambda: compact(run_dir, grace_s=0))
+        print(f"compaction: {t_compact:.0f} s ({'; '.join(r.summary() for r in res)})")
+        csize, cfiles = tree_bytes(run_dir / "compacted" / "tokens", "")
+        cbpr = csize / rows
+        print(f"compacted tokens: {cfiles} files, {csize / 1e9:.2f} GB, {cbpr:.1f} bytes per row")
+        after = measure(run_dir, base / "report-after")
+        _show("compacted", after)
+        nan = {k: float("nan") for k in after}
+        before = before or nan
+        print(f"compaction speed-up: analyses x{before['sql_s'] / after['sql_s']:.1f} wall, "
+              f"x{before['sql_cpu'] / after['sql_cpu']:.1f} CPU; whole report x{before['report_s'] / after['report_s']:.1f} "
+              f"wall, x{before['report_cpu'] / after['report_cpu']:.1f} CPU")
+        arithmetic(cbpr, rows / (after["sql_cpu"] / 2))
+        print(f"rows={rows} bytes_per_row={bpr:.2f} report_s={before['report_s']:.1f} "
+              f"compacted_report_s={after['report_s']:.1f} speedup={before['sql_s'] / after['sql_s']:.1f}")
+    finally:
+        if not a.keep:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            print(f"data kept in {base}")
+
+
+if __name__ == "__main__":
+    main()
