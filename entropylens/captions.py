@@ -181,11 +181,64 @@ def clipped_prob(df) -> str:
     return text
 
 
+_LAW = {"PA&HP": -1, "PA&LP": 1, "NA&HP": 1, "NA&LP": -1}  # covariance-law sign of each quadrant's effect
+
+
+def entropy_budget(df) -> str:
+    if df.empty or df["effect"].isna().all():
+        return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
+    tot = df.groupby("quadrant")["effect"].sum()
+    agree = [q for q in _LAW if q in tot and (tot[q] > 0) == (_LAW[q] > 0) and tot[q] != 0]
+    steps = df.drop_duplicates(["run", "step"])
+    neg = float((steps["step_effect"] < 0).mean()) if len(steps) else float("nan")
+    text = ("Here, summed over all runs and steps: " + ", ".join(
+        f"{q} {tot[q]:+.3g} (law {'+' if _LAW[q] > 0 else '-'})" for q in _LAW if q in tot)
+        + f"; the sign matches the covariance law in {len(agree)} of {sum(q in tot for q in _LAW)} quadrants;"
+        f" the step total is negative in {_pct(neg)} of steps.")
+    return text
+
+
+def clipping_removed(df) -> str:
+    if df.empty or df["dropped"].isna().all():
+        return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
+    d = df.groupby("quadrant")["dropped"].sum()
+    total = sum(abs(d.get(q, 0.0)) for q in _LAW)
+    if total == 0:
+        return "Here nothing was taken away: no token's gradient was changed."
+    lp = abs(d.get("PA&LP", 0.0)) + abs(d.get("NA&LP", 0.0))
+    pa, na = d.get("PA&LP", 0.0), d.get("NA&LP", 0.0)
+    text = (f"Here, of the entropy effect taken away (all runs), PA&LP and NA&LP carry {_pct(lp / total)}: "
+            f"PA&LP {pa:+.3g}, NA&LP {na:+.3g}, PA&HP {d.get('PA&HP', 0.0):+.3g}, NA&HP {d.get('NA&HP', 0.0):+.3g}.")
+    if lp / total > 0.5 and pa > 0 > na:
+        text += " As CE-GPPO argues: dominated by PA&LP (raising) and NA&LP (lowering), opposite signs."
+    else:
+        text += (" Here this differs from the paper's argument (PA&LP raising and NA&LP lowering entropy "
+                 "dominate what clipping drops).")
+    return text
+
+
+def probe_vs_measured(df) -> str:
+    if df.empty:
+        return "No probes recorded (Recorder.probe, or entropylens demo --probe-every K)."
+    st = df[df["part"] == "step"].dropna(subset=["measured_dh", "predicted_dh"])
+    text = f"Here, {len(st)} probed updates"
+    if len(st) >= 2:
+        r = st["predicted_dh"].corr(st["measured_dh"])
+        same = float(((st["predicted_dh"] > 0) == (st["measured_dh"] > 0)).mean())
+        text += f": predicted vs measured correlation {_f(r)}, same sign in {_pct(same)}"
+    q = df[df["part"].isin(list(_LAW))].groupby("part")["predicted_dh"].mean()
+    agree = [k for k in _LAW if k in q and (q[k] > 0) == (_LAW[k] > 0)]
+    text += (f"; mean predicted dH per quadrant: " + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
+             + f" (law's sign in {len(agree)} of {len(q)}).")
+    return text
+
+
 OBSERVERS = {
     "entropy": entropy, "reward": reward, "quadrant_share": quadrant_share, "clip_by_quadrant": clip_by_quadrant,
     "ratio_vs_prob": ratio_vs_prob, "grad_share": grad_share, "entropy_ratio": entropy_ratio,
     "drift_by_prob": drift_by_prob, "grad_norm": grad_norm, "kl": kl, "entropy_change": entropy_change,
-    "clipped_prob": clipped_prob,
+    "clipped_prob": clipped_prob, "entropy_budget": entropy_budget, "clipping_removed": clipping_removed,
+    "probe": probe_vs_measured,
 }
 
 

@@ -339,3 +339,110 @@ def clipped_prob(df, tau: float = 0.5):
     axes[0].legend(title="method", fontsize=8, title_fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _run_panels(runs: list, max_runs: int = 6, width: float = 4.6, height: float = 3.2):
+    plt = _plt()
+    n = max(1, min(max_runs, len(runs)))
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)[:n]
+
+
+def entropy_budget(df):
+    """entropy_budget_by_step -> the entropy budget per step: each quadrant's first-order entropy effect
+    (sum of g s / T^2 over its tokens) stacked, raising quadrants above 0, lowering ones below;
+    black: the step's total. One panel per run (at most 6). CE-GPPO Sec. 3, measured per token."""
+    runs = list(dict.fromkeys(df["run"])) if not df.empty else []
+    fig, axes = _run_panels(runs)
+    if df.empty or df["effect"].isna().all():
+        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
+    import numpy as np
+
+    for ax, run in zip(axes, runs):
+        g = df[df["run"] == run]
+        steps = np.array(sorted(g["step"].unique()))
+        up, down = np.zeros(len(steps)), np.zeros(len(steps))
+        for q in QUAD_ORDER:
+            v = g[g["quadrant"] == q].set_index("step").reindex(steps)["effect"].fillna(0).to_numpy()
+            pos, neg = np.clip(v, 0, None), np.clip(v, None, 0)
+            ax.bar(steps, pos, bottom=up, width=1.0, color=QUAD_COLORS[q], label=q, lw=0)
+            ax.bar(steps, neg, bottom=down, width=1.0, color=QUAD_COLORS[q], lw=0)
+            up, down = up + pos, down + neg
+        total = g.groupby("step")["step_effect"].first().reindex(steps)
+        ax.plot(steps, total, color="k", lw=1.0, label="step total")
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(_label(str(run), str(g["method"].iloc[0])), fontsize=9)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("first-order dH per unit logit step")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def clipping_removed(df):
+    """entropy_budget_by_step -> what clipping took away: each quadrant's dropped entropy effect
+    (sum over the run's steps of (g_unclipped - g) s / T^2, mean over a method's runs), beside the
+    effect its gradient kept. CE-GPPO's argument: PA&LP (high side) and NA&LP (low side) dominate."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
+    if df.empty or df["effect"].isna().all():
+        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
+    d = (df.groupby(["method", "run", "quadrant"], as_index=False)[["effect", "dropped"]].sum()
+         .groupby(["method", "quadrant"], as_index=False)[["effect", "dropped"]].mean())
+    colors = method_colors(d)
+    methods = list(colors)
+    w = 0.8 / max(1, len(methods))
+    for ax, col, title in ((axes[0], "dropped", "taken away by clipping / beta / ERC / dual-clip"),
+                           (axes[1], "effect", "kept: the gradient actually applied")):
+        for i, m in enumerate(methods):
+            g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
+            xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
+            ax.bar(xs, g[col].fillna(0), width=w, color=colors[m], label=m)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_xticks(range(4), QUAD_ORDER)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("quadrant")
+    axes[0].set_ylabel("summed first-order dH (per run)")
+    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def probe_vs_measured(df):
+    """probe_vs_measured -> left: the probe's predicted entropy change of each probed update against
+    the measured one (dashed: y = x); right: mean predicted dH per quadrant's kept gradient (solid)
+    and dropped part (hatched), per method. Parameter-space counterpart of the entropy budget."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    if df.empty:
+        return _empty(fig, "no probes recorded (Recorder.probe / demo --probe-every K)")
+    colors = method_colors(df)
+    st = df[df["part"] == "step"]
+    for m, g in st.groupby("method"):
+        axes[0].scatter(g["measured_dh"], g["predicted_dh"], s=14, color=colors[m], label=m)
+    lim = max(1e-12, float(st[["measured_dh", "predicted_dh"]].abs().max().max()) * 1.1)
+    axes[0].plot([-lim, lim], [-lim, lim], color="k", ls="--", lw=0.8)
+    axes[0].set_xlim(-lim, lim)
+    axes[0].set_ylim(-lim, lim)
+    axes[0].set_xlabel("measured dH (after the real step)")
+    axes[0].set_ylabel("predicted dH = grad(H) . step")
+    axes[0].set_title("probed updates", fontsize=9)
+    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
+    methods = list(colors)
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        g = df[df["method"] == m].groupby("part")["predicted_dh"].mean()
+        xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
+        axes[1].bar(xs, [g.get(q, 0.0) for q in QUAD_ORDER], width=w, color=colors[m], label=m)
+        axes[1].bar(xs, [g.get(f"{q} dropped", 0.0) for q in QUAD_ORDER], width=w * 0.5, color="none",
+                    edgecolor=colors[m], hatch="///", lw=0.8)
+    axes[1].axhline(0, color="k", lw=0.6)
+    axes[1].set_xticks(range(4), QUAD_ORDER)
+    axes[1].set_ylabel("mean predicted dH per probe")
+    axes[1].set_title("per quadrant: kept (solid), dropped (hatched)", fontsize=9)
+    fig.tight_layout()
+    return fig

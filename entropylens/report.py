@@ -58,9 +58,24 @@ FIGURES: tuple[Figure, ...] = (
            "Global gradient norm before clipping, mean over the step's updates. Mirrors CE-GPPO Fig. 4 right."),
     Figure("kl", "kl_by_step", "kl_vs_step", "KL vs step",
            "KL(pi_old || pi_theta), k3 estimator, token mean per step. Mirrors CE-GPPO Fig. 4 left."),
-    Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change", "Entropy change by quadrant",
-           "Measured entropy change per quadrant (minus the run's mean) against the covariance law's sign: "
-           "PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it. Mirrors CE-GPPO Sec. 3."),
+    Figure("entropy_budget", "entropy_budget_by_step", "entropy_budget", "Entropy budget per step",
+           "First-order entropy effect of each quadrant's token gradients per step (sum of g s / T^2: the "
+           "entropy change per unit logit step, exact per token), stacked; black: the step's total. The "
+           "covariance law (CE-GPPO Sec. 3) says PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it."),
+    Figure("clipping_removed", "entropy_budget_by_step", "clipping_removed", "What clipping removed",
+           "The entropy effect that clipping, CE-GPPO's beta scaling, ERC or dual-clip took away, by quadrant, "
+           "beside the effect kept. CE-GPPO argues PPO-clip drops mostly PA&LP (high side, raising entropy) "
+           "and NA&LP (low side, lowering it) gradients."),
+    Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
+           "The probe's first-order prediction grad(H) . optimizer step (Adam's own preconditioner) against "
+           "the entropy change measured after the real step, and each quadrant's share through the shared "
+           "parameters (demo --probe-every K)."),
+    Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change",
+           "Entropy drift by quadrant (confounded, not an attribution)",
+           "A position's entropy at its next update minus now, per quadrant of its sampled token, minus the "
+           "run's mean. Confounded: high-probability positions (low entropy) tend to rise and low-probability "
+           "ones to fall whatever the advantage sign, so this does not test the covariance law; the entropy "
+           "budget above attributes the change to the tokens' own gradients."),
 )
 
 SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",

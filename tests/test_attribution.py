@@ -224,3 +224,24 @@ def test_entropy_budget_sums():
     assert budget["entropy_effect_dropped_erc"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9, abs=1e-15)
     # a ZA token (advantage 0) has grad_coef 0: no effect, nothing dropped
     assert (cols["entropy_effect"][4] == 0).all()
+
+
+def test_policy_update_records_the_attribution(tmp_path):
+    """integrations.torch.policy_update computes s in its logits pass and the rows carry entropy_effect."""
+    from entropylens import Recorder
+    from entropylens.integrations.torch import policy_update
+    from entropylens.query import connect
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4, 3, 9, generator=g) * 2).requires_grad_(True)
+    tok = torch.randint(0, 9, (4, 3), generator=g)
+    old_lp, old_h = stats.logprobs_and_entropy(logits.detach() + 0.3 * torch.randn(4, 3, 9, generator=g), tok)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    with Recorder(tmp_path, run="pu", config={"method": "grpo"}) as rec:
+        out = policy_update(rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, temperature=0.8)
+        out.loss.backward()
+    s = stats.entropy_sensitivity(logits.detach(), tok, temperature=0.8)
+    want = (out.columns["grad_coef"] * s / 0.8**2).reshape(-1).sort().values
+    got = connect(tmp_path).execute("SELECT entropy_effect FROM tokens ORDER BY entropy_effect").fetchnumpy()
+    torch.testing.assert_close(torch.tensor(got["entropy_effect"]), want, rtol=1e-5, atol=1e-9)
