@@ -1,6 +1,6 @@
 """A hand-written GRPO loop in plain PyTorch, recorded by entropylens (CPU, offline, ~10 s).
 
-    python examples/torch_loop.py --out runs [--steps 20] [--method ce_gppo]
+    python examples/torch_loop.py --out runs [--steps 20] [--method ce_gppo]    # or --out s3://bucket/runs
 Task: answer 8 tokens; reward = share of answer tokens in {0, 2, 4, 6} (chance 1/6).
 """
 
@@ -17,7 +17,8 @@ V, P, T, G = 24, 4, 8, 8  # vocab, prompt length, answer length, samples per pro
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="entropylens-runs")
+    ap.add_argument("--out", default="entropylens-runs",
+                    help="runs directory, or an object-store URL such as s3://bucket/runs (needs the s3 extra)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--method", default="ce_gppo")
     a = ap.parse_args(argv)
