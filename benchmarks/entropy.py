@@ -8,7 +8,10 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
 2. with grad (the training pass): forward + backward peak memory of our logprobs against
    log_softmax + gather, beyond the [N, V] gradient both must produce.
 3. float64 error at V = 151936 with logit offsets 0..40.
-Last line: ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
+5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per chunk,
+   logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x).
+Last lines: sensitivity_ratio=<time ratio with / without at the first shape> and
+ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
 """
 
 from __future__ import annotations
@@ -219,6 +222,25 @@ def main() -> None:
     except Exception as e:  # no compiler toolchain: say so
         print(f"   torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
+    print(f"\n5. entropy sensitivity (two more reductions per chunk): fp32, no grad, medians over {a.repeats} "
+          "alternating runs")
+    print(f"{'shape':>16} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
+    sens_ratio = None
+    with torch.no_grad():
+        for n, v in shapes:
+            logits, tokens = make(n, v, torch.float32)
+            without = lambda: logprobs_and_entropy(logits, tokens)  # noqa: E731
+            with_s = lambda: logprobs_and_entropy(logits, tokens, sensitivity=True)  # noqa: E731
+            without(), with_s()  # warm-up
+            t0, t1 = [], []
+            for _ in range(a.repeats):
+                t0.append(median_ms(without, (), 1))
+                t1.append(median_ms(with_s, (), 1))
+            m0, m1 = statistics.median(t0), statistics.median(t1)
+            print(f"{str([n, v]):>16} {m0:11.1f} {m1:9.1f} {m1 / m0:6.2f}")
+            sens_ratio = sens_ratio or m1 / m0
+            del logits, tokens
+    print(f"sensitivity_ratio={sens_ratio:.3f}")
     print(f"ratio_vs_trl={headline[0]:.3f} extra_gb={headline[1]:.3f}")
 
 
