@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import catalog as cat
 from .catalog import QueryError
+from .params import check as check_params
 from .schema import TABLES
 from .storage import location, register
 
@@ -255,7 +256,21 @@ def render_analysis(name: str, **params) -> str:
             f"parameters: {', '.join(declared) or 'none'}"
         )
     values = {**declared, **params}
+    try:
+        check_params(values)  # ranges (bins >= 1, probabilities in [0, 1], ...), before any SQL runs
+    except ValueError as e:
+        raise QueryError(str(e)) from None
     return _PARAM.sub(lambda m: _literal(values[m.group(1)]) if m.group(1) in values else m.group(0), sql)
+
+
+def _frame(cursor):
+    """The result as a DataFrame; integer sums (DuckDB HUGEINT, which pandas receives as float64)
+    come back as integers, so 1966080 never prints as 1.96608e+06."""
+    df = cursor.df()
+    for col, (_, typ, *_rest) in zip(df.columns, cursor.description or ()):
+        if str(typ) == "HUGEINT" and df[col].dtype.kind == "f":
+            df[col] = df[col].astype("Int64") if df[col].isna().any() else df[col].astype("int64")
+    return df
 
 
 def run_analysis(con, name: str, **params):
@@ -264,7 +279,7 @@ def run_analysis(con, name: str, **params):
 
     sql = render_analysis(name, **params)
     try:
-        return con.execute(sql).df()
+        return _frame(con.execute(sql))
     except duckdb.Error as e:
         raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}") from None
 
@@ -274,7 +289,7 @@ def run_sql(con, sql: str):
     import duckdb
 
     try:
-        return con.execute(sql).df()
+        return _frame(con.execute(sql))
     except duckdb.Error as e:
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 

@@ -75,7 +75,9 @@ def test_report_command(runs, tmp_path):
     out = ok("report", runs, "--out", tmp_path / "rep")
     assert "index.html" in out
     assert (tmp_path / "rep" / "index.html").exists() and (tmp_path / "rep" / "report.md").exists()
-    assert len(list((tmp_path / "rep").glob("*.png"))) == 11
+    from entropylens.report import FIGURES
+
+    assert len(list((tmp_path / "rep").glob("*.png"))) == len(FIGURES)
 
 
 def test_errors_are_one_line_exit_2(runs, tmp_path):
@@ -92,3 +94,43 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
     assert "no entropylens run" in err("report", tmp_path)
     assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
+
+
+def test_help_shows_plain_metavars():
+    """#13.8: `--quick`, `PATH`, `--run RUN`; never `<bool>`, `{path}`, `<list[str]>`."""
+    for cmd in ("demo", "query", "analyze", "report", "runs", "schema"):
+        text = ok(cmd, "--help")
+        for bad in ("<bool>", "{", "<list[str]>", "<str>", "<path>", "<int>"):
+            assert bad not in text, (cmd, bad, text)
+    assert "PATH SQL" in ok("query", "--help")
+    assert "RUN " in ok("query", "--help") and "repeatable" in ok("query", "--help")
+    demo = ok("demo", "--help")
+    assert "--quick " in demo and "--workers" in demo and "--overwrite" in demo
+
+
+def test_bad_parameter_values_are_refused(runs):
+    """#13.7: bins=0 used to return `bin -1 prob_lo -inf` with exit 0."""
+    assert "bins" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=0")
+    assert "bins" in err("analyze", runs, "clipped_prob_distribution", "--param", "bins=-3")
+    assert "whole number" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=2.5")
+    from entropylens.params import ParamError, check
+
+    with pytest.raises(ParamError, match=r"tau \(probability threshold\) must be in \[0, 1\], got 1.5"):
+        check({"tau": 1.5})  # any analysis that takes a probability
+    assert "must be below band_high" in err("analyze", runs, "entropy_ratio_by_step", "-p", "band_low=1.1")
+    assert "points" in err("analyze", runs, "ratio_vs_prob", "--param", "points=0")
+    ok("analyze", runs, "clipped_prob_distribution", "--param", "bins=1")  # the edge passes
+    check({"tau": 0, "bins": 1, "band_low": 0.5, "band_high": 2})
+
+
+def test_table_prints_integers_as_integers_and_folds_wide_text(runs):
+    """#13.7: a sum of counts prints as 1966080, not 1.96608e+06; a config JSON is folded in tables."""
+    n = int(ok("query", runs, "SELECT sum(n_tokens) AS n FROM steps", "--format", "csv").split()[1])
+    out = ok("query", runs, "SELECT sum(n_tokens) * 49152 AS big, 0.25 AS f FROM steps")  # HUGEINT -> float64
+    assert out.split() == ["big", "f", str(n * 49152), "0.25"]
+    sql = "SELECT run, config || repeat(' ', 200) || '}' AS config FROM runs ORDER BY run"  # a 200+ wide JSON cell
+    wide = ok("query", runs, sql)
+    assert max(len(line) for line in wide.splitlines()) < 100
+    assert "(config folded to 60 characters; --format json prints them whole)" in wide
+    full = json.loads(ok("query", runs, sql, "--format", "json"))
+    assert all(len(r["config"]) > 200 for r in full)  # json keeps it whole
