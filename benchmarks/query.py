@@ -3,7 +3,8 @@
   python benchmarks/query.py [--rows 10000000] [--steps 100]
 
 Prints each analysis' time, the whole report's time, DuckDB against pandas for the heaviest
-analysis, and many small files against compacted ones, all in one process.
+analysis, and the same run before and after `entropylens compact` (4,000 small files, and the big
+run's analyses), all in one process; best of 3 for the compaction ratios.
 Last line: report_s=<whole report seconds> rows=<token rows>
 """
 
@@ -21,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from writer import toy_like_rows  # noqa: E402
 
+from entropylens.compact import compact  # noqa: E402
 from entropylens.query import connect, list_analyses, run_analysis  # noqa: E402
 from entropylens.report import write_report  # noqa: E402
 from entropylens.tokenbatch import AGG_NAMES  # noqa: E402
@@ -62,6 +64,15 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
+def best(fn, n: int = 3):
+    """(result, best wall time of n runs)."""
+    out, ts = None, []
+    for _ in range(n):
+        out, t = timed(fn)
+        ts.append(t)
+    return out, min(ts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=10_000_000)
@@ -100,13 +111,27 @@ def main() -> None:
         print(f"  DuckDB {t_duck:.2f} s; pandas {t_pd:.2f} s + {t_load:.2f} s to load the columns "
               f"(x{(t_pd + t_load) / t_duck:.1f})")
 
+        def all_analyses():
+            c = connect(run_dir)
+            for name, _ in list_analyses():
+                run_analysis(c, name)
+
+        _, t_all_before = best(all_analyses)
+        (res,), t_compact = timed(lambda: compact(run_dir, grace_s=0))
+        _, t_all_after = best(all_analyses)
+        print(f"\n{res.summary()} in {t_compact:.1f} s")
+        print(f"  all analyses (connect included): {t_all_before:.2f} s before, {t_all_after:.2f} s after "
+              f"(x{t_all_before / t_all_after:.1f})")
+
         small = build_run(root / "small", 2_000_000, 500, 8)
-        big = build_run(root / "compact", 2_000_000, 10, 1)
         q = "SELECT quadrant, avg(ratio), count(*) FROM tokens GROUP BY quadrant"
-        _, t_small = timed(lambda: connect(small).execute(q).fetchall())
-        _, t_big = timed(lambda: connect(big).execute(q).fetchall())
-        print(f"\n2M rows in 4,000 files of 500 rows: {t_small:.2f} s; in 10 files of 200k rows: {t_big:.2f} s "
-              f"(x{t_small / t_big:.1f})")
+        expect, t_small = best(lambda: connect(small).execute(q).fetchall())
+        (res,), t_compact = timed(lambda: compact(small, grace_s=0))
+        got, t_big = best(lambda: connect(small).execute(q).fetchall())
+        assert sorted(got) == sorted(expect) or all(
+            a[0] == b[0] and a[2] == b[2] and abs(a[1] - b[1]) < 1e-9 for a, b in zip(sorted(got), sorted(expect)))
+        print(f"2M rows in 4,000 files of 500 rows: {t_small:.2f} s; after compaction ({res.files_out} files, "
+              f"{t_compact:.1f} s to compact): {t_big:.2f} s (x{t_small / t_big:.1f}); connect + query, same answer")
     print(f"report_s={t_report:.2f} rows={a.rows}")
 
 

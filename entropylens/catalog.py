@@ -123,6 +123,7 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
         except Exception as e:  # noqa: BLE001 - any unreadable run.json: skip the run, say why
             bad.append((str(d / "run.json"), f"unreadable run.json ({_one_line(e)}); run skipped"))
             continue
+        info = with_rank_status(info, d)
         for _ in range(5):
             run, run_bad, stable = _scan_run(d, rid, info, check)
             if stable:
@@ -130,6 +131,37 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
         out.append(run)
         bad.extend(run_bad)
     return Catalog(root, out, bad)
+
+
+def with_rank_status(info: dict, d: Location) -> dict:
+    """Several ranks write ``ranks/rank-R.json`` (status, heartbeat_at, heartbeat_s, error) besides rank
+    0's run.json. The run's status is then: ``failed`` if any rank failed; else ``running`` if any rank
+    is (with that rank's heartbeat, the oldest, so a dead rank turns the run ``stale``); else rank 0's.
+    A rank listed in run.json's world_size without a file yet counts as ``running`` from the start.
+    ``rank_status`` lists every rank's own status. One rank (no ranks/ files): run.json as it is."""
+    rdir = d / "ranks"
+    try:
+        ranks = [json.loads(d.at(p).read_text()) for p in sorted(rdir.files()) if p.endswith(".json")] \
+            if rdir.exists() else []
+    except Exception:  # noqa: BLE001 - a rank file being replaced: run.json's own status stands
+        return info
+    if not ranks:
+        return info
+    out = dict(info)
+    by_rank = {int(r.get("rank", -1)): r for r in ranks if isinstance(r, dict)}
+    for k in range(int(info.get("world_size") or 0)):
+        by_rank.setdefault(k, {"rank": k, "status": "running", "heartbeat_at": info.get("started_at")})
+    out["rank_status"] = {k: r.get("status") for k, r in sorted(by_rank.items())}
+    failed = [r for r in by_rank.values() if r.get("status") == "failed"]
+    running = [r for r in by_rank.values() if r.get("status") == "running"]
+    if failed:
+        out["status"] = "failed"
+        out["error"] = out.get("error") or "; ".join(f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
+    elif running:
+        oldest = min(running, key=lambda r: str(r.get("heartbeat_at") or ""))
+        out.update(status="running", heartbeat_at=oldest.get("heartbeat_at") or info.get("heartbeat_at"),
+                   heartbeat_s=oldest.get("heartbeat_s") or info.get("heartbeat_s"))
+    return out
 
 
 def _one_line(e: BaseException) -> str:
@@ -214,7 +246,7 @@ def _table_dirs(d: Location) -> set[str]:
                       if d.fs.isdir(p)}
         except OSError:
             pass
-    return {n for n in names if not n.startswith(".") and n != COMPACTED}
+    return {n for n in names if re.fullmatch(r"[a-z_][a-z0-9_]*", n) and n != COMPACTED}  # view names
 
 
 def _bad_files(d: Location, files: dict[str, int], check: str) -> list[tuple[str, str]]:
