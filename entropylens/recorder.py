@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import storage, tokenbatch
+from . import run_claim, storage, tokenbatch
 from .host_copy import HostCopy
 from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
 from .writer_thread import RunInfo, WriterThread
@@ -114,13 +114,15 @@ class Recorder:
     ``config`` (method, eps_low, eps_high, beta1, ...) goes into run.json; without a ``loss`` object
     the recorder derives ratio / clip region / quadrant with eps resolved for config's method as the
     loss would (``losses.resolve_eps``) and ``tau``. ``sample`` in (0, 1] keeps whole sequences by a
-    hash of (run, step, seq id); step aggregates always cover all tokens. ``on_error="warn"`` turns a
+    hash of (run, seq id); step aggregates always cover all tokens. ``on_error="warn"`` turns a
     writer failure into one warning (recording stops, training goes on, run.json says so).
     ``fsync`` (default on): each file and its directory are flushed to disk before the steps file
     that commits the step (safe against power loss, not only against a killed process).
     ``alarms`` (True, or an ``alarms.Thresholds``): the rules of ``entropylens check`` run live on
     each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``probe`` runs the
-    parameter-space entropy probe on one update.
+    parameter-space entropy probe on one update. A directory that already holds a run of this id is
+    refused (``run_claim.RunExistsError``) unless ``overwrite=True``, which first removes the old run's
+    files; the default run id is new each time.
     """
 
     def __init__(
@@ -140,6 +142,7 @@ class Recorder:
         storage_options: dict | None = None,
         fsync: bool = True,
         alarms=None,
+        overwrite: bool = False,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -176,6 +179,7 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - OSError locally; credentials/bucket errors on S3
             why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
+        run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
@@ -281,7 +285,7 @@ class Recorder:
         )
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]
         group = group_ids.to(dev).long() if group_ids is not None else torch.full((b,), -1, device=dev)  # [B]
-        keep = tokenbatch.sample_keep(seq, step, self._salt, self.sample)  # [B]
+        keep = tokenbatch.sample_keep(seq, self._salt, self.sample)  # [B], keyed on the run-unique seq id
         checked = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": columns["advantage"]}
         if entropy is not None:
             checked["entropy"] = entropy

@@ -3,7 +3,7 @@
 - :func:`derive_columns`: the token columns (ratio, quadrant, clip, ...) from the raw tensors, or
   taken as they are from a ``policy_loss`` output;
 - :func:`step_aggregates`: exact aggregates over ALL masked-in tokens of the update;
-- :func:`sample_keep`: the deterministic sequence sample, a hash of (run, step, seq id);
+- :func:`sample_keep`: the deterministic sequence sample, a hash of (run, seq id);
 - :func:`pack` / :func:`unpack`: every column, the aggregates and the input finite flags in ONE
   int32 tensor of fixed size (no data-dependent shape, so no sync), so the device -> host transfer
   is a single copy per update; rows are selected on the host (:meth:`HostUpdate.rows`).
@@ -248,12 +248,13 @@ def run_hash(run: str) -> int:
     return zlib.crc32(run.encode()) & 0x7FFFFFFF
 
 
-def sample_keep(seq_ids: torch.Tensor, step: int, salt: int, sample: float) -> torch.Tensor:
-    """Keep a sequence iff hash(salt, step, seq) < sample. Deterministic, on the device, [B] bool.
-    The hash is a splitmix64-style integer mix (wrapping int64 arithmetic)."""
+def sample_keep(seq_ids: torch.Tensor, salt: int, sample: float) -> torch.Tensor:
+    """Keep a sequence iff hash(salt, seq) < sample. Deterministic, on the device, [B] bool. Keyed on the
+    run-unique seq id alone: a sequence trained at several steps (num_iterations > 1) is kept or
+    dropped as a whole. The hash is a splitmix64-style integer mix (wrapping int64 arithmetic)."""
     if sample >= 1.0:
         return torch.ones(seq_ids.shape, dtype=torch.bool, device=seq_ids.device)
-    x = seq_ids.long() * 0x9E3779B1 + ((step * 0x85EBCA77 + salt * 0xC2B2AE3D) % 2**62)
+    x = seq_ids.long() * 0x9E3779B1 + ((salt * 0xC2B2AE3D) % 2**62)
     for mul, shift in ((0xBF58476D1CE4E5B9 - 2**64, 30), (0x94D049BB133111EB - 2**64, 27)):
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul
     u = ((x >> 40) & 0xFFFFFF).double() / float(1 << 24)  # 24 uniform bits in [0, 1)

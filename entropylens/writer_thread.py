@@ -11,7 +11,8 @@ back-pressure, never a drop). The thread, in queue order:
   summary    answers a question about a step's aggregates (for trainer logs);
   heartbeat  rewrites run.json.
 A failure is kept in ``error`` and surfaced by the recorder at its next call, never swallowed.
-run.json (rank 0 only) is written atomically from :class:`RunInfo`.
+run.json (rank 0 only) is written atomically from :class:`RunInfo`; with several ranks each
+rank also writes ranks/rank-R.json (its own status and heartbeat).
 """
 
 from __future__ import annotations
@@ -175,9 +176,15 @@ class WriterThread:
         self._thread.join()
 
     def write_run_json(self, fsync: bool = False) -> None:
-        """``fsync``: the final status (close) reaches the disk; heartbeats need not."""
+        """``fsync``: the final status (close) reaches the disk; heartbeats need not. With several
+        ranks every rank also writes its own ``ranks/rank-R.json`` (status, heartbeat, error): the
+        readers combine them into the run's status, so a rank that failed or died stays visible."""
+        info = {**self.info.to_dict(self.error), "heartbeat_s": self._heartbeat_s}  # readers: stale after a few
+        if self.info.world_size > 1:
+            mine = {"rank": self.rank, **{k: info[k] for k in ("status", "heartbeat_at", "heartbeat_s", "error")}}
+            atomic_write_text(self.run_dir / "ranks" / f"rank-{self.rank}.json", json.dumps(mine) + "\n",
+                              fsync=fsync and self.fsync)
         if self.rank == 0:
-            info = {**self.info.to_dict(self.error), "heartbeat_s": self._heartbeat_s}  # readers: stale after a few
             text = json.dumps(info, indent=2, default=str) + "\n"
             atomic_write_text(self.run_dir / "run.json", text, fsync=fsync and self.fsync)
 
