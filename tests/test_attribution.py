@@ -245,3 +245,34 @@ def test_policy_update_records_the_attribution(tmp_path):
     want = (out.columns["grad_coef"] * s / 0.8**2).reshape(-1).sort().values
     got = connect(tmp_path).execute("SELECT entropy_effect FROM tokens ORDER BY entropy_effect").fetchnumpy()
     torch.testing.assert_close(torch.tensor(got["entropy_effect"]), want, rtol=1e-5, atol=1e-9)
+
+
+def test_claims_8_and_9_rules_on_hand_made_runs():
+    from entropylens.toy import claims
+
+    def run(cfg, eff, drop, probe=None):
+        m = {"config": cfg, "effect_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), eff)),
+             "dropped_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), drop))}
+        if probe:
+            m["probe_q"] = dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), probe))
+        return m
+
+    # every run has the law's signs (-, +, +, -): claim 8 reproduced; PA&LP's effect negative in every
+    # run of the second set: that quadrant disagrees -> partly
+    good = {f"r{i}": run("grpo", (-1 - 0.1 * i, 1 + 0.1 * i, 0.5 + 0.1 * i, -2 - 0.1 * i),
+                         (0.01, 0.3 + 0.1 * i, 0.02, -0.5 - 0.1 * i))
+            for i in range(3)}
+    assert claims.claim_quadrant_signs_attributed(good).verdict == "reproduced"
+    bad = {k: {**v, "effect_q": {**v["effect_q"], "PA&LP": -1.0 - i}} for i, (k, v) in enumerate(good.items())}
+    assert claims.claim_quadrant_signs_attributed(bad).verdict == "partly reproduced"
+    # with probes, a quadrant must agree in both measures
+    probed = {k: {**v, "probe_q": {"PA&HP": -0.1, "PA&LP": 0.1, "NA&HP": -0.1 - i, "NA&LP": -0.1}}
+              for i, (k, v) in enumerate(good.items())}
+    c8 = claims.claim_quadrant_signs_attributed(probed)
+    assert c8.verdict == "partly reproduced" and "NA&HP (law +)" in c8.evidence
+    # claim 9: (|0.3..0.5| + |0.5..0.7|) / total > 0.5, PA&LP > 0, NA&LP < 0 in every run: reproduced
+    assert claims.claim_clip_drop(good).verdict == "reproduced"
+    flipped = {k: {**v, "dropped_q": {**v["dropped_q"], "NA&LP": 0.5}} for k, v in good.items()}
+    assert claims.claim_clip_drop(flipped).verdict == "partly reproduced"
+    ce_only = {k: {**v, "config": "ce_gppo"} for k, v in good.items()}  # not PPO-clip: no runs count
+    assert claims.claim_clip_drop(ce_only).verdict.startswith("inconclusive")
