@@ -228,6 +228,10 @@ def _make_registered(method: str):
         if rollout_is_weights is not None:
             raise ValueError(f"entropylens {method}: rollout correction weights (rollout_is_weights) are not supported; "
                              "turn algorithm.rollout_correction off or use verl's own loss")
+        if method == "ce_gppo" and _pl_get(config, "beta1") is None and not loss_fn.warned:
+            loss_fn.warned = True
+            logger.warning("entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
+                           "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0")
         out = compute_loss(method, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
         metrics = {METRIC_PREFIX + k: v for k, v in out.scalars().items()}
         metrics["actor/pg_clipfrac"] = metrics.get(METRIC_PREFIX + "clipped_frac", float("nan"))
@@ -236,6 +240,7 @@ def _make_registered(method: str):
     loss_fn.__name__ = f"entropylens_{method}_policy_loss"
     loss_fn.__doc__ = f"entropylens' {method} as a verl policy loss (entropylens.losses.policy_loss)."
     loss_fn.entropylens_method = method
+    loss_fn.warned = False
     return loss_fn
 
 

@@ -275,7 +275,8 @@ def rollout_batch(seed=0, b=6, p_max=5, r_max=7):
 def model_output(model, micro_batch):
     """What verl's FSDP engine hands the loss function (prepare_model_outputs, no fused kernels): nested
     [b, prompt+response] log-probs of the next token, entropies and sum pi^2 of softmax(z / T), each
-    computed with verl's own torch_functional helpers. Returns (model_output, per-sample logits)."""
+    computed with verl's own torch_functional helpers. Returns (model_output, per-sample logits, the flat
+    log-prob tensor)."""
     from verl.utils import torch_functional as verl_F
 
     ids = micro_batch["input_ids"]  # nested [b, j1]
@@ -290,9 +291,11 @@ def model_output(model, micro_batch):
         lps.append(verl_F.logprobs_from_logits(z, labels))
         ents.append(verl_F.entropy_from_logits(z))
         spps.append(verl_F.calculate_sum_pi_squared_from_logits(z))
-    nested = lambda xs: torch.nested.nested_tensor_from_jagged(torch.cat(xs), cu)  # noqa: E731
-    out = {"log_probs": nested(lps), "entropy": nested(ents), "sum_pi_squared": nested(spps)}
-    return out, logits_list
+    lp_flat = torch.cat(lps)  # [total_nnz]: dLoss/dlogp is read from its .grad
+    lp_flat.retain_grad()
+    nested = lambda x: torch.nested.nested_tensor_from_jagged(x, cu)  # noqa: E731
+    out = {"log_probs": nested(lp_flat), "entropy": nested(torch.cat(ents)), "sum_pi_squared": nested(torch.cat(spps))}
+    return out, logits_list, lp_flat
 
 
 def _micro_batches(td, *, dynamic: bool, seed: int):
@@ -305,7 +308,9 @@ def _micro_batches(td, *, dynamic: bool, seed: int):
     (mini,) = list(it)
     tu.assign_non_tensor(mini, use_dynamic_bsz=dynamic, max_token_len_per_gpu=24, micro_batch_size_per_gpu=2,
                          sp_size=1)
-    mbs, _ = prepare_micro_batches(mini, dp_group=torch.distributed.group.WORLD if dynamic else None)
+    # dp_group=None: one rank, nothing to sync (with a group verl all-reduces the count on its device,
+    # which verl's platform resolves to cuda on a CPU-only machine)
+    mbs, _ = prepare_micro_batches(mini, dp_group=None)
     return mini, mbs
 
 
@@ -347,9 +352,7 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     expect = {}  # (sample id, pos) -> dict of exact values
     for mb in mbs:
         tu.assign_non_tensor(mb, dp_size=1, batch_num_tokens=n_total, global_batch_size=len(td), temperature=TEMP)
-        out, logits = model_output(model, mb)
-        lp_values = out["log_probs"].values()
-        lp_values.retain_grad()
+        out, logits, lp_values = model_output(model, mb)
         loss, metrics = loss_fn(out, mb, dp_group=torch.distributed.group.WORLD)
         loss.backward()
         assert "entropylens/clipped_frac" in metrics and "actor/pg_loss" in metrics
@@ -371,7 +374,14 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
                     grad_coef=float(lp_values.grad[k]),
                     logit_grad_norm=float(torch.linalg.vector_norm(logits[i].grad[k - int(cu[i])])),
                 )
-    close_recorders()
+    # the trainer's end of training: set_loss_fn ships a closing copy to every worker; unpickling it
+    # there closes that worker's recorder (ray pickles the argument the same way)
+    import pickle
+
+    assert loss_fn.__class__ is EntropyLensLoss and close_recorders is not None
+    pickle.loads(pickle.dumps(EntropyLensLoss(cfg, closing=True)))
+    run_json = (tmp_path / "verl-test" / "run.json").read_text()
+    assert '"status": "finished"' in run_json and '"framework": "verl"' in run_json
 
     con = query.connect(tmp_path / "verl-test")
     rows = con.execute("select seq, pos, token_id, logprob, old_logprob, advantage, entropy, old_entropy, "
