@@ -40,8 +40,8 @@ def test_harness_on_tiny_runs(tmp_path):
     assert m["grad_clip"] == 3.0 and m["seed"] == 0 and 0.0 <= m["gclip_share"] <= 1.0
     assert isinstance(m["destabilised"], bool) and m["kl"] >= 0
     found = claims.evaluate(con, metrics)
-    assert [c.key for c in found] == [str(i) for i in range(1, 9)]
-    claims.figures(con, tmp_path, "paper")
+    assert [c.key for c in found][:8] == [str(i) for i in range(1, 9)]
+    claims.figures(con, tmp_path, "paper", found)
     for c in found:
         assert (tmp_path / f"paper-claims-paper-{c.figure}.png").stat().st_size > 1000
     res = claims.regime_result("paper", metrics, found, seeds=2, steps=TINY["steps"], workers=2, minutes=1.0,

@@ -47,7 +47,13 @@ def _train_one(args) -> tuple[str, str, float]:
     from .config import config_for
     from .train import train
 
-    res = train(config_for(name, regime=regime, seed=seed, **over), runs_dir, run=f"{name}-s{seed}")
+    cfg = config_for(name, regime=regime, seed=seed, **over)
+    run_dir = Path(runs_dir) / f"{name}-s{seed}"
+    if run_dir.exists():  # an interrupted run (finished ones are never resubmitted): start it afresh
+        import shutil
+
+        shutil.rmtree(run_dir)
+    res = train(cfg, runs_dir, run=f"{name}-s{seed}")
     return runs_dir, res.run, res.seconds
 
 
@@ -170,6 +176,7 @@ class Claim:
     verdict: str
     evidence: str
     beside: list[str] = field(default_factory=list)  # final reward + destabilised flag per config involved
+    caption: str = ""  # what the figure shows in this run, measured (the figure's title)
 
 
 def _verdict(parts: list[bool]) -> str:
@@ -217,7 +224,7 @@ def claim_collapse(agg) -> Claim:
     return Claim("1", "GRPO's entropy collapses.", "entropy-grpo", verdict,
                  f"GRPO final / initial entropy {_fmt(*m, 2)} over {len(r)} stable seeds; rule: below {COLLAPSE} "
                  f"by a one-sided one-sample t test at 5% ({t.text()} for {COLLAPSE} - ratio).",
-                 [beside(agg, "grpo")])
+                 [beside(agg, "grpo")], caption=f"GRPO final / initial entropy {_fmt(*m, 2)} (rule: below {COLLAPSE})")
 
 
 def claim_clipped_lp(per_seed: dict[int, float], grpo_share: list[float]) -> Claim:
@@ -229,7 +236,8 @@ def claim_clipped_lp(per_seed: dict[int, float], grpo_share: list[float]) -> Cla
     return Claim("2", "Tokens outside the clip interval are mostly low-probability.", "clipped-prob", verdict,
                  f"share of clipped tokens with p < {TAU}, per seed over all configs: {_fmt(*_ms(xs))} "
                  f"(spread across {len(xs)} seeds); GRPO alone {_fmt(*_ms(grpo_share))}; rule: above 0.5 by a "
-                 f"one-sided one-sample t test at 5% ({t.text()}).")
+                 f"one-sided one-sample t test at 5% ({t.text()}).",
+                 caption=f"clipped tokens with p < {TAU}: {_fmt(*_ms(xs), 2)} of each seed's clipped tokens")
 
 
 def _higher(agg, a: str, b: str) -> tuple[rules.Welch, bool]:
@@ -244,7 +252,9 @@ def claim_ce_gppo(agg) -> Claim:
     return Claim("3", "CE-GPPO (beta1=0.5, beta2=1) keeps entropy higher than GRPO and DAPO.", "entropy-methods",
                  verdict, f"final entropy over stable seeds, CE-GPPO above GRPO: {wg.text()}; above DAPO: {wd.text()} "
                  "(rule: one-sided Welch t test at 5% for each; both: reproduced, one: partly).",
-                 [beside(agg, n) for n in ("ce_gppo", "grpo", "dapo")])
+                 [beside(agg, n) for n in ("ce_gppo", "grpo", "dapo")],
+                 caption="final entropy (stable seeds): " + ", ".join(
+                     f"{n} {_ms(stable_values(agg, n, 'h_final'))[0]:.3f}" for n in ("ce_gppo", "grpo", "dapo")))
 
 
 def claim_betas(agg) -> Claim:
@@ -264,7 +274,9 @@ def claim_betas(agg) -> Claim:
                  f"{means[1]:.3f} / {means[2]:.3f}; 0.25 above 0.75: {w1.text()}; 0.5 in between: "
                  f"{'yes' if between else 'no'}. beta2 = 1 above beta2 = 0.5 (beta1 = 0.5): {w2.text()} (rule: "
                  "one-sided Welch at 5% on each; beta1 part also needs 0.5 in between).",
-                 [beside(agg, n) for n in (*names, "ce_gppo_0.5_0.5")])
+                 [beside(agg, n) for n in (*names, "ce_gppo_0.5_0.5")],
+                 caption=f"final entropy, beta1 0.25 / 0.5 / 0.75: {means[0]:.3f} / {means[1]:.3f} / {means[2]:.3f}; "
+                         f"beta2 0.5: {_ms(stable_values(agg, 'ce_gppo_0.5_0.5', 'h_final'))[0]:.3f}")
 
 
 def claim_bonus(agg) -> Claim:
@@ -282,7 +294,9 @@ def claim_bonus(agg) -> Claim:
                  f"final / initial entropy over stable seeds: bonus 0.001 {_fmt(*_ms(r1), 2)} (rule: below "
                  f"{COLLAPSE}, still collapsed: {t1.text()} for {COLLAPSE} - ratio); bonus 0.003 {_fmt(*_ms(r3), 2)} "
                  f"(rule: above 1, exploded: {t3.text()} for ratio - 1); both one-sided t tests at 5%.",
-                 [beside(agg, n) for n in ("grpo", "entropy_bonus_0.001", "entropy_bonus_0.003")])
+                 [beside(agg, n) for n in ("grpo", "entropy_bonus_0.001", "entropy_bonus_0.003")],
+                 caption=f"final / initial entropy: GRPO {_ms(_ratio(agg, 'grpo'))[0]:.2f}, bonus 0.001 "
+                         f"{_ms(r1)[0]:.2f}, bonus 0.003 {_ms(r3)[0]:.2f}")
 
 
 def claim_erc(agg) -> Claim:
@@ -304,7 +318,9 @@ def claim_erc(agg) -> Claim:
     return Claim("6", "ERC keeps the entropy ratio inside its band, importance ratios closer to 1, and the gradient "
                  "norm steadier than its base method.", "erc", _verdict(parts),
                  "; ".join(texts) + " (rule: ERC lower on each by a one-sided Welch test at 5%; the verdict counts "
-                 "how many hold)." + attribution, [beside(agg, n) for n in ("erc_dapo", "dapo")])
+                 "how many hold)." + attribution, [beside(agg, n) for n in ("erc_dapo", "dapo")],
+                 caption=f"entropy-ratio spread p95 - p05: ERC-DAPO {_ms(agg['erc_dapo']['rho_spread'])[0]:.3f}, DAPO "
+                         f"{_ms(agg['dapo']['rho_spread'])[0]:.3f}")
 
 
 def claim_drift(drift) -> Claim:
@@ -323,7 +339,8 @@ def claim_drift(drift) -> Claim:
                  f"mean |log rho| over all runs: p < 0.2 or >= 0.6: {edge:.4f}; 0.2 <= p < 0.6: {mid:.4f}; largest in "
                  f"bin [{top / 10:.1f}, {(top + 1) / 10:.1f}); edge - middle per seed {_fmt(*_ms(per_seed.values()), 4)} "
                  f"({t.text()}) (rule: edge above middle by a one-sided one-sample t test at 5% over seeds, and the "
-                 "largest bin at an edge).")
+                 "largest bin at an edge).", caption=f"mean |log rho|: p < 0.2 or >= 0.6 {edge:.4f}, "
+                                                      f"0.2 <= p < 0.6 {mid:.4f}")
 
 
 def claim_quadrant_signs(ch) -> Claim:
@@ -419,8 +436,9 @@ def evaluate(con, metrics) -> list[Claim]:
 
 
 # ------------------------------------------------------------------ figures
-def figures(con, out: Path, regime: str) -> None:
-    """One figure per claim, the one that shows it: paper-claims-<regime>-<stem>.png."""
+def figures(con, out: Path, regime: str, found: list[Claim] | None = None) -> None:
+    """One figure per claim, the one that shows it: paper-claims-<regime>-<stem>.png, titled with what the
+    claim measured in this regime (``found``)."""
     import matplotlib.pyplot as plt
 
     from .. import plots
@@ -446,6 +464,16 @@ def figures(con, out: Path, regime: str) -> None:
          plots.clipping_removed),
     ):
         fig = fn(df)
+        mine = [c for c in (found or []) if c.figure == stem]
+        if mine:
+            import textwrap
+
+            width = int(fig.get_figwidth() * 13)  # characters per line at font size 9
+            title = "\n".join(textwrap.fill(f"[{regime}] claim {c.key}: {c.verdict}" + (f" - {c.caption}" if c.caption
+                                                                                          else ""), width)
+                              for c in mine)
+            fig.suptitle(title, fontsize=9)
+            fig.tight_layout(rect=(0, 0, 1, 1 - 0.17 * (title.count("\n") + 1) / fig.get_figheight()))
         fig.savefig(out / f"paper-claims-{regime}-{stem}.png", dpi=100)
         plt.close(fig)
 
@@ -597,7 +625,7 @@ def main(argv=None) -> None:
         con = connect(runs_dir, runs=ids)
         metrics = per_run_metrics(con)
         claims = evaluate(con, metrics)
-        figures(con, out, regime)
+        figures(con, out, regime, claims)
         t = timings(runs_dir)
         res = regime_result(regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
                             minutes=wall, core_minutes=sum(t.get(i, 0.0) for i in ids) / 60)
