@@ -398,6 +398,19 @@ def _head_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return u
 
 
+def _tile_sensitivity(logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """s = p_a (1 - p_a)(log p_a + H) - sum_{j != a} p_j^2 (log p_j + H) for one tile (log p [c, V], p [c, V],
+    tok [c], H [c]); the sampled token's term split off so nothing cancels as p_a -> 1 (see
+    :func:`entropy_sensitivity`). Leaves its inputs unchanged."""
+    idx = tok.unsqueeze(1)
+    p_a = p.gather(1, idx).squeeze(1)  # [c]
+    lp_a = logp_all.gather(1, idx).squeeze(1)  # [c]
+    rest = p.scatter(1, idx, 0.0)  # p_j for j != a, [c, V]
+    one_minus = rest.sum(dim=-1)  # 1 - p_a
+    terms = (logp_all.clamp(min=_HEAD_LOGP_FLOOR) + h.unsqueeze(1)).mul_(rest.square_())  # p_j^2 (log p_j + H)
+    return p_a * one_minus * (lp_a + h) - terms.sum(dim=-1)
+
+
 class _HeadStats(torch.autograd.Function):
     """(hidden [N, H], weight [V, H], bias [V] | None, tokens [N]) -> (logp_a, H, sum_j p_j^2), each [N].
 
@@ -409,7 +422,7 @@ class _HeadStats(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, rows):
+    def forward(ctx, hidden, weight, bias, tokens, temperature, rows, sens_out=None):
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         dev = hidden.device
@@ -425,6 +438,8 @@ class _HeadStats(torch.autograd.Function):
             logp[s:e] = u.gather(1, tokens[s:e].unsqueeze(1)).squeeze(1)
             p = u.exp()  # [c, V]
             ent[s:e] = -(p * u.clamp(min=_HEAD_LOGP_FLOOR)).sum(dim=-1)  # H = -sum p log p (0 log 0 = 0)
+            if sens_out is not None:  # the entropy sensitivity s (entropy attribution), from the same tile
+                sens_out[s:e] = _tile_sensitivity(u, p, tokens[s:e], ent[s:e])
             sq[s:e] = p.square_().sum(dim=-1)
             lse[s:e] = lse_c
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
@@ -444,7 +459,7 @@ class _HeadStats(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
         if g_logp is None and g_ent is None:
-            return grad_h, grad_w, grad_b, None, None, None
+            return grad_h, grad_w, grad_b, None, None, None, None
         for s in range(0, n, rows):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, t, dtype)  # [c, V]
@@ -468,7 +483,7 @@ class _HeadStats(torch.autograd.Function):
             if need_b:
                 grad_b.add_(dz.sum(dim=0))
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None)
+                grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
 
 
 def head_stats(
@@ -479,8 +494,11 @@ def head_stats(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A fused LM head: log pi(a_t), entropy H_t and sum_j p_j^2 straight from hidden states.
+    sensitivity: bool = False,
+):
+    """A fused LM head: log pi(a_t), entropy H_t and sum_j p_j^2 straight from hidden states
+    (with ``sensitivity=True`` also the entropy sensitivity s_t of :func:`entropy_sensitivity`, a
+    fourth tensor, no grad, from the same tiles).
 
     hidden [..., H], weight [V, H] (``lm_head.weight``), bias [V] or None, tokens [...] int ->
     (logprobs, entropy, sum_p_squared), each [...] in float32 (float64 for float64 inputs).
@@ -506,6 +524,11 @@ def head_stats(
         raise ValueError(f"tokens must lie in [0, {vocab}) (the vocabulary size)")
     flat = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     rows = _head_rows(flat.shape[0], vocab, chunk_size, flat.device)
-    logp, ent, sq = _HeadStats.apply(flat, weight, bias, flat_tok, float(temperature), rows)
+    sens = None
+    if sensitivity:
+        sens = torch.empty(flat.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32), device=flat.device)
+    logp, ent, sq = _HeadStats.apply(flat, weight, bias, flat_tok, float(temperature), rows, sens)
     shape = tokens.shape
+    if sensitivity:
+        return logp.view(shape), ent.view(shape), sq.view(shape), sens.view(shape)
     return logp.view(shape), ent.view(shape), sq.view(shape)

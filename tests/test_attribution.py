@@ -276,3 +276,43 @@ def test_claims_8_and_9_rules_on_hand_made_runs():
     assert claims.claim_clip_drop(flipped).verdict == "partly reproduced"
     ce_only = {k: {**v, "config": "ce_gppo"} for k, v in good.items()}  # not PPO-clip: no runs count
     assert claims.claim_clip_drop(ce_only).verdict.startswith("inconclusive")
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_head_stats_sensitivity_equals_the_logits_pass(temperature):
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(3, 5, 16, generator=g)
+    weight = torch.randn(40, 16, generator=g)
+    bias = torch.randn(40, generator=g)
+    bias[[0, 7]] = float("-inf")  # banned tokens through the bias
+    tok = torch.randint(1, 7, (3, 5), generator=g)
+    tok[0, 0] = 39
+    lp, h, sq, s = stats.head_stats(hidden, weight, tok, bias=bias, temperature=temperature, chunk_size=4,
+                                    sensitivity=True)
+    logits = hidden @ weight.T + bias
+    ref = stats.entropy_sensitivity(logits, tok, temperature=temperature)
+    assert torch.isfinite(s).all()
+    torch.testing.assert_close(s, ref, rtol=1e-4, atol=1e-6)
+    lp3, h3, sq3 = stats.head_stats(hidden, weight, tok, bias=bias, temperature=temperature)  # unchanged API
+    torch.testing.assert_close(lp3, lp)
+
+
+def test_policy_update_from_hidden_states_records_the_attribution(tmp_path):
+    from entropylens import Recorder
+    from entropylens.integrations.torch import policy_update
+    from entropylens.query import connect
+
+    g = torch.Generator().manual_seed(6)
+    head = torch.nn.Linear(8, 13, bias=False)
+    hidden = torch.randn(2, 4, 8, generator=g, requires_grad=True)
+    tok = torch.randint(0, 13, (2, 4), generator=g)
+    with torch.no_grad():
+        old_lp, old_h = stats.logprobs_and_entropy(head(hidden) + 0.2, tok)
+    with Recorder(tmp_path, run="h", config={"method": "grpo"}) as rec:
+        out = policy_update(rec, 0, 0, None, tok, torch.ones(2, 4, dtype=torch.bool), torch.tensor([1.0, -1.0]),
+                            old_lp, old_entropy=old_h, hidden=hidden, head=head)
+        out.loss.backward()
+    s = stats.entropy_sensitivity(head(hidden).detach(), tok)
+    want = (out.columns["grad_coef"] * s).reshape(-1).sort().values
+    got = connect(tmp_path).execute("SELECT entropy_effect FROM tokens ORDER BY entropy_effect").fetchnumpy()
+    torch.testing.assert_close(torch.tensor(got["entropy_effect"]), want, rtol=1e-4, atol=1e-8)

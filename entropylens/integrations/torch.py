@@ -85,8 +85,9 @@ def policy_update(
         if hidden is None or head is None:
             raise ValueError("policy_update needs logits, or hidden states and the head")
         weight, bias = _head_params(head)
-        logprobs, entropy, sum_p2 = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature,
-                                               chunk_size=chunk_size)
+        logprobs, entropy, sum_p2, *sens = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature,
+                                                      chunk_size=chunk_size, sensitivity=recorder is not None)
+        sens = sens or [None]
         if not entropy_grad:
             entropy = entropy.detach()
     else:
