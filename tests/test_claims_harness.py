@@ -6,7 +6,7 @@ import pytest
 
 from entropylens.toy import claims
 
-TINY = dict(steps=4, prompts=4, group=4, minibatches=2, epochs=1, sft_steps=5)
+TINY = dict(steps=3, prompts=4, group=4, minibatches=2, epochs=1, sft_steps=2)
 
 
 def test_unknown_regime_is_one_line(capsys):
@@ -49,4 +49,4 @@ def test_harness_on_tiny_runs(tmp_path):
     assert res["reduced"] and res["settings"]["lr"] == 2e-4
     (tmp_path / "paper-claims-paper.json").write_text(json.dumps(res, default=float))
     text = claims.write_markdown(tmp_path).read_text()
-    assert "paper (REDUCED: 2 seeds x 4 steps)" in text and "![clipped-prob](paper-claims-paper-clipped-prob.png)" in text
+    assert "paper (REDUCED: 2 seeds x 3 steps)" in text and "![clipped-prob](paper-claims-paper-clipped-prob.png)" in text
