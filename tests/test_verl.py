@@ -68,3 +68,7 @@ def test_aggregation_matches_verl_vanilla_loss(verl_python):
 
 def test_loss_function_with_real_verl_objects_records_rows(verl_python):
     run_checks(verl_python, "records_every_token")
+
+
+def test_documented_verl_command_lines_compose(verl_python):
+    run_checks(verl_python, "documented_command_lines")

@@ -401,3 +401,49 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     steps = con.execute("select step, sum(n_tokens), max(erc_drop_frac) from steps group by step").fetchall()
     assert steps[0][0] == 3 and steps[0][1] == n_total and steps[0][2] is not None
 
+
+
+# ----------------------------------------------------------------------------------- docs stay true
+def _overrides(text: str) -> list[str]:
+    """The hydra overrides of the first `python3 -m verl.trainer.main_ppo` command in ``text``
+    (line continuations joined, shell variables given dummy values, `...` and "$@" dropped)."""
+    import shlex
+
+    cmd = text.split("python3 -m verl.trainer.main_ppo", 1)[1].replace("\\\n", " ")
+    cmd = cmd.split("\n", 1)[0].split(" 2>&1", 1)[0].split(" | ", 1)[0]  # up to a redirection or pipe
+    env = {"DATA": "/data", "MODEL": "/model", "RUNS": "/runs", "NGPUS": "8"}
+    out = []
+    for tok in shlex.split(cmd):
+        if tok in ("...", "$@"):
+            continue
+        for k, v in env.items():
+            tok = tok.replace("${" + k + "}", v).replace("$" + k, v)
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("source", ["README.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh"])
+def test_documented_command_lines_compose_in_verl(source):
+    """The overrides users copy (README, examples) compose with verl's own hydra config and build the
+    ActorConfig (with our EntropyLensLossConfig) the way the worker does; the trainer mode exists."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from entropylens.integrations.verl import EntropyLensLossConfig
+
+    text = (HERE.parents[1] / source).read_text()
+    overrides = [o.replace("$work", "/w").replace("$runs", "/runs") for o in _overrides(text)]
+    if not any("micro_batch_size" in o or "use_dynamic_bsz" in o for o in overrides):
+        overrides.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")  # README's "..." (the user's run)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    pl = actor.policy_loss
+    assert isinstance(pl, EntropyLensLossConfig)
+    assert (pl.loss_mode, pl.beta1, pl.beta2, pl.erc) == ("ce_gppo", 0.5, 1.0, (0.95, 1.05))
+    assert pl.record_dir
+    assert cfg.trainer.use_v1 and get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "EntropyLensTrainer"
