@@ -117,9 +117,13 @@ def test_a_crashed_compaction_changes_nothing_and_is_cleaned_up(tmp_path, monkey
     orphans = _parquet(tmp_path / "a" / "compacted")
     assert orphans and all("/tokens/" in str(p) or "/sequences/" in str(p) for p in orphans)
     assert connect(tmp_path).execute(TOTALS).fetchall() == before  # parts without commit: ignored
-    compact(tmp_path, grace_s=0)
-    assert connect(tmp_path).execute(TOTALS).fetchall() == before
-    assert not any(p.exists() for p in orphans if "part-" in p.name and p.name.startswith("steps-0-7.part-9"))
+    write_step(tmp_path / "a", 8, 0, 64)  # the run went on: the next compaction covers 0..8
+    after = connect(tmp_path).execute(TOTALS).fetchall()
+    (res,) = compact(tmp_path, grace_s=0)
+    assert res.steps == (0, 8)
+    assert connect(tmp_path).execute(TOTALS).fetchall() == after
+    assert not any(p.exists() for p in orphans)  # the dead compaction's parts were removed
+    assert all(p.name.startswith("steps-0-8") for p in _parquet(tmp_path / "a" / "compacted"))
 
 
 def test_live_run_compacts_only_steps_every_rank_committed(tmp_path):

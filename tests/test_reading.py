@@ -150,3 +150,18 @@ def test_stale_threshold_follows_the_run_heartbeat_interval(tmp_path):
     assert connect(tmp_path).execute("SELECT status FROM runs").fetchall() == [("stale",)]
     info = json.loads((tmp_path / "r" / "run.json").read_text())
     assert info["status"] == "running"  # reading never rewrites the run's files
+
+
+def test_live_recorder_keeps_its_heartbeat_during_a_long_step(tmp_path):
+    """The writer thread beats while the training thread is busy: a slow step never looks stale."""
+    import time
+
+    from entropylens import Recorder
+
+    with Recorder(tmp_path, run="r", heartbeat_s=1.0) as rec:
+        rec.record_step(0, update=0, grad_norm=1.0)
+        time.sleep(5.0)  # one long step: 5 intervals without a recorder call (stale after 3 + 1 s)
+        assert connect(tmp_path).execute("SELECT status FROM runs").fetchall() == [("running",)]
+        info = json.loads((tmp_path / "r" / "run.json").read_text())
+        assert info["heartbeat_s"] == 1.0
+    assert connect(tmp_path).execute("SELECT status FROM runs").fetchall() == [("finished",)]
