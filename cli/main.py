@@ -376,9 +376,9 @@ def compact(
     path: PathArg,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
     grace: Annotated[float, typer.Option(
-        "--grace", help="Seconds between committing the compacted files and removing the originals, "
+        "--grace", metavar="SECONDS", help="Seconds between committing the compacted files and removing the originals, "
                         "so that queries already running finish.")] = 10.0,
-    file_mb: Annotated[int, typer.Option("--file-mb", help="Target size of a compacted file (MB of originals).")]
+    file_mb: Annotated[int, typer.Option("--file-mb", metavar="MB", help="Target size of a compacted file (MB of originals).")]
         = 512,
 ) -> None:
     """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
