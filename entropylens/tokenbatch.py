@@ -140,6 +140,29 @@ def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...])
     return torch.where(n > 0, out, torch.full_like(out, float("nan")))
 
 
+# Every masked-in token falls in one of 60 groups: quadrant code (5) x clip region (3) x clipped (2)
+# x ERC dropped (2); masked-out tokens in group 60. The counts of the groups give every count and
+# fraction of the steps row through one constant [60, 17] matrix (_COUNT_MAP, built on the device).
+_N_GROUPS = len(QUADRANT_NAMES) * 3 * 2 * 2
+_COUNT_MAP: dict[torch.device, torch.Tensor] = {}
+
+
+def _count_map(device: torch.device) -> torch.Tensor:
+    """[60, 17] float64 0/1: group -> (n, clip_low, clip_high, clipped, region_low, region_high,
+    erc_drop, n per quadrant code 0..4, clipped per quadrant code 0..4). Built from arange on the
+    device (no host-made tensor, so no synchronising copy), once per device."""
+    if device not in _COUNT_MAP:
+        g = torch.arange(_N_GROUPS, device=device)
+        quad, side, clipped, dropped = g // 12, (g % 12) // 4, (g % 4) // 2, g % 2
+        low, high = side == 0, side == 2
+        cols = [torch.ones_like(g, dtype=torch.bool), low & (clipped == 1), high & (clipped == 1), clipped == 1,
+                low, high, dropped == 1]
+        cols += [quad == q for q in range(len(QUADRANT_NAMES))]
+        cols += [(quad == q) & (clipped == 1) for q in range(len(QUADRANT_NAMES))]
+        _COUNT_MAP[device] = torch.stack(cols, 1).double()
+    return _COUNT_MAP[device]
+
+
 def step_aggregates(
     cols: dict[str, torch.Tensor], mask: torch.Tensor, lgn: torch.Tensor | None, loss_value: torch.Tensor | None
 ) -> torch.Tensor:
@@ -150,63 +173,59 @@ def step_aggregates(
     non-finite logit-gradient norm is counted (n_nonfinite_ratio, n_nonfinite_lgn) and left out of
     its mean, never summed as 0 or inf.
 
-    One matmul does the sums: rows of per-token values [K, N] times the masked one-hot quadrant
-    matrix [N, 5] gives every value summed per quadrant; row totals give the overall sums."""
+    Counts: one scatter_add of ones into the 60 groups (see _count_map; exact in float64), one
+    [60] x [60, 17] matmul. Value sums: rows of per-token values [K, N] times the masked one-hot
+    quadrant matrix [N, 5] (deterministic, float64)."""
     dev = mask.device
-    m = mask.reshape(-1)
-    clip, clipped = cols["clip"].reshape(-1), cols["clipped"].reshape(-1)
+    m = mask.reshape(-1)  # [N]
     have_h, have_oh, have_erc = "entropy" in cols, "old_entropy" in cols, "erc_kept" in cols
-    zeros = torch.zeros_like(m, dtype=torch.float32)
-    rows = [
-        torch.ones_like(m, dtype=torch.float32),  # 0 count
-        cols["entropy"].reshape(-1).float() if have_h else zeros,  # 1
-        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,  # 2
-        cols["ratio"].reshape(-1).float(),  # 3
-        (clipped & (clip < CLIP_NONE)).float(),  # 4
-        (clipped & (clip > CLIP_NONE)).float(),  # 5
-        clipped.float(),  # 6
-        (clip < CLIP_NONE).float(),  # 7
-        (clip > CLIP_NONE).float(),  # 8
-        (~cols["erc_kept"].reshape(-1)).float() if have_erc else zeros,  # 9
-        stats.kl_k3(cols["logprob"], cols["old_logprob"]).reshape(-1),  # 10
-        lgn.reshape(-1).float() if lgn is not None else zeros,  # 11
-    ]
-    raw = torch.stack(rows).double()  # [12, N]
-    finite = torch.isfinite(raw)  # [12, N]
-    ratio_ok = finite[3] & finite[10]  # [N]: both ratio and k3 finite
-    lgn_ok = finite[11]  # [N]
-    keep = finite.clone()
-    keep[3] = ratio_ok
-    keep[10] = ratio_ok
-    vals = torch.cat([torch.where(keep, raw, 0.0), ratio_ok.double().unsqueeze(0), lgn_ok.double().unsqueeze(0)])
-    onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES))
-    onehot = onehot.double() * m.double().unsqueeze(1)  # [N, 5], masked
-    per_q = vals @ onehot  # [14, 5]: sums per quadrant code (0 = ZA, 1..4 = the quadrants)
-    tot = per_q.sum(dim=1)  # [14]
-    n = tot[0:1]
-    denom = n.clamp(min=1.0)
-    ratio_n = tot[12:13].clamp(min=1.0)
-    quads = slice(1, 5)  # codes PA_HP, PA_LP, NA_HP, NA_LP (schema.QUADRANT_NAMES)
-    qn = per_q[0, quads].clamp(min=1.0)
+    quad = cols["quadrant"].reshape(-1).long()  # [N]
+    group = quad * 12 + (cols["clip"].reshape(-1).long() + 1) * 4 + cols["clipped"].reshape(-1).long() * 2
+    if have_erc:
+        group = group + (~cols["erc_kept"].reshape(-1)).long()
+    group = torch.where(m, group, _N_GROUPS)  # [N]
+    counts = torch.zeros(_N_GROUPS + 1, dtype=torch.float64, device=dev)
+    counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.float64))
+    c = counts[:_N_GROUPS] @ _count_map(dev)  # [17]
+    n, denom = c[0:1], c[0:1].clamp(min=1.0)
+    n_quad = torch.cat([c[8:12], c[7:8]])  # n_pa_hp .. n_na_lp, n_za
+
+    log_r = cols["logprob"].reshape(-1).float() - cols["old_logprob"].reshape(-1).float()
+    zeros = torch.zeros_like(log_r)
+    rows = torch.stack([
+        cols["entropy"].reshape(-1).float() if have_h else zeros,
+        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,
+        cols["ratio"].reshape(-1).float(),
+        torch.expm1(log_r) - log_r,  # k3 (stats.kl_k3)
+        lgn.reshape(-1).float() if lgn is not None else zeros,
+    ]).double()  # [5, N]
+    finite = torch.isfinite(rows)  # [5, N]
+    ratio_ok = finite[2] & finite[3]  # [N]: ratio and k3 both finite
+    keep = torch.stack([finite[0], finite[1], ratio_ok, ratio_ok, finite[4]])
+    vals = torch.cat([torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[4]]).double()])  # [7, N]
+    onehot = torch.nn.functional.one_hot(quad, len(QUADRANT_NAMES)).double() * m.double().unsqueeze(1)  # [N, 5]
+    per_q = vals @ onehot  # [7, 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
+    tot = per_q.sum(dim=1)  # [7]
+    ratio_n = tot[5:6].clamp(min=1.0)
 
     def nan(k: int) -> torch.Tensor:
         return torch.full((k,), float("nan"), dtype=torch.float64, device=dev)
 
     out = [
         n,
-        tot[1:2] / denom if have_h else nan(1),
-        tot[2:3] / denom if have_oh else nan(1),
-        tot[3:4] / ratio_n,
-        tot[4:9] / denom,
-        per_q[0, quads], per_q[0, 0:1],  # n_<quadrant>, n_za
-        per_q[6, quads] / qn,
-        per_q[11, quads] / per_q[13, quads].clamp(min=1.0) if lgn is not None else nan(4),
+        tot[0:1] / denom if have_h else nan(1),
+        tot[1:2] / denom if have_oh else nan(1),
+        tot[2:3] / ratio_n,
+        c[1:6] / denom,  # clip_low, clip_high, clipped, region_low, region_high
+        n_quad,
+        c[13:17] / c[8:12].clamp(min=1.0),  # clip_frac per quadrant
+        per_q[4, 1:5] / per_q[6, 1:5].clamp(min=1.0) if lgn is not None else nan(4),
         masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double()
         if "entropy_ratio" in cols else nan(3),
-        tot[9:10] / denom if have_erc else nan(1),
-        tot[10:11] / ratio_n,
-        n - tot[12:13],
-        n - tot[13:14] if lgn is not None else nan(1),
+        c[6:7] / denom if have_erc else nan(1),
+        tot[3:4] / ratio_n,
+        n - tot[5:6],
+        n - tot[6:7] if lgn is not None else nan(1),
         loss_value.detach().double().reshape(1) if loss_value is not None else nan(1),
         entropy_budget(cols, mask),
     ]

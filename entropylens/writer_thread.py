@@ -36,6 +36,7 @@ from .step_table import StepTable
 from .token_buffer import TokenBuffer
 
 _STOP = object()
+OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
 
 
 def utc_now() -> str:
@@ -117,6 +118,9 @@ class WriterThread:
         self._heartbeat_s = heartbeat_s
         self._last_beat = 0.0
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, queue_size))
+        # messages wait in an outbox and go over as one batch at a step's end (or every OUTBOX_SIZE):
+        # waking the thread per update costs a thread switch (and the GIL) on the training thread
+        self._outbox: list[tuple] = []
         self.write_run_json()
         self._thread = threading.Thread(target=self._loop, name=f"entropylens-writer-{info.run}", daemon=True)
         self._thread.start()
@@ -126,9 +130,19 @@ class WriterThread:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def put(self, item: tuple) -> None:
-        """Blocks while the queue is full (back-pressure, never a drop); returns without queueing
-        once the thread has failed (the caller's next check raises)."""
+    def put(self, item: tuple, flush: bool = False) -> None:
+        """Into the outbox; the outbox goes to the thread when ``flush`` or full (:meth:`flush`)."""
+        self._outbox.append(item)
+        if flush or len(self._outbox) >= OUTBOX_SIZE:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand the outbox to the thread as one message. Blocks while the queue is full
+        (back-pressure, never a drop); returns without queueing once the thread has failed (the
+        caller's next check raises)."""
+        if not self._outbox:
+            return
+        item, self._outbox = ("batch", self._outbox), []
         while True:
             try:
                 self._queue.put(item, timeout=0.5)
@@ -154,7 +168,7 @@ class WriterThread:
 
     def close_steps(self, upto: int | None) -> None:
         """Write the token files, then the steps files, of every step <= upto (all when None)."""
-        self.put(("close", upto))
+        self.put(("close", upto), flush=True)
 
     def heartbeat(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -165,13 +179,14 @@ class WriterThread:
     def summary(self, step: int) -> dict[str, float]:
         """The step table's summary of ``step`` once every queued message is handled."""
         reply = _Reply()
-        self.put(("summary", step, reply))
+        self.put(("summary", step, reply), flush=True)
         return reply.wait(self._thread) or {}
 
     def take_rejected(self) -> ValueError | None:
         return self._rejected.pop(0) if self._rejected else None
 
     def stop(self) -> None:
+        self.flush()
         self._queue.put(_STOP)
         self._thread.join()
 
@@ -204,13 +219,14 @@ class WriterThread:
                 item = ("heartbeat",)
             if item is _STOP:
                 return
-            kind, args = item[0], item[1:]
-            if self.error is not None and kind != "summary":
-                continue  # drain after a failure; the caller sees the error at its next call
-            try:
-                handlers[kind](*args)
-            except BaseException as e:  # surfaced in the caller, never swallowed
-                self.error = e
+            for message in (item[1] if item[0] == "batch" else [item]):
+                kind, args = message[0], message[1:]
+                if self.error is not None and kind != "summary":
+                    continue  # drain after a failure; the caller sees the error at its next call
+                try:
+                    handlers[kind](*args)
+                except BaseException as e:  # surfaced in the caller, never swallowed
+                    self.error = e
 
     def _on_update(self, step: int, update: int, copy: HostCopy, layout: tokenbatch.Layout) -> None:
         host = tokenbatch.unpack(copy.wait(), layout)
