@@ -13,6 +13,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .run_claim import RunExistsError
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
@@ -25,10 +26,6 @@ class DemoResult:
     report_dir: Path | None
     runs: list  # RunResult, in the order of the configs
     workers: int = 1
-
-
-class RunExistsError(ValueError):
-    """The output directory already holds a run with one of the demo's run ids."""
 
 
 def available_cores() -> int:

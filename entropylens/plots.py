@@ -141,6 +141,20 @@ def clip_by_quadrant(df):
     return fig
 
 
+def _bottom_labels(axes, used: int, xlabel: str) -> None:
+    """Hide the unused panels of a grid; the lowest used panel of each column gets x ticks and label."""
+    rows, cols = axes.shape
+    for k, ax in enumerate(axes.flat):
+        if k >= used:
+            ax.set_visible(False)
+    for c in range(cols):
+        below = [r for r in range(rows) if r * cols + c < used]
+        if below:
+            ax = axes[below[-1], c]
+            ax.xaxis.set_tick_params(labelbottom=True)
+            ax.set_xlabel(xlabel)
+
+
 def ratio_vs_prob(df, *, span: float = 3.0):
     """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with the clip interval
     [1-eps_low, 1+eps_high] shaded (CE-GPPO Fig. 1 left). One panel per run (at most 6), shared
@@ -183,12 +197,9 @@ def ratio_vs_prob(df, *, span: float = 3.0):
         ax.set_title(f"{run}  ({len(g)} tokens, {share:.1%} off the axis)", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(y_lo, y_hi)
-    for ax in axes[-1]:
-        ax.set_xlabel("sampling probability p = pi_old(a)")
+    _bottom_labels(axes, len(runs[:6]), "sampling probability p = pi_old(a)")
     for ax in axes[:, 0]:
         ax.set_ylabel("importance ratio r")
-    for ax in list(axes.flat)[len(runs[:6]):]:
-        ax.set_visible(False)
     handles = [Line2D([], [], ls="", marker="o", color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
     handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="1 - eps_low, 1 + eps_high"))
     handles.append(Line2D([], [], ls="", marker="^", color="0.4", label="beyond the axis"))
@@ -247,10 +258,7 @@ def entropy_ratio_band(df, band=(0.95, 1.05)):
         title = f"{m}: {out:.0%} of tokens outside the band" if out == out else m
         ax.set_title(title + (f" ({off} step(s) beyond the axis)" if off else ""), fontsize=9, color=colors[m])
         ax.set_ylim(y_lo, y_hi)
-    for ax in list(axes.flat)[len(methods):]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("training step")
+    _bottom_labels(axes, len(methods), "training step")
     for ax in axes[:, 0]:
         ax.set_ylabel("entropy ratio rho")
     fig.suptitle(f"Entropy ratio per step: median (line), p05-p95 (shaded); dashed: ERC band "

@@ -534,7 +534,7 @@ class Recorder:
         packed, layout = tokenbatch.pack(columns, pending.selected, aggregates, pending.finite, pending.seq,
                                          pending.group, pending.tokens, pending.mask)
         copy = HostCopy(packed)
-        if copy.ready:  # on the CPU the flags can be read now: bad input fails this call
+        if copy.on_host:  # on the CPU the flags can be read now: bad input fails this call
             bad = [name for name, ok in tokenbatch.read_finite(copy.wait(), layout).items() if not ok]
             if bad:
                 if pending.step == self._last_step:

@@ -130,6 +130,7 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
         con = spark_connect(path, runs=runs)
     elif engine == "duckdb":
         con = connect(path, runs=runs)
+        con.execute("SET enable_progress_bar = false")  # no bar characters in logs and demo output
     else:
         raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
     out = Path(out_dir)

@@ -19,15 +19,32 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="entropylens-runs",
                     help="runs directory, or an object-store URL such as s3://bucket/runs (needs the s3 extra)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--method", default="ce_gppo")
+    ap.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    ap.add_argument("--method", default="ce_gppo",
+                    help="policy loss: grpo, dapo, gppo, ce_gppo, cispo or gspo (default ce_gppo)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch intra-op threads (default 1: a model this small is fastest on one, and more "
+                         "spin against other jobs on a busy machine)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an earlier run of this example under --out (refused otherwise)")
     a = ap.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(a.threads)
+    try:
+        return train(a)
+    finally:
+        torch.set_num_threads(threads)  # the caller's setting, as it was
+
+
+def train(a):
+    """The loop itself (``a``: the parsed options)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    with Recorder(a.out, run=f"torch-loop-{a.method}", config={"method": a.method, "lr": 3e-3}) as rec:
+    with Recorder(a.out, run=f"torch-loop-{a.method}", config={"method": a.method, "lr": 3e-3},
+                  overwrite=a.overwrite) as rec:
         for step in range(a.steps):
             prompts = torch.randint(0, V, (8, P), generator=gen).repeat_interleave(G, dim=0)  # [64, P]
             with torch.no_grad():  # rollout at temperature 1
@@ -59,4 +76,9 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from entropylens.run_claim import RunExistsError
+
+    try:
+        main()
+    except RunExistsError as e:
+        raise SystemExit(f"error: {e}") from None
