@@ -72,3 +72,7 @@ def test_loss_function_with_real_verl_objects_records_rows(verl_python):
 
 def test_documented_verl_command_lines_compose(verl_python):
     run_checks(verl_python, "documented_command_lines")
+
+
+def test_reasons_verl_cannot_train_on_cpu_still_hold(verl_python):
+    run_checks(verl_python, "why_verl")

@@ -447,3 +447,31 @@ def test_documented_command_lines_compose_in_verl(source):
     assert (pl.loss_mode, pl.beta1, pl.beta2, pl.erc) == ("ce_gppo", 0.5, 1.0, (0.95, 1.05))
     assert pl.record_dir
     assert cfg.trainer.use_v1 and get_trainer_cls(cfg.trainer.v1.trainer_mode).__name__ == "EntropyLensTrainer"
+
+
+# ----------------------------------------------------------------------------------- why no CPU run
+def test_why_verl_cannot_train_on_this_cpu_machine():
+    """The concrete reasons no end-to-end verl training run happens here (CPU only), held as facts so
+    this test fails, and the end-to-end test can be added, once a verl release changes them:
+    1. verl's platform registry knows nvidia / huawei / amd only and falls back to nvidia: on a CPU
+       machine the device is 'cuda' and the Ray resource 'GPU', so the resource pool check
+       (ResourcePoolManager._check_resource_available) finds 0 GPUs;
+    2. its FSDP engine is registered for cuda / npu only (no 'cpu' key);
+    3. the v1 trainer generates through LLM-server replicas, and only vllm / sglang / trtllm are
+       registered, none installable next to torch 2.13 CPU (vllm 0.24 pins torch 2.11 CUDA)."""
+    import importlib.util
+
+    import torch
+    from verl.plugin.platform.platform_manager import PlatformRegistry, get_platform
+    from verl.workers.engine import EngineRegistry
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    assert not torch.cuda.is_available()
+    assert set(PlatformRegistry.registered_names()) == {"nvidia", "huawei", "amd"}
+    assert get_platform().device_name == "cuda" and get_platform().ray_resource_name() == "GPU"
+    fsdp = EngineRegistry._engines["language_model"]["fsdp"]
+    assert "cpu" not in fsdp and {"cuda", "npu"} <= set(fsdp)
+    assert set(RolloutReplicaRegistry._registry) == {"vllm", "sglang", "trtllm"}
+    assert all(importlib.util.find_spec(m) is None for m in ("vllm", "sglang", "tensorrt_llm"))
+    with pytest.raises(ValueError, match="vllm version None not supported and SGLang also not Found"):
+        RolloutReplicaRegistry.get("vllm")
