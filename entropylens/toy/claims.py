@@ -53,7 +53,7 @@ PROBES = (
 
 
 # ------------------------------------------------------------------ training
-def _train_one(args) -> tuple[str, str, float]:
+def _train_one(args) -> tuple[str, str, dict]:
     name, seed, runs_dir, regime, over = args
     import torch
 
@@ -67,8 +67,11 @@ def _train_one(args) -> tuple[str, str, float]:
         import shutil
 
         shutil.rmtree(run_dir)
+    cpu0 = time.process_time()
     res = train(cfg, runs_dir, run=f"{name}-s{seed}")
-    return runs_dir, res.run, res.seconds
+    # wall: the run's own clock (inflated when other jobs share the cores); cpu: this process's CPU time
+    # (all its threads, the writer's included): what the run costs on a free core
+    return runs_dir, res.run, {"wall": res.seconds, "cpu": time.process_time() - cpu0}
 
 
 def _finished(d: Path) -> bool:
@@ -76,8 +79,8 @@ def _finished(d: Path) -> bool:
     return f.exists() and json.loads(f.read_text()).get("status") == "finished"
 
 
-def timings(runs_dir: Path) -> dict[str, float]:
-    """Seconds each run took to train (one torch thread), as recorded by :func:`train_all`."""
+def timings(runs_dir: Path) -> dict[str, dict]:
+    """{run: {"wall": s, "cpu": s}}: each run's training time (one torch thread), as recorded by :func:`train_all`."""
     f = Path(runs_dir) / "timings.json"
     return json.loads(f.read_text()) if f.exists() else {}
 
@@ -95,7 +98,7 @@ def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fa
             t = timings(Path(d))
             t[run] = sec
             (Path(d) / "timings.json").write_text(json.dumps(t, indent=0))
-            print(f"[{i}/{len(jobs)}] {Path(d).name}/{run} {sec:.0f} s", flush=True)
+            print(f"[{i}/{len(jobs)}] {Path(d).name}/{run} {sec['wall']:.0f} s wall, {sec['cpu']:.0f} s CPU", flush=True)
 
 
 # ------------------------------------------------------------------ measures
@@ -501,7 +504,7 @@ TABLE_COLS = (("h_final", "final entropy", 3), ("h_min", "min entropy", 3), ("r_
 
 
 def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None, workers: int,
-                  minutes: float, core_minutes: float) -> dict:
+                  minutes: float | None, core_minutes: float, run_minutes: float = math.nan) -> dict:
     """Everything the claims file shows for one regime (saved as JSON, so regimes regenerate separately)."""
     from .config import config_for
 
@@ -522,7 +525,8 @@ def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None
     if steps:
         cmd += f" --steps {steps}"
     return {"regime": regime, "seeds": seeds, "steps": cfg.steps, "reduced": seeds < FULL_SEEDS or steps is not None,
-            "command": cmd, "minutes": minutes, "core_minutes": core_minutes, "workers": workers,
+            "command": cmd, "minutes": minutes, "core_minutes": core_minutes, "run_minutes": run_minutes,
+            "workers": workers,
             "settings": {k: getattr(cfg, k) for k in ("lr", "prompts", "group", "minibatches", "epochs", "grad_clip",
                                                       "steps", "sft_steps")},
             "measured": measured, "table": table, "claims": [asdict(c) for c in claims],
@@ -547,14 +551,17 @@ def write_markdown(out: Path) -> Path:
              "from the recorded Parquet with entropylens' own analyses. Final = mean of the last 5 steps.", "",
              "## Regeneration", "", "| regime | command | time | runs |", "|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['regime']} | `{r['command']}` | training {r['core_minutes']:.0f} core-minutes (about "
-                     f"{r['core_minutes'] / r['workers']:.0f} min with {r['workers']} workers on free cores); this "
-                     f"regeneration took {r['minutes']:.0f} min | {'**REDUCED** ' if r['reduced'] else 'full: '}"
+        wall = (f"this regeneration took {r['minutes']:.0f} min" if r.get("minutes") is not None
+                else "evaluated from runs trained earlier")
+        lines.append(f"| {r['regime']} | `{r['command']}` | training CPU {r['core_minutes']:.0f} core-minutes (about "
+                     f"{r['core_minutes'] / r['workers']:.0f} min with {r['workers']} workers on free cores; the runs' "
+                     f"own clocks summed {r.get('run_minutes', math.nan):.0f} min under load); {wall} "
+                     f"| {'**REDUCED** ' if r['reduced'] else 'full: '}"
                      f"{r['seeds']} seeds x {len(CONFIGS)} configs x {r['steps']} steps |")
-    lines += ["", "Core-minutes are the sum of the runs' own training times (one torch thread each), measured on a "
-              "shared 2-core machine while other jobs ran: on a free machine they are shorter. Wall time covers "
-              "the whole invocation (runs trained earlier and reused are not in it; regimes trained together "
-              "share it).", "",
+    lines += ["", "Core-minutes are the CPU time of the runs' worker processes (one torch thread each, the Parquet "
+              "writer thread included), summed: on free cores a regeneration takes about core-minutes / workers. "
+              "The runs were trained on a shared 2-core machine while other jobs ran, so their own clocks and the "
+              "invocation's wall time are longer.", "",
               "## The regimes against the papers", "",
               "Measured on the GRPO runs, mean ± sd over seeds, per policy update (KL(old || new) is the k3 "
               "estimator at the update's forward pass, as verl's `ppo_kl` is logged per mini-batch).", "",
@@ -661,7 +668,9 @@ def main(argv=None) -> None:
         figures(con, out, regime, claims)
         t = timings(runs_dir)
         res = regime_result(regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
-                            minutes=wall, core_minutes=sum(t.get(i, 0.0) for i in ids) / 60)
+                            minutes=None if a.no_train else wall,
+                            core_minutes=sum(t.get(i, {}).get("cpu", math.nan) for i in ids) / 60,
+                            run_minutes=sum(t.get(i, {}).get("wall", math.nan) for i in ids) / 60)
         (out / f"paper-claims-{regime}.json").write_text(json.dumps(res, indent=1, default=float))
     print(write_markdown(out).read_text())
 
