@@ -1,20 +1,49 @@
-"""The toy trainer's step time with the recorder off, on (sample=1, with watch_logits), and on with
-sample=0.1, alternating in one process; medians over many steps. Asserts nothing about time.
+"""The toy trainer's step time with the recorder off, on (sample=1, with watch_logits, fsync on and
+off), and on with sample=0.1, alternating in one process; medians over many steps. Asserts nothing
+about time.
 
-  python benchmarks/overhead.py [--steps 30]
-Last line: overhead_ratio=<full-recording median / off median>
+Two clocks per mode: wall time of the step, and CPU time of the training thread (time.thread_time:
+what the recorder costs the caller, robust when other processes share the cores; the writer
+thread's work runs on another thread). Then the cost of fsync per file on this disk: a token file
+of one toy step written with and without fsync (file + directory), alternating.
+
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40]
+Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
 import argparse
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from entropylens import Recorder
 from entropylens.toy import config_for
 from entropylens.toy.train import ToyTrainer
+from entropylens.writer import write_tokens
+
+
+def fsync_cost(n: int, rows: int) -> tuple[float, float]:
+    """Median ms to write one token file of ``rows`` rows without / with fsync (file + directory)."""
+    rng = np.random.default_rng(0)
+    arrs = {"update": np.zeros(rows, np.int16), "seq": np.arange(rows, dtype=np.int32) // 16,
+            "group": np.zeros(rows, np.int32), "pos": np.arange(rows, dtype=np.int32) % 16,
+            "token_id": rng.integers(0, 16, rows).astype(np.int32),
+            **{c: rng.standard_normal(rows).astype(np.float32) for c in
+               ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm")},
+            "quadrant": rng.integers(0, 5, rows).astype(np.int8), "clip": rng.integers(-1, 2, rows).astype(np.int8),
+            "clipped": rng.random(rows) < 0.1}
+    times = {False: [], True: []}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as d:  # the disk the runs go to, not a tmpfs
+        for i in range(n):
+            for fsync in (False, True):
+                t0 = time.perf_counter()
+                write_tokens(Path(d), i, 0, int(fsync), arrs, fsync=fsync)
+                times[fsync].append(time.perf_counter() - t0)
+    return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
 
 
 def main() -> None:
@@ -23,30 +52,41 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64, help="toy model width (64: the demo's ~90k parameters)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
+    ap.add_argument("--fsync-files", type=int, default=40, help="token files per fsync setting (0: skip)")
+    ap.add_argument("--sft-steps", type=int, default=50, help="supervised warm-up steps of the toy before RL")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    trainer = ToyTrainer(config_for("grpo", sft_steps=50, hidden=a.hidden, prompts=a.prompts))
+    trainer = ToyTrainer(config_for("grpo", sft_steps=a.sft_steps, hidden=a.hidden, prompts=a.prompts))
+    cfg = trainer.cfg
     with tempfile.TemporaryDirectory() as d:
-        modes = {"off": None, "full": Recorder(d, run="full"), "sample=0.1": Recorder(d, run="s01", sample=0.1)}
-        times = {m: [] for m in modes}
+        modes = {"off": None, "full": Recorder(d, run="full"), "full-nofsync": Recorder(d, run="nf", fsync=False),
+                 "sample=0.1": Recorder(d, run="s01", sample=0.1)}
+        wall = {m: [] for m in modes}
+        cpu = {m: [] for m in modes}
         for i in range(a.steps + 2):  # two warm-up rounds
             for m, rec in modes.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
                 if i >= 2:
-                    times[m].append(time.perf_counter() - t0)
+                    wall[m].append(time.perf_counter() - t0)
+                    cpu[m].append(time.thread_time() - c0)
         for rec in modes.values():
             if rec:
                 rec.close()
-    base = statistics.median(times["off"])
-    cfg = trainer.cfg
+    base_wall, base_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
           f"{a.steps} steps per mode, alternating, torch threads {a.threads}")
-    print(f"{'recorder':<12} {'median ms':>10} {'ratio':>7}")
-    for m, ts in times.items():
-        med = statistics.median(ts)
-        print(f"{m:<12} {med * 1000:10.1f} {med / base:7.3f}")
-    print(f"overhead_ratio={statistics.median(times['full']) / base:.3f}")
+    print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7}")
+    for m in modes:
+        w, c = statistics.median(wall[m]), statistics.median(cpu[m])
+        print(f"{m:<14} {w * 1000:9.1f} {w / base_wall:7.3f} {c * 1000:14.1f} {c / base_cpu:7.3f}")
+    if a.fsync_files:
+        rows = cfg.prompts * cfg.group * 16 * cfg.epochs  # every update of the step: each sequence once per epoch
+        plain, synced = fsync_cost(a.fsync_files, rows)
+        print(f"token file of one step ({rows} rows): {plain:.2f} ms without fsync, {synced:.2f} ms with fsync "
+              f"(file + directory), on the writer thread")
+    print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
+    print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")
 
 
 if __name__ == "__main__":

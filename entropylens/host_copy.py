@@ -7,6 +7,8 @@ on that event. Nothing here synchronises the caller. On the CPU the block alread
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -27,11 +29,18 @@ class HostCopy:
             self._host = packed.detach().cpu()
 
     @property
+    def on_host(self) -> bool:
+        """True when no copy was needed (a CPU tensor): the caller may read it without waiting."""
+        return self._event is None
+
+    @property
     def ready(self) -> bool:
         """True when the bytes are on the host (always on the CPU)."""
         return self._event is None or self._event.query()
 
     def wait(self) -> np.ndarray:
-        if self._event is not None:
-            self._event.synchronize()
+        """The host bytes, once the copy is done. Polls the event (cudaEventQuery) rather than
+        synchronising on it, so no thread ever makes a synchronising CUDA call for the recorder."""
+        while not self.ready:
+            time.sleep(0.0002)
         return self._host.numpy()
