@@ -238,7 +238,7 @@ def step_metrics(
 ) -> dict[str, torch.Tensor]:
     """:func:`step_aggregates` as a dict of 0-dim device tensors keyed by the steps column names,
     leaving out the ones whose inputs are absent (entropy, ERC, logit-gradient norms, loss)."""
-    aggs = step_aggregates(cols, mask, lgn, loss_value)
+    aggregates = step_aggregates(cols, mask, lgn, loss_value)
     absent: set[str] = set()
     if "entropy" not in cols:
         absent.add("entropy_mean")
@@ -259,7 +259,7 @@ def step_metrics(
         absent.update(n for n in BUDGET_NAMES if n.startswith("entropy_effect_dropped"))
     if "erc_kept" not in cols:
         absent.add("entropy_effect_dropped_erc")
-    return {name: v for name, v in zip(AGG_NAMES, aggs.unbind(0)) if name not in absent}
+    return {name: v for name, v in zip(AGG_NAMES, aggregates.unbind(0)) if name not in absent}
 
 
 def run_hash(run: str) -> int:
@@ -346,7 +346,7 @@ class HostUpdate:
 def pack(
     cols: dict[str, torch.Tensor],
     selected: torch.Tensor,
-    aggs: torch.Tensor,
+    aggregates: torch.Tensor,
     finite: dict[str, torch.Tensor],
     seq: torch.Tensor,
     group: torch.Tensor,
@@ -355,7 +355,7 @@ def pack(
 ) -> tuple[torch.Tensor, Layout]:
     """Everything of one update in ONE flat int32 device tensor (see :class:`Layout`), with no
     data-dependent size: rows are selected on the host (:meth:`HostUpdate.rows`), so packing never
-    synchronises. cols [B, T] each; selected [B, T] bool; aggs [len(AGG_NAMES)]; finite: name -> 0-dim
+    synchronises. cols [B, T] each; selected [B, T] bool; aggregates [len(AGG_NAMES)]; finite: name -> 0-dim
     bool; seq, group [B]; tokens [B, T] or None; mask [B, T] bool (None: the selected tokens)."""
     if mask is None:
         mask = selected
@@ -370,8 +370,8 @@ def pack(
     flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
     if mask is not None:
         flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
-    head = torch.cat([aggs.double().reshape(-1), torch.stack(list(finite.values())).double()]) if finite \
-        else aggs.double().reshape(-1)
+    head = torch.cat([aggregates.double().reshape(-1), torch.stack(list(finite.values())).double()]) if finite \
+        else aggregates.double().reshape(-1)
     parts = [head.view(torch.int32)]
     if fnames:
         floats = torch.stack([cols[c].float().reshape(-1) for c in fnames])  # [n_float, B*T]
