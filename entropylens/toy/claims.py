@@ -82,7 +82,8 @@ def _finished(d: Path) -> bool:
 def timings(runs_dir: Path) -> dict[str, dict]:
     """{run: {"wall": s, "cpu": s}}: each run's training time (one torch thread), as recorded by :func:`train_all`."""
     f = Path(runs_dir) / "timings.json"
-    return json.loads(f.read_text()) if f.exists() else {}
+    t = json.loads(f.read_text()) if f.exists() else {}
+    return {k: (v if isinstance(v, dict) else {"wall": v, "cpu": math.nan}) for k, v in t.items()}  # older: wall only
 
 
 def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fast", **overrides) -> None:
@@ -553,9 +554,11 @@ def write_markdown(out: Path) -> Path:
     for r in results:
         wall = (f"this regeneration took {r['minutes']:.0f} min" if r.get("minutes") is not None
                 else "evaluated from runs trained earlier")
-        lines.append(f"| {r['regime']} | `{r['command']}` | training CPU {r['core_minutes']:.0f} core-minutes (about "
-                     f"{r['core_minutes'] / r['workers']:.0f} min with {r['workers']} workers on free cores; the runs' "
-                     f"own clocks summed {r.get('run_minutes', math.nan):.0f} min under load); {wall} "
+        cpu = r["core_minutes"]
+        cpu = (f"training CPU {cpu:.0f} core-minutes (about {cpu / r['workers']:.0f} min with {r['workers']} workers "
+               "on free cores; " if cpu == cpu else "training CPU time not recorded (")
+        lines.append(f"| {r['regime']} | `{r['command']}` | {cpu}the runs' own clocks summed "
+                     f"{r.get('run_minutes', math.nan):.0f} min under load); {wall} "
                      f"| {'**REDUCED** ' if r['reduced'] else 'full: '}"
                      f"{r['seeds']} seeds x {len(CONFIGS)} configs x {r['steps']} steps |")
     lines += ["", "Core-minutes are the CPU time of the runs' worker processes (one torch thread each, the Parquet "
