@@ -428,3 +428,23 @@ def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monke
             assert ("fsync", os.path.dirname(f)) in events[i + 1: commit]  # its directory, before the commit
         assert ("fsync", f"{run_dir}/steps/step={step}/rank=0") in events[commit + 1:]  # the commit itself
     assert connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0] == 4
+
+
+def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, monkeypatch):
+    # on CUDA the caller never waits for the copy: the writer thread reads the NaN flags. Take that
+    # path on the CPU too (as if the block were still on its way) and check the error and the drop.
+    from entropylens.host_copy import HostCopy
+
+    monkeypatch.setattr(HostCopy, "on_host", property(lambda self: False))
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    bad = lp.clone()
+    bad[0, 1] = float("inf")
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=bad, old_logprobs=lp)
+        rec.step_summary(0)  # the writer thread has taken the update in
+        with pytest.raises(ValueError, match=r"logprobs contains NaN or Inf at masked-in positions \(step 0, update 0\)"):
+            rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+        rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, count(*) FROM tokens GROUP BY step").fetchall() == [(1, 6)]
