@@ -176,3 +176,16 @@ def test_torch_loop_example_writes_to_s3(s3):
     con = connect(url)
     assert con.execute("SELECT count(DISTINCT step), count(*) FROM steps").fetchone() == (2, 8)
     assert con.execute("SELECT status FROM runs").fetchone() == ("finished",)
+
+
+def test_any_fsspec_url_works_the_same(tmp_path):
+    """Not only s3://: fsspec's in-memory filesystem goes through the same writer and readers."""
+    make_run("memory://el-test/runs", "a", steps=3, rows=16)
+    d = storage.location("memory://el-test/runs/a")
+    (d / "tokens" / "step=1" / "rank=0" / "update-7.parquet").write_bytes(b"")
+    with pytest.warns(UserWarning, match="update-7.parquet: empty"):
+        con = connect("memory://el-test/runs")
+    assert con.execute("SELECT count(*), count(DISTINCT step) FROM tokens").fetchone() == (48, 3)
+    (res,) = compact("memory://el-test/runs", grace_s=0)
+    assert res.steps == (0, 2)
+    assert connect("memory://el-test/runs").execute("SELECT count(*) FROM tokens").fetchone() == (48,)
