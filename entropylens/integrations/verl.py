@@ -547,13 +547,14 @@ def _trainer_class():
             """v1 keeps the old-policy entropy in the batch as ``entropy`` (written by _compute_old_log_prob);
             bypass mode (old_log_probs = rollout_log_probs) computes none: then the actor, not yet updated
             this step, computes it here (it is the old policy)."""
-            try:
-                have = tq.kv_batch_get(keys=batch.keys[:1], partition_id=batch.partition_id, select_fields=["entropy"])
-                ok = "entropy" in have.keys()
-            except Exception:
-                ok = False
-            if ok:
+            fields = set(getattr(batch, "fields", None) or ())
+            if fields & {"entropy", "entropylens_old_entropy"}:
                 return batch
+            try:  # a meta without its field list: ask the store
+                tq.kv_batch_get(keys=batch.keys[:1], partition_id=batch.partition_id, select_fields=["entropy"])
+                return batch
+            except ValueError:  # "field doesn't exist": compute it below
+                pass
             batch.extra_info.update({"calculate_entropy": True, "compute_loss": False,
                                      "temperature": self.config.actor_rollout_ref.rollout.temperature})
             self.actor_rollout_wg.compute_log_prob(batch)
