@@ -2,8 +2,10 @@
 
   python benchmarks/trl_overhead.py [--steps 20] [--rounds 3]
 
-Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording (TRL's loss kept),
-on the tiny offline setup of examples/trl_grpo.py. Rounds alternate the two; medians over steps.
+Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording (TRL's loss kept;
+TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
+backward), on the tiny offline setup of examples/trl_grpo.py. Rounds alternate the two; medians over
+steps (the first two steps of each run are warm-up and skipped).
 Last line: trl_overhead_ratio=<instrumented median / plain median>
 """
 
@@ -52,8 +54,9 @@ def main() -> None:
             for mode in times:
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
                                              hidden=a.hidden)
-                if mode == "plain":  # the same model, args and data, through TRL's own trainer
-                    tr = GRPOTrainer(model=el.model, reward_funcs=trl_grpo.digit_reward, args=el.args,
+                if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
+                    model = trl_grpo.build_model(el.processing_class, r, a.hidden)
+                    tr = GRPOTrainer(model=model, reward_funcs=trl_grpo.digit_reward, args=el.args,
                                      train_dataset=el.train_dataset, processing_class=el.processing_class)
                     el.recorder.close()
                 else:
