@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -50,26 +49,6 @@ LOCAL_CONF = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
     "spark.sql.parquet.mergeSchema": "true",
 }
-
-
-# Spark's own log lines (INFO/WARN at start-up) would bury the CLI's output: errors only.
-_LOG4J2 = """rootLogger.level = error
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n
-"""
-
-
-def _quiet_log_conf() -> dict:
-    path = Path(tempfile.gettempdir()) / "entropylens-spark-log4j2.properties"
-    if not path.exists() or path.read_text() != _LOG4J2:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(_LOG4J2)
-        os.replace(tmp, path)
-    return {"spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{path}"}
 
 
 class SparkUnavailable(QueryError):
@@ -103,7 +82,7 @@ def session(master: str | None = None, conf: dict | None = None):
         raise SparkUnavailable("the Spark engine needs Java 17+ (no `java` on PATH and no JAVA_HOME)")
     builder = SparkSession.builder.appName("entropylens").master(
         master or os.environ.get("ENTROPYLENS_SPARK_MASTER") or "local[*]")
-    for k, v in {**LOCAL_CONF, **_quiet_log_conf(), **(conf or {})}.items():
+    for k, v in {**LOCAL_CONF, **(conf or {})}.items():
         builder = builder.config(k, v)
     try:
         spark = builder.getOrCreate()
@@ -191,8 +170,14 @@ def _runs_df(spark, infos: list[dict]):
 
 
 class _Result:
+    """A Spark result shaped like a DuckDB one: ``df()``, ``fetchall()``, ``fetchone()``, ``description``."""
+
     def __init__(self, df):
         self._df = df
+
+    @property
+    def description(self):
+        return [(f.name, f.dataType.simpleString().upper(), None, None, None, None, None) for f in self._df.schema]
 
     def _run(self, fn):
         try:
