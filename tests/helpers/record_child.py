@@ -40,6 +40,7 @@ def kill_mode(root, run):
         rec.record_sequences(step, seq_ids=torch.arange(8), rewards=torch.rand(8, generator=gen),
                              advantages=torch.randn(8, generator=gen), lengths=torch.full((8,), 64))
         if step == 2:
+            rec.step_summary(step)  # waits until the writer thread has taken in everything before: steps 0, 1 written
             print("ready", flush=True)
         step += 1
 
