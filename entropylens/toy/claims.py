@@ -549,8 +549,13 @@ def write_markdown(out: Path) -> Path:
              "per step. Two regimes (`entropylens/toy/config.py` REGIMES): `fast` (the original lab: 8 updates per "
              "step at lr 7e-4, far more off-policy than the papers) and `paper` (per-update KL, clip fractions and "
              "grad-clip activity brought towards the papers' order of magnitude). Every number below is measured "
-             "from the recorded Parquet with entropylens' own analyses. Final = mean of the last 5 steps.", "",
-             "## Regeneration", "", "| regime | command | time | runs |", "|---|---|---|---|"]
+             "from the recorded Parquet with entropylens' own analyses. Final = mean of the last 5 steps.", ""]
+    reduced = [r for r in results if r["reduced"]]
+    if reduced:
+        lines += ["> **REDUCED runs** for " + ", ".join(f"`{r['regime']}` ({r['seeds']} seeds x {r['steps']} steps)"
+                                                        for r in reduced)
+                  + f": not the full {FULL_SEEDS}-seed regeneration; their verdicts have little power.", ""]
+    lines += ["## Regeneration", "", "| regime | command | time | runs |", "|---|---|---|---|"]
     for r in results:
         wall = (f"this regeneration took {r['minutes']:.0f} min" if r.get("minutes") is not None
                 else "evaluated from runs trained earlier")
