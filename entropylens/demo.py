@@ -181,7 +181,12 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) ->
 
     from .toy.train import warm_key
 
-    ctx = mp.get_context("spawn")  # no fork of a process that holds threads (rich, torch)
+    # fork (no re-import of torch in each worker: seconds, minutes on a loaded machine) when this
+    # process has no other thread; spawn otherwise (a live progress display runs a thread)
+    import threading
+
+    fork_ok = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
+    ctx = mp.get_context("fork" if fork_ok else "spawn")
     events = ctx.Queue()
 
     def pump(futures) -> None:
