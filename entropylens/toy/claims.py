@@ -535,6 +535,13 @@ def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None
                      for r, m in metrics.items()}}
 
 
+def config_for_steps(regime: str, steps: int | None) -> int:
+    """The steps per run of a regime (with an override)."""
+    from .config import config_for
+
+    return config_for("grpo", regime=regime, **({"steps": steps} if steps else {})).steps
+
+
 def _label(res: dict) -> str:
     return f"{res['regime']} ({'REDUCED: ' if res['reduced'] else ''}{res['seeds']} seeds x {res['steps']} steps)"
 
@@ -675,8 +682,14 @@ def main(argv=None) -> None:
         claims = evaluate(con, metrics)
         figures(con, out, regime, claims)
         t = timings(runs_dir)
+        minutes = wall
+        if a.no_train:  # re-evaluating: keep the wall time of the invocation that trained these runs, if known
+            prev = out / f"paper-claims-{regime}.json"
+            old = json.loads(prev.read_text()) if prev.exists() else {}
+            same = (old.get("seeds"), old.get("steps")) == (a.seeds, config_for_steps(regime, a.steps))
+            minutes = old.get("minutes") if same else None
         res = regime_result(regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
-                            minutes=None if a.no_train else wall,
+                            minutes=minutes,
                             core_minutes=sum(t.get(i, {}).get("cpu", math.nan) for i in ids) / 60,
                             run_minutes=sum(t.get(i, {}).get("wall", math.nan) for i in ids) / 60)
         (out / f"paper-claims-{regime}.json").write_text(json.dumps(res, indent=1, default=float))
