@@ -562,6 +562,9 @@ def write_markdown(out: Path) -> Path:
         lines += ["> **REDUCED runs** for " + ", ".join(f"`{r['regime']}` ({r['seeds']} seeds x {r['steps']} steps)"
                                                         for r in reduced)
                   + f": not the full {FULL_SEEDS}-seed regeneration; their verdicts have little power.", ""]
+        if any(r["regime"] == "fast" for r in reduced):
+            lines += ["> The `fast` regime's last full run (5 seeds x 120 steps, under the earlier flat 2-SE rules, "
+                      "without the destabilised flag) is in `git show a805994:reports/paper-claims.md`.", ""]
     lines += ["## Regeneration", "", "| regime | command | time | runs |", "|---|---|---|---|"]
     for r in results:
         wall = (f"this regeneration took {r['minutes']:.0f} min" if r.get("minutes") is not None
