@@ -22,6 +22,7 @@ class Figure:
     plot: str  # function name in plots.py
     title: str
     caption: str
+    optional: bool = False  # left out (and named under "Not shown") when its analysis has no rows
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -69,7 +70,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
            "The probe's first-order prediction grad(H) . optimizer step (Adam's own preconditioner) against "
            "the entropy change measured after the real step, and each quadrant's share through the shared "
-           "parameters (demo --probe-every K)."),
+           "parameters (demo --probe-every K).", optional=True),
     Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change",
            "Entropy drift by quadrant (confounded, not an attribution)",
            "A position's entropy at its next update minus now, per quadrant of its sampled token, minus the "
@@ -136,21 +137,32 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con)
-    rendered = []
+    rendered, not_shown = [], []
     for f in FIGURES:
         df = run_analysis(con, f.analysis)
+        if f.optional and df.empty:
+            not_shown.append(f)
+            continue
         fig = getattr(plots, f.plot)(df)
         png = f"{f.name}.png"
         fig.savefig(out / png, dpi=110)
         plt.close(fig)
         rendered.append((f, png, observed(f.name, df)))
-    _write_markdown(out / "report.md", summary, rendered)
+    _write_markdown(out / "report.md", summary, rendered, not_shown)
     index = out / "index.html"
-    index.write_text(_html(summary, rendered))
+    index.write_text(_html(summary, rendered, not_shown))
     return index
 
 
-def _write_markdown(path: Path, summary, rendered) -> None:
+def _not_shown_text(not_shown) -> str:
+    """One sentence naming the optional figures these runs hold no data for, or ''."""
+    if not not_shown:
+        return ""
+    names = "; ".join(f"{f.title} (`{f.analysis}`: no rows in these runs)" for f in not_shown)
+    return f"Not shown: {names}. The probe is opt-in: `entropylens demo --probe-every K` or `Recorder.probe`."
+
+
+def _write_markdown(path: Path, summary, rendered, not_shown=()) -> None:
     lines = ["# entropylens report", "", "## Runs", ""]
     lines.append("| " + " | ".join(SUMMARY_COLUMNS) + " |")
     lines.append("|" + "---|" * len(SUMMARY_COLUMNS))
@@ -160,10 +172,12 @@ def _write_markdown(path: Path, summary, rendered) -> None:
     for f, png, seen in rendered:
         lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
                   ""]
+    if not_shown:
+        lines += [_not_shown_text(not_shown), ""]
     path.write_text("\n".join(lines))
 
 
-def _html(summary, rendered) -> str:
+def _html(summary, rendered, not_shown=()) -> str:
     e = html.escape
     head = "".join(f"<th>{e(c)}</th>" for c in SUMMARY_COLUMNS)
     rows = "".join(
@@ -176,6 +190,8 @@ def _html(summary, rendered) -> str:
         "</figcaption></figure>"
         for f, png, seen in rendered
     )
+    if not_shown:
+        figs += f"<p>{e(_not_shown_text(not_shown).replace('`', ''))}</p>"
     toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, *_ in rendered)
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>entropylens report</title>

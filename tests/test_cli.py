@@ -77,7 +77,7 @@ def test_report_command(runs, tmp_path):
     assert (tmp_path / "rep" / "index.html").exists() and (tmp_path / "rep" / "report.md").exists()
     from entropylens.report import FIGURES
 
-    assert len(list((tmp_path / "rep").glob("*.png"))) == len(FIGURES)
+    assert len(list((tmp_path / "rep").glob("*.png"))) == len([f for f in FIGURES if not f.optional])  # no probes
 
 
 def test_errors_are_one_line_exit_2(runs, tmp_path):

@@ -103,6 +103,6 @@ def test_report_captions_carry_measured_text(tmp_path):
     from fixture_runs import build
 
     md = (write_report(build(tmp_path / "runs"), tmp_path / "rep").parent / "report.md").read_text()
-    for f in FIGURES:
+    for f in (f for f in FIGURES if not f.optional):  # the fixture records no probes
         line = next(x for x in md.splitlines() if x.startswith(f"*{f.caption}*"))
         assert "Here" in line or "No " in line, line  # the claim AND what this run shows
