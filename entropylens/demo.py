@@ -181,12 +181,10 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) ->
 
     from .toy.train import warm_key
 
-    # fork (no re-import of torch in each worker: seconds, minutes on a loaded machine) when this
-    # process has no other thread; spawn otherwise (a live progress display runs a thread)
-    import threading
-
-    fork_ok = threading.active_count() == 1 and "fork" in mp.get_all_start_methods()
-    ctx = mp.get_context("fork" if fork_ok else "spawn")
+    # Always spawn: a forked child inherits torch's OpenMP pool and other native threads that
+    # threading.active_count() cannot see (a demo started inside a process that already ran torch,
+    # e.g. a test session, segfaulted in a forked worker). Spawn costs one torch import per worker.
+    ctx = mp.get_context("spawn")
     events = ctx.Queue()
 
     def pump(futures) -> None:

@@ -112,7 +112,8 @@ def test_demo_progress_lines_through_a_pipe(tmp_path):
     """#13.2: stdout is a pipe: plain progress lines arrive while the demo runs, warm-up named as such."""
     cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--quick", "--steps", "2", "--methods", "grpo",
            "--workers", "1", "--out", str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # cwd: `python -m` puts it first on sys.path; the repository root's entropylens/ would shadow the install
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     lines, status_at_warmup = [], None
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))

@@ -9,6 +9,9 @@ import pytest
 from fixture_runs import build
 
 CLI = [sys.executable, "-m", "entropylens.cli.main"]
+# `python -c` puts the working directory first on sys.path: run from tests/, not the repository root,
+# whose entropylens/ source folder (without the cli/ mapping) would shadow the installed package.
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +21,8 @@ def root(tmp_path_factory):
 
 def _run(args, env=None, pre=""):
     code = f"{pre}import sys; from entropylens.cli.main import main; sys.argv = ['entropylens'] + {args!r}; main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=HERE)
 
 
 def test_missing_java_is_one_line(root, tmp_path):
@@ -48,5 +52,5 @@ def test_help_does_not_import_pyspark():
     code = ("import sys; from entropylens.cli.main import app; from typer.testing import CliRunner; "
             "r = CliRunner().invoke(app, ['analyze', '--help']); assert '--engine' in r.output, r.output; "
             "print('pyspark' in sys.modules, 'sqlglot' in sys.modules)")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE)
     assert res.stdout.strip() == "False False", res.stderr
