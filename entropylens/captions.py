@@ -42,13 +42,23 @@ def entropy(df) -> str:
     last = _per_method(df, "old_entropy", _last(df, "old_entropy"))
     parts = [f"{m} {_f(first[m])} -> {_f(last[m])}" for m in last]
     text = "Here, entropy first -> last step (nats): " + "; ".join(parts) + "."
-    ce = [last[m] for m in last if m.startswith("ce_gppo")]
-    base = [last[m] for m in last if m in ("grpo", "dapo")]
+    # the comparison: mean over the last 10% of steps (not one step), with the number of runs behind it
+    tail = _per_method(df, "old_entropy", lambda g: g[g["step"] >= g["step"].max() - max(1, round(0.1 * (
+        g["step"].max() - g["step"].min()))) + 1]["old_entropy"].mean())
+    runs = _per_method(df, "old_entropy", lambda g: g["run"].nunique() if "run" in g else 1)
+    ce = {m: tail[m] for m in tail if m.startswith("ce_gppo")}
+    base = {m: tail[m] for m in tail if m in ("grpo", "dapo")}
     if ce and base:
-        if min(ce) > max(base):
-            text += " CE-GPPO ends with more entropy than GRPO / DAPO, as the paper reports."
+        n = min(runs[m] for m in (*ce, *base))
+        nums = "; ".join(f"{m} {_f(v)}" for m, v in {**ce, **base}.items())
+        power = (" From one run per method: not a significant difference." if n < 2 else
+                 f" ({n}+ runs per method; no significance test here, see reports/paper-claims.md.)")
+        if min(ce.values()) > max(base.values()):
+            text += (f" Mean entropy over the last 10% of steps: {nums}; CE-GPPO is above GRPO / DAPO, the paper's "
+                     f"direction.{power}")
         else:
-            text += " Here this differs from the paper: CE-GPPO does not end with more entropy than GRPO / DAPO."
+            text += (f" Here this differs from the paper: mean entropy over the last 10% of steps: {nums}; CE-GPPO is "
+                     f"not above GRPO / DAPO.{power}")
     return text
 
 

@@ -1,4 +1,4 @@
-"""A hand-written GRPO loop in plain PyTorch, recorded by entropylens (CPU, offline, ~10 s).
+"""A hand-written GRPO loop in plain PyTorch, recorded by entropylens (CPU, offline; about 13 s of CPU for 20 steps).
 
     python examples/torch_loop.py --out runs [--steps 20] [--method ce_gppo]    # or --out s3://bucket/runs
 Task: answer 8 tokens; reward = share of answer tokens in {0, 2, 4, 6} (chance 1/6).
