@@ -27,6 +27,14 @@ from typing import Any, Callable
 LOCAL_PROTOCOLS = ("file", "local")
 
 
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes a rename in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 class StorageError(ValueError):
     """A location that cannot be used (unknown protocol, missing filesystem package)."""
 
@@ -179,18 +187,10 @@ class Location:
         try:
             fill(tmp)
             if fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync_path(tmp)
             os.replace(tmp, self.path)
             if fsync:
-                fd = os.open(parent, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync_path(parent)  # the rename itself
         except BaseException:
             try:
                 os.unlink(tmp)

@@ -37,13 +37,13 @@ entropylens step = optimizer step (``state.global_step``), update = micro-batch 
 from __future__ import annotations
 
 import functools
-import os
 import types
 import warnings
 
 import torch
 
 from ..losses import METHODS, policy_loss
+from ._version import require_tested
 from ..recorder import Recorder
 from ..stats import clip_region, clipped_mask, head_stats
 
@@ -63,14 +63,8 @@ def check_trl_version(version: str | None = None) -> str:
         import trl
 
         version = trl.__version__
-    mm = ".".join(version.split(".")[:2])
-    if mm not in TRL_TESTED and os.environ.get("ENTROPYLENS_TRL_UNSAFE") != "1":
-        raise RuntimeError(
-            f"entropylens.integrations.trl supports TRL {', '.join(v + '.x' for v in TRL_TESTED)}; found {version}. "
-            "It overrides private GRPOTrainer methods that move between releases. "
-            "Install a supported TRL, or set ENTROPYLENS_TRL_UNSAFE=1 to try anyway."
-        )
-    return version
+    return require_tested("TRL", version, TRL_TESTED, "ENTROPYLENS_TRL_UNSAFE",
+                          "It overrides private GRPOTrainer methods that move between releases.")
 
 
 def unsupported_trl_options(args, aux_loss_enabled: bool = False) -> list[str]:

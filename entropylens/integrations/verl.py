@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import secrets
 import warnings
 from dataclasses import dataclass
@@ -53,6 +52,7 @@ from typing import Any, Optional
 import torch
 
 from ..losses import policy_loss
+from ._version import require_tested
 
 VERL_TESTED = ("0.9",)  # major.minor releases whose loss / trainer / engine interfaces this was tested with
 METHODS = ("gppo", "ce_gppo")  # registered under their own names
@@ -73,14 +73,9 @@ def check_verl_version(version: str | None = None) -> str:
         import verl
 
         version = verl.__version__
-    mm = ".".join(str(version).split(".")[:2])
-    if mm not in VERL_TESTED and os.environ.get("ENTROPYLENS_VERL_UNSAFE") != "1":
-        raise RuntimeError(
-            f"entropylens.integrations.verl supports verl {', '.join(v + '.x' for v in VERL_TESTED)}; found {version}. "
-            "It plugs into verl's policy-loss registry, actor loss function and v1 trainer, whose interfaces "
-            "move between releases. Install a supported verl, or set ENTROPYLENS_VERL_UNSAFE=1 to try anyway."
-        )
-    return version
+    return require_tested("verl", version, VERL_TESTED, "ENTROPYLENS_VERL_UNSAFE",
+                          "It plugs into verl's policy-loss registry, actor loss function and v1 trainer, whose "
+                          "interfaces move between releases.")
 
 
 check_verl_version()
