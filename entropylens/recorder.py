@@ -427,6 +427,13 @@ class Recorder:
         self._finalize_pending()
         return self._writer.summary(int(step))
 
+    def step_summary_later(self, step: int) -> "PendingSummary":
+        """:meth:`step_summary` without waiting: returns at once; ``.ready()`` says whether the writer
+        thread has answered, ``.result()`` gives the summary (waiting if needed). For trainer logs that
+        must not wait on the writer thread's disk writes (a step's files, fsync included)."""
+        self._finalize_pending()
+        return PendingSummary(self._writer.summary_request(int(step)), self._writer)
+
     @property
     def has_hook(self) -> bool:
         return self._watch is not None and self._watch.active
@@ -542,6 +549,19 @@ class Recorder:
                 raise ValueError(f"{bad[0]} contains NaN or Inf at masked-in positions "
                                  f"(step {pending.step}, update {pending.update})")
         self._writer.update(pending.step, pending.update, copy, layout)
+
+
+class PendingSummary:
+    """A step summary the writer thread answers later (:meth:`Recorder.step_summary_later`)."""
+
+    def __init__(self, reply, writer) -> None:
+        self._reply, self._writer = reply, writer
+
+    def ready(self) -> bool:
+        return self._reply.done() or not self._writer.alive
+
+    def result(self) -> dict[str, float]:
+        return self._reply.wait(self._writer._thread) or {}
 
 
 def _scalar(v) -> float:

@@ -97,6 +97,9 @@ class _Reply:
         self.value = value
         self._done.set()
 
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def wait(self, thread: threading.Thread) -> Any:
         while not self._done.wait(0.5):
             if not thread.is_alive():
@@ -178,9 +181,14 @@ class WriterThread:
 
     def summary(self, step: int) -> dict[str, float]:
         """The step table's summary of ``step`` once every queued message is handled."""
+        return self.summary_request(step).wait(self._thread) or {}
+
+    def summary_request(self, step: int) -> _Reply:
+        """Ask for ``step``'s summary without waiting: the reply is set once the thread has handled
+        every message queued before it (its ``done()`` says when; ``wait(thread)`` blocks)."""
         reply = _Reply()
         self.put(("summary", step, reply), flush=True)
-        return reply.wait(self._thread) or {}
+        return reply
 
     def take_rejected(self) -> ValueError | None:
         return self._rejected.pop(0) if self._rejected else None
