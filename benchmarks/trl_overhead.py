@@ -6,7 +6,12 @@ Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording 
 TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
 backward), on the tiny offline setup of examples/trl_grpo.py. Rounds alternate the two; medians over
 steps (the first two steps of each run are warm-up and skipped).
-Last line: trl_overhead_ratio=<instrumented median / plain median>
+
+Three clocks per step: wall time; CPU time of the training thread (time.thread_time: with
+``--threads 1`` all of torch's work runs on it, so this is what the instrumentation costs the
+trainer, robust when other processes share the cores); and the CPU time of the whole process
+(the Parquet writer thread included).
+Last line: trl_overhead_ratio=<instrumented median / plain median (wall)>
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 class StepTimer:
     def __init__(self):
-        self.times: list[float] = []
+        self.times: list[tuple[float, float, float]] = []  # (wall, thread cpu, process cpu) per step
         self._t0 = None
 
     def on_step_begin(self, *a, **k):
-        self._t0 = time.perf_counter()
+        self._t0 = (time.perf_counter(), time.thread_time(), time.process_time())
 
     def on_step_end(self, *a, **k):
-        self.times.append(time.perf_counter() - self._t0)
+        now = (time.perf_counter(), time.thread_time(), time.process_time())
+        self.times.append(tuple(b - a for a, b in zip(self._t0, now)))
 
 
 def main() -> None:
@@ -38,7 +44,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     a = ap.parse_args()
+    import torch
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
     from transformers import TrainerCallback
     from trl import GRPOTrainer
 
@@ -65,11 +76,16 @@ def main() -> None:
                 tr.add_callback(timer)
                 tr.train()
                 times[mode] += timer.times[2:]  # skip warm-up steps
-    med = {m: statistics.median(t) for m, t in times.items()}
-    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, {a.rounds} rounds x {a.steps} steps, medians (ms):")
+    med = {m: [statistics.median(x[i] for x in t) for i in range(3)] for m, t in times.items()}
+    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, torch threads {torch.get_num_threads()}, "
+          f"{a.rounds} rounds x {a.steps} steps, medians (ms):")
+    print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12}")
     for m, v in med.items():
-        print(f"  {m:<12} {v * 1000:8.1f}")
-    print(f"trl_overhead_ratio={med['entropylens'] / med['plain']:.3f}")
+        print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f}")
+    ratio = [e / p for e, p in zip(med["entropylens"], med["plain"])]
+    print(f"ratios: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
+    print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
+    print(f"trl_overhead_ratio={ratio[0]:.3f}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,44 @@ def test_trl_ga1_twice_the_micro_batch_same_grad_coef(ga2, tmp_path):
     np.testing.assert_allclose(b["logit_grad_norm"], a["logit_grad_norm"], rtol=1e-4, atol=1e-9)
 
 
+def test_trl_logs_carry_every_steps_aggregates_without_waiting_on_the_writer(tmp_path):
+    # entropylens/* keys reach TRL's logs from the writer thread (no wait at a step's end): every step's
+    # values arrive exactly once, all by the last step. With logging_steps = 3 the single log over steps
+    # 0..2 is the mean of the three steps' values, computed here independently from the token rows.
+    tr = trl_tiny.trainer(tmp_path, "logs", max_steps=3, logging_steps=3)
+    tr.train()
+    logs = [h for h in tr.state.log_history if "entropylens/clip_low_frac" in h]
+    assert len(logs) == 1 and not tr._el_summaries
+    t = _rows(tmp_path / "logs")
+    assert sorted(t["step"].unique()) == [0, 1, 2]
+    per_step = t.groupby("step").agg(low=("clip", lambda c: (c == -1).mean()),
+                                     high=("clip", lambda c: (c == 1).mean()),
+                                     pa_hp=("quadrant", lambda q: (q == "PA&HP").mean()))
+    assert logs[0]["entropylens/clip_low_frac"] == pytest.approx(per_step["low"].mean(), abs=1e-6)
+    assert logs[0]["entropylens/clip_high_frac"] == pytest.approx(per_step["high"].mean(), abs=1e-6)
+    assert logs[0]["entropylens/share_pa_hp"] == pytest.approx(per_step["pa_hp"].mean(), abs=1e-6)
+
+
+def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
+    from entropylens.integrations.trl import EntropyLensGRPOTrainer
+
+    class Counting(EntropyLensGRPOTrainer):
+        logged: list
+
+        def _el_log_summary(self, summary):
+            self.logged.append(summary["n_tokens"])
+            super()._el_log_summary(summary)
+
+    Counting.logged = []
+    tr = trl_tiny.trainer(tmp_path, "logs1", cls=Counting, max_steps=3, logging_steps=1)
+    tr.train()
+    # one summary per step in all (a step whose summary was not ready yet goes into a later step's log)
+    t = _rows(tmp_path / "logs1")
+    assert Counting.logged == t.groupby("step").size().tolist() and not tr._el_summaries
+    n = sum(1 for h in tr.state.log_history if "entropylens/share_pa_hp" in h)
+    assert 1 <= n <= 3 and "entropylens/share_pa_hp" in tr.state.log_history[-2]  # the last step's log has one
+
+
 def test_trl_ce_gppo_ga2_grad_coef_includes_the_accumulation_scale(tmp_path):
     cls = _snapshot_class()
     trl_tiny.trainer(tmp_path, "ce", cls=cls, max_steps=1, el=dict(loss="ce_gppo")).train()

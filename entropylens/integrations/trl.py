@@ -25,7 +25,8 @@ What it changes in TRL (private methods, hence the version check):
   epsilon / epsilon_high, TRL's beta as k3 KL), token-mean per micro-batch, ``scale`` =
   1 / gradient_accumulation_steps. GRPOConfig options that entropylens' loss does not implement raise
   before training (:func:`unsupported_trl_options`). Step aggregates go to TRL's logs as
-  ``entropylens/...``.
+  ``entropylens/...``, taken from the writer thread without waiting for it: a step's values reach the
+  log as soon as the writer has them (usually at the next optimizer step; all of them by the last).
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
 
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
@@ -201,6 +202,7 @@ def _trainer_class():
             self._el_passes = None  # list during generation: (logps, entropies) of each no-grad pass
             self._el_train = None  # the training pass of the current micro-batch
             self._el_rec = None  # the update waiting for its backward
+            self._el_summaries: list = []  # step summaries asked of the writer thread, not yet logged
             self._el_warned: set[str] = set()
             self._el_fused = self._el_patch_fused_head()
             acc = self.accelerator
@@ -435,15 +437,23 @@ def _trainer_class():
             gn = self._el_grad_norm
             lr = self._get_learning_rate() if hasattr(self, "_get_learning_rate") else self.args.learning_rate
             self.recorder.record_step(step, grad_norm=float(gn) if gn is not None else None, lr=float(lr))
-            summary = self.recorder.step_summary(step)
+            # the summary comes from the writer thread once it has taken in the step: asking without
+            # waiting keeps the training thread off the writer's disk work (the previous step's files,
+            # fsync included); answers are logged as they arrive, all of them by the last step
+            self._el_summaries.append(self.recorder.step_summary_later(step))
+            last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+            while self._el_summaries and (last or self._el_summaries[0].ready()):
+                self._el_log_summary(self._el_summaries.pop(0).result())
+            self._el_micro = 0
+            self._el_grad_norm = None
+
+        def _el_log_summary(self, summary: dict) -> None:
             for k, v in summary.items():
                 if k in LOG_KEYS and v == v:
                     self._metrics["train"][f"entropylens/{k}"].append(float(v))
             for q in ("pa_hp", "pa_lp", "na_hp", "na_lp"):
                 if summary.get("n_tokens"):
                     self._metrics["train"][f"entropylens/share_{q}"].append(summary[f"n_{q}"] / summary["n_tokens"])
-            self._el_micro = 0
-            self._el_grad_norm = None
 
     return EntropyLensGRPOTrainer
 
