@@ -3,14 +3,19 @@
 Runs go to worker processes (one per core by default), each with ONE intra-op torch thread: the
 toy model is far too small to gain from threads, and spare threads spin against other jobs on a
 busy machine (issue #13: 2.1x slower under load). The supervised warm-up, shared by every run with
-the same seed, is computed once (one job per seed) and its weights handed to the runs.
+the same seed, is computed once per seed and its weights handed to the runs: the first seed's in this
+process while the workers start (spawning a worker imports torch: seconds), the others in the workers.
+
+The default demo trains DEMO_STEPS steps per run (the fast regime's entropy collapses within ~40
+steps); ``steps=`` (``--steps``) runs longer. The toy's training maths are the fast regime's.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .run_claim import RunExistsError
@@ -18,6 +23,10 @@ from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
 QUICK = dict(steps=6, prompts=8, group=4, minibatches=2, epochs=2, sft_steps=40)
+# The default demo's RL steps per run (the fast regime's ToyConfig.steps is 120): GRPO's entropy falls
+# from 1.15 to ~0.2 by step 40 and ERC's run separates from the others by step 20-40, so 40 steps show
+# the collapse, ERC's band, clipping by quadrant and the entropy budget in about a third of the time.
+DEMO_STEPS = 40
 
 
 @dataclass
@@ -26,6 +35,7 @@ class DemoResult:
     report_dir: Path | None
     runs: list  # RunResult, in the order of the configs
     workers: int = 1
+    phases: dict = field(default_factory=dict)  # wall seconds: "warm-up + training", "report", "total"
 
 
 def available_cores() -> int:
@@ -57,6 +67,18 @@ def _prepare_out(runs_dir: Path, report_dir: Path | None, ids: list[str], overwr
         shutil.rmtree(runs_dir / i)
     if overwrite and report_dir is not None and report_dir.exists():
         shutil.rmtree(report_dir)
+
+
+def demo_configs(methods=DEMO_DEFAULT, *, steps: int | None = None, seeds: int = 1, quick: bool = False,
+                 probe_every: int = 0) -> list[ToyConfig]:
+    """The demo's runs: each method x seed in the fast regime, DEMO_STEPS steps (QUICK's small runs
+    with ``quick``; ``steps`` when given); the probe on every ``probe_every``-th step when > 0."""
+    overrides = dict(QUICK) if quick else {"steps": DEMO_STEPS}
+    if steps is not None:
+        overrides["steps"] = steps
+    if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
+        overrides["probe_every"] = probe_every
+    return [config_for(m, seed=s, **overrides) for m in methods for s in range(seeds)]
 
 
 # ------------------------------------------------------------------ worker side
@@ -130,12 +152,8 @@ def run_demo(
         raise ValueError(f"seeds must be >= 1, got {seeds}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    overrides = dict(QUICK) if quick else {}
-    if steps is not None:
-        overrides["steps"] = steps
-    if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
-        overrides["probe_every"] = probe_every
-    cfgs = [config_for(m, seed=s, **overrides) for m in methods for s in range(seeds)]  # fail early
+    t_start = time.perf_counter()
+    cfgs = demo_configs(methods, steps=steps, seeds=seeds, quick=quick, probe_every=probe_every)  # fail early
     ids = [run_id(c) for c in cfgs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a run is named twice: {', '.join(ids)}")
@@ -165,16 +183,29 @@ def run_demo(
                        for c, i in zip(cfgs, ids)]
         else:
             results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar)
+    phases = {"warm-up + training": time.perf_counter() - t_start}
     if report_dir is not None:
         from .report import write_report
 
+        t0 = time.perf_counter()
         write_report(runs_dir, report_dir, runs=ids)
-    return DemoResult(runs_dir, report_dir, results, n_workers)
+        phases["report"] = time.perf_counter() - t0
+    phases["total"] = time.perf_counter() - t_start
+    return DemoResult(runs_dir, report_dir, results, n_workers, phases)
+
+
+def _prime() -> int:
+    """A worker's first job: import what training needs, so the worker is ready when the weights are."""
+    from .toy import model, train  # noqa: F401
+
+    return os.getpid()
 
 
 def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) -> list:
-    """Warm-ups (one job per seed), then the runs, in ``n_workers`` spawned processes; events from
-    the workers drive ``bar`` while the parent waits."""
+    """The runs in ``n_workers`` spawned processes. The first seed's warm-up runs here while the
+    workers start (a spawned worker spends seconds importing torch); other seeds' warm-ups run in the
+    workers. A run is submitted as soon as its seed's weights exist. Events from the workers drive
+    ``bar`` while the parent waits."""
     import multiprocessing as mp
     import queue
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -187,33 +218,41 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) ->
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
 
-    def pump(futures) -> None:
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            for f in done:
-                f.result()  # a worker's exception, raised here
-            while True:
-                try:
-                    bar.handle(events.get_nowait())
-                except queue.Empty:
-                    break
+    def drain(timeout: float = 0.0) -> None:
+        while True:
+            try:
+                bar.handle(events.get(timeout=timeout) if timeout else events.get_nowait())
+            except queue.Empty:
+                break
 
+    keys = list(warm)
     with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(events,)) as pool:
         try:
-            wf = {k: pool.submit(_warm_job, c, labels[k]) for k, c in warm.items()}
-            pump(wf.values())
-            states = {k: f.result() for k, f in wf.items()}
-            rf = [pool.submit(_run_job, c, str(runs_dir), i, states[warm_key(c)])
-                  for c, i in zip(cfgs, ids)]
-            pump(rf)
+            wf = {pool.submit(_warm_job, warm[k], labels[k]): k for k in keys[1:]}
+            primes = [pool.submit(_prime) for _ in range(n_workers)]  # start every worker now
+            states = {keys[0]: _warm_job(warm[keys[0]], labels[keys[0]], bar.handle)}  # here, meanwhile
+            rf: dict = {}
+
+            def submit_ready() -> None:
+                for n, (c, i) in enumerate(zip(cfgs, ids)):
+                    if n not in rf and warm_key(c) in states:
+                        rf[n] = pool.submit(_run_job, c, str(runs_dir), i, states[warm_key(c)])
+
+            submit_ready()
+            pending = set(wf) | set(rf.values()) | set(primes)
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for f in done:
+                    f.result()  # a worker's exception, raised here
+                    if f in wf:
+                        states[wf[f]] = f.result()
+                        before = set(rf.values())
+                        submit_ready()
+                        pending |= set(rf.values()) - before
+                drain()
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-        results = [f.result() for f in rf]
-    while True:  # the last events
-        try:
-            bar.handle(events.get(timeout=0.05))
-        except queue.Empty:
-            break
+        results = [rf[n].result() for n in range(len(cfgs))]
+    drain(timeout=0.05)  # the last events
     return results

@@ -67,8 +67,12 @@ def _step_figure(df, y: str, ylabel: str, title: str, *, logy=False):
 
 
 def entropy_vs_step(df):
-    """entropy_by_step -> policy entropy H(pi_old) per step (CE-GPPO Fig. 2, 3, 5)."""
-    return _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy")
+    """entropy_by_step -> policy entropy H(pi_old) per step (CE-GPPO Fig. 2, 3, 5); the y axis starts at 0
+    (entropy is >= 0), so a collapse shows as the fall towards 0 it is."""
+    fig = _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy")
+    if fig.axes and fig.axes[0].has_data():
+        fig.axes[0].set_ylim(bottom=0)
+    return fig
 
 
 def reward_vs_step(df):
@@ -203,9 +207,24 @@ def ratio_vs_prob(df, *, span: float = 3.0):
     handles = [Line2D([], [], ls="", marker="o", color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
     handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="1 - eps_low, 1 + eps_high"))
     handles.append(Line2D([], [], ls="", marker="^", color="0.4", label="beyond the axis"))
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (3.3 * rows + 0.5)))
+    _top_legend(fig, handles, panels_height=3.3 * rows)
     return fig
+
+
+def _top_legend(fig, handles, *, panels_height: float, fontsize: int = 8) -> None:
+    """One legend above the panels, in as many columns as fit the figure's width (a one-panel figure
+    cannot hold six entries in a row); the figure grows by the legend's height, the panels stay below it."""
+    renderer = fig.canvas.get_renderer()
+    width = fig.get_figwidth() * fig.dpi
+    for ncol in range(len(handles), 0, -1):
+        legend = fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=fontsize, frameon=False)
+        box = legend.get_window_extent(renderer)
+        if box.width <= 0.98 * width or ncol == 1:
+            break
+        legend.remove()
+    legend_in = box.height / fig.dpi + 0.1
+    fig.set_figheight(panels_height + legend_in)
+    fig.tight_layout(rect=(0, 0, 1, 1 - legend_in / (panels_height + legend_in)))
 
 
 def grad_share(df):
@@ -373,12 +392,16 @@ def entropy_budget(df):
     for ax, run in zip(axes, runs):
         g = df[df["run"] == run]
         steps = np.array(sorted(g["step"].unique()))
-        up, down = np.zeros(len(steps)), np.zeros(len(steps))
+        # one filled staircase per quadrant and side (bars of width 1 centred on each step, a step
+        # without rows at 0): a few artists instead of one rectangle per step, quadrant and side
+        grid = np.arange(steps[0], steps[-1] + 1)
+        edges = np.append(grid - 0.5, grid[-1] + 0.5)
+        up, down = np.zeros(len(grid)), np.zeros(len(grid))
         for q in QUAD_ORDER:
-            v = g[g["quadrant"] == q].set_index("step").reindex(steps)["effect"].fillna(0).to_numpy()
+            v = g[g["quadrant"] == q].groupby("step")["effect"].sum().reindex(grid).fillna(0).to_numpy()
             pos, neg = np.clip(v, 0, None), np.clip(v, None, 0)
-            ax.bar(steps, pos, bottom=up, width=1.0, color=QUAD_COLORS[q], label=q, lw=0)
-            ax.bar(steps, neg, bottom=down, width=1.0, color=QUAD_COLORS[q], lw=0)
+            ax.stairs(up + pos, edges, baseline=up, fill=True, color=QUAD_COLORS[q], label=q, lw=0)
+            ax.stairs(down + neg, edges, baseline=down, fill=True, color=QUAD_COLORS[q], lw=0)
             up, down = up + pos, down + neg
         total = g.groupby("step")["step_effect"].first().reindex(steps)
         ax.plot(steps, total, color="k", lw=1.0, label="step total")

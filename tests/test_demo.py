@@ -155,3 +155,20 @@ def test_demo_refuses_an_existing_run_then_overwrites_cleanly(tmp_path):
     assert con.execute("SELECT max(step) FROM tokens WHERE run = 'grpo-s0'").fetchone()[0] == 1
     md = (tmp_path / "report" / "report.md").read_text()
     assert "| grpo-s0 |" in md and "dapo-s0" not in md
+
+
+def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
+    """#13.1: the default demo trains DEMO_STEPS (40) steps per run of the fast regime's maths; --steps N
+    keeps the full length available. (Config, not timing.)"""
+    from dataclasses import replace
+
+    from entropylens.demo import DEMO_STEPS, demo_configs
+    from entropylens.toy.config import DEMO_DEFAULT, ToyConfig
+
+    cfgs = demo_configs()
+    assert DEMO_STEPS == 40 < ToyConfig().steps
+    assert [c.name for c in cfgs] == list(DEMO_DEFAULT) and {c.steps for c in cfgs} == {DEMO_STEPS}
+    for c in cfgs:  # only the step count differs from the named run of the fast regime
+        assert replace(c, steps=ToyConfig().steps) == config_for(c.name)
+    assert {c.steps for c in demo_configs(steps=120)} == {120}
+    assert {c.steps for c in demo_configs(quick=True)} == {6}

@@ -106,3 +106,26 @@ def test_report_captions_carry_measured_text(tmp_path):
     for f in (f for f in FIGURES if not f.optional):  # the fixture records no probes
         line = next(x for x in md.splitlines() if x.startswith(f"*{f.caption}*"))
         assert "Here" in line or "No " in line, line  # the claim AND what this run shows
+
+
+def _inside_figure(fig, artist) -> bool:
+    fig.canvas.draw()
+    box = artist.get_window_extent(fig.canvas.get_renderer())
+    w, h = fig.canvas.get_width_height()
+    return box.x0 >= 0 and box.y0 >= 0 and box.x1 <= w and box.y1 <= h
+
+
+def test_ratio_vs_prob_legend_inside_the_figure_for_one_to_four_runs():
+    """New-user trial: a single-run report cropped the legend (six entries in one row, one panel wide)."""
+    rng = np.random.default_rng(1)
+    for n_runs in (1, 2, 4):
+        n = 50
+        df = pd.DataFrame(dict(run=np.repeat([f"r{i}" for i in range(n_runs)], n), method="grpo", step=0,
+                               prob=rng.uniform(0, 1, n_runs * n), ratio=rng.normal(1, 0.1, n_runs * n),
+                               quadrant=rng.choice(["PA&HP", "PA&LP", "NA&HP", "NA&LP"], n_runs * n),
+                               clipped=False, eps_low=0.2, eps_high=0.28))
+        fig = plots.ratio_vs_prob(df)
+        (legend,) = fig.legends
+        assert _inside_figure(fig, legend), n_runs
+        top = max(ax.get_tightbbox(fig.canvas.get_renderer()).y1 for ax in visible(fig))
+        assert top <= legend.get_window_extent(fig.canvas.get_renderer()).y0 + 1  # no panel under the legend
