@@ -8,31 +8,44 @@
 -- no token is seen twice, dH = entropy - old_entropy at updates after the first (drift since the
 -- rollout). relative_dh = mean_dh minus the run's mean over all quadrants (removes the common
 -- drift); agrees compares sign(relative_dh) with the law: PA&HP -, PA&LP +, NA&HP +, NA&LP -.
-WITH seen AS (
-    SELECT
-        run,
-        quadrant,
-        entropy,
-        old_entropy,
-        update,
-        lead(entropy) OVER (PARTITION BY run, rank, seq, pos ORDER BY step, update) AS next_entropy
+-- Only sequences seen at more than one (step, update) can hold a token seen twice: the per-token
+-- window runs over their tokens alone, not over every row.
+WITH multi AS (
+    SELECT run, rank, seq
     FROM tokens
     WHERE quadrant <> 'ZA' AND entropy IS NOT NULL
+    GROUP BY run, rank, seq
+    HAVING min(CAST(step AS BIGINT) * 65536 + update) < max(CAST(step AS BIGINT) * 65536 + update)
 ),
-mode AS (
-    SELECT run, bool_or(next_entropy IS NOT NULL) AS repeated FROM seen GROUP BY run
-),
-dh AS (
+seen AS (
     SELECT
-        s.run,
-        s.quadrant,
-        CASE WHEN m.repeated THEN s.next_entropy - s.entropy ELSE s.entropy - s.old_entropy END AS dh
-    FROM seen AS s
-    JOIN mode AS m USING (run)
-    WHERE CASE WHEN m.repeated THEN s.next_entropy IS NOT NULL ELSE s.update > 0 END
+        t.run,
+        t.quadrant,
+        t.entropy,
+        lead(t.entropy) OVER (PARTITION BY t.run, t.rank, t.seq, t.pos ORDER BY t.step, t.update) AS next_entropy
+    FROM tokens AS t
+    JOIN multi AS m ON t.run = m.run AND t.rank = m.rank AND t.seq = m.seq
+    WHERE t.quadrant <> 'ZA' AND t.entropy IS NOT NULL
+),
+repeated AS (
+    SELECT run, quadrant, count(*) AS tokens, avg(next_entropy - entropy) AS mean_dh
+    FROM seen
+    WHERE next_entropy IS NOT NULL
+    GROUP BY run, quadrant
+),
+drift AS (
+    SELECT run, quadrant, count(*) AS tokens, avg(entropy - old_entropy) AS mean_dh
+    FROM tokens
+    WHERE quadrant <> 'ZA' AND entropy IS NOT NULL AND update > 0
+    GROUP BY run, quadrant
 ),
 per_q AS (
-    SELECT run, quadrant, count(*) AS tokens, avg(dh) AS mean_dh FROM dh GROUP BY run, quadrant
+    SELECT run, quadrant, tokens, mean_dh FROM repeated
+    UNION ALL
+    SELECT d.run, d.quadrant, d.tokens, d.mean_dh
+    FROM drift AS d
+    LEFT JOIN (SELECT DISTINCT run FROM repeated) AS x ON d.run = x.run
+    WHERE x.run IS NULL
 )
 SELECT
     p.run,
