@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.core
+
 
 def _plain_metavars() -> None:
     """Help as users expect it (#13): `--quick` (no `<bool>`), `PATH` (no `{PATH}` / `<str>`), `--run RUN`
@@ -49,7 +51,45 @@ def _plain_metavars() -> None:
 
 _plain_metavars()
 
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a bad choice, an unknown option, a missing argument) as ONE line on stderr,
+    `error: ... (entropylens CMD --help)`, exit 2, instead of Typer's boxed multi-line panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:  # Typer 0.29 vendors click (typer._click); older Typer uses click itself
+            from typer import _click as click
+            from typer.exceptions import Abort
+        except ImportError:  # pragma: no cover
+            import click
+            from click.exceptions import Abort
+
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, as before
+            return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                                standalone_mode=standalone_mode, **extra)
+        except click.ClickException as e:
+            if not standalone_mode:
+                raise
+            msg = " ".join(e.format_message().split()).replace("Value error, ", "")
+            ctx = getattr(e, "ctx", None)
+            hint = f" ({ctx.command_path} --help)" if ctx is not None else ""
+            typer.echo(f"error: {msg}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except Abort:
+            if not standalone_mode:
+                raise
+            typer.echo("aborted", err=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)  # an Exit's code (--help: 0, _fail: 2)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     name="entropylens",
     help="Per-token training dynamics of GRPO-family RL: record, query, report.",
     no_args_is_help=True,

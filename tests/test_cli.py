@@ -96,6 +96,17 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
 
 
+def test_usage_errors_are_one_line_exit_2(runs):
+    """New-user trial: a bad --format choice printed Typer's boxed multi-line usage error."""
+    line = err("query", runs, "SELECT 1", "--format", "bogus")
+    assert "--format" in line and "'bogus'" in line and "table" in line and "entropylens query --help" in line
+    assert "--format" in err("analyze", runs, "run_summary", "-f", "xml")
+    assert "No such option: --nope" in err("runs", runs, "--nope")
+    assert "Missing argument 'PATH'" in err("runs")
+    assert "No such command 'nope'" in err("nope")
+    assert "Usage" in runner.invoke(app, []).output  # no arguments: still the help
+
+
 def test_help_shows_plain_metavars():
     """#13.8: `--quick`, `PATH`, `--run RUN`; never `<bool>`, `{path}`, `<list[str]>`."""
     for cmd in ("demo", "query", "analyze", "report", "runs", "schema"):
