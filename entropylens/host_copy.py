@@ -2,7 +2,12 @@
 
 On CUDA the block is copied into pinned host memory with ``non_blocking=True`` and a CUDA event is
 recorded behind the copy on the current stream; whoever reads the block (the writer thread) waits
-on that event. Nothing here synchronises the caller. On the CPU the block already is host memory.
+on that event. Nothing here synchronises the caller.
+
+On the CPU the tensors already are host memory: :class:`DeferredBlock` holds a private copy of the
+update (tokenbatch.snapshot) and the writer thread builds the packed block from it when it reads
+it (tokenbatch.update_block), so the aggregates and the packing cost the training thread nothing.
+Both classes answer ``on_host``, ``finite()``, ``wait()`` and ``layout`` alike.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ import time
 import numpy as np
 import torch
 
+from . import tokenbatch
+
 
 class HostCopy:
     """An int32 block on its way to the host. ``ready`` without waiting; ``wait()`` -> numpy."""
 
-    def __init__(self, packed: torch.Tensor):
+    def __init__(self, packed: torch.Tensor, layout: "tokenbatch.Layout | None" = None):
+        self.layout = layout
         self._event = None
         if packed.device.type == "cuda":
             self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -33,6 +41,10 @@ class HostCopy:
         """True when no copy was needed (a CPU tensor): the caller may read it without waiting."""
         return self._event is None
 
+    def finite(self) -> dict[str, bool]:
+        """The input finite flags (read from the block: call only when ``on_host``)."""
+        return tokenbatch.read_finite(self.wait(), self.layout)
+
     @property
     def ready(self) -> bool:
         """True when the bytes are on the host (always on the CPU)."""
@@ -44,3 +56,24 @@ class HostCopy:
         while not self.ready:
             time.sleep(0.0002)
         return self._host.numpy()
+
+
+class DeferredBlock:
+    """A CPU update whose packed block is built when it is read: ``wait()`` runs
+    tokenbatch.update_block on the snapshot (on the writer thread) and returns the int32 block."""
+
+    def __init__(self, snap: "tokenbatch.Snapshot", salt: int, sample: float):
+        self._snap, self._salt, self._sample = snap, salt, sample
+        self.layout: tokenbatch.Layout | None = None  # known once the block is built
+
+    on_host = True  # the finite flags are host memory already
+
+    def finite(self) -> dict[str, bool]:
+        """The input finite flags, from the snapshot (no block needed)."""
+        flags = self._snap.finite
+        values = torch.stack(list(flags.values())).tolist() if flags else []
+        return dict(zip(flags, (bool(v) for v in values)))
+
+    def wait(self) -> np.ndarray:
+        packed, self.layout = self._snap.block(self._salt, self._sample)
+        return packed.numpy()

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from . import run_claim, storage, tokenbatch
-from .host_copy import HostCopy
+from .host_copy import DeferredBlock, HostCopy
 from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
 from .writer_thread import RunInfo, WriterThread
 
@@ -88,13 +88,14 @@ class _Pending:
     update: int
     columns: dict  # name -> [B, T]
     mask: torch.Tensor  # [B, T] bool
-    selected: torch.Tensor  # [B, T] bool: masked in and sampled
     finite: dict  # input name -> 0-dim bool (all masked-in values finite)
     seq: torch.Tensor  # [B]
     group: torch.Tensor  # [B]
     tokens: torch.Tensor | None  # [B, T]
     loss_value: torch.Tensor | None
     watch: LogitWatch | None
+    sensitivity: torch.Tensor | None  # [B, T] entropy sensitivity (attribution columns), or None
+    temperature: float
 
 
 def _run_level_eps(config: dict) -> tuple[float, float]:
@@ -281,11 +282,10 @@ class Recorder:
             mask=m, advantages=advantages, logprobs=logprobs, old_logprobs=old_logprobs, entropy=entropy,
             old_entropy=old_entropy, loss_columns=getattr(loss, "columns", None),
             eps_low=settings.get("eps_low", self.eps_low), eps_high=settings.get("eps_high", self.eps_high),
-            tau=settings.get("tau", self.tau), sensitivity=entropy_sensitivity, temperature=temperature,
-        )
+            tau=settings.get("tau", self.tau),
+        )  # the attribution columns (entropy_sensitivity) are added with the aggregates (tokenbatch.update_block)
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]
         group = group_ids.to(dev).long() if group_ids is not None else torch.full((b,), -1, device=dev)  # [B]
-        keep = tokenbatch.sample_keep(seq, self._salt, self.sample)  # [B], keyed on the run-unique seq id
         checked = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": columns["advantage"]}
         if entropy is not None:
             checked["entropy"] = entropy
@@ -296,10 +296,10 @@ class Recorder:
         watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
             else None
         self._pending = _Pending(
-            step=step, update=update, columns=columns, mask=m, selected=m & keep.unsqueeze(1),
-            finite=dict(zip(checked, finite.unbind(0))), seq=seq, group=group,
+            step=step, update=update, columns=columns, mask=m, finite=dict(zip(checked, finite.unbind(0))), seq=seq, group=group,
             tokens=tokens.to(dev) if tokens is not None else None,
-            loss_value=getattr(loss, "loss", None), watch=watch,
+            loss_value=getattr(loss, "loss", None), watch=watch, sensitivity=entropy_sensitivity,
+            temperature=float(temperature),
         )
         if watch is None or not watch.active:
             self._finalize_pending()  # nothing to wait for
@@ -535,20 +535,27 @@ class Recorder:
         columns = pending.columns
         if norms is not None:
             columns["logit_grad_norm"] = norms
-        else:  # a logit_grad_norm column given with the loss (no logits: verl's closed form from sum pi^2)
-            norms = columns.get("logit_grad_norm")
-        aggregates = tokenbatch.step_aggregates(columns, pending.mask, norms, pending.loss_value)
-        packed, layout = tokenbatch.pack(columns, pending.selected, aggregates, pending.finite, pending.seq,
-                                         pending.group, pending.tokens, pending.mask)
-        copy = HostCopy(packed)
-        if copy.on_host:  # on the CPU the flags can be read now: bad input fails this call
-            bad = [name for name, ok in tokenbatch.read_finite(copy.wait(), layout).items() if not ok]
+        # else: a logit_grad_norm column given with the loss (no logits: verl's closed form from sum pi^2)
+        if pending.mask.device.type == "cpu":
+            # the host is the device: the writer thread does the sample, the aggregates and the packing
+            # (off the training thread) on a private copy of the update (three stacked copies)
+            copy = DeferredBlock(tokenbatch.snapshot(columns, pending.mask, pending.loss_value, pending.finite,
+                                                     pending.seq, pending.group, pending.tokens, pending.sensitivity,
+                                                     pending.temperature),
+                                 self._salt, self.sample)
+        else:
+            packed, layout = tokenbatch.update_block(columns, pending.mask, pending.loss_value, pending.finite,
+                                                     pending.seq, pending.group, pending.tokens, self._salt,
+                                                     self.sample, pending.sensitivity, pending.temperature)
+            copy = HostCopy(packed, layout)
+        if copy.on_host:  # the flags can be read now without a sync: bad input fails this call
+            bad = [name for name, ok in copy.finite().items() if not ok]
             if bad:
                 if pending.step == self._last_step:
                     self._step_updates.pop(pending.update, None)
                 raise ValueError(f"{bad[0]} contains NaN or Inf at masked-in positions "
                                  f"(step {pending.step}, update {pending.update})")
-        self._writer.update(pending.step, pending.update, copy, layout)
+        self._writer.update(pending.step, pending.update, copy)
 
 
 class PendingSummary:

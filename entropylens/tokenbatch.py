@@ -87,13 +87,22 @@ def derive_columns(
         cols["old_entropy"] = old_entropy.detach().float()
     if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
         cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
-    if sensitivity is not None and "grad_coef" in cols:
-        sens = sensitivity.detach().float().reshape(shape)
-        cols["entropy_effect"] = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
-        if "grad_coef_unclipped" in cols and "grad_changed" in cols:
-            lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
-            cols["entropy_effect_dropped"] = torch.where(cols["grad_changed"], lost, torch.full_like(lost, float("nan")))
+    if sensitivity is not None:
+        add_attribution(cols, sensitivity.reshape(shape), temperature)
     return cols
+
+
+def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, temperature: float) -> None:
+    """Adds entropy_effect = grad_coef s / T^2 and, where the loss reports grad_changed,
+    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN,
+    stored as null, elsewhere) to ``cols`` (nothing without a grad_coef column). sensitivity [B, T]."""
+    if "grad_coef" not in cols:
+        return
+    sens = sensitivity.detach().float()
+    cols["entropy_effect"] = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+    if "grad_coef_unclipped" in cols and "grad_changed" in cols:
+        lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
+        cols["entropy_effect_dropped"] = torch.where(cols["grad_changed"], lost, torch.full_like(lost, float("nan")))
 
 
 def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -380,6 +389,95 @@ def pack(
         parts.append(tokens.to(torch.int32).reshape(-1))
     parts += [flags.reshape(-1), seq.to(torch.int32).reshape(-1), group.to(torch.int32).reshape(-1)]
     return torch.cat(parts), layout
+
+
+def update_block(
+    cols: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    loss_value: torch.Tensor | None,
+    finite: dict[str, torch.Tensor],
+    seq: torch.Tensor,
+    group: torch.Tensor,
+    tokens: torch.Tensor | None,
+    salt: int,
+    sample: float,
+    sensitivity: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, Layout]:
+    """The whole device work of one update: the entropy attribution columns (:func:`add_attribution`,
+    with ``sensitivity`` [B, T]), the sequence sample (:func:`sample_keep`), the exact aggregates
+    over all masked-in tokens (:func:`step_aggregates`, with cols' logit_grad_norm) and the packed
+    block (:func:`pack`). cols [B, T] each (as :func:`derive_columns` returns them; ``cols`` gains
+    the attribution columns); mask [B, T] bool; seq, group [B]."""
+    if sensitivity is not None:
+        add_attribution(cols, sensitivity, temperature)
+    keep = sample_keep(seq, salt, sample)  # [B]
+    aggregates = step_aggregates(cols, mask, cols.get("logit_grad_norm"), loss_value)
+    return pack(cols, mask & keep.unsqueeze(1), aggregates, finite, seq, group, tokens, mask)
+
+
+# Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
+# aggregates, grad_coef_unclipped for the attribution) and the small integer ones.
+_SNAPSHOT_FLOATS = FLOAT_COLS + ("ratio", "entropy_ratio", "grad_coef_unclipped")
+_SNAPSHOT_INTS = ("quadrant", "clip", "clipped", "erc_kept", "grad_changed")
+
+
+@dataclass
+class Snapshot:
+    """Private copies of everything :func:`update_block` reads, in three stacked tensors, so that the
+    work can run later on another thread (CPU tensors: the host is the device) whatever the caller
+    does to its tensors afterwards. :meth:`block` runs the work; its values equal
+    ``update_block`` on the original tensors (the same ops on equal values)."""
+
+    floats: torch.Tensor  # [n_float, B, T] float32
+    float_names: tuple[str, ...]
+    ints: torch.Tensor  # [n_int, B, T]: quadrant, clip, clipped, (erc_kept), mask, (tokens)
+    int_names: tuple[str, ...]
+    ids: torch.Tensor  # [2, B] int64: seq, group
+    loss_value: torch.Tensor | None
+    finite: dict[str, torch.Tensor]
+    temperature: float = 1.0
+
+    def block(self, salt: int, sample: float) -> tuple[torch.Tensor, Layout]:
+        cols: dict[str, torch.Tensor] = dict(zip(self.float_names, self.floats.unbind(0)))
+        sensitivity = cols.pop("sensitivity", None)
+        ints = dict(zip(self.int_names, self.ints.unbind(0)))
+        for name in ("quadrant", "clip"):
+            cols[name] = ints[name]
+        for name in ("clipped", "erc_kept", "grad_changed"):
+            if name in ints:
+                cols[name] = ints[name].bool()
+        seq, group = self.ids.unbind(0)
+        return update_block(cols, ints["mask"].bool(), self.loss_value, self.finite, seq, group, ints.get("tokens"),
+                            salt, sample, sensitivity, self.temperature)
+
+
+def snapshot(
+    cols: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    loss_value: torch.Tensor | None,
+    finite: dict[str, torch.Tensor],
+    seq: torch.Tensor,
+    group: torch.Tensor,
+    tokens: torch.Tensor | None,
+    sensitivity: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> Snapshot:
+    """Three copies (one stack each) of what :func:`update_block` reads. Arguments as there."""
+    b, t = mask.shape
+    fnames = tuple(c for c in _SNAPSHOT_FLOATS if c in cols)
+    parts = [cols[c].reshape(b, t).float() for c in fnames]
+    if sensitivity is not None:
+        fnames += ("sensitivity",)
+        parts.append(sensitivity.detach().reshape(b, t).float())
+    floats = torch.stack(parts)  # [n_float, B, T]
+    inames = tuple(c for c in _SNAPSHOT_INTS if c in cols) + ("mask",) + (("tokens",) if tokens is not None else ())
+    parts = [cols[c].reshape(b, t) for c in inames[:-2 if tokens is not None else -1]]
+    parts += [mask] + ([tokens.reshape(b, t)] if tokens is not None else [])
+    ints = torch.stack(parts)  # [n_int, B, T], promoted to the widest integer type
+    loss = loss_value.detach() if loss_value is not None else None
+    return Snapshot(floats, fnames, ints, inames, torch.stack([seq.long(), group.long()]), loss, finite,
+                    float(temperature))
 
 
 def read_finite(host: np.ndarray, layout: Layout) -> dict[str, bool]:

@@ -2,7 +2,8 @@
 
 The training thread only puts messages on a bounded queue (``put`` blocks when the queue is full:
 back-pressure, never a drop). The thread, in queue order:
-  update     waits for the update's host copy, checks the input finite flags, selects the token
+  update     waits for the update's host copy (CPU updates: builds the block here, the sample, the
+             aggregates and the packing off the training thread), checks the input finite flags, selects the token
              rows (the compaction) and files the exact aggregates in the step table;
   scalars    adds recorded scalars to a step row (or to every row of a step);
   sequences  writes a sequences file;
@@ -30,7 +31,7 @@ import numpy as np
 
 from . import storage, tokenbatch
 from . import writer as parquet
-from .host_copy import HostCopy
+from .host_copy import DeferredBlock, HostCopy
 from .schema import QUADRANT_NAMES, SCHEMA_VERSION
 from .step_table import StepTable
 from .token_buffer import TokenBuffer
@@ -154,8 +155,8 @@ class WriterThread:
                 if self.error is not None or not self._thread.is_alive():
                     return
 
-    def update(self, step: int, update: int, copy: HostCopy, layout: tokenbatch.Layout) -> None:
-        self.put(("update", step, update, copy, layout))
+    def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
+        self.put(("update", step, update, copy))
 
     def scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
         self.put(("scalars", step, update, values))
@@ -236,8 +237,9 @@ class WriterThread:
                 except BaseException as e:  # surfaced in the caller, never swallowed
                     self.error = e
 
-    def _on_update(self, step: int, update: int, copy: HostCopy, layout: tokenbatch.Layout) -> None:
-        host = tokenbatch.unpack(copy.wait(), layout)
+    def _on_update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
+        block = copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
+        host = tokenbatch.unpack(block, copy.layout)
         bad = [name for name, ok in host.finite.items() if not ok]
         if bad:  # the update is dropped; the caller raises this at its next call
             self._rejected.append(ValueError(

@@ -433,9 +433,10 @@ def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monke
 def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, monkeypatch):
     # on CUDA the caller never waits for the copy: the writer thread reads the NaN flags. Take that
     # path on the CPU too (as if the block were still on its way) and check the error and the drop.
-    from entropylens.host_copy import HostCopy
+    from entropylens.host_copy import DeferredBlock, HostCopy
 
     monkeypatch.setattr(HostCopy, "on_host", property(lambda self: False))
+    monkeypatch.setattr(DeferredBlock, "on_host", False)
     lp = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     bad = lp.clone()
