@@ -46,3 +46,23 @@ def test_install_layout(tmp_path, editable):
     assert out["sql"] == sql
     if not editable:
         assert "/site-packages/entropylens/cli/" in out["entropylens.cli"]
+
+
+def test_every_runtime_dependency_is_imported():
+    """New-user trial: polars and seaborn were installed for every user though nothing imported them.
+    Each entry of [project].dependencies must be imported by the package's own sources."""
+    import ast
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("-", "_") for d in deps}
+    imported = set()
+    for folder in ("entropylens", "cli"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    imported.add(node.module.split(".")[0])
+    assert names and sorted(names - imported) == []
