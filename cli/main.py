@@ -324,6 +324,11 @@ def analyze(
     except QueryError as e:
         _fail(str(e))
     _emit(df, fmt, output)
+    if df.empty:
+        from entropylens.report import when_empty
+
+        if when_empty(name):  # an opt-in analysis: say how to record what it needs
+            typer.echo(f"note: no rows: {when_empty(name)}", err=True)
 
 
 @app.command()

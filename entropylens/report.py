@@ -23,6 +23,7 @@ class Figure:
     title: str
     caption: str
     optional: bool = False  # left out (and named under "Not shown") when its analysis has no rows
+    when_empty: str = ""  # how to record what an opt-in analysis needs (report and `analyze` say it)
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -70,7 +71,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
            "The probe's first-order prediction grad(H) . optimizer step (Adam's own preconditioner) against "
            "the entropy change measured after the real step, and each quadrant's share through the shared "
-           "parameters (demo --probe-every K).", optional=True),
+           "parameters (demo --probe-every K).", optional=True,
+           when_empty="The parameter-space probe is opt-in: record it with `entropylens demo --probe-every K` "
+                      "or by calling `Recorder.probe` every K steps (entropylens/probe.py)."),
     Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change",
            "Entropy drift by quadrant (confounded, not an attribution)",
            "A position's entropy at its next update minus now, per quadrant of its sampled token, minus the "
@@ -159,7 +162,13 @@ def _not_shown_text(not_shown) -> str:
     if not not_shown:
         return ""
     names = "; ".join(f"{f.title} (`{f.analysis}`: no rows in these runs)" for f in not_shown)
-    return f"Not shown: {names}. The probe is opt-in: `entropylens demo --probe-every K` or `Recorder.probe`."
+    hints = " ".join(dict.fromkeys(f.when_empty for f in not_shown if f.when_empty))
+    return f"Not shown: {names}." + (f" {hints}" if hints else "")
+
+
+def when_empty(analysis: str) -> str:
+    """How to record the data an opt-in analysis needs ('' for the others)."""
+    return next((f.when_empty for f in FIGURES if f.analysis == analysis and f.when_empty), "")
 
 
 def _write_markdown(path: Path, summary, rendered, not_shown=()) -> None:

@@ -107,6 +107,16 @@ def test_usage_errors_are_one_line_exit_2(runs):
     assert "Usage" in runner.invoke(app, []).output  # no arguments: still the help
 
 
+def test_empty_opt_in_analysis_says_how_to_enable_it(runs):
+    """New-user trial: `analyze PATH probe_vs_measured` printed only `(no rows)` on runs without probes."""
+    res = runner.invoke(app, ["analyze", str(runs), "probe_vs_measured"])
+    assert res.exit_code == 0 and "(no rows)" in res.stdout
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "opt-in" in lines[0] and "--probe-every K" in lines[0] and "Recorder.probe" in lines[0]
+    res = runner.invoke(app, ["analyze", str(runs), "run_summary"])
+    assert res.exit_code == 0 and res.stderr.strip() == ""  # no note where there are rows
+
+
 def test_help_shows_plain_metavars():
     """#13.8: `--quick`, `PATH`, `--run RUN`; never `<bool>`, `{path}`, `<list[str]>`."""
     for cmd in ("demo", "query", "analyze", "report", "runs", "schema"):
