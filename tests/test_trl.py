@@ -38,12 +38,16 @@ def _snapshot_class():
                 logp = u.log_softmax(-1)
                 lp_a = logp.gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)  # [b, K]
                 sq = logp.exp().square().sum(-1)  # [b, K]
+                # entropy sensitivity s = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H), float64
+                h = -(logp.exp() * logp).sum(-1)  # [b, K]
+                sens = lp_a.exp() * (lp_a + h) - (logp.exp().square() * (logp + h.unsqueeze(-1))).sum(-1)
                 seq = inputs["el_seq_ids"].unsqueeze(1).expand(-1, k)
                 pos = torch.arange(k).unsqueeze(0).expand_as(seq)
                 keep = inputs["completion_mask"].bool()
                 self.snaps.append(pd.DataFrame({
                     "step": self.state.global_step, "seq": seq[keep].numpy(), "pos": pos[keep].numpy(),
-                    "ref_logprob": lp_a[keep].numpy(), "ref_sum_p2": sq[keep].numpy()}))
+                    "ref_logprob": lp_a[keep].numpy(), "ref_sum_p2": sq[keep].numpy(),
+                    "ref_sens": sens[keep].numpy()}))
             return super()._compute_loss(model, inputs)
 
     Snapshot.snaps = []
@@ -143,6 +147,34 @@ def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
     assert Counting.logged == t.groupby("step").size().tolist() and not tr._el_summaries
     n = sum(1 for h in tr.state.log_history if "entropylens/share_pa_hp" in h)
     assert 1 <= n <= 3 and "entropylens/share_pa_hp" in tr.state.log_history[-2]  # the last step's log has one
+
+
+@pytest.mark.parametrize("loss", [None, "ce_gppo"])
+def test_trl_attribution_entropy_effect_against_float64_full_logits(tmp_path, loss):
+    # attribution=True: every pass through head_stats; the training pass also gives s_t. The recorded
+    # entropy_effect must equal grad_coef * s / T^2 with s from float64 full logits of the same model
+    cls = _snapshot_class()
+    el = dict(attribution=True, **({"loss": loss} if loss else {}))
+    tr = trl_tiny.trainer(tmp_path, "attr", cls=cls, max_steps=2, num_iterations=2, el=el)
+    tr.train()
+    assert tr._el_fused is False
+    t = _rows(tmp_path / "attr")
+    _check_bounds(t)
+    _check_closed_form(t, cls.snaps)
+    ref = pd.concat(cls.snaps).drop_duplicates(["step", "seq", "pos"])
+    j = t.merge(ref, on=["step", "seq", "pos"], how="left", validate="one_to_one")
+    assert j["entropy_effect"].notna().all()
+    np.testing.assert_allclose(j["entropy_effect"], j["grad_coef"] * j["ref_sens"], rtol=2e-4, atol=1e-8)
+    assert (j["ref_sens"].abs() > 1e-3).mean() > 0.5  # a test that can fail: s is not ~0 everywhere
+    steps = connect(tmp_path / "attr").execute("SELECT * FROM steps ORDER BY step").df()
+    sums = t.groupby("step")["entropy_effect"].sum()
+    np.testing.assert_allclose(steps.groupby("step")["entropy_effect"].sum(), sums, rtol=1e-4, atol=1e-7)
+    dropped = t["entropy_effect_dropped"]
+    if loss is None:  # TRL's own loss: its unclipped coefficient is unknown, so nothing is claimed
+        assert dropped.isna().all()
+    else:  # CE-GPPO: set exactly on the tokens whose gradient clipping / beta changed
+        assert t["clipped"].sum() >= 3  # the second iteration is off-policy enough to clip some tokens
+        assert (dropped.notna() == t["clipped"]).all()
 
 
 def test_trl_ce_gppo_ga2_grad_coef_includes_the_accumulation_scale(tmp_path):

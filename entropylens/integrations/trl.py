@@ -32,6 +32,13 @@ What it changes in TRL (private methods, hence the version check):
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
 backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
 
+``attribution=True`` records the entropy attribution (``entropy_effect`` = g_t s_t / T^2 per token and
+the steps' budget sums; DESIGN.md): TRL's fused head gives sum_j p_j^2 but not sum_j p_j^2 log p_j,
+so every pass then goes through :func:`entropylens.stats.head_stats` on the backbone's hidden states
+(tiled, no [b, K, V] logits either), which also returns s_t in the training pass. With ``loss=...``
+``entropy_effect_dropped`` (what clipping / beta / ERC took away) is recorded too; with TRL's own loss
+it stays null (the unclipped coefficient of TRL's loss is not known).
+
 entropylens step = optimizer step (``state.global_step``), update = micro-batch within it.
 """
 
@@ -165,7 +172,8 @@ def _trainer_class():
         """GRPOTrainer + entropylens recording (+ optionally entropylens' losses). See the module docstring."""
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
-                     erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=False, **kwargs):
+                     erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=False, attribution=False,
+                     **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
@@ -188,7 +196,7 @@ def _trainer_class():
                 "erc": erc, "dual_clip": dual_clip, "lr": self.args.learning_rate, "seed": self.args.seed,
                 "num_generations": self.num_generations, "num_iterations": self.num_iterations,
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-                "temperature": self.temperature, "kl_beta": self.beta,
+                "temperature": self.temperature, "kl_beta": self.beta, "attribution": bool(attribution),
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
             }
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
@@ -204,7 +212,8 @@ def _trainer_class():
             self._el_rec = None  # the update waiting for its backward
             self._el_summaries: list = []  # step summaries asked of the writer thread, not yet logged
             self._el_warned: set[str] = set()
-            self._el_fused = self._el_patch_fused_head()
+            self._el_attribution = bool(attribution)  # head_stats in every pass, s_t in the training pass
+            self._el_fused = False if attribution else self._el_patch_fused_head()
             acc = self.accelerator
             orig_clip = acc.clip_grad_norm_
 
@@ -261,6 +270,7 @@ def _trainer_class():
                                                batch_size=None, compute_entropy=False, compute_aux_loss=False,
                                                **mm):
             k = logits_to_keep
+            sens = None  # the entropy sensitivity s_t: only from head_stats in a training pass with attribution
             if self._el_fused:
                 self._el_capture = []
                 try:
@@ -285,8 +295,8 @@ def _trainer_class():
                     model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=compute_entropy,
                     compute_aux_loss=compute_aux_loss, **mm)
             else:
-                logps, ents, sq, aux = self._el_head_stats_pass(model, input_ids, attention_mask, k, batch_size,
-                                                                compute_aux_loss)
+                logps, ents, sq, sens, aux = self._el_head_stats_pass(model, input_ids, attention_mask, k,
+                                                                      batch_size, compute_aux_loss)
             if torch.is_grad_enabled() and logps.requires_grad:
                 box: dict = {}
 
@@ -294,20 +304,25 @@ def _trainer_class():
                     box["g"] = grad.detach()
 
                 logps.register_hook(hook)
-                self._el_train = {"lp": logps, "h": ents, "sq": sq, "box": box}
+                self._el_train = {"lp": logps, "h": ents, "sq": sq, "box": box,
+                                  "sens": sens}
             elif self._el_passes is not None:
                 self._el_passes.append((logps, ents))
             return logps, (ents if compute_entropy else None), aux
 
         def _el_head_stats_pass(self, model, input_ids, attention_mask, k, batch_size, compute_aux_loss):
-            """Fallback without TRL's fused head: the backbone's last hidden states through head_stats."""
-            self._el_warn_once("fallback", "TRL's fused LM head is not on this model; log-probs, entropies and "
-                                           "sum p^2 come from entropylens.stats.head_stats on the hidden states")
+            """The backbone's last hidden states through head_stats (``attribution=True``, or no TRL fused
+            head on the model): (logps, entropies, sum p^2, s_t or None, aux). s_t only in a training pass
+            with ``attribution``."""
+            if not self._el_attribution:
+                self._el_warn_once("fallback", "TRL's fused LM head is not on this model; log-probs, entropies and "
+                                               "sum p^2 come from entropylens.stats.head_stats on the hidden states")
+            want_sens = self._el_attribution and torch.is_grad_enabled()
             base = self._el_base_model()
             backbone = getattr(base, base.base_model_prefix)
             head = base.get_output_embeddings()
             batch_size = batch_size or input_ids.size(0)
-            lps, hs, sqs, auxes = [], [], [], []
+            lps, hs, sqs, sens, auxes = [], [], [], [], []
             for s in range(0, input_ids.size(0), batch_size):
                 ids = input_ids[s : s + batch_size]
                 kw = {"output_router_logits": True} if compute_aux_loss else {}
@@ -315,14 +330,16 @@ def _trainer_class():
                     out = backbone(input_ids=ids, attention_mask=attention_mask[s : s + batch_size], use_cache=False,
                                    **kw)
                 hidden = out.last_hidden_state[:, -k - 1 : -1]  # [b, K, H]: predicts the K completion tokens
-                lp, h, sq = head_stats(hidden, head.weight, ids[:, -k:], bias=head.bias, temperature=self.temperature)
+                lp, h, sq, *s = head_stats(hidden, head.weight, ids[:, -k:], bias=head.bias,
+                                           temperature=self.temperature, sensitivity=want_sens)
+                sens += s
                 lps.append(lp)
                 hs.append(h)
                 sqs.append(sq)
                 if compute_aux_loss:
                     auxes.append(getattr(out, "aux_loss", None))
             aux = torch.stack(auxes).mean() if compute_aux_loss and auxes and auxes[0] is not None else None
-            return torch.cat(lps), torch.cat(hs), torch.cat(sqs), aux
+            return torch.cat(lps), torch.cat(hs), torch.cat(sqs), (torch.cat(sens) if sens else None), aux
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -429,7 +446,8 @@ def _trainer_class():
             self.recorder.record_update(self.state.global_step, self._el_micro, mask=mask, advantages=adv,
                                         logprobs=lp, old_logprobs=old_lp, entropy=h, old_entropy=old_h,
                                         tokens=rec["tokens"], seq_ids=rec["seq"],
-                                        loss=_LossColumns(cols, rec["loss"], config))
+                                        loss=_LossColumns(cols, rec["loss"], config),
+                                        entropy_sensitivity=rec.get("sens"), temperature=self.temperature)
             self._el_micro += 1
 
         def _el_step_end(self) -> None:
