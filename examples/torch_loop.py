@@ -1,10 +1,12 @@
 """A hand-written GRPO loop in plain PyTorch, recorded by entropylens (CPU, offline; about 13 s of CPU for 20 steps).
 
-    python examples/torch_loop.py --out runs [--steps 20] [--method ce_gppo]    # or --out s3://bucket/runs
+    python examples/torch_loop.py --out runs [--steps 20] [--method ce_gppo] [--run ID]   # or --out s3://bucket/runs
 Task: answer 8 tokens; reward = share of answer tokens in {0, 2, 4, 6} (chance 1/6).
 """
 
 import argparse
+import secrets
+import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,8 +27,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: a model this small is fastest on one, and more "
                          "spin against other jobs on a busy machine)")
+    ap.add_argument("--run", default=None,
+                    help="run id (default: torch-loop-<method>-<time>-<random>, new each time)")
     ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier run of this example under --out (refused otherwise)")
+                    help="replace an earlier run of the same --run id under --out (refused otherwise)")
     a = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
@@ -43,8 +47,8 @@ def train(a):
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    with Recorder(a.out, run=f"torch-loop-{a.method}", config={"method": a.method, "lr": 3e-3},
-                  overwrite=a.overwrite) as rec:
+    run = a.run or f"torch-loop-{a.method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    with Recorder(a.out, run=run, config={"method": a.method, "lr": 3e-3}, overwrite=a.overwrite) as rec:
         for step in range(a.steps):
             prompts = torch.randint(0, V, (8, P), generator=gen).repeat_interleave(G, dim=0)  # [64, P]
             with torch.no_grad():  # rollout at temperature 1

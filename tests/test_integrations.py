@@ -44,6 +44,24 @@ def test_torch_loop_example(tmp_path):
     assert con.execute("SELECT count(*) FROM sequences").fetchone()[0] == 3 * 64
 
 
+def test_torch_loop_example_run_ids(tmp_path):
+    """New-user trial: the example used a fixed run id while its refusal said 'the default id is new each
+    time'. Now it is: two runs side by side; a fixed --run is refused the second time, --overwrite replaces."""
+    import pytest
+    import torch_loop
+
+    from entropylens.run_claim import RunExistsError
+
+    a = torch_loop.main(["--out", str(tmp_path), "--steps", "1"])
+    b = torch_loop.main(["--out", str(tmp_path), "--steps", "1"])
+    assert a != b and str(a).rsplit("/", 1)[-1].startswith("torch-loop-ce_gppo-")
+    torch_loop.main(["--out", str(tmp_path), "--steps", "1", "--run", "fixed"])
+    with pytest.raises(RunExistsError, match="default id is new each time"):
+        torch_loop.main(["--out", str(tmp_path), "--steps", "1", "--run", "fixed"])
+    torch_loop.main(["--out", str(tmp_path), "--steps", "2", "--run", "fixed", "--overwrite"])
+    assert connect(tmp_path / "fixed").execute("SELECT count(DISTINCT step) FROM steps").fetchone()[0] == 2
+
+
 def test_trl_grpo_trainer_records_every_step(tmp_path):
     import trl_grpo
 
