@@ -7,7 +7,9 @@ word-level tokenizer of that size, 8 completions x 192 tokens in one micro-batch
 one pass would be 8 x (P + 192) x 151936 float32 = about 1 GB: they dominate everything else).
 
 Method: each trainer runs in a FRESH subprocess (same script, same process type; only the trainer
-class differs: TRL's GRPOTrainer vs EntropyLensGRPOTrainer with full recording and TRL's loss).
+class differs: TRL's GRPOTrainer vs EntropyLensGRPOTrainer with full recording and TRL's loss, and
+with ``--attribution`` also EntropyLensGRPOTrainer(attribution=True): every pass through
+entropylens' own tiled head, head_stats, with the entropy sensitivity in the training pass).
 After the trainer is built, the child resets the kernel's peak-RSS mark (write 5 to
 /proc/self/clear_refs), runs one optimizer step (generation, old-policy pass, forward, backward,
 recording) and reads VmHWM from /proc/self/status: the process's true peak resident memory over
@@ -72,7 +74,8 @@ def child(mode: str, out: str, completion: int, generations: int) -> dict:
     else:
         from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
-        trainer = EntropyLensGRPOTrainer(**common, entropylens_root=out, run="mem")
+        trainer = EntropyLensGRPOTrainer(**common, entropylens_root=out, run="mem",
+                                         attribution=mode == "attribution")
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
     trainer.train()
@@ -86,13 +89,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--completion", type=int, default=192)
     ap.add_argument("--generations", type=int, default=8)
-    ap.add_argument("--child", choices=["plain", "entropylens"], help=argparse.SUPPRESS)
+    ap.add_argument("--attribution", action="store_true", help="also measure attribution=True (head_stats)")
+    ap.add_argument("--child", choices=["plain", "entropylens", "attribution"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
         print("RESULT " + json.dumps(child(a.child, a.out, a.completion, a.generations)))
         return
-    res: dict[str, list[dict]] = {"plain": [], "entropylens": []}
+    res: dict[str, list[dict]] = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
@@ -118,6 +122,8 @@ def main() -> None:
               f"step's own {peak[m] - before[m]:8.0f} MB")
     step_ratio = (peak["entropylens"] - before["entropylens"]) / max(1e-9, peak["plain"] - before["plain"])
     print(f"step_memory_ratio={step_ratio:.3f}")
+    if a.attribution:
+        print(f"attribution_memory_ratio={peak['attribution'] / peak['plain']:.3f}")
     print(f"trl_memory_ratio={peak['entropylens'] / peak['plain']:.3f}")
 
 

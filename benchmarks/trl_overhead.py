@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--attribution", action="store_true",
+                    help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)")
     a = ap.parse_args()
     import torch
 
@@ -59,12 +61,12 @@ def main() -> None:
         def __init__(self):
             StepTimer.__init__(self)
 
-    times = {"plain": [], "entropylens": []}
+    times = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in times:
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
-                                             hidden=a.hidden)
+                                             hidden=a.hidden, attribution=mode == "attribution")
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
                     model = trl_grpo.build_model(el.processing_class, r, a.hidden)
                     tr = GRPOTrainer(model=model, reward_funcs=trl_grpo.digit_reward, args=el.args,
@@ -84,6 +86,9 @@ def main() -> None:
         print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f}")
     ratio = [e / p for e, p in zip(med["entropylens"], med["plain"])]
     print(f"ratios: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
+    if a.attribution:
+        att = [e / p for e, p in zip(med["attribution"], med["plain"])]
+        print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
     print(f"trl_overhead_ratio={ratio[0]:.3f}")
 

@@ -3,6 +3,7 @@ tokenizer built locally, a dataset from a dict, a Python reward.
 
     python examples/trl_grpo.py --out runs                 # TRL's own loss, recorded
     python examples/trl_grpo.py --out runs --loss ce_gppo  # CE-GPPO (beta 0.5 / 1) + ERC, from entropylens
+    python examples/trl_grpo.py --out runs --attribution   # + the entropy attribution (entropy_effect)
 """
 
 import argparse
@@ -37,7 +38,7 @@ def digit_reward(completions, **kwargs):
     return [sum(w.isdigit() for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32):
+def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32, attribution=False):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -54,7 +55,7 @@ def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32):
     extra = dict(loss=loss, beta1=0.5, beta2=1.0, erc=(0.95, 1.05)) if loss else {}
     return EntropyLensGRPOTrainer(model=build_model(tok, seed, hidden), reward_funcs=digit_reward, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
-                                  entropylens_root=out, run=run, **extra)
+                                  entropylens_root=out, run=run, attribution=attribution, **extra)
 
 
 def main(argv=None):
@@ -63,8 +64,10 @@ def main(argv=None):
     ap.add_argument("--loss", default=None, help="an entropylens loss (ce_gppo, gppo, dapo, ...); default TRL's")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--run", default=None)
+    ap.add_argument("--attribution", action="store_true",
+                    help="record the entropy attribution (entropy_effect; every pass through entropylens' head)")
     a = ap.parse_args(argv)
-    trainer = make_trainer(a.out, a.loss, a.steps, run=a.run)
+    trainer = make_trainer(a.out, a.loss, a.steps, run=a.run, attribution=a.attribution)
     trainer.train()
     print(f"run: {trainer.recorder.dir}")
     return trainer
