@@ -27,6 +27,8 @@ from .storage import location, register
 PARTITIONED = ("steps", "sequences", "tokens", "probes")
 UNIFORM = ("sequences", "tokens")  # one writer, one schema per run: no union_by_name, so a filtered
 # query opens only the files its step/rank filter keeps (union_by_name reads every footer first)
+MATERIALIZED = ("steps", "probes")  # a row per update and rank: read once at connect into a table, not
+# once per query (an uncompacted 100M-row run has 24k steps files, each parsed again by every query)
 STALE_INTERVALS = 3  # a running run whose heartbeat is older than this many intervals is `stale`
 DEFAULT_HEARTBEAT_S = 10.0
 
@@ -150,7 +152,8 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
     (a directory or an object-store URL such as ``s3://bucket/runs``).
 
     The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
-    later steps. Unreadable files are skipped with one UnreadableFileWarning each."""
+    later steps. ``steps`` and ``probes`` (a row per update and rank) are read once, at connect, into
+    temporary tables; ``sequences`` and ``tokens`` stay views over the files. Unreadable files are skipped with one UnreadableFileWarning each."""
     import duckdb
 
     for attempt in range(3):
@@ -178,12 +181,14 @@ def _views(snap: cat.Catalog, con):
     con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
     for table in sorted(set(PARTITIONED) | set(snap.tables())):
         selects = []
+        derived = any(c.derived for c in TABLES.get(table, []))
         for r in snap.runs:
             for src in _sources(r, table):
-                have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+                have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()} if derived else set()
                 selects.append(f"SELECT {_sql_str(r.id)} AS run, *{_derived_sql(table, have)} FROM {src}")
         body = " UNION ALL BY NAME ".join(selects) if selects else _empty_view(table)
-        con.execute(f"CREATE VIEW {table} AS {body}")
+        kind = "TEMP TABLE" if table in MATERIALIZED and selects else "VIEW"
+        con.execute(f"CREATE {kind} {table} AS {body}")
     return con
 
 
