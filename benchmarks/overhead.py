@@ -4,8 +4,13 @@ about time.
 
 Two clocks per mode: wall time of the step, and CPU time of the training thread (time.thread_time:
 what the recorder costs the caller, robust when other processes share the cores; the writer
-thread's work runs on another thread). Then the cost of fsync per file on this disk: a token file
-of one toy step written with and without fsync (file + directory), alternating.
+thread's work runs on another thread). Each recorder's writer thread works during its own steps
+(what its previous step left in the outbox, and mid-step hand-overs); after a step, what was
+handed over is drained before the next mode runs (untimed: its wall time is printed as "drain"),
+so one recorder's writer work never lands in another mode's step (before, each mode was charged
+with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than full). The writer
+thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
+file of one toy step written with and without fsync (file + directory), alternating.
 
   python benchmarks/overhead.py [--steps 30] [--fsync-files 40]
 Last line: overhead_ratio=<full-recording median / off median (wall)>
@@ -63,23 +68,34 @@ def main() -> None:
                  "sample=0.1": Recorder(d, run="s01", sample=0.1)}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
+        writer_cpu = {m: [] for m in modes}
+        drain = {m: [] for m in modes}
         for i in range(a.steps + 2):  # two warm-up rounds
             for m, rec in modes.items():
+                w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
+                t1, c1 = time.perf_counter(), time.thread_time()
+                if rec:
+                    rec._writer.drain()  # untimed: this recorder's handed-over work ends before the next mode
                 if i >= 2:
-                    wall[m].append(time.perf_counter() - t0)
-                    cpu[m].append(time.thread_time() - c0)
+                    wall[m].append(t1 - t0)
+                    cpu[m].append(c1 - c0)
+                    drain[m].append(time.perf_counter() - t1)
+                    writer_cpu[m].append((rec._writer.cpu_seconds - w0) if rec else 0.0)
         for rec in modes.values():
             if rec:
                 rec.close()
     base_wall, base_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
           f"{a.steps} steps per mode, alternating, torch threads {a.threads}")
-    print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7}")
+    print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
+          f"{'drain ms':>9}")
     for m in modes:
         w, c = statistics.median(wall[m]), statistics.median(cpu[m])
-        print(f"{m:<14} {w * 1000:9.1f} {w / base_wall:7.3f} {c * 1000:14.1f} {c / base_cpu:7.3f}")
+        wc, dr = statistics.median(writer_cpu[m]), statistics.median(drain[m])
+        print(f"{m:<14} {w * 1000:9.1f} {w / base_wall:7.3f} {c * 1000:14.1f} {c / base_cpu:7.3f} {wc * 1000:14.1f} "
+              f"{dr * 1000:9.1f}")
     if a.fsync_files:
         rows = cfg.prompts * cfg.group * 16 * cfg.epochs  # every update of the step: each sequence once per epoch
         plain, synced = fsync_cost(a.fsync_files, rows)

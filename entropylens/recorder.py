@@ -306,7 +306,8 @@ class Recorder:
 
     def record_step(self, step: int, *, update: int | None = None, grad_norm=None, lr=None, **metrics) -> None:
         """Scalars of a step (update=None: the whole step, e.g. reward mean) or of one update
-        (its own optimizer step: grad norm before clipping, lr). Values may be tensors."""
+        (its own optimizer step: grad norm before clipping, lr). Values may be tensors (CUDA tensors
+        are not read here, which would synchronise: one non-blocking copy, read by the writer thread)."""
         self._check_alive()
         step = int(step)
         self._finalize_pending()
@@ -314,11 +315,18 @@ class Recorder:
             raise ValueError(f"step {step} was already written; record_step must come before later steps")
         self._advance_to(step)
         values = {"grad_norm": grad_norm, "lr": lr, **metrics}
-        values = {k: _scalar(v) for k, v in values.items() if v is not None}
+        values = {k: v for k, v in values.items() if v is not None}
         for k in values:
-            if not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum():
+            if k not in _PLAIN_NAMES and not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum():
                 raise ValueError(f"metric name {k!r}: use letters, digits, '_', '/', '.', '-'")
         values = {k.replace("/", "_").replace(".", "_").replace("-", "_"): v for k, v in values.items()}
+        # device tensors (a grad norm on CUDA) reach the host by one non-blocking copy that the writer
+        # thread waits for (no synchronising .item() on this thread); everything else becomes a float now
+        on_device = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type in _DEFERRED_DEVICES]
+        values = {k: v if k in on_device else _scalar(v) for k, v in values.items()}
+        if on_device:
+            stacked = torch.stack([values.pop(k).detach().reshape(()).float() for k in on_device]).double()  # [k]
+            values = (values, tuple(on_device), HostCopy(stacked))
         if not self._disabled:
             self._writer.scalars(step, None if update is None else int(update), values)
 
@@ -569,6 +577,10 @@ class PendingSummary:
 
     def result(self) -> dict[str, float]:
         return self._reply.wait(self._writer._thread) or {}
+
+
+_PLAIN_NAMES = frozenset(("grad_norm", "lr"))
+_DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
 
 
 def _scalar(v) -> float:

@@ -158,7 +158,8 @@ class WriterThread:
     def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         self.put(("update", step, update, copy))
 
-    def scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
+    def scalars(self, step: int, update: int | None, values: "dict[str, Any] | tuple") -> None:
+        """values: name -> float, or (floats, names, HostCopy) with device scalars still on their way."""
         self.put(("scalars", step, update, values))
 
     def rewards(self, step: int, total: float, count: int) -> None:
@@ -190,6 +191,22 @@ class WriterThread:
         reply = _Reply()
         self.put(("summary", step, reply), flush=True)
         return reply
+
+    def drain(self) -> None:
+        """Wait until the thread has handled every message handed over so far (the outbox is not
+        handed over: what waits there stays for the next hand-over). For benchmarks: one recorder's
+        writer work must not run into another's measurement."""
+        reply = _Reply()
+        self._queue.put(("batch", [("summary", -1, reply)]))
+        reply.wait(self._thread)
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU time the writer thread has used so far (Linux: its thread clock; else 0)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
+        except (AttributeError, OSError, TypeError):
+            return 0.0
 
     def take_rejected(self) -> ValueError | None:
         return self._rejected.pop(0) if self._rejected else None
@@ -254,7 +271,10 @@ class WriterThread:
         for file_step, updates, arrays in self._tokens.add(step, update, rows):
             parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
 
-    def _on_scalars(self, step: int, update: int | None, values: dict[str, Any]) -> None:
+    def _on_scalars(self, step: int, update: int | None, values: "dict[str, Any] | tuple") -> None:
+        if isinstance(values, tuple):  # (floats, names, HostCopy of device scalars [k] float64)
+            floats, names, copy = values
+            values = {**floats, **dict(zip(names, copy.wait().tolist()))}
         if update is None:
             self._steps.add_step_scalars(step, values)
         else:

@@ -352,6 +352,7 @@ def test_record_update_does_not_synchronise_on_cuda(tmp_path):
     x, tokens, mask, adv, old = (t.to(dev) for t in make_batch(2))
     with torch.no_grad():
         old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    norms = []
     with Recorder(tmp_path, run="r", sample=0.5) as rec:
         for update in range(2):
             logits = x.clone().float().requires_grad_(True)
@@ -367,11 +368,40 @@ def test_record_update_does_not_synchronise_on_cuda(tmp_path):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             lp.sum().backward()
+            grad_norm = logits.grad.norm()  # a device scalar, as clip_grad_norm_ returns it
+            torch.cuda.set_sync_debug_mode("error")
+            try:  # the update's block is finalised here and the grad norm stays a device tensor
+                rec.record_step(0, update=update, grad_norm=grad_norm, lr=1e-3)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            norms.append(float(grad_norm.float()))
         summary = rec.step_summary(0)
     con = connect(tmp_path)
     n = con.execute("SELECT sum(n_tokens) FROM steps").fetchone()[0]
     assert n == 2 * int(mask.sum()) == summary["n_tokens"]
+    got = con.execute("SELECT grad_norm, lr FROM steps ORDER BY \"update\"").fetchall()
+    lr32 = float(np.float32(1e-3))  # steps store float32: the device norm (a float32) round-trips exactly
+    assert got == [(norms[0], lr32), (norms[1], lr32)]
     assert con.execute("SELECT count(logit_grad_norm) = count(*) FROM tokens").fetchone()[0]
+
+
+def test_device_scalars_of_record_step_arrive_through_the_writer_thread(tmp_path, monkeypatch):
+    # on CUDA a tensor grad norm is not read on the caller's thread (that would synchronise): it goes
+    # by a non-blocking copy the writer thread waits for. Take that path with CPU tensors and check
+    # the stored values: float32(v) for every tensor, floats as they are, per update and per step.
+    from entropylens import recorder as recorder_module
+
+    monkeypatch.setattr(recorder_module, "_DEFERRED_DEVICES", ("cpu",))
+    norms = [torch.tensor(1.2345678, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float32)]
+    with Recorder(tmp_path, run="r") as rec:
+        for update in range(2):
+            record_one(rec, 0, update, seed=update, watch=False)
+            rec.record_step(0, update=update, grad_norm=norms[update], lr=1e-3)
+        rec.record_step(0, reward_std=torch.tensor(2.5), accuracy=0.75)
+    got = connect(tmp_path).execute(
+        'SELECT grad_norm, lr, reward_std, accuracy FROM steps ORDER BY "update"').fetchall()
+    f32 = [float(np.float32(x)) for x in (1.2345678, 0.1, 1e-3, 0.75)]
+    assert got == [(f32[0], f32[2], 2.5, f32[3]), (f32[1], f32[2], 2.5, f32[3])]
 
 
 def test_step_summary_quantiles_are_quantiles_of_the_step(tmp_path):
