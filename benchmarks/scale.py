@@ -95,7 +95,7 @@ def write_steps_range(run_dir: str, steps: list[int], ranks: int, rows_per_file:
 
 
 def build(run_dir: Path, rows: int, ranks: int, rows_per_file: int, workers: int) -> tuple[int, int]:
-    n_steps = max(1, rows // (ranks * rows_per_file))
+    n_steps = max(1, -(-rows // (ranks * rows_per_file)))  # at least `rows` rows
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({
         "run": run_dir.name, "method": "dapo", "status": "finished", "eps_low": 0.2, "eps_high": 0.28, "tau": 0.5,
@@ -131,26 +131,54 @@ def _cpu() -> float:
 
 
 def measure(run_dir: Path, out: Path) -> dict:
-    """Wall and CPU seconds (this process, all DuckDB threads) of every analysis (SQL only, one
-    connection) and of the whole report (connect, analyses, figures, HTML)."""
+    """Wall and CPU seconds (this process, all DuckDB threads) of the whole report
+    (entropylens.report.write_report: connect, every analysis it runs, figures, HTML), split into
+    connect, each analysis (timed inside the report) and the rest (figures, HTML); then the analyses
+    the report does not run, on one more connection."""
+    import entropylens.report as report
     from entropylens.query import connect, list_analyses, run_analysis
-    from entropylens.report import write_report
+
+    parts: dict[str, list[float]] = {}
+
+    def timing(label, fn):
+        def wrapped(*a, **k):
+            c0, t0 = _cpu(), time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                w, c = parts.get(label, [0.0, 0.0])
+                parts[label] = [w + time.perf_counter() - t0, c + _cpu() - c0]
+        return wrapped
 
     shutil.rmtree(out, ignore_errors=True)
-    c0, t0 = _cpu(), time.perf_counter()
+    orig_connect, orig_run = report.connect, report.run_analysis
+    report.connect = timing("connect", orig_connect)
+    report.run_analysis = lambda con, name, **p: timing(name, orig_run)(con, name, **p)
+    try:
+        c0, t0 = _cpu(), time.perf_counter()
+        report.write_report(run_dir, out)
+        report_s, report_cpu = time.perf_counter() - t0, _cpu() - c0
+    finally:
+        report.connect, report.run_analysis = orig_connect, orig_run
+    in_report = dict(parts)
     con = connect(run_dir)
     for name, _ in list_analyses():
-        run_analysis(con, name)
+        if name not in in_report:
+            timing(name, run_analysis)(con, name)
     con.close()
-    c1, t1 = _cpu(), time.perf_counter()
-    write_report(run_dir, out)
-    c2, t2 = _cpu(), time.perf_counter()
-    return {"sql_s": t1 - t0, "sql_cpu": c1 - c0, "report_s": t2 - t1, "report_cpu": c2 - c1}
+    sql = [v for k, v in in_report.items() if k != "connect"]
+    return {"report_s": report_s, "report_cpu": report_cpu, "parts": parts, "in_report": sorted(in_report),
+            "sql_s": sum(w for w, _ in sql), "sql_cpu": sum(c for _, c in sql),
+            "load": os.getloadavg()[0]}
 
 
 def _show(label: str, m: dict) -> None:
-    print(f"{label}: all analyses {m['sql_s']:.1f} s wall / {m['sql_cpu']:.1f} s CPU; whole report "
-          f"{m['report_s']:.1f} s wall / {m['report_cpu']:.1f} s CPU (load {os.getloadavg()[0]:.1f})")
+    print(f"{label}: whole report {m['report_s']:.1f} s wall / {m['report_cpu']:.1f} s CPU "
+          f"(connect + analyses {m['parts']['connect'][1] + m['sql_cpu']:.1f} s CPU, figures and HTML "
+          f"{m['report_cpu'] - m['parts']['connect'][1] - m['sql_cpu']:.1f} s CPU); load average {m['load']:.1f}")
+    for name, (w, c) in sorted(m["parts"].items(), key=lambda kv: -kv[1][1]):
+        where = "" if name in m["in_report"] else "  (not in the report)"
+        print(f"  {name:30s} {w:8.2f} s wall {c:8.2f} s CPU{where}")
 
 
 def arithmetic(bytes_per_row: float, rows_per_s_report: float) -> None:
@@ -174,6 +202,23 @@ def arithmetic(bytes_per_row: float, rows_per_s_report: float) -> None:
           "1,000 steps x 16 updates x 64 ranks = 1.0M rows, a few MB")
 
 
+def token_rows(run_dir: Path) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(os.path.join(d, f)).num_rows for d, _, names in os.walk(run_dir / "tokens")
+               for f in names if f.endswith(".parquet"))
+
+
+def speedups(before: dict, after: dict) -> None:
+    print("compaction speed-up (CPU seconds, original / compacted), by query:")
+    for name, (_, c) in sorted(after["parts"].items(), key=lambda kv: -before["parts"].get(kv[0], [0, 0])[1]):
+        b = before["parts"].get(name, [float("nan")] * 2)[1]
+        print(f"  {name:30s} {b:8.2f} / {c:7.2f} = x{b / max(c, 1e-9):.1f}")
+    print(f"  whole report: x{before['report_s'] / after['report_s']:.1f} wall, "
+          f"x{before['report_cpu'] / after['report_cpu']:.1f} CPU; its connect + analyses: "
+          f"x{(before['sql_cpu'] + before['parts']['connect'][1]) / (after['sql_cpu'] + after['parts']['connect'][1]):.1f} CPU")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=100_000_000)
@@ -182,45 +227,59 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2, help="processes writing the files")
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the data (default: removed at the end)")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="a directory kept by an earlier --keep run (DATA/scale): no generation; with "
+                         "--phase, one part of the benchmark at a time")
+    ap.add_argument("--phase", choices=("all", "before", "compact", "after"), default="all")
     ap.add_argument("--skip-uncompacted", action="store_true", help="do not time the report before compaction")
     a = ap.parse_args()
-    base = Path(tempfile.mkdtemp(prefix="entropylens-scale-", dir=a.dir))
+    base = a.data or Path(tempfile.mkdtemp(prefix="entropylens-scale-", dir=a.dir))
+    keep = a.keep or a.data is not None
     run_dir = base / "scale"
     try:
         print(f"load average at start: {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
-        (rows, n_steps), t_gen = timed(lambda: build(run_dir, a.rows, a.ranks, a.rows_per_file, a.workers))
+        if (run_dir / "run.json").exists():
+            rows = token_rows(run_dir)
+            print(f"{rows:,} token rows in {run_dir} (kept from an earlier run)")
+        else:
+            (rows, n_steps), t_gen = timed(lambda: build(run_dir, a.rows, a.ranks, a.rows_per_file, a.workers))
+            print(f"{rows:,} token rows: {n_steps} steps x {a.ranks} ranks x {a.rows_per_file:,} rows per file "
+                  f"written in {t_gen:.0f} s ({rows / t_gen / 1e6:.2f}M rows/s, {a.workers} processes)")
         size, files = tree_bytes(run_dir / "tokens", "")
-        bpr = size / rows
-        print(f"{rows:,} token rows: {n_steps} steps x {a.ranks} ranks x {a.rows_per_file:,} rows per file "
-              f"({files:,} token files) written in {t_gen:.0f} s ({rows / t_gen / 1e6:.2f}M rows/s, "
-              f"{a.workers} processes)")
-        print(f"tokens: {size / 1e9:.2f} GB, {bpr:.1f} bytes per row")
-        before = None
-        if not a.skip_uncompacted:
+        if files:
+            print(f"original tokens: {files:,} files, {size / 1e9:.2f} GB, {size / rows:.1f} bytes per row; "
+                  f"all tables: {sum(tree_bytes(run_dir / t, '')[1] for t in ('tokens', 'sequences', 'steps')):,} files")
+        before = after = None
+        if a.phase in ("all", "before") and not a.skip_uncompacted:
             before = measure(run_dir, base / "report-before")
             _show("original files", before)
-        try:
+            (base / "before.json").write_text(json.dumps(before))
+        if a.phase in ("all", "compact"):
             from entropylens.compact import compact
-        except ImportError:
-            print("entropylens.compact is not available: the compacted half is skipped")
-            return
-        res, t_compact = timed(lambda: compact(run_dir, grace_s=0))
-        print(f"compaction: {t_compact:.0f} s ({'; '.join(r.summary() for r in res)})")
+
+            c0 = _cpu()
+            res, t_compact = timed(lambda: compact(run_dir, grace_s=0))
+            print(f"compaction: {t_compact:.0f} s wall, {_cpu() - c0:.0f} s CPU, load average "
+                  f"{os.getloadavg()[0]:.1f} ({'; '.join(r.summary() for r in res)})")
         csize, cfiles = tree_bytes(run_dir / "compacted" / "tokens", "")
-        cbpr = csize / rows
-        print(f"compacted tokens: {cfiles} files, {csize / 1e9:.2f} GB, {cbpr:.1f} bytes per row")
-        after = measure(run_dir, base / "report-after")
-        _show("compacted", after)
-        nan = {k: float("nan") for k in after}
-        before = before or nan
-        print(f"compaction speed-up: analyses x{before['sql_s'] / after['sql_s']:.1f} wall, "
-              f"x{before['sql_cpu'] / after['sql_cpu']:.1f} CPU; whole report x{before['report_s'] / after['report_s']:.1f} "
-              f"wall, x{before['report_cpu'] / after['report_cpu']:.1f} CPU")
-        arithmetic(cbpr, rows / (after["sql_cpu"] / 2))
-        print(f"rows={rows} bytes_per_row={bpr:.2f} report_s={before['report_s']:.1f} "
-              f"compacted_report_s={after['report_s']:.1f} speedup={before['sql_s'] / after['sql_s']:.1f}")
+        if cfiles:
+            print(f"compacted tokens: {cfiles} files, {csize / 1e9:.2f} GB, {csize / rows:.1f} bytes per row")
+        if a.phase in ("all", "after"):
+            after = measure(run_dir, base / "report-after")
+            _show("compacted", after)
+            (base / "after.json").write_text(json.dumps(after))
+        if before is None and (base / "before.json").exists():
+            before = json.loads((base / "before.json").read_text())
+        if before and after:
+            speedups(before, after)
+        if after and cfiles:
+            arithmetic(csize / rows, rows / (after["report_cpu"] / 2))
+            print(f"rows={rows} bytes_per_row={csize / rows:.2f} "
+                  f"report_s={before['report_s'] if before else float('nan'):.1f} "
+                  f"compacted_report_s={after['report_s']:.1f} compacted_report_cpu_s={after['report_cpu']:.1f} "
+                  f"speedup_cpu={before['report_cpu'] / after['report_cpu'] if before else float('nan'):.1f}")
     finally:
-        if not a.keep:
+        if not keep:
             shutil.rmtree(base, ignore_errors=True)
         else:
             print(f"data kept in {base}")

@@ -50,6 +50,7 @@ class RunFiles:
     files: dict[str, list[str]] = field(default_factory=dict)  # table -> Hive files (step=/rank= path)
     compacted: dict[str, list[str]] = field(default_factory=dict)  # table -> compacted files
     ranges: list[tuple[int, int]] = field(default_factory=list)  # compacted, committed step ranges
+    broken: list[tuple[int, int]] = field(default_factory=list)  # ranges whose commit file is unreadable
     sizes: dict[str, int] = field(default_factory=dict)  # url -> bytes, of every file above
     hidden: list[str] = field(default_factory=list)  # uncommitted steps' files (not errors)
     superseded: list[str] = field(default_factory=list)  # originals of compacted steps
@@ -199,9 +200,17 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
     if gone:  # removed since the listing (a compaction's clean-up): list again
         return run, [], False
     run.sizes = {d.url(p): n for p, n in sizes.items()}
-    bad = [(d.url(p), why) for p, why in sorted(bad_paths.items())]
     ranges = sorted(commits)
     run.ranges = [r for r in ranges if commits[r] not in bad_paths]
+    run.broken = [r for r in ranges if commits[r] in bad_paths]
+    for lo, hi in run.broken:  # say what a reader sees of those steps instead
+        kept = any((m := _HIVE.search(p)) and lo <= int(m.group(1)) <= hi for p in listing.get("steps", {}))
+        bad_paths[commits[(lo, hi)]] += (
+            f"; compaction commit of steps {lo}-{hi} unreadable: their original files are read instead (remove "
+            f"this file and compacted/*/steps-{lo}-{hi}.part-* to compact them again)" if kept else
+            f"; compaction commit of steps {lo}-{hi} unreadable and their original files are gone: those steps "
+            "are NOT shown (the compacted parts are kept; restore this file from a copy)")
+    bad = [(d.url(p), why) for p, why in sorted(bad_paths.items())]
 
     def compacted_step(s: int) -> bool:
         return any(lo <= s <= hi for lo, hi in run.ranges)

@@ -17,6 +17,9 @@ Layout and commit rule (readers: catalog.py):
    are removed. A reader that lists while they vanish sees the commit too (catalog lists
    ``compacted/`` before and after the originals and lists again if it changed).
 4. Parts without a commit file belong to a compaction that died; the next compaction removes them.
+   Parts whose commit file exists but is unreadable (truncated) are kept: with the originals gone they
+   are the only copy (readers warn); with the originals still there readers use those, and the range
+   is not compacted again until the unreadable commit file and its parts are removed by hand.
    One compactor per run at a time.
 """
 
@@ -97,10 +100,11 @@ def _final_steps(r: cat.RunFiles) -> list[int]:
 def _segments(r: cat.RunFiles) -> list[tuple[int, int]]:
     """Final steps not yet compacted, as ranges that do not straddle a compacted range."""
     segs: list[list[int]] = []
+    done = r.ranges + r.broken  # a broken commit's range is left alone (its parts are not overwritten)
     for s in _final_steps(r):
-        if any(lo <= s <= hi for lo, hi in r.ranges):
+        if any(lo <= s <= hi for lo, hi in done):
             continue
-        if segs and not any(segs[-1][-1] < lo <= s for lo, _ in r.ranges):
+        if segs and not any(segs[-1][-1] < lo <= s for lo, _ in done):
             segs[-1].append(s)
         else:
             segs.append([s])
@@ -113,7 +117,8 @@ def _remove_orphans(r: cat.RunFiles) -> None:
         return
     for p in comp.files():
         m = cat._COMPACT_NAME.search(p)
-        if m and (int(m.group(1)), int(m.group(2))) not in r.ranges:
+        rng = (int(m.group(1)), int(m.group(2))) if m else None
+        if m and rng not in r.ranges and rng not in r.broken:  # a broken commit's parts may be the only copy
             r.dir.at(p).remove()
 
 

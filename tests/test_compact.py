@@ -150,3 +150,45 @@ def test_cli_compact(tmp_path):
     assert res.stdout.strip() == "a: nothing to compact (no final uncompacted step)"
     res = CliRunner().invoke(app, ["compact", str(tmp_path / "missing")])
     assert res.exit_code == 2 and res.stderr.startswith("error: path does not exist")
+
+
+def _truncate(p: Path) -> bytes:
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) // 2])
+    return data
+
+
+def test_truncated_commit_with_originals_gone_is_flagged_and_its_parts_kept(tmp_path):
+    make_run(tmp_path, "a", steps=6, rows=32)
+    want = connect(tmp_path).execute(TOTALS).fetchall()
+    compact(tmp_path, grace_s=0)  # originals removed: the compacted parts are the only copy
+    commit = tmp_path / "a" / "compacted" / "steps" / "steps-0-5.parquet"
+    whole = _truncate(commit)
+    parts = _parquet(tmp_path / "a" / "compacted" / "tokens")
+    res = CliRunner().invoke(app, ["runs", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    (line,) = [w for w in res.stderr.splitlines() if w.startswith("warning:")]  # one line, names the loss
+    assert "steps-0-5.parquet" in line and "steps 0-5" in line and "NOT shown" in line
+    (res,) = compact(tmp_path, grace_s=0)  # nothing to do; the parts are not removed as orphans
+    assert res.steps is None and all(p.exists() for p in parts)
+    commit.write_bytes(whole)  # restored from a copy: every row is back
+    assert connect(tmp_path).execute(TOTALS).fetchall() == want
+
+
+def test_truncated_commit_with_originals_kept_reads_the_originals(tmp_path):
+    import shutil
+
+    make_run(tmp_path / "c", "a", steps=6, rows=32)
+    want = connect(tmp_path / "c").execute(TOTALS).fetchall()
+    shutil.copytree(tmp_path / "c", tmp_path / "k")
+    compact(tmp_path / "c", grace_s=0)
+    shutil.copytree(tmp_path / "c" / "a" / "compacted", tmp_path / "k" / "a" / "compacted")  # died before clean-up
+    _truncate(tmp_path / "k" / "a" / "compacted" / "steps" / "steps-0-5.parquet")
+    with pytest.warns(UserWarning, match="original files are read instead"):
+        con = connect(tmp_path / "k")
+    assert con.execute(TOTALS).fetchall() == want  # every step, once, from the originals
+    assert run_analysis(con, "run_summary")["steps"].iloc[0] == 6
+    (res,) = compact(tmp_path / "k", grace_s=0)  # the broken range is left alone, nothing lost
+    assert res.steps is None
+    with pytest.warns(UserWarning):
+        assert connect(tmp_path / "k").execute(TOTALS).fetchall() == want
