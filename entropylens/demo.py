@@ -177,19 +177,20 @@ def run_demo(
             bar.add(labels[k], c.sft_steps, warmup=True)
         for c, i in zip(cfgs, ids):
             bar.add(i, c.steps)
+        phases: dict[str, float] = {}
         if n_workers == 1:
             states = {k: _warm_job(c, labels[k], bar.handle) for k, c in warm.items()}
             results = [_run_job(c, str(runs_dir), i, states[warm_key(c)], bar.handle)
                        for c, i in zip(cfgs, ids)]
-        else:
-            results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar)
-    phases = {"warm-up + training": time.perf_counter() - t_start}
-    if report_dir is not None:
-        from .report import write_report
+            phases["warm-up + training"] = time.perf_counter() - t_start
+            if report_dir is not None:
+                from .report import write_report
 
-        t0 = time.perf_counter()
-        write_report(runs_dir, report_dir, runs=ids)
-        phases["report"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                write_report(runs_dir, report_dir, runs=ids)
+                phases["report"] = time.perf_counter() - t0
+        else:
+            results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar, report_dir, phases, t_start)
     phases["total"] = time.perf_counter() - t_start
     return DemoResult(runs_dir, report_dir, results, n_workers, phases)
 
@@ -201,11 +202,25 @@ def _prime() -> int:
     return os.getpid()
 
 
-def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) -> list:
+# The report's figures a worker draws while this process draws the others and the pages (about half
+# of the drawing time each; the analyses behind them run where the figure is drawn).
+WORKER_FIGURES = ("ratio_vs_prob", "entropy_ratio", "grad_share", "quadrant_share", "clip_by_quadrant",
+                  "drift_by_prob")
+
+
+def _report_part(runs_dir: str, report_dir: str, ids: list[str], names) -> dict:
+    from .report import render_figures
+
+    return render_figures(runs_dir, report_dir, names, runs=ids)
+
+
+def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, report_dir: Path | None,
+                phases: dict, t_start: float) -> list:
     """The runs in ``n_workers`` spawned processes. The first seed's warm-up runs here while the
     workers start (a spawned worker spends seconds importing torch); other seeds' warm-ups run in the
     workers. A run is submitted as soon as its seed's weights exist. Events from the workers drive
-    ``bar`` while the parent waits."""
+    ``bar`` while the parent waits. Then the report: a worker draws WORKER_FIGURES while this process
+    draws the rest and writes the pages. Wall times go into ``phases``."""
     import multiprocessing as mp
     import queue
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -250,9 +265,17 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar) ->
                         submit_ready()
                         pending |= set(rf.values()) - before
                 drain()
+            results = [rf[n].result() for n in range(len(cfgs))]
+            phases["warm-up + training"] = time.perf_counter() - t_start
+            drain(timeout=0.05)  # the last events
+            if report_dir is not None:
+                from .report import write_report
+
+                t0 = time.perf_counter()
+                part = pool.submit(_report_part, str(runs_dir), str(report_dir), ids, WORKER_FIGURES)
+                write_report(runs_dir, report_dir, runs=ids, elsewhere=WORKER_FIGURES, done=part.result)
+                phases["report"] = time.perf_counter() - t0
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-        results = [rf[n].result() for n in range(len(cfgs))]
-    drain(timeout=0.05)  # the last events
     return results

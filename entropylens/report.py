@@ -123,34 +123,62 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb") -> Path:
-    """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
-    one PNG per figure into ``out_dir``. Returns the path of index.html."""
-    import matplotlib.pyplot as plt
-
+def _connect(path, runs, engine: str):
     if engine == "spark":  # the same analyses on Spark (entropylens.spark); DuckDB is canonical
         from .spark import connect as spark_connect
 
-        con = spark_connect(path, runs=runs)
-    elif engine == "duckdb":
+        return spark_connect(path, runs=runs)
+    if engine == "duckdb":
         con = connect(path, runs=runs)
         con.execute("SET enable_progress_bar = false")  # no bar characters in logs and demo output
-    else:
-        raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
+        return con
+    raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
+
+
+def _render(con, out: Path, f: Figure) -> tuple[str | None, str]:
+    """One figure: its analysis, its PNG in ``out`` -> (png file name, measured caption); (None, '')
+    for an opt-in figure whose analysis has no rows."""
+    import matplotlib.pyplot as plt
+
+    df = run_analysis(con, f.analysis)
+    if f.optional and df.empty:
+        return None, ""
+    fig = getattr(plots, f.plot)(df)
+    png = f"{f.name}.png"
+    fig.savefig(out / png, dpi=110)
+    plt.close(fig)
+    return png, observed(f.name, df)
+
+
+def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb") -> dict:
+    """The figures ``names`` only (a part of a report drawn in another process, e.g. by a demo worker):
+    {name: (png or None, caption)}, for :func:`write_report`'s ``elsewhere`` / ``done``."""
+    con = _connect(path, runs, engine)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return {f.name: _render(con, out, f) for f in FIGURES if f.name in set(names)}
+
+
+def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb",
+                 elsewhere: tuple[str, ...] = (), done=None) -> Path:
+    """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
+    one PNG per figure into ``out_dir``. Returns the path of index.html. ``elsewhere``: names of
+    figures drawn into ``out_dir`` by another process (:func:`render_figures`); ``done`` gives their
+    {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here."""
+    con = _connect(path, runs, engine)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con)
+    drawn = {f.name: _render(con, out, f) for f in FIGURES if f.name not in set(elsewhere)}
+    if elsewhere:
+        drawn.update(done() if callable(done) else done)
     rendered, not_shown = [], []
     for f in FIGURES:
-        df = run_analysis(con, f.analysis)
-        if f.optional and df.empty:
+        png, caption = drawn[f.name]
+        if png is None:
             not_shown.append(f)
-            continue
-        fig = getattr(plots, f.plot)(df)
-        png = f"{f.name}.png"
-        fig.savefig(out / png, dpi=110)
-        plt.close(fig)
-        rendered.append((f, png, observed(f.name, df)))
+        else:
+            rendered.append((f, png, caption))
     _write_markdown(out / "report.md", summary, rendered, not_shown)
     index = out / "index.html"
     index.write_text(_html(summary, rendered, not_shown))

@@ -172,3 +172,21 @@ def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
         assert replace(c, steps=ToyConfig().steps) == config_for(c.name)
     assert {c.steps for c in demo_configs(steps=120)} == {120}
     assert {c.steps for c in demo_configs(quick=True)} == {6}
+
+
+@pytest.mark.slow  # two whole reports (the --quick demo above draws its report split, for real, by default)
+def test_report_drawn_in_two_processes_equals_the_one_process_report(tmp_path):
+    """The demo draws WORKER_FIGURES in a worker while the parent draws the rest: same pages, same files."""
+    from fixture_runs import build
+
+    from entropylens.demo import WORKER_FIGURES
+    from entropylens.report import render_figures, write_report
+
+    runs = build(tmp_path / "runs")
+    one = write_report(runs, tmp_path / "one").parent
+    part = render_figures(runs, tmp_path / "two", WORKER_FIGURES)
+    assert sorted(part) == sorted(WORKER_FIGURES)
+    two = write_report(runs, tmp_path / "two", elsewhere=WORKER_FIGURES, done=lambda: part).parent
+    assert (one / "report.md").read_text() == (two / "report.md").read_text()
+    assert (one / "index.html").read_text() == (two / "index.html").read_text()
+    assert sorted(p.name for p in one.glob("*.png")) == sorted(p.name for p in two.glob("*.png"))
