@@ -458,8 +458,7 @@ def demo(
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
-    Default: grpo, dapo, ce_gppo and erc_dapo, 40 RL steps each (the entropy collapse, ERC's band,
-    clipping by quadrant, the entropy budget), about a minute on 2 quiet cores.
+    Default: grpo, dapo, ce_gppo and erc_dapo, 40 RL steps each: about a minute on 2 quiet cores.
 
     Named runs: grpo, dapo, gppo, ce_gppo (beta 0.5/1), ce_gppo_b0 (0/1), ce_gppo_switch (beta1 0 -> 0.5),
     cispo, gspo, erc_dapo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>, dual_clip_<c>.
