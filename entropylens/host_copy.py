@@ -70,10 +70,12 @@ class DeferredBlock:
 
     def finite(self) -> dict[str, bool]:
         """The input finite flags, from the snapshot (no block needed)."""
-        flags = self._snap.finite
-        values = torch.stack(list(flags.values())).tolist() if flags else []
-        return dict(zip(flags, (bool(v) for v in values)))
+        finite = self._snap.finite
+        if isinstance(finite, tokenbatch.FiniteFlags):
+            return dict(zip(finite.names, (bool(v) for v in finite.flags.tolist())))
+        return {name: bool(v) for name, v in finite.items()}
 
     def wait(self) -> np.ndarray:
-        packed, self.layout = self._snap.block(self._salt, self._sample)
+        with torch.inference_mode():  # no autograd bookkeeping for the writer thread's ops
+            packed, self.layout = self._snap.block(self._salt, self._sample)
         return packed.numpy()

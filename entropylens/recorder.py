@@ -88,7 +88,7 @@ class _Pending:
     update: int
     columns: dict  # name -> [B, T]
     mask: torch.Tensor  # [B, T] bool
-    finite: dict  # input name -> 0-dim bool (all masked-in values finite)
+    finite: tokenbatch.FiniteFlags  # per checked input: all masked-in values finite
     seq: torch.Tensor  # [B]
     group: torch.Tensor  # [B]
     tokens: torch.Tensor | None  # [B, T]
@@ -292,11 +292,11 @@ class Recorder:
         if old_entropy is not None:
             checked["old_entropy"] = old_entropy
         stacked = torch.stack([x.detach().float().reshape(m.shape) for x in checked.values()])  # [k, B, T]
-        finite = (torch.isfinite(stacked) | ~m).flatten(1).all(dim=1)  # [k]
+        finite = ((stacked * 0 == 0) | ~m).flatten(1).all(dim=1)  # [k]: x * 0 is NaN iff x is NaN or +-inf
         watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
             else None
         self._pending = _Pending(
-            step=step, update=update, columns=columns, mask=m, finite=dict(zip(checked, finite.unbind(0))), seq=seq, group=group,
+            step=step, update=update, columns=columns, mask=m, finite=tokenbatch.FiniteFlags(tuple(checked), finite), seq=seq, group=group,
             tokens=tokens.to(dev) if tokens is not None else None,
             loss_value=getattr(loss, "loss", None), watch=watch, sensitivity=entropy_sensitivity,
             temperature=float(temperature),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -352,11 +353,18 @@ class HostUpdate:
         return out
 
 
+class FiniteFlags(NamedTuple):
+    """The input NaN/Inf check of an update: one flag per checked input, all masked-in values finite."""
+
+    names: tuple[str, ...]
+    flags: torch.Tensor  # [k] bool, on the device
+
+
 def pack(
     cols: dict[str, torch.Tensor],
     selected: torch.Tensor,
     aggregates: torch.Tensor,
-    finite: dict[str, torch.Tensor],
+    finite: "dict[str, torch.Tensor] | FiniteFlags",
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
@@ -370,7 +378,9 @@ def pack(
         mask = selected
     b, t = selected.shape
     fnames = tuple(c for c in FLOAT_COLS if c in cols)
-    layout = Layout(b, t, fnames, tuple(finite), "erc_kept" in cols, tokens is not None)
+    if not isinstance(finite, FiniteFlags):  # name -> 0-dim bool
+        finite = FiniteFlags(tuple(finite), torch.stack(list(finite.values())) if finite else None)
+    layout = Layout(b, t, fnames, finite.names, "erc_kept" in cols, tokens is not None)
     flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [B, T]
     flags = flags | ((cols["clip"].to(torch.int32) + 1) << _CLIP_SHIFT)
     flags = flags | (cols["clipped"].to(torch.int32) << _CLIPPED_SHIFT)
@@ -379,7 +389,7 @@ def pack(
     flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
     if mask is not None:
         flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
-    head = torch.cat([aggregates.double().reshape(-1), torch.stack(list(finite.values())).double()]) if finite \
+    head = torch.cat([aggregates.double().reshape(-1), finite.flags.double()]) if finite.names \
         else aggregates.double().reshape(-1)
     parts = [head.view(torch.int32)]
     if fnames:
@@ -395,7 +405,7 @@ def update_block(
     cols: dict[str, torch.Tensor],
     mask: torch.Tensor,
     loss_value: torch.Tensor | None,
-    finite: dict[str, torch.Tensor],
+    finite: "dict[str, torch.Tensor] | FiniteFlags",
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
@@ -435,7 +445,7 @@ class Snapshot:
     int_names: tuple[str, ...]
     ids: torch.Tensor  # [2, B] int64: seq, group
     loss_value: torch.Tensor | None
-    finite: dict[str, torch.Tensor]
+    finite: "dict[str, torch.Tensor] | FiniteFlags"
     temperature: float = 1.0
 
     def block(self, salt: int, sample: float) -> tuple[torch.Tensor, Layout]:
@@ -456,7 +466,7 @@ def snapshot(
     cols: dict[str, torch.Tensor],
     mask: torch.Tensor,
     loss_value: torch.Tensor | None,
-    finite: dict[str, torch.Tensor],
+    finite: "dict[str, torch.Tensor] | FiniteFlags",
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,

@@ -164,6 +164,28 @@ def test_sampling_is_deterministic_whole_sequences_and_aggregates_exact(tmp_path
     assert rows == 4 * sum(len(s) for _, _, s in a)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e300])
+def test_non_finite_inputs_fail_only_at_masked_in_positions(tmp_path, value):
+    # NaN, +inf, -inf (and a float64 value that overflows float32) at a masked-in position of any
+    # checked input fail the call, naming the input; the same value at a masked-out position is fine
+    lp = torch.zeros(2, 3, dtype=torch.float64)
+    m = torch.tensor([[True, True, False], [True, True, True]])
+    with Recorder(tmp_path, run="r") as rec:
+        for step, name in enumerate(("logprobs", "old_logprobs", "entropy", "old_entropy")):
+            inputs = {"logprobs": lp, "old_logprobs": lp, "entropy": lp, "old_entropy": lp}
+            bad = lp.clone()
+            bad[0, 1] = value
+            with pytest.raises(ValueError, match=f"^{name} contains NaN or Inf at masked-in positions"):
+                rec.record_update(step, 0, mask=m, advantages=torch.ones(2), **{**inputs, name: bad})
+            hidden = lp.clone()
+            hidden[0, 2] = value  # masked out
+            rec.record_update(step, 0, mask=m, advantages=torch.ones(2), **{**inputs, name: hidden})
+        with pytest.raises(ValueError, match="^advantages contains NaN or Inf"):
+            rec.record_update(9, 0, mask=m, advantages=torch.tensor([value, 1.0]), logprobs=lp, old_logprobs=lp)
+    n = connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchone()[0]
+    assert n == 4 * 5  # the four accepted updates, 5 masked-in tokens each
+
+
 def test_bad_inputs(tmp_path):
     lp = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
