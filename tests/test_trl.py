@@ -188,14 +188,17 @@ def test_trl_ce_gppo_ga2_grad_coef_includes_the_accumulation_scale(tmp_path):
     np.testing.assert_allclose(t["grad_coef"], -t["advantage"] / (2 * n), rtol=1e-5, atol=1e-9)
 
 
-def test_trl_peft_lora_with_kl_old_entropy_is_the_policy_not_the_reference(tmp_path):
+@pytest.mark.parametrize("attribution", [False, True])
+def test_trl_peft_lora_with_kl_old_entropy_is_the_policy_not_the_reference(tmp_path, attribution):
+    # attribution=True runs every pass (policy, old policy, reference with adapters off) through head_stats
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     tr = trl_tiny.trainer(tmp_path, "lora", peft_config=lora, beta=0.04, num_iterations=2, max_steps=3,
-                          learning_rate=5e-2)
+                          learning_rate=5e-2, el=dict(attribution=attribution))
     tr.train()
     t = _rows(tmp_path / "lora")
+    assert t["entropy_effect"].notna().all() if attribution else t["entropy_effect"].isna().all()
     # generation every 2 optimizer steps (GA 2, num_iterations 2): step 2, update 0 is a fresh batch
     fresh = t[(t["step"] == 2) & (t["update"] == 0)]
     same = fresh[fresh["ratio"] == 1.0]
