@@ -205,8 +205,8 @@ def arithmetic(bytes_per_row: float, rows_per_s_report: float) -> None:
 def token_rows(run_dir: Path) -> int:
     import pyarrow.parquet as pq
 
-    return sum(pq.read_metadata(os.path.join(d, f)).num_rows for d, _, names in os.walk(run_dir / "tokens")
-               for f in names if f.endswith(".parquet"))
+    return sum(pq.read_metadata(os.path.join(d, f)).num_rows for top in (run_dir / "tokens", run_dir / "compacted" / "tokens")
+               for d, _, names in os.walk(top) for f in names if f.endswith(".parquet"))
 
 
 def speedups(before: dict, after: dict) -> None:

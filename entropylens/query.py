@@ -159,7 +159,9 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
     for attempt in range(3):
         snap = cat.scan(path, runs, storage_options=storage_options)
         try:
-            con = _views(snap, duckdb.connect(database))
+            con = duckdb.connect(database)
+            con.execute("SET parquet_metadata_cache = true")  # footers parsed once, not by every query
+            con = _views(snap, con)
             break
         except duckdb.IOException:  # a file vanished since the listing (compaction): list again
             if attempt == 2:
