@@ -82,3 +82,40 @@ def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
     agg2 = tokenbatch.step_metrics(cols, mask & torch.tensor([[True, True, False, True]]), lgn=torch.ones(1, 4))
     assert agg2["n_nonfinite_ratio"].item() == 0 and agg2["n_nonfinite_lgn"].item() == 0
     assert agg2["ratio_mean"].item() == pytest.approx(4 / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("sample", [1.0, 0.5])
+def test_snapshot_block_equals_update_block_and_ignores_later_changes(sample):
+    # The CPU path: the training thread takes a snapshot (three stacked copies) and the writer thread
+    # builds the block from it later. That block must equal, word for word, update_block on the
+    # original tensors (the CUDA path), with ERC, the attribution, tokens, a loss value and a sample,
+    # even after the caller overwrote its tensors in place.
+    from entropylens.losses import policy_loss
+    from entropylens.stats import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    b, t, v = 6, 5, 11
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    adv = torch.randn(b, generator=g)
+    lp, h, sens = logprobs_and_entropy(logits, tokens, sensitivity=True)
+    old = lp.detach() + 0.3 * torch.randn(b, t, generator=g)
+    old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
+    out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h, erc=(0.95, 1.05))
+    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
+                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
+    cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
+    finite = tokenbatch.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, False]))
+    seq, group = torch.arange(b) * 7, torch.arange(b) // 2
+    expected, layout = tokenbatch.update_block(dict(cols), mask, out.loss, finite, seq, group, tokens, 12345, sample,
+                                               sens, 0.7)
+    snap = tokenbatch.snapshot(cols, mask, out.loss, finite, seq, group, tokens, sens, 0.7)
+    for x in (*cols.values(), mask, seq, group, tokens, sens):
+        x.detach().zero_()  # the caller reuses its buffers
+    got, got_layout = snap.block(12345, sample)
+    assert got_layout == layout
+    assert torch.equal(got, expected)
+    host = tokenbatch.unpack(expected.numpy(), layout)
+    assert "entropy_effect" in host.columns and "entropy_effect_dropped" in host.columns
+    assert host.selected.sum() < host.masked.sum() if sample < 1 else (host.selected == host.masked).all()
