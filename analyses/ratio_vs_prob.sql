@@ -5,10 +5,33 @@
 -- A deterministic sample of at most $points token rows per run: the rows with the smallest hash of
 -- their key (step, update, rank, seq, pos), a multiplicative hash modulo the prime 2^31 - 1 written in
 -- plain integer arithmetic (every product < 2^62) so DuckDB and Spark pick the same rows.
--- Without sorting every row: the hashes are counted in 1,024 equal buckets (2^21 wide), and only the
--- rows of the first buckets that together hold at least $points rows are ranked (those buckets hold
--- every row that ranks within $points).
-WITH keyed AS (
+-- Without sorting every row: one pass counts the hashes in 1,024 equal buckets (2^21 wide), a second
+-- ranks only the rows of the first buckets that together hold at least $points rows (those buckets
+-- hold every row that ranks within $points).
+WITH buckets AS (
+    SELECT
+        t.run,
+        floor((((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
+                % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
+                * 742938285 % 2147483647) / 2097152) AS b,
+        count(*) AS n
+    FROM tokens AS t
+    WHERE t.quadrant <> 'ZA'
+    GROUP BY t.run, floor((((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
+                % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
+                * 742938285 % 2147483647) / 2097152)
+),
+upto AS (
+    SELECT
+        run,
+        b,
+        sum(n) OVER (PARTITION BY run ORDER BY b ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum
+    FROM buckets
+),
+cut AS (
+    SELECT run, coalesce(min(CASE WHEN cum >= $points THEN b END), max(b)) AS last_b FROM upto GROUP BY run
+),
+keyed AS (
     SELECT
         t.run,
         t.step,
@@ -25,19 +48,6 @@ WITH keyed AS (
             * 742938285 % 2147483647 AS h
     FROM tokens AS t
     WHERE t.quadrant <> 'ZA'
-),
-buckets AS (
-    SELECT run, floor(h / 2097152) AS b, count(*) AS n FROM keyed GROUP BY run, floor(h / 2097152)
-),
-upto AS (
-    SELECT
-        run,
-        b,
-        sum(n) OVER (PARTITION BY run ORDER BY b ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum
-    FROM buckets
-),
-cut AS (
-    SELECT run, coalesce(min(CASE WHEN cum >= $points THEN b END), max(b)) AS last_b FROM upto GROUP BY run
 ),
 ranked AS (
     SELECT
