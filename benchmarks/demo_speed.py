@@ -4,8 +4,8 @@ cores (issue #13: under load the default must be no slower than forced one-threa
 nothing about time.
 
 Per run: wall seconds, the demo's own phase times (its `time:` line: warm-up + training, report,
-total) and the CPU seconds of the demo's whole process tree (getrusage of children: the workers are
-joined, so theirs count). The load average before each run is printed: a wall time is only a quiet
+total) and the CPU seconds getrusage reports for the demo's process (its fork-server workers are not
+its waited-for children, so their CPU is not in it: compare walls, not this). The load average before each run is printed: a wall time is only a quiet
 measurement when the 1-minute load is below ~0.5 (a `nice -n 19` job takes only idle CPU, and
 shows in the load average all the same).
 

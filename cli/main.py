@@ -444,7 +444,7 @@ def demo(
         "entropylens-demo"),
     methods: Annotated[str, typer.Option("--methods", metavar="A,B,...", help="Comma-separated named runs.")] = "grpo,dapo,ce_gppo,erc_dapo",
     steps: Annotated[Optional[int], typer.Option(
-        "--steps", metavar="N", help="RL steps per run (default 40, about a minute on 2 cores; 120: the fast "
+        "--steps", metavar="N", help="RL steps per run (default 32, about a minute on 2 cores; 120: the fast "
                                      "regime's full length, about 3 minutes).")] = None,
     seeds: Annotated[int, typer.Option("--seeds", metavar="K", help="Seeds per method.")] = 1,
     quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds), for tests and a first look.")] = False,
@@ -458,7 +458,7 @@ def demo(
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
-    Default: grpo, dapo, ce_gppo and erc_dapo, 40 RL steps each: about a minute on 2 quiet cores.
+    Default: grpo, dapo, ce_gppo and erc_dapo, 32 RL steps each: about a minute on 2 quiet cores.
 
     Named runs: grpo, dapo, gppo, ce_gppo (beta 0.5/1), ce_gppo_b0 (0/1), ce_gppo_switch (beta1 0 -> 0.5),
     cispo, gspo, erc_dapo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>, dual_clip_<c>.

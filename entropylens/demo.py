@@ -24,9 +24,10 @@ from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
 QUICK = dict(steps=6, prompts=8, group=4, minibatches=2, epochs=2, sft_steps=40)
 # The default demo's RL steps per run (the fast regime's ToyConfig.steps is 120): GRPO's entropy falls
-# from 1.15 to ~0.2 by step 40 and ERC's run separates from the others by step 20-40, so 40 steps show
-# the collapse, ERC's band, clipping by quadrant and the entropy budget in about a third of the time.
-DEMO_STEPS = 40
+# from 1.15 to ~0.25 by step 32 (-78%) and ERC's run separates from the others from step ~20, so 32 steps
+# show the collapse, ERC's band, clipping by quadrant and the entropy budget in about a quarter of the
+# time (the default demo in about a minute on 2 cores).
+DEMO_STEPS = 32
 
 
 @dataclass
@@ -96,6 +97,14 @@ def _init_worker(events) -> None:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # pragma: no cover - already set
         pass
+    _import_model()  # while the parent computes the warm-up, not at the start of the first run
+
+
+def _import_model() -> None:
+    """Import what training imports lazily (the toy and transformers' Qwen2 modules: seconds)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: F401
+
+    from .toy import model, train  # noqa: F401
 
 
 def _post(sink, event: tuple) -> None:
@@ -196,10 +205,26 @@ def run_demo(
 
 
 def _prime() -> int:
-    """A worker's first job: import what training needs, so the worker is ready when the weights are."""
-    from .toy import model, train  # noqa: F401
-
+    """A no-op job: submitting one per worker starts every worker at once (the pool spawns on demand)."""
     return os.getpid()
+
+
+# Modules a fork server imports once for all workers (torch, transformers' Qwen2, the toy).
+_PRELOAD = ["entropylens.demo", "transformers.models.qwen2.modeling_qwen2", "entropylens.toy.train",
+            "entropylens.report", "matplotlib.pyplot"]  # (the report's part a worker draws at the end)
+
+
+def _worker_context(mp):
+    """Workers never fork from this process: a forked child inherits torch's OpenMP pool and other
+    native threads (a demo started inside a process that already ran torch, e.g. a test session,
+    segfaulted in a forked worker). A fork server (a fresh process that imports torch, transformers
+    and the toy once, and runs no torch op) forks them instead: one import for all workers, not one
+    each (seconds of CPU on 2 cores). Spawn where there is no fork server (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 # The report's figures a worker draws while this process draws the others and the pages (about half
@@ -223,14 +248,12 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
     draws the rest and writes the pages. Wall times go into ``phases``."""
     import multiprocessing as mp
     import queue
+    import threading
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     from .toy.train import warm_key
 
-    # Always spawn: a forked child inherits torch's OpenMP pool and other native threads that
-    # threading.active_count() cannot see (a demo started inside a process that already ran torch,
-    # e.g. a test session, segfaulted in a forked worker). Spawn costs one torch import per worker.
-    ctx = mp.get_context("spawn")
+    ctx = _worker_context(mp)
     events = ctx.Queue()
 
     def drain(timeout: float = 0.0) -> None:
@@ -243,9 +266,18 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
     keys = list(warm)
     with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(events,)) as pool:
         try:
-            wf = {pool.submit(_warm_job, warm[k], labels[k]): k for k in keys[1:]}
-            primes = [pool.submit(_prime) for _ in range(n_workers)]  # start every worker now
+            # Start every worker now, from a thread: starting one waits for the fork server's imports.
+            wf: dict = {}
+            primes: list = []
+
+            def start_workers() -> None:
+                wf.update({pool.submit(_warm_job, warm[k], labels[k]): k for k in keys[1:]})
+                primes.extend(pool.submit(_prime) for _ in range(n_workers))
+
+            starter = threading.Thread(target=start_workers, name="entropylens-demo-start", daemon=True)
+            starter.start()
             states = {keys[0]: _warm_job(warm[keys[0]], labels[keys[0]], bar.handle)}  # here, meanwhile
+            starter.join()
             rf: dict = {}
 
             def submit_ready() -> None:
@@ -254,6 +286,11 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                         rf[n] = pool.submit(_run_job, c, str(runs_dir), i, states[warm_key(c)])
 
             submit_ready()
+            if report_dir is not None:  # the report's imports, while the workers train (not after)
+                from . import report  # noqa: F401
+                from .plots import _plt
+
+                _plt()  # matplotlib.pyplot on the Agg backend
             pending = set(wf) | set(rf.values()) | set(primes)
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)

@@ -158,7 +158,7 @@ def test_demo_refuses_an_existing_run_then_overwrites_cleanly(tmp_path):
 
 
 def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
-    """#13.1: the default demo trains DEMO_STEPS (40) steps per run of the fast regime's maths; --steps N
+    """#13.1: the default demo trains DEMO_STEPS (32) steps per run of the fast regime's maths; --steps N
     keeps the full length available. (Config, not timing.)"""
     from dataclasses import replace
 
@@ -166,7 +166,7 @@ def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
     from entropylens.toy.config import DEMO_DEFAULT, ToyConfig
 
     cfgs = demo_configs()
-    assert DEMO_STEPS == 40 < ToyConfig().steps
+    assert DEMO_STEPS == 32 < ToyConfig().steps
     assert [c.name for c in cfgs] == list(DEMO_DEFAULT) and {c.steps for c in cfgs} == {DEMO_STEPS}
     for c in cfgs:  # only the step count differs from the named run of the fast regime
         assert replace(c, steps=ToyConfig().steps) == config_for(c.name)
