@@ -12,6 +12,7 @@ steps); ``steps=`` (``--steps``) runs longer. The toy's training maths are the f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -227,6 +228,25 @@ def _worker_context(mp):
     return ctx
 
 
+@contextlib.contextmanager
+def _one_thread_env():
+    """OMP_NUM_THREADS (torch's OpenMP, pyarrow's pool), MKL_NUM_THREADS and OPENBLAS_NUM_THREADS = 1
+    in the environment while the workers start, so every runtime in them starts with one thread, as
+    under OMP_NUM_THREADS=1 (torch.set_num_threads(1) alone leaves e.g. pyarrow's pool at one thread
+    per core); this process's environment is restored after."""
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    before = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: "1" for k in names})
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # The report's figures a worker draws while this process draws the others and the pages (about half
 # of the drawing time each; the analyses behind them run where the figure is drawn).
 WORKER_FIGURES = ("ratio_vs_prob", "entropy_ratio", "grad_share", "quadrant_share", "clip_by_quadrant",
@@ -275,9 +295,10 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                 primes.extend(pool.submit(_prime) for _ in range(n_workers))
 
             starter = threading.Thread(target=start_workers, name="entropylens-demo-start", daemon=True)
-            starter.start()
-            states = {keys[0]: _warm_job(warm[keys[0]], labels[keys[0]], bar.handle)}  # here, meanwhile
-            starter.join()
+            with _one_thread_env():  # the fork server (and so every worker) starts with one thread
+                starter.start()
+                states = {keys[0]: _warm_job(warm[keys[0]], labels[keys[0]], bar.handle)}  # here, meanwhile
+                starter.join()
             rf: dict = {}
 
             def submit_ready() -> None:

@@ -190,3 +190,22 @@ def test_report_drawn_in_two_processes_equals_the_one_process_report(tmp_path):
     assert (one / "report.md").read_text() == (two / "report.md").read_text()
     assert (one / "index.html").read_text() == (two / "index.html").read_text()
     assert sorted(p.name for p in one.glob("*.png")) == sorted(p.name for p in two.glob("*.png"))
+
+
+def test_demo_workers_start_with_one_thread_environment(monkeypatch):
+    """#13.1 under load: the workers' runtimes (torch's OpenMP, pyarrow, MKL) start as under
+    OMP_NUM_THREADS=1, whatever the caller's environment; the caller's is restored. (Config, not timing.)"""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    from entropylens import demo
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    ctx = demo._worker_context(mp)
+    with demo._one_thread_env():
+        with ProcessPoolExecutor(1, mp_context=ctx) as pool:
+            env = [pool.submit(os.getenv, k).result() for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                                "OPENBLAS_NUM_THREADS")]
+    assert env == ["1", "1", "1"]
+    assert os.environ["OMP_NUM_THREADS"] == "8" and "MKL_NUM_THREADS" not in os.environ
