@@ -3,22 +3,27 @@ and after compaction, and the arithmetic for a 7B DAPO run.
 
   python benchmarks/scale.py [--rows 100000000] [--ranks 64] [--rows-per-file 4096] [--dir DIR]
                              [--workers 2] [--keep] [--skip-uncompacted]
+  python benchmarks/scale.py --data DIR --phase before|compact|after   (reuse a --keep'd DIR)
 
 Token rows are written by entropylens.writer (write_tokens / write_steps / write_sequences: the
 recorder's Hive layout, encodings and atomic writes), one file per (step, rank) holding all the
 step's updates (``updates-0-U.parquet``, as the recorder coalesces small updates), with values shaped
 like a toy GRPO run (benchmarks/writer.py's ``toy_like_rows``; a 2M-row pool generated once per
 worker with vectorised numpy, sliced per file, sequence ids made unique and entropy decaying with
-the step). The default layout (64 ranks x 4,096 rows per file) is what a multi-node run writes at
-the small ``sample`` fraction that keeps it on one machine (see the arithmetic printed at the end).
+the step); at least --rows rows (whole steps). The default layout (64 ranks x 4,096 rows per file)
+is what a multi-node run writes at the small ``sample`` fraction that keeps it on one machine (see
+the arithmetic printed at the end). Small mode for tests: ``--rows 20000 --ranks 2
+--rows-per-file 2048 --workers 1``.
 
-Printed: bytes per token row (Parquet, before / after compaction); every analysis (SQL only) and
-the whole report (entropylens.report.write_report: analyses, figures, HTML) on DuckDB before
-compaction; the compaction time (entropylens.compact); the same after; the ratios. Each timing is
-wall-clock and CPU seconds of this process (DuckDB's threads included): on a shared machine the
-wall time is inflated by others' load (printed), the CPU time much less so; CPU / 2 estimates the
-wall time on 2 idle cores.
-Last line: rows=<n> bytes_per_row=<b> report_s=<before> compacted_report_s=<after> speedup=<x>
+Printed: bytes per token row (Parquet, before / after compaction); the whole report
+(entropylens.report.write_report: connect, every analysis it runs, figures, HTML) before compaction,
+the compaction time (entropylens.compact), the report after; inside the report the connect and each
+analysis are timed, the analyses the report does not run are timed after it; then the per-query
+ratios. Each timing is wall-clock and CPU seconds of this process (DuckDB's threads included): on a
+shared machine the wall time is inflated by others' load (printed), the CPU time much less so;
+CPU / 2 estimates the wall time on 2 idle cores.
+Last line: rows=<n> bytes_per_row=<b> report_s=<before> compacted_report_s=<after>
+compacted_report_cpu_s=<after, CPU> speedup_cpu=<whole report, CPU>
 """
 
 from __future__ import annotations
