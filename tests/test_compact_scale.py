@@ -7,10 +7,12 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a benchmark end to end (about a minute): in .ci/run's slow pass
 def test_scale_benchmark_small(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--rows", "20000", "--ranks", "2",
