@@ -160,11 +160,47 @@ def median_ms(fn, args, repeats) -> float:
     return statistics.median(times)
 
 
+def sensitivity_section(shapes, repeats: int) -> float:
+    """Section 5: the fused pass with and without the entropy sensitivity (two more reductions per
+    chunk), no grad, and the training pass (forward + custom backward) with and without it; medians of
+    the per-pair time ratios over ``repeats`` alternating pairs. Returns the no-grad ratio at the first
+    shape."""
+    print(f"\n5. entropy sensitivity (two more reductions per chunk): fp32, medians over {repeats} alternating pairs")
+    print(f"{'shape':>16} {'pass':>14} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
+    first = None
+    for n, v in shapes:
+        logits, tokens = make(n, v, torch.float32)
+        train_z = logits.clone().requires_grad_(True)
+
+        def fwd(sens):
+            with torch.no_grad():
+                return logprobs_and_entropy(logits, tokens, sensitivity=sens)
+
+        def train(sens):
+            lp = logprobs_and_entropy(train_z, tokens, sensitivity=sens)[0]
+            lp.sum().backward()
+            train_z.grad = None
+
+        for label, fn in (("no grad", fwd), ("fwd + bwd", train)):
+            fn(False), fn(True)  # warm-up
+            t0, t1, ratios = [], [], []
+            for _ in range(repeats):
+                a_ms = median_ms(fn, (False,), 1)
+                b_ms = median_ms(fn, (True,), 1)
+                t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
+            r = statistics.median(ratios)
+            print(f"{str([n, v]):>16} {label:>14} {statistics.median(t0):11.1f} {statistics.median(t1):9.1f} {r:6.2f}")
+            first = first or r
+        del logits, tokens, train_z
+    return first
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--child", nargs=5)
+    ap.add_argument("--sensitivity-only", action="store_true", help="section 5 only (the attribution's cost)")
     a = ap.parse_args()
     if a.child:
         kind, n, v, dtype, grad = a.child
@@ -172,6 +208,10 @@ def main() -> None:
         return
 
     shapes = [(512, 4096), (128, 16384)] if a.quick else [(8192, 32000), (2048, 151936)]
+    if a.sensitivity_only:
+        print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+        print(f"sensitivity_ratio={sensitivity_section(shapes, a.repeats):.3f}")
+        return
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, TRL functions {TRL_SOURCE}")
     # Memory first, from children forked while this process is still small (Linux keeps the
     # parent's RSS high-water mark in a forked child, so a big parent would hide the child's peak).
@@ -222,24 +262,7 @@ def main() -> None:
     except Exception as e:  # no compiler toolchain: say so
         print(f"   torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
-    print(f"\n5. entropy sensitivity (two more reductions per chunk): fp32, no grad, medians over {a.repeats} "
-          "alternating runs")
-    print(f"{'shape':>16} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
-    sens_ratio = None
-    with torch.no_grad():
-        for n, v in shapes:
-            logits, tokens = make(n, v, torch.float32)
-            without = lambda: logprobs_and_entropy(logits, tokens)  # noqa: E731
-            with_s = lambda: logprobs_and_entropy(logits, tokens, sensitivity=True)  # noqa: E731
-            without(), with_s()  # warm-up
-            t0, t1 = [], []
-            for _ in range(a.repeats):
-                t0.append(median_ms(without, (), 1))
-                t1.append(median_ms(with_s, (), 1))
-            m0, m1 = statistics.median(t0), statistics.median(t1)
-            print(f"{str([n, v]):>16} {m0:11.1f} {m1:9.1f} {m1 / m0:6.2f}")
-            sens_ratio = sens_ratio or m1 / m0
-            del logits, tokens
+    sens_ratio = sensitivity_section(shapes, a.repeats)
     print(f"sensitivity_ratio={sens_ratio:.3f}")
     print(f"ratio_vs_trl={headline[0]:.3f} extra_gb={headline[1]:.3f}")
 
