@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,6 +214,13 @@ def _prime() -> int:
 # Modules a fork server imports once for all workers (torch, transformers' Qwen2, the toy).
 _PRELOAD = ["entropylens.demo", "transformers.models.qwen2.modeling_qwen2", "entropylens.toy.train",
             "entropylens.report", "matplotlib.pyplot"]  # (the report's part a worker draws at the end)
+# The fork server starts as `python -c ...`, which puts the current directory first on its sys.path
+# (Python < 3.12 does not apply the parent's): in a source checkout (README's `pip install .` then
+# `entropylens demo` in the clone) `entropylens/` there would shadow the installed package, whose
+# `analyses` and `cli` live elsewhere in the checkout. PYTHONSAFEPATH=1 (Python >= 3.11) leaves the
+# current directory out; before 3.11 the server preloads only third-party modules and the workers
+# import entropylens after taking the parent's sys.path.
+_SAFE_PATH = sys.version_info >= (3, 11)
 
 
 def _worker_context(mp):
@@ -224,7 +232,7 @@ def _worker_context(mp):
     if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
+    ctx.set_forkserver_preload(_PRELOAD if _SAFE_PATH else [m for m in _PRELOAD if not m.startswith("entropylens")])
     return ctx
 
 
@@ -233,8 +241,9 @@ def _one_thread_env():
     """OMP_NUM_THREADS (torch's OpenMP, pyarrow's pool), MKL_NUM_THREADS and OPENBLAS_NUM_THREADS = 1
     in the environment while the workers start, so every runtime in them starts with one thread, as
     under OMP_NUM_THREADS=1 (torch.set_num_threads(1) alone leaves e.g. pyarrow's pool at one thread
-    per core); this process's environment is restored after."""
-    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    per core); this process's environment is restored after. Also PYTHONSAFEPATH=1: the fork server
+    never imports entropylens from the current directory (see _SAFE_PATH)."""
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONSAFEPATH")
     before = {k: os.environ.get(k) for k in names}
     os.environ.update({k: "1" for k in names})
     try:
