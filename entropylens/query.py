@@ -292,11 +292,16 @@ def run_analysis(con, name: str, **params):
 
 
 def run_sql(con, sql: str):
-    """A user's SQL; errors become one-line QueryErrors."""
+    """A user's SQL; errors become one-line QueryErrors (an empty statement too)."""
     import duckdb
 
+    if not sql.strip().strip(";").strip():
+        raise QueryError("SQL error: the query is empty")
     try:
-        return _frame(con.execute(sql))
+        cursor = con.execute(sql)
+        if cursor is None:  # DuckDB runs nothing (e.g. only comments)
+            raise QueryError("SQL error: the query has no statement")
+        return _frame(cursor)
     except duckdb.Error as e:
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 

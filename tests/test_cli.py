@@ -86,6 +86,8 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "no entropylens run" in err("query", tmp_path, "SELECT 1")
     assert "SQL error" in err("query", runs, "SELEC nonsense")
     assert "SQL error" in err("query", runs, "SELECT missing_column FROM tokens")
+    for empty in ("", "   ", ";", "/* nothing */"):  # no statement: one line, not a traceback
+        assert "SQL error" in err("query", runs, empty)
     assert "unknown analysis 'nope'" in err("analyze", runs, "nope")
     assert "not a number" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=ten")
     assert "has no parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "width=3")
