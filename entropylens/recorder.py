@@ -296,7 +296,8 @@ class Recorder:
         watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
             else None
         self._pending = _Pending(
-            step=step, update=update, columns=columns, mask=m, finite=tokenbatch.FiniteFlags(tuple(checked), finite), seq=seq, group=group,
+            step=step, update=update, columns=columns, mask=m, finite=tokenbatch.FiniteFlags(tuple(checked), finite),
+            seq=seq, group=group,
             tokens=tokens.to(dev) if tokens is not None else None,
             loss_value=getattr(loss, "loss", None), watch=watch, sensitivity=entropy_sensitivity,
             temperature=float(temperature),
@@ -432,8 +433,7 @@ class Recorder:
         """Token-weighted means of the exact aggregates over the updates of ``step`` recorded so far
         (n_* counts summed); empty once the step has been written. For trainer logs (waits for the
         writer thread to take in the queued updates)."""
-        self._finalize_pending()
-        return self._writer.summary(int(step))
+        return self.step_summary_later(step).result()
 
     def step_summary_later(self, step: int) -> "PendingSummary":
         """:meth:`step_summary` without waiting: returns at once; ``.ready()`` says whether the writer
@@ -576,7 +576,7 @@ class PendingSummary:
         return self._reply.done() or not self._writer.alive
 
     def result(self) -> dict[str, float]:
-        return self._reply.wait(self._writer._thread) or {}
+        return self._writer.answer(self._reply)
 
 
 _PLAIN_NAMES = frozenset(("grad_norm", "lr"))

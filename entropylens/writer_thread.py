@@ -183,7 +183,11 @@ class WriterThread:
 
     def summary(self, step: int) -> dict[str, float]:
         """The step table's summary of ``step`` once every queued message is handled."""
-        return self.summary_request(step).wait(self._thread) or {}
+        return self.answer(self.summary_request(step))
+
+    def answer(self, reply: _Reply) -> dict[str, float]:
+        """The reply's summary, waiting for it ({} if the thread has died)."""
+        return reply.wait(self._thread) or {}
 
     def summary_request(self, step: int) -> _Reply:
         """Ask for ``step``'s summary without waiting: the reply is set once the thread has handled
