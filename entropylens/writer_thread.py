@@ -19,6 +19,7 @@ rank also writes ranks/rank-R.json (its own status and heartbeat).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -37,7 +38,25 @@ from .step_table import StepTable
 from .token_buffer import TokenBuffer
 
 _STOP = object()
+# The writer thread's nice value (Linux: a thread is a task with its own nice value). Its work can wait;
+# the training step's threads cannot: at 19 the scheduler gives the writer a core only when training
+# leaves one free (a full queue still blocks the trainer: back-pressure, never a drop). 0 disables.
+WRITER_NICE = int(os.environ.get("ENTROPYLENS_WRITER_NICE", "19"))
 OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
+
+
+def lower_priority(nice: int) -> bool:
+    """Raise the calling thread's nice value to ``nice`` (only this thread: Linux keeps one per thread;
+    never lowered). False where the platform has no per-thread priority or refuses."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        return True
+    except OSError:
+        return False
 
 
 def utc_now() -> str:
@@ -235,6 +254,7 @@ class WriterThread:
 
     # ------------------------------------------------------------ thread side
     def _loop(self) -> None:
+        lower_priority(WRITER_NICE)
         handlers = {
             "update": self._on_update, "scalars": self._on_scalars, "rewards": self._on_rewards,
             "sequences": self._on_sequences, "close": self._on_close, "summary": self._on_summary,
