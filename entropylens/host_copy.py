@@ -60,10 +60,12 @@ class HostCopy:
 
 class DeferredBlock:
     """A CPU update whose packed block is built when it is read: ``wait()`` runs
-    tokenbatch.update_block on the snapshot (on the writer thread) and returns the int32 block."""
+    tokenbatch.update_block on the snapshot (on the writer thread) and returns the int32 block,
+    unless :func:`build_blocks` built it already together with other updates."""
 
     def __init__(self, snap: "tokenbatch.Snapshot", salt: int, sample: float):
         self._snap, self._salt, self._sample = snap, salt, sample
+        self._block: np.ndarray | None = None  # set by build_blocks
         self.layout: tokenbatch.Layout | None = None  # known once the block is built
 
     on_host = True  # the finite flags are host memory already
@@ -76,6 +78,28 @@ class DeferredBlock:
         return {name: bool(v) for name, v in finite.items()}
 
     def wait(self) -> np.ndarray:
-        with torch.inference_mode():  # no autograd bookkeeping for the writer thread's ops
-            packed, self.layout = self._snap.block(self._salt, self._sample)
-        return packed.numpy()
+        if self._block is None:
+            with torch.inference_mode():  # no autograd bookkeeping for the writer thread's ops
+                packed, self.layout = self._snap.block(self._salt, self._sample)
+            self._block = packed.numpy()
+        return self._block
+
+
+def build_blocks(copies: list) -> None:
+    """Builds the blocks of the DeferredBlocks among ``copies`` (a hand-over's updates, on the writer
+    thread) with one set of ops per group of same-shaped updates (tokenbatch.stack_snapshots):
+    ~130 small ops per group instead of per update. Each block equals the one ``wait()`` builds
+    alone, word for word; ``wait()`` then returns it. Other copies are left as they are."""
+    groups: dict[tuple, list[DeferredBlock]] = {}
+    for c in copies:
+        if isinstance(c, DeferredBlock) and c._block is None:
+            groups.setdefault((c._snap.signature(), c._salt, c._sample), []).append(c)
+    for group in groups.values():
+        if len(group) < 2:
+            continue  # built alone by its wait()
+        with torch.inference_mode():
+            packed, layout = tokenbatch.stack_snapshots([c._snap for c in group]).block(group[0]._salt,
+                                                                                         group[0]._sample)
+        host = packed.numpy()  # [U, layout.size]
+        for c, row in zip(group, host):
+            c._block, c.layout = row, layout

@@ -109,45 +109,64 @@ def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, te
 def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """float64 [len(BUDGET_NAMES)] on the device: sums of entropy_effect and entropy_effect_dropped
     over masked-in tokens, in total, per quadrant and per clip side (one [2, N] x [N, 7] matmul);
-    NaN where the column is absent."""
-    dev = mask.device
+    NaN where the column is absent. cols and mask [B, T]; or a stack of updates [U, B, T] ->
+    [U, len(BUDGET_NAMES)], each row its update's own sums."""
+    batched = mask.dim() == 3
+    out = _budget(cols, mask.reshape(mask.shape[0] if batched else 1, -1))
+    return out if batched else out[0]
+
+
+def _budget(cols: dict[str, torch.Tensor], m: torch.Tensor) -> torch.Tensor:
+    """:func:`entropy_budget` of U updates: m [U, N] bool, cols [U, ...] -> [U, len(BUDGET_NAMES)]."""
+    u = m.shape[0]
     k = len(BUDGET_NAMES) // 2  # entries per kind (total, 4 quadrants, low, high)
-    out = torch.full((len(BUDGET_NAMES),), float("nan"), dtype=torch.float64, device=dev)
+    out = torch.full((u, len(BUDGET_NAMES)), float("nan"), dtype=torch.float64, device=m.device)
     if "entropy_effect" not in cols:
         return out
-    m = mask.reshape(-1)
-    eff = torch.where(m, cols["entropy_effect"].reshape(-1).double(), 0.0)  # [N]
+    eff = torch.where(m, cols["entropy_effect"].reshape(u, -1).double(), 0.0)  # [U, N]
     have_drop = "entropy_effect_dropped" in cols
-    drop = cols["entropy_effect_dropped"].reshape(-1).double() if have_drop else torch.zeros_like(eff)
+    drop = cols["entropy_effect_dropped"].reshape(u, -1).double() if have_drop else torch.zeros_like(eff)
     drop = torch.where(m & ~torch.isnan(drop), drop, 0.0)  # null (unchanged) tokens add nothing
-    clip = cols["clip"].reshape(-1)
-    onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(-1).long(), len(QUADRANT_NAMES)).double()
-    groups = torch.cat([torch.ones_like(eff).unsqueeze(1), onehot[:, 1:5],
-                        (clip < CLIP_NONE).double().unsqueeze(1), (clip > CLIP_NONE).double().unsqueeze(1)], 1)
-    sums = torch.stack([eff, drop]) @ groups  # [2, 7]
-    out[:k] = sums[0]
+    clip = cols["clip"].reshape(u, -1)
+    onehot = torch.nn.functional.one_hot(cols["quadrant"].reshape(u, -1).long(), len(QUADRANT_NAMES)).double()
+    groups = torch.cat([torch.ones_like(eff).unsqueeze(2), onehot[:, :, 1:5],
+                        (clip < CLIP_NONE).double().unsqueeze(2), (clip > CLIP_NONE).double().unsqueeze(2)], 2)
+    sums = _bmm(torch.stack([eff, drop], 1), groups)  # [U, 2, N] x [U, N, 7] -> [U, 2, 7]
+    out[:, :k] = sums[:, 0]
     if have_drop:
-        out[k:2 * k] = sums[1]
+        out[:, k:2 * k] = sums[:, 1]
         if "erc_kept" in cols:
-            out[2 * k] = (drop * (~cols["erc_kept"].reshape(-1)).double()).sum()
+            lost = drop * (~cols["erc_kept"].reshape(u, -1)).double()  # [U, N]
+            out[:, 2 * k] = lost[0].sum() if u == 1 else lost.sum(dim=1)
     return out
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [U, I, N] @ b [U, N, J] -> [U, I, J]; one update (U = 1) by the plain 2-D matmul, the
+    very op (and so the very sums) of the per-update code on every device."""
+    return (a[0] @ b[0]).unsqueeze(0) if a.shape[0] == 1 else a @ b
 
 
 def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...]) -> torch.Tensor:
     """Linear-interpolated quantiles (as torch.quantile) of x[mask], without a host sync.
-    NaN when the mask is empty. Returns [len(qs)] float32."""
-    flat = torch.where(mask, x.float(), torch.full_like(x, float("inf"), dtype=torch.float32)).reshape(-1)
-    srt, _ = torch.sort(flat)  # masked-out values sort to the end
-    n = mask.sum()
+    NaN when the mask is empty. x, mask [B, T] -> [len(qs)] float32; or a stack of updates
+    [U, B, T] -> [U, len(qs)], each row over its own update's tokens."""
+    batched = mask.dim() == 3
+    u = mask.shape[0] if batched else 1
+    m = mask.reshape(u, -1)  # [U, N]
+    flat = torch.where(m, x.reshape(u, -1).float(), torch.full_like(m, float("inf"), dtype=torch.float32))
+    srt, _ = torch.sort(flat, dim=1)  # masked-out values sort to the end
+    n = m.sum(dim=1, keepdim=True)  # [U, 1]
     last = (n - 1).clamp(min=0).double()
-    pos = torch.stack([last * q for q in qs])  # [Q] (no host-made tensor: that would be a sync on CUDA)
+    pos = torch.cat([last * q for q in qs], 1)  # [U, Q] (no host-made tensor: that would be a sync on CUDA)
     lo = pos.floor().long()
     hi = pos.ceil().long()
     frac = (pos - lo.double()).float()
-    lo_v, hi_v = srt[lo], srt[hi]
+    lo_v, hi_v = srt.gather(1, lo), srt.gather(1, hi)
     out = lo_v + (hi_v - lo_v) * frac
     out = torch.where(frac == 0, lo_v, out)  # inf - inf guard when lo == hi
-    return torch.where(n > 0, out, torch.full_like(out, float("nan")))
+    out = torch.where(n > 0, out, torch.full_like(out, float("nan")))
+    return out if batched else out[0]
 
 
 # Every masked-in token falls in one of 60 groups: quadrant code (5) x clip region (3) x clipped (2)
@@ -183,63 +202,75 @@ def step_aggregates(
     non-finite logit-gradient norm is counted (n_nonfinite_ratio, n_nonfinite_lgn) and left out of
     its mean, never summed as 0 or inf.
 
-    Counts: one scatter_add of ones into the 60 groups (see _count_map; exact in float64), one
-    [60] x [60, 17] matmul. Value sums: rows of per-token values [K, N] times the masked one-hot
-    quadrant matrix [N, 5] (deterministic, float64)."""
-    dev = mask.device
-    m = mask.reshape(-1)  # [N]
-    have_h, have_oh, have_erc = "entropy" in cols, "old_entropy" in cols, "erc_kept" in cols
-    quad = cols["quadrant"].reshape(-1).long()  # [N]
-    group = quad * 12 + (cols["clip"].reshape(-1).long() + 1) * 4 + cols["clipped"].reshape(-1).long() * 2
-    if have_erc:
-        group = group + (~cols["erc_kept"].reshape(-1)).long()
-    group = torch.where(m, group, _N_GROUPS)  # [N]
-    counts = torch.zeros(_N_GROUPS + 1, dtype=torch.float64, device=dev)
-    counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.float64))
-    c = counts[:_N_GROUPS] @ _count_map(dev)  # [17]
-    n, denom = c[0:1], c[0:1].clamp(min=1.0)
-    n_quad = torch.cat([c[8:12], c[7:8]])  # n_pa_hp .. n_na_lp, n_za
+    cols, mask, lgn [B, T] (loss_value 0-dim) -> [len(AGG_NAMES)]; or a stack of U updates of one
+    shape, cols, mask, lgn [U, B, T] (loss_value [U]) -> [U, len(AGG_NAMES)]: one set of ops for
+    all of them (the writer thread batches a step's updates so), each row its own update's
+    aggregates, equal to what the update alone gives.
 
-    log_r = cols["logprob"].reshape(-1).float() - cols["old_logprob"].reshape(-1).float()
+    Counts: one scatter_add of ones into the 60 groups per update (see _count_map; exact in
+    float64), one [U, 60] x [60, 17] matmul. Value sums: rows of per-token values [U, K, N] times
+    the masked one-hot quadrant matrix [U, N, 5] (deterministic, float64)."""
+    batched = mask.dim() == 3
+    u = mask.shape[0] if batched else 1
+    dev = mask.device
+
+    def flat(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(u, -1)  # [U, N]
+
+    m = flat(mask)
+    have_h, have_oh, have_erc = "entropy" in cols, "old_entropy" in cols, "erc_kept" in cols
+    quad = flat(cols["quadrant"]).long()  # [U, N]
+    group = quad * 12 + (flat(cols["clip"]).long() + 1) * 4 + flat(cols["clipped"]).long() * 2
+    if have_erc:
+        group = group + (~flat(cols["erc_kept"])).long()
+    group = torch.where(m, group, _N_GROUPS)  # [U, N]
+    counts = torch.zeros(u, _N_GROUPS + 1, dtype=torch.float64, device=dev)
+    counts.scatter_add_(1, group, torch.ones_like(group, dtype=torch.float64))
+    c = counts[:, :_N_GROUPS] @ _count_map(dev)  # [U, 17]
+    n, denom = c[:, 0:1], c[:, 0:1].clamp(min=1.0)
+    n_quad = torch.cat([c[:, 8:12], c[:, 7:8]], 1)  # n_pa_hp .. n_na_lp, n_za
+
+    log_r = flat(cols["logprob"]).float() - flat(cols["old_logprob"]).float()
     zeros = torch.zeros_like(log_r)
     rows = torch.stack([
-        cols["entropy"].reshape(-1).float() if have_h else zeros,
-        cols["old_entropy"].reshape(-1).float() if have_oh else zeros,
-        cols["ratio"].reshape(-1).float(),
+        flat(cols["entropy"]).float() if have_h else zeros,
+        flat(cols["old_entropy"]).float() if have_oh else zeros,
+        flat(cols["ratio"]).float(),
         torch.expm1(log_r) - log_r,  # k3 (stats.kl_k3)
-        lgn.reshape(-1).float() if lgn is not None else zeros,
-    ]).double()  # [5, N]
-    finite = torch.isfinite(rows)  # [5, N]
-    ratio_ok = finite[2] & finite[3]  # [N]: ratio and k3 both finite
-    keep = torch.stack([finite[0], finite[1], ratio_ok, ratio_ok, finite[4]])
-    vals = torch.cat([torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[4]]).double()])  # [7, N]
-    onehot = torch.nn.functional.one_hot(quad, len(QUADRANT_NAMES)).double() * m.double().unsqueeze(1)  # [N, 5]
-    per_q = vals @ onehot  # [7, 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
-    tot = per_q.sum(dim=1)  # [7]
-    ratio_n = tot[5:6].clamp(min=1.0)
+        flat(lgn).float() if lgn is not None else zeros,
+    ], 1).double()  # [U, 5, N]
+    finite = torch.isfinite(rows)  # [U, 5, N]
+    ratio_ok = finite[:, 2] & finite[:, 3]  # [U, N]: ratio and k3 both finite
+    keep = torch.stack([finite[:, 0], finite[:, 1], ratio_ok, ratio_ok, finite[:, 4]], 1)
+    vals = torch.cat([torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[:, 4]], 1).double()], 1)  # [U, 7, N]
+    onehot = torch.nn.functional.one_hot(quad, len(QUADRANT_NAMES)).double() * m.double().unsqueeze(2)  # [U, N, 5]
+    per_q = _bmm(vals, onehot)  # [U, 7, 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
+    tot = per_q[0].sum(dim=1).unsqueeze(0) if u == 1 else per_q.sum(dim=2)  # [U, 7]
+    ratio_n = tot[:, 5:6].clamp(min=1.0)
 
     def nan(k: int) -> torch.Tensor:
-        return torch.full((k,), float("nan"), dtype=torch.float64, device=dev)
+        return torch.full((u, k), float("nan"), dtype=torch.float64, device=dev)
 
     out = [
         n,
-        tot[0:1] / denom if have_h else nan(1),
-        tot[1:2] / denom if have_oh else nan(1),
-        tot[2:3] / ratio_n,
-        c[1:6] / denom,  # clip_low, clip_high, clipped, region_low, region_high
+        tot[:, 0:1] / denom if have_h else nan(1),
+        tot[:, 1:2] / denom if have_oh else nan(1),
+        tot[:, 2:3] / ratio_n,
+        c[:, 1:6] / denom,  # clip_low, clip_high, clipped, region_low, region_high
         n_quad,
-        c[13:17] / c[8:12].clamp(min=1.0),  # clip_frac per quadrant
-        per_q[4, 1:5] / per_q[6, 1:5].clamp(min=1.0) if lgn is not None else nan(4),
-        masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double()
+        c[:, 13:17] / c[:, 8:12].clamp(min=1.0),  # clip_frac per quadrant
+        per_q[:, 4, 1:5] / per_q[:, 6, 1:5].clamp(min=1.0) if lgn is not None else nan(4),
+        masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double().reshape(u, 3)
         if "entropy_ratio" in cols else nan(3),
-        c[6:7] / denom if have_erc else nan(1),
-        tot[3:4] / ratio_n,
-        n - tot[5:6],
-        n - tot[6:7] if lgn is not None else nan(1),
-        loss_value.detach().double().reshape(1) if loss_value is not None else nan(1),
-        entropy_budget(cols, mask),
+        c[:, 6:7] / denom if have_erc else nan(1),
+        tot[:, 3:4] / ratio_n,
+        n - tot[:, 5:6],
+        n - tot[:, 6:7] if lgn is not None else nan(1),
+        loss_value.detach().double().reshape(u, 1) if loss_value is not None else nan(1),
+        entropy_budget(cols, mask).reshape(u, -1),
     ]
-    return torch.cat(out)
+    out = torch.cat(out, 1)  # [U, len(AGG_NAMES)]
+    return out if batched else out[0]
 
 
 def step_metrics(
@@ -373,15 +404,17 @@ def pack(
     """Everything of one update in ONE flat int32 device tensor (see :class:`Layout`), with no
     data-dependent size: rows are selected on the host (:meth:`HostUpdate.rows`), so packing never
     synchronises. cols [B, T] each; selected [B, T] bool; aggregates [len(AGG_NAMES)]; finite: name -> 0-dim
-    bool; seq, group [B]; tokens [B, T] or None; mask [B, T] bool (None: the selected tokens)."""
+    bool; seq, group [B]; tokens [B, T] or None; mask [B, T] bool (None: the selected tokens).
+    A stack of U updates (every argument with a leading [U] dimension, finite flags [U, k]) gives
+    [U, layout.size]: row u is update u's block."""
     if mask is None:
         mask = selected
-    b, t = selected.shape
+    lead, (b, t) = tuple(selected.shape[:-2]), tuple(selected.shape[-2:])
     fnames = tuple(c for c in FLOAT_COLS if c in cols)
     if not isinstance(finite, FiniteFlags):  # name -> 0-dim bool
         finite = FiniteFlags(tuple(finite), torch.stack(list(finite.values())) if finite else None)
     layout = Layout(b, t, fnames, finite.names, "erc_kept" in cols, tokens is not None)
-    flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [B, T]
+    flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [..., B, T]
     flags = flags | ((cols["clip"].to(torch.int32) + 1) << _CLIP_SHIFT)
     flags = flags | (cols["clipped"].to(torch.int32) << _CLIPPED_SHIFT)
     if layout.has_erc:
@@ -389,16 +422,17 @@ def pack(
     flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
     if mask is not None:
         flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
-    head = torch.cat([aggregates.double().reshape(-1), finite.flags.double()]) if finite.names \
-        else aggregates.double().reshape(-1)
+    head = aggregates.double().reshape(*lead, -1)
+    if finite.names:
+        head = torch.cat([head, finite.flags.double().reshape(*lead, -1)], -1)
     parts = [head.view(torch.int32)]
     if fnames:
-        floats = torch.stack([cols[c].float().reshape(-1) for c in fnames])  # [n_float, B*T]
-        parts.append(floats.view(torch.int32).reshape(-1))
+        floats = torch.stack([cols[c].float().reshape(*lead, -1) for c in fnames], -2)  # [..., n_float, B*T]
+        parts.append(floats.view(torch.int32).reshape(*lead, -1))
     if tokens is not None:
-        parts.append(tokens.to(torch.int32).reshape(-1))
-    parts += [flags.reshape(-1), seq.to(torch.int32).reshape(-1), group.to(torch.int32).reshape(-1)]
-    return torch.cat(parts), layout
+        parts.append(tokens.to(torch.int32).reshape(*lead, -1))
+    parts += [flags.reshape(*lead, -1), seq.to(torch.int32).reshape(*lead, -1), group.to(torch.int32).reshape(*lead, -1)]
+    return torch.cat(parts, -1), layout
 
 
 def update_block(
@@ -418,12 +452,14 @@ def update_block(
     with ``sensitivity`` [B, T]), the sequence sample (:func:`sample_keep`), the exact aggregates
     over all masked-in tokens (:func:`step_aggregates`, with cols' logit_grad_norm) and the packed
     block (:func:`pack`). cols [B, T] each (as :func:`derive_columns` returns them; ``cols`` gains
-    the attribution columns); mask [B, T] bool; seq, group [B]."""
+    the attribution columns); mask [B, T] bool; seq, group [B]. A stack of U updates of one shape
+    (cols, mask, tokens, sensitivity [U, B, T]; seq, group [U, B]; loss_value [U]; finite flags
+    [U, k]) gives [U, layout.size], row u equal to update u's own block."""
     if sensitivity is not None:
         add_attribution(cols, sensitivity, temperature)
     keep = sample_keep(seq, salt, sample)  # [B]
     aggregates = step_aggregates(cols, mask, cols.get("logit_grad_norm"), loss_value)
-    return pack(cols, mask & keep.unsqueeze(1), aggregates, finite, seq, group, tokens, mask)
+    return pack(cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask)
 
 
 # Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
@@ -437,29 +473,54 @@ class Snapshot:
     """Private copies of everything :func:`update_block` reads, in three stacked tensors, so that the
     work can run later on another thread (CPU tensors: the host is the device) whatever the caller
     does to its tensors afterwards. :meth:`block` runs the work; its values equal
-    ``update_block`` on the original tensors (the same ops on equal values)."""
+    ``update_block`` on the original tensors (the same ops on equal values). :func:`stack_snapshots`
+    joins the snapshots of several same-shaped updates into one (a leading [U] dimension on every
+    tensor), whose :meth:`block` does all of them with one set of ops."""
 
-    floats: torch.Tensor  # [n_float, B, T] float32
+    floats: torch.Tensor  # [n_float, B, T] float32 ([U, n_float, B, T] stacked)
     float_names: tuple[str, ...]
-    ints: torch.Tensor  # [n_int, B, T]: quadrant, clip, clipped, (erc_kept), mask, (tokens)
+    ints: torch.Tensor  # [n_int, B, T]: quadrant, clip, clipped, (erc_kept), mask, (tokens) ([U, ...] stacked)
     int_names: tuple[str, ...]
-    ids: torch.Tensor  # [2, B] int64: seq, group
-    loss_value: torch.Tensor | None
-    finite: "dict[str, torch.Tensor] | FiniteFlags"
+    ids: torch.Tensor  # [2, B] int64: seq, group ([U, 2, B] stacked)
+    loss_value: torch.Tensor | None  # 0-dim ([U] stacked)
+    finite: "dict[str, torch.Tensor] | FiniteFlags"  # flags [k] ([U, k] stacked)
     temperature: float = 1.0
 
     def block(self, salt: int, sample: float) -> tuple[torch.Tensor, Layout]:
-        cols: dict[str, torch.Tensor] = dict(zip(self.float_names, self.floats.unbind(0)))
+        """The packed block [layout.size] (a stacked snapshot: [U, layout.size], row u update u's)."""
+        cols: dict[str, torch.Tensor] = dict(zip(self.float_names, self.floats.unbind(-3)))
         sensitivity = cols.pop("sensitivity", None)
-        ints = dict(zip(self.int_names, self.ints.unbind(0)))
+        ints = dict(zip(self.int_names, self.ints.unbind(-3)))
         for name in ("quadrant", "clip"):
             cols[name] = ints[name]
         for name in ("clipped", "erc_kept", "grad_changed"):
             if name in ints:
                 cols[name] = ints[name].bool()
-        seq, group = self.ids.unbind(0)
+        seq, group = self.ids.unbind(-2)
         return update_block(cols, ints["mask"].bool(), self.loss_value, self.finite, seq, group, ints.get("tokens"),
                             salt, sample, sensitivity, self.temperature)
+
+    def signature(self) -> tuple:
+        """Snapshots with equal signatures can be stacked (:func:`stack_snapshots`)."""
+        finite = self.finite.names if isinstance(self.finite, FiniteFlags) else tuple(self.finite)
+        return (self.float_names, tuple(self.floats.shape), self.floats.dtype, self.int_names,
+                tuple(self.ints.shape), self.ints.dtype, self.loss_value is None, finite, self.temperature)
+
+
+def stack_snapshots(snaps: "list[Snapshot]") -> Snapshot:
+    """One snapshot of U same-shaped updates (equal :meth:`Snapshot.signature`): every tensor
+    gains a leading [U] dimension. Its block's row u equals ``snaps[u].block()`` word for word
+    (every op of :func:`update_block` treats the updates apart)."""
+    first = snaps[0]
+    finites = [s.finite if isinstance(s.finite, FiniteFlags) else
+               FiniteFlags(tuple(s.finite), torch.stack(list(s.finite.values())) if s.finite else None)
+               for s in snaps]
+    names = finites[0].names
+    flags = torch.stack([f.flags for f in finites]) if names else None  # [U, k]
+    loss = torch.stack([s.loss_value for s in snaps]) if first.loss_value is not None else None  # [U]
+    return Snapshot(torch.stack([s.floats for s in snaps]), first.float_names, torch.stack([s.ints for s in snaps]),
+                    first.int_names, torch.stack([s.ids for s in snaps]), loss, FiniteFlags(names, flags),
+                    first.temperature)
 
 
 def snapshot(

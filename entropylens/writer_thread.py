@@ -32,7 +32,7 @@ import numpy as np
 
 from . import storage, tokenbatch
 from . import writer as parquet
-from .host_copy import DeferredBlock, HostCopy
+from .host_copy import DeferredBlock, HostCopy, build_blocks
 from .schema import QUADRANT_NAMES, SCHEMA_VERSION
 from .step_table import StepTable
 from .token_buffer import TokenBuffer
@@ -269,7 +269,13 @@ class WriterThread:
                 item = ("heartbeat",)
             if item is _STOP:
                 return
-            for message in (item[1] if item[0] == "batch" else [item]):
+            messages = item[1] if item[0] == "batch" else [item]
+            if self.error is None:
+                try:  # the hand-over's CPU updates, built together (one set of ops per same-shaped group)
+                    build_blocks([m[3] for m in messages if m[0] == "update"])
+                except Exception:  # noqa: BLE001 - each update then builds alone and its handler surfaces the error
+                    pass
+            for message in messages:
                 kind, args = message[0], message[1:]
                 if self.error is not None and kind != "summary":
                     continue  # drain after a failure; the caller sees the error at its next call

@@ -119,3 +119,92 @@ def test_snapshot_block_equals_update_block_and_ignores_later_changes(sample):
     host = tokenbatch.unpack(expected.numpy(), layout)
     assert "entropy_effect" in host.columns and "entropy_effect_dropped" in host.columns
     assert host.selected.sum() < host.masked.sum() if sample < 1 else (host.selected == host.masked).all()
+
+
+def _update_inputs(seed: int, b: int = 6, t: int = 5, v: int = 11, erc: bool = True):
+    """One update's recorder inputs (ce_gppo with ERC, entropies, attribution, tokens, lgn)."""
+    from entropylens.losses import policy_loss
+    from entropylens.stats import logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(seed)
+    logits = (2 * torch.randn(b, t, v, generator=g)).requires_grad_(True)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    adv = torch.randn(b, generator=g)
+    adv[0] = 0.0  # a zero-advantage sequence (quadrant ZA)
+    lp, h, sens = logprobs_and_entropy(logits, tokens, sensitivity=True)
+    old = lp.detach() + 0.3 * torch.randn(b, t, generator=g)
+    if seed == 2:
+        old[1, 1] = -200.0  # ratio exp(~200) = inf: counted in n_nonfinite_ratio, left out of the means
+    old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
+    out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h,
+                      erc=(0.95, 1.05) if erc else None)
+    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
+                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
+    cols = {k: x.detach() for k, x in cols.items()}
+    cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
+    finite = tokenbatch.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, True]))
+    seq, group = torch.arange(b) * 7 + 100 * seed, torch.arange(b) // 2
+    return cols, mask, out.loss.detach(), finite, seq, group, tokens, sens.detach()
+
+
+@pytest.mark.parametrize("sample", [1.0, 0.5])
+def test_stacked_snapshots_give_each_update_its_own_block(sample):
+    # The writer thread builds a hand-over's same-shaped updates with one set of ops
+    # (stack_snapshots). Row u of that block must equal, word for word, update u's block built
+    # alone (update_block on its own tensors, the CUDA path): aggregates, quantiles, the entropy
+    # budget, the sample and the packed columns, including an update with an infinite ratio.
+    inputs = [_update_inputs(seed) for seed in range(4)]
+    alone = [tokenbatch.update_block(dict(a[0]), *a[1:7], 777, sample, a[7], 0.7) for a in inputs]
+    snaps = [tokenbatch.snapshot(*a[:7], a[7], 0.7) for a in inputs]
+    assert len({s.signature() for s in snaps}) == 1
+    stacked, layout = tokenbatch.stack_snapshots(snaps).block(777, sample)
+    assert stacked.shape == (4, layout.size)
+    for u, (expected, expected_layout) in enumerate(alone):
+        assert expected_layout == layout
+        assert torch.equal(stacked[u], expected), f"update {u}"
+    agg = tokenbatch.unpack(stacked[2].numpy(), layout).aggregates
+    assert agg["n_nonfinite_ratio"] == 1.0 and np.isfinite(agg["ratio_mean"])
+    # the updates differ: a batched op that mixed them would show here
+    assert len({tokenbatch.unpack(stacked[u].numpy(), layout).aggregates["entropy_mean"] for u in range(4)}) == 4
+
+
+def test_build_blocks_groups_same_shaped_updates_and_leaves_each_block_as_alone():
+    # A hand-over with two shapes (B = 6 and B = 4), ERC and no-ERC updates, and a lone update:
+    # build_blocks builds each group at once; every DeferredBlock then returns exactly the block
+    # it builds alone.
+    from entropylens.host_copy import DeferredBlock, build_blocks
+
+    specs = [dict(seed=0), dict(seed=1), dict(seed=2, b=4), dict(seed=3, b=4), dict(seed=4, erc=False),
+             dict(seed=5)]
+    snaps = [tokenbatch.snapshot(*a[:7], a[7], 1.0) for a in (_update_inputs(**s) for s in specs)]
+    together = [DeferredBlock(s, 9, 1.0) for s in snaps]
+    build_blocks([*together, "not a block"])
+    assert all(c._block is not None for i, c in enumerate(together) if i != 4)  # the lone no-ERC one waits
+    assert together[4]._block is None
+    for snap, copy in zip(snaps, together):
+        alone = DeferredBlock(snap, 9, 1.0)
+        np.testing.assert_array_equal(copy.wait(), alone.wait())
+        assert copy.layout == alone.layout
+
+
+def test_batched_aggregates_and_quantiles_match_each_update():
+    # step_aggregates / masked_quantiles / entropy_budget on [U, B, T] give row u = the [B, T] result
+    # of update u, bit for bit; an update with no masked-in token gives NaN quantiles and 0 counts.
+    inputs = [_update_inputs(seed) for seed in range(3)]
+    inputs[1][1].zero_()  # update 1: every token masked out
+    cols = [dict(a[0]) for a in inputs]
+    for c, a in zip(cols, inputs):
+        tokenbatch.add_attribution(c, a[7], 0.7)
+    stacked = {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
+    masks = torch.stack([a[1] for a in inputs])
+    batched = tokenbatch.step_aggregates(stacked, masks, stacked["logit_grad_norm"], torch.stack([a[2] for a in inputs]))
+    for u, (c, a) in enumerate(zip(cols, inputs)):
+        alone = tokenbatch.step_aggregates(c, a[1], c["logit_grad_norm"], a[2])
+        assert torch.equal(batched[u].nan_to_num(123.0), alone.nan_to_num(123.0))
+    q = tokenbatch.masked_quantiles(stacked["entropy_ratio"], masks, (0.05, 0.5, 0.95))
+    assert q.shape == (3, 3) and torch.isnan(q[1]).all() and not torch.isnan(q[0]).any()
+    ref = torch.quantile(cols[0]["entropy_ratio"][inputs[0][1]], torch.tensor([0.05, 0.5, 0.95]))
+    torch.testing.assert_close(q[0], ref)
+    agg = dict(zip(tokenbatch.AGG_NAMES, batched[1].tolist()))
+    assert agg["n_tokens"] == 0.0 and agg["entropy_effect"] == 0.0
