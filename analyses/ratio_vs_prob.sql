@@ -7,19 +7,21 @@
 -- plain integer arithmetic (every product < 2^62) so DuckDB and Spark pick the same rows.
 -- Without sorting every row: one pass counts the hashes in 1,024 equal buckets (2^21 wide), a second
 -- ranks only the rows of the first buckets that together hold at least $points rows (those buckets
--- hold every row that ranks within $points).
-WITH buckets AS (
+-- hold every row that ranks within $points). Buckets are h // 2^21 (integer division; Spark DIV); the
+-- second pass keeps rows below the largest run's cut before joining each run's own cut.
+WITH hashed AS (
     SELECT
         t.run,
-        floor((((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
-                % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
-                * 742938285 % 2147483647) / 2097152) AS b,
-        count(*) AS n
+        ((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
+            % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
+            * 742938285 % 2147483647 AS h
     FROM tokens AS t
     WHERE t.quadrant <> 'ZA'
-    GROUP BY t.run, floor((((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)
-                % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)
-                * 742938285 % 2147483647) / 2097152)
+),
+buckets AS (
+    SELECT run, h // 2097152 AS b, count(*) AS n
+    FROM hashed
+    GROUP BY run, h // 2097152
 ),
 upto AS (
     SELECT
@@ -60,7 +62,7 @@ ranked AS (
         row_number() OVER (PARTITION BY k.run ORDER BY k.h, k.step, k.update, k.rank, k.seq, k.pos) AS k
     FROM keyed AS k
     JOIN cut AS c ON k.run = c.run
-    WHERE floor(k.h / 2097152) <= c.last_b
+    WHERE k.h < (SELECT max(last_b) + 1 FROM cut) * 2097152 AND k.h // 2097152 <= c.last_b
 )
 SELECT
     x.run,

@@ -7,9 +7,11 @@ runs it on every file):
 
 - tables: only the views the engines build (``tokens``, ``steps``, ``sequences``, ``runs``,
   ``probes``) and the file's own CTEs; no ``read_parquet`` or other table functions;
-- no exact quantile functions (``quantile_cont`` / ``quantile`` / ``percentile_cont ... WITHIN
-  GROUP``): sqlglot turns them into approximate ones or Spark rejects them. Use ``median`` (exact on
-  both) or ``approx_quantile`` (approximate on both: DuckDB t-digest, Spark percentile_approx);
+- exact quantiles only as ``median(x)`` or ``quantile_cont(x, q)`` with a number ``q`` (exact on
+  both: :func:`to_spark` writes Spark's ``percentile(x, q)``, the same linear interpolation at rank
+  q * (n - 1)); not ``quantile`` / ``quantile_disc`` / ``percentile_cont ... WITHIN GROUP`` / a list
+  of q: sqlglot turns them into approximate ones or Spark rejects them. ``approx_quantile`` is
+  approximate on both (DuckDB t-digest, Spark percentile_approx);
 - no ``list`` / ``array_agg`` and no ``[i]`` indexing (ordered-list indexing is mistranslated), no
   ``histogram``, no ``PIVOT`` / ``UNPIVOT``, no lambdas or ``unnest``;
 - no ``sum`` / ``avg`` over a boolean (Spark rejects it): ``count_if(cond)`` or
@@ -29,9 +31,9 @@ VIEWS = ("tokens", "steps", "sequences", "runs", "probes")
 
 # sqlglot expression class -> why it is not portable
 DENIED = {
-    "PercentileCont": "exact quantile: use median(x) or approx_quantile(x, q)",
-    "PercentileDisc": "exact quantile: use median(x) or approx_quantile(x, q)",
-    "Quantile": "exact quantile: use median(x) or approx_quantile(x, q)",
+    "PercentileCont": "exact quantile: use median(x) or quantile_cont(x, <number>)",
+    "PercentileDisc": "exact quantile: use median(x) or quantile_cont(x, <number>)",
+    "Quantile": "exact quantile: use median(x) or quantile_cont(x, <number>)",
     "WithinGroup": "WITHIN GROUP is translated to an approximate quantile: use median / approx_quantile",
     "Pivot": "PIVOT / UNPIVOT syntax differs: CROSS JOIN a list of names with CASE",
     "Bracket": "[i] indexing (ordered list indexing is mistranslated)",
@@ -63,6 +65,26 @@ def _bool_columns() -> set[str]:
     return {c.name for cols in TABLES.values() for c in cols if c.dtype == "bool"}
 
 
+def _exact_quantile(node) -> bool:
+    """``quantile_cont(x, q)`` with a number q (not the WITHIN GROUP form, not a list of q): the
+    exact quantile :func:`to_spark` writes as Spark's ``percentile(x, q)``."""
+    from sqlglot import exp
+
+    return (isinstance(node, exp.PercentileCont) and not isinstance(node.parent, exp.WithinGroup)
+            and isinstance(node.expression, exp.Literal) and not node.expression.is_string)
+
+
+def _spark_percentile(node):
+    """sqlglot transform: DuckDB ``quantile_cont(x, q)`` -> Spark ``percentile(x, q)`` (both exact,
+    linear interpolation between the order statistics around rank q * (n - 1)); sqlglot itself
+    writes PERCENTILE_CONT(x, q), which Spark rejects."""
+    from sqlglot import exp
+
+    if _exact_quantile(node):
+        return exp.Anonymous(this="percentile", expressions=[node.this.copy(), node.expression.copy()])
+    return node
+
+
 def _is_boolean(e) -> bool:
     from sqlglot import exp
 
@@ -76,7 +98,7 @@ def problems(sql: str) -> list[str]:
     """Why ``sql`` (one DuckDB statement, parameters filled in) is outside the portable subset."""
     import sqlglot
     from sqlglot import exp
-    from sqlglot.errors import ErrorLevel, SqlglotError
+    from sqlglot.errors import SqlglotError
 
     try:
         trees = [t for t in sqlglot.parse(sql, read="duckdb") if t is not None]
@@ -89,7 +111,7 @@ def problems(sql: str) -> list[str]:
     ctes = {c.alias_or_name.lower() for c in tree.find_all(exp.CTE)}
     for node in tree.walk():
         kind = type(node).__name__
-        if kind in DENIED:
+        if kind in DENIED and not _exact_quantile(node):
             out.append(f"{node.sql(dialect='duckdb')[:60]}: {DENIED[kind]}")
         elif isinstance(node, exp.Anonymous) and node.name.lower() in DENIED_NAMES:
             out.append(f"{node.name}(): {DENIED_NAMES[node.name.lower()]}")
@@ -114,9 +136,9 @@ def problems(sql: str) -> list[str]:
                 out.append(f"{node.sql(dialect='duckdb')[:60]}: needs FILTER (WHERE {arg} IS NOT NULL) "
                            "(DuckDB skips NULL arguments, Spark max_by does not)")
     try:
-        sqlglot.transpile(sql, read="duckdb", write="spark", unsupported_level=ErrorLevel.RAISE)
-    except SqlglotError as e:
-        out.append(f"does not transpile to Spark: {str(e).splitlines()[0]}")
+        to_spark(sql)
+    except ValueError as e:
+        out.append(f"does not transpile to Spark: {str(e).removeprefix('cannot translate to Spark SQL: ')}")
     return out
 
 
@@ -126,7 +148,8 @@ def to_spark(sql: str) -> str:
     from sqlglot.errors import ErrorLevel, SqlglotError
 
     try:
-        (out,) = sqlglot.transpile(sql, read="duckdb", write="spark", unsupported_level=ErrorLevel.RAISE)
+        (tree,) = sqlglot.parse(sql, read="duckdb")
+        out = tree.transform(_spark_percentile).sql(dialect="spark", unsupported_level=ErrorLevel.RAISE)
     except (SqlglotError, ValueError) as e:
         raise ValueError(f"cannot translate to Spark SQL: {str(e).splitlines()[0]}") from None
     return out

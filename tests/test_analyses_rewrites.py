@@ -114,3 +114,36 @@ def test_entropy_change_same_rows_as_window_over_every_token(con):
     assert got[cols].reset_index(drop=True).equals(want[cols].reset_index(drop=True))
     for c in ("mean_dh", "relative_dh"):
         assert np.allclose(got[c], want[c], rtol=1e-12, atol=1e-12), c
+
+
+def test_entropy_ratio_quantiles_are_exact(con):
+    """entropy_ratio_by_step's p05 / p50 / p95 (quantile_cont / median, once approx_quantile for p05 /
+    p95) are numpy's exact linear-interpolation quantiles of the step's float32 entropy ratios."""
+    got = run_analysis(con, "entropy_ratio_by_step")
+    rho = run_sql(con, "SELECT run, step, entropy_ratio FROM tokens WHERE entropy_ratio IS NOT NULL")
+    assert len(got) == 6  # 2 runs x 3 steps
+    for row in got.to_dict("records"):
+        x = rho[(rho["run"] == row["run"]) & (rho["step"] == row["step"])]["entropy_ratio"].to_numpy(np.float64)
+        assert row["tokens"] == len(x) > 100
+        for col, q in (("p05", 0.05), ("p50", 0.5), ("p95", 0.95)):
+            want = np.quantile(x, q)  # (n - 1) * q, linear between the two order statistics around it
+            assert row[col] == pytest.approx(want, rel=1e-6), (row["run"], row["step"], col)
+        lo, hi = np.quantile(x, 0.04), np.quantile(x, 0.06)
+        assert not (lo <= row["p95"] <= hi)  # the columns are not mixed up
+
+
+@pytest.mark.parametrize("bins", [1, 7, 10])
+def test_drift_by_prob_bin_same_rows_as_least(con, bins):
+    """drift_by_prob_bin's bin is a CASE (DuckDB's least() costs ~3x more CPU per row); the rows are
+    those of the least(floor(prob * bins), bins - 1) it replaced."""
+    from entropylens.query import render_analysis
+
+    sql = render_analysis("drift_by_prob_bin", bins=bins)
+    case = f"CASE WHEN floor(prob * {bins}) <= {bins} - 1 THEN floor(prob * {bins}) ELSE {bins} - 1 END"
+    assert case in sql
+    got = run_sql(con, sql)
+    want = run_sql(con, sql.replace(case, f"least(floor(prob * {bins}), {bins} - 1)"))
+    assert len(got) == 2 * bins  # both runs, every bin filled (prob is uniform on [0.01, 1])
+    cols = ["run", "method", "bin", "prob_lo", "prob_hi", "tokens"]
+    assert got[cols].equals(want[cols])
+    assert np.allclose(got["mean_abs_log_ratio"], want["mean_abs_log_ratio"], rtol=1e-12, atol=0)

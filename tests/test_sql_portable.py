@@ -22,7 +22,9 @@ def test_analysis_is_portable(name):
     ("SELECT * FROM read_parquet('r/tokens/**/*.parquet', hive_partitioning = true)", "views only"),
     ("SELECT run FROM tokens ORDER BY hash(step, seq, pos)", "hashes differently"),
     # rejected by sqlglot or Spark
-    ("SELECT quantile_cont(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
+    ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95]) FROM tokens", "exact quantile"),
+    ("SELECT quantile_disc(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
+    ("SELECT quantile(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
     ("SELECT sum(clipped) FROM tokens", "over a boolean"),
     ("SELECT sum(ratio > 1.2) FROM tokens", "over a boolean"),
     ("SELECT histogram(quadrant) FROM tokens", "DuckDB-only"),
@@ -48,6 +50,16 @@ def test_guarded_arg_max_and_count_if_pass():
     spark = to_spark(sql)
     for fn in ("MAX_BY(", "COUNT_IF(", "MEDIAN(", "PERCENTILE_APPROX("):
         assert fn in spark, spark
+
+
+def test_exact_quantile_becomes_spark_percentile():
+    """quantile_cont(x, q) with a number q is portable: Spark's exact percentile(x, q) (sqlglot alone
+    writes PERCENTILE_CONT(x, q), which Spark rejects); median stays MEDIAN (exact on both)."""
+    sql = "SELECT quantile_cont(ratio, 0.05) AS a, median(ratio) AS b, quantile_cont(ratio, 0.95) AS c FROM tokens"
+    assert problems(sql) == []
+    spark = to_spark(sql)
+    assert "PERCENTILE(ratio, 0.05)" in spark and "PERCENTILE(ratio, 0.95)" in spark and "MEDIAN(ratio)" in spark
+    assert "PERCENTILE_CONT" not in spark and "APPROX" not in spark, spark
 
 
 def test_to_spark_error_is_one_line():
