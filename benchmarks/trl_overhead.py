@@ -5,7 +5,9 @@
 Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording (TRL's loss kept;
 TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
 backward), on the tiny offline setup of examples/trl_grpo.py. Rounds alternate the two; medians over
-steps (the first two steps of each run are warm-up and skipped).
+steps (the first two steps of each run are warm-up and skipped); rounds alternate the order in which the
+trainers run, and each round's ratio (median step of one trainer over the other's) is printed too: on a
+shared machine the spread of those paired ratios shows how far to trust the pooled one.
 
 Three clocks per step: wall time; CPU time of the training thread (time.thread_time: with
 ``--threads 1`` all of torch's work runs on it, so this is what the instrumentation costs the
@@ -62,9 +64,12 @@ def main() -> None:
             StepTimer.__init__(self)
 
     times = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
+    per_round: list[dict[str, float]] = []  # each round's median wall per trainer: paired ratios
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
-            for mode in times:
+            per_round.append({})
+            order = list(times) if r % 2 == 0 else list(times)[::-1]  # alternate the order: drift hits both
+            for mode in order:
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
                                              hidden=a.hidden, attribution=mode == "attribution")
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
@@ -78,6 +83,7 @@ def main() -> None:
                 tr.add_callback(timer)
                 tr.train()
                 times[mode] += timer.times[2:]  # skip warm-up steps
+                per_round[-1][mode] = statistics.median(x[0] for x in timer.times[2:])
     med = {m: [statistics.median(x[i] for x in t) for i in range(3)] for m, t in times.items()}
     print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, torch threads {torch.get_num_threads()}, "
           f"{a.rounds} rounds x {a.steps} steps, medians (ms):")
@@ -89,7 +95,11 @@ def main() -> None:
     if a.attribution:
         att = [e / p for e, p in zip(med["attribution"], med["plain"])]
         print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
+    paired = [rd["entropylens"] / rd["plain"] for rd in per_round]
+    print("per-round wall ratios (each round's trainers run back to back, order alternating): "
+          + ", ".join(f"{x:.3f}" for x in paired) + f"; median {statistics.median(paired):.3f}")
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
+    print(f"trl_overhead_paired_ratio={statistics.median(paired):.3f}")
     print(f"trl_overhead_ratio={ratio[0]:.3f}")
 
 
