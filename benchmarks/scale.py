@@ -4,6 +4,7 @@ and after compaction, and the arithmetic for a 7B DAPO run.
   python benchmarks/scale.py [--rows 100000000] [--ranks 64] [--rows-per-file 4096] [--dir DIR]
                              [--workers 2] [--keep] [--skip-uncompacted]
   python benchmarks/scale.py --data DIR --phase before|compact|after   (reuse a --keep'd DIR)
+        [--memory-limit 4GB] [--threads N] [--before-cap-cpu SECONDS] [--before-json PATH]
 
 Token rows are written by entropylens.writer (write_tokens / write_steps / write_sequences: the
 recorder's Hive layout, encodings and atomic writes), one file per (step, rank) holding all the
@@ -22,6 +23,12 @@ analysis are timed, the analyses the report does not run are timed after it; the
 ratios. Each timing is wall-clock and CPU seconds of this process (DuckDB's threads included): on a
 shared machine the wall time is inflated by others' load (printed), the CPU time much less so;
 CPU / 2 estimates the wall time on 2 idle cores.
+DuckDB's memory: --memory-limit (default 4GB; DuckDB's own default is 80% of RAM) is set on the
+report's connections, with a temporary directory for what spills. --before-cap-cpu S stops the report
+on the original files once this process has spent S CPU seconds in it (the queries are interrupted):
+its CPU time is then printed as a LOWER BOUND (>= S) and so is the speed-up. --before-json PATH reads
+the before phase's figures from another directory (e.g. a hard-linked copy of the original files
+measured while this one was compacted).
 Last line: rows=<n> bytes_per_row=<b> report_s=<before> compacted_report_s=<after>
 compacted_report_cpu_s=<after, CPU> speedup_cpu=<whole report, CPU>
 """
@@ -35,6 +42,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -135,15 +143,52 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(run_dir: Path, out: Path) -> dict:
+class CapReached(Exception):
+    """The report passed --before-cap-cpu CPU seconds and was stopped."""
+
+
+def _settings(con, memory_limit: str | None, threads: int | None, spill: Path) -> None:
+    if memory_limit:
+        con.execute(f"SET memory_limit = '{memory_limit}'")
+    if threads:
+        con.execute(f"SET threads = {int(threads)}")
+    spill.mkdir(parents=True, exist_ok=True)
+    con.execute(f"SET temp_directory = '{spill}'")
+
+
+def measure(run_dir: Path, out: Path, *, memory_limit: str | None = "4GB", threads: int | None = None,
+            cap_cpu: float | None = None) -> dict:
     """Wall and CPU seconds (this process, all DuckDB threads) of the whole report
     (entropylens.report.write_report: connect, every analysis it runs, figures, HTML), split into
     connect, each analysis (timed inside the report) and the rest (figures, HTML); then the analyses
-    the report does not run, on one more connection."""
+    the report does not run, on one more connection. ``memory_limit`` / ``threads``: DuckDB settings
+    of those connections (spilling under out/../duckdb-spill). ``cap_cpu``: stop the report once it
+    has spent that many CPU seconds (a watchdog interrupts the running query); the result then has
+    ``capped`` = True and its CPU time is a lower bound."""
     import entropylens.report as report
-    from entropylens.query import connect, list_analyses, run_analysis
+    from entropylens.query import QueryError, connect, list_analyses, run_analysis
 
     parts: dict[str, list[float]] = {}
+    spill = out.parent / "duckdb-spill"
+    cons: list = []
+    capped = threading.Event()
+    done = threading.Event()
+
+    def connect_set(*a, **k):
+        con = connect(*a, **k)
+        _settings(con, memory_limit, threads, spill)
+        cons.append(con)
+        return con
+
+    def watchdog(c_start: float) -> None:
+        while not done.wait(0.5):
+            if _cpu() - c_start > cap_cpu:
+                capped.set()
+                for con in cons:
+                    try:
+                        con.interrupt()
+                    except Exception:  # a closed connection
+                        pass
 
     def timing(label, fn):
         def wrapped(*a, **k):
@@ -155,32 +200,59 @@ def measure(run_dir: Path, out: Path) -> dict:
                 parts[label] = [w + time.perf_counter() - t0, c + _cpu() - c0]
         return wrapped
 
+    def run_capped(con, name, **p):
+        if capped.is_set():
+            raise CapReached(name)
+        try:
+            return timing(name, orig_run)(con, name, **p)
+        except QueryError:
+            if capped.is_set():  # interrupted by the watchdog
+                raise CapReached(name) from None
+            raise
+
     shutil.rmtree(out, ignore_errors=True)
     orig_connect, orig_run = report.connect, report.run_analysis
-    report.connect = timing("connect", orig_connect)
-    report.run_analysis = lambda con, name, **p: timing(name, orig_run)(con, name, **p)
+    report.connect = timing("connect", connect_set)
+    report.run_analysis = run_capped
+    stopped_in = None
+    c0, t0 = _cpu(), time.perf_counter()
+    if cap_cpu:
+        threading.Thread(target=watchdog, args=(c0,), daemon=True).start()
     try:
-        c0, t0 = _cpu(), time.perf_counter()
         report.write_report(run_dir, out)
-        report_s, report_cpu = time.perf_counter() - t0, _cpu() - c0
+    except CapReached as e:
+        stopped_in = str(e)
     finally:
+        report_s, report_cpu = time.perf_counter() - t0, _cpu() - c0
+        done.set()
         report.connect, report.run_analysis = orig_connect, orig_run
     in_report = dict(parts)
-    con = connect(run_dir)
-    for name, _ in list_analyses():
-        if name not in in_report:
-            timing(name, run_analysis)(con, name)
-    con.close()
+    if stopped_in is None:
+        con = connect_set(run_dir)
+        for name, _ in list_analyses():
+            if name not in in_report:
+                timing(name, run_analysis)(con, name)
+        con.close()
+    shutil.rmtree(spill, ignore_errors=True)
     sql = [v for k, v in in_report.items() if k != "connect"]
     return {"report_s": report_s, "report_cpu": report_cpu, "parts": parts, "in_report": sorted(in_report),
             "sql_s": sum(w for w, _ in sql), "sql_cpu": sum(c for _, c in sql),
-            "load": os.getloadavg()[0]}
+            "load": os.getloadavg()[0], "capped": stopped_in is not None, "stopped_in": stopped_in,
+            "cap_cpu": cap_cpu, "memory_limit": memory_limit, "threads": threads,
+            "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}
 
 
 def _show(label: str, m: dict) -> None:
-    print(f"{label}: whole report {m['report_s']:.1f} s wall / {m['report_cpu']:.1f} s CPU "
-          f"(connect + analyses {m['parts']['connect'][1] + m['sql_cpu']:.1f} s CPU, figures and HTML "
-          f"{m['report_cpu'] - m['parts']['connect'][1] - m['sql_cpu']:.1f} s CPU); load average {m['load']:.1f}")
+    if m.get("capped"):
+        print(f"{label}: STOPPED at the CPU cap ({m['cap_cpu']:.0f} s) while running {m['stopped_in']}: "
+              f"whole report >= {m['report_cpu']:.1f} s CPU (a LOWER BOUND), {m['report_s']:.1f} s wall so far; "
+              f"load average {m['load']:.1f}; peak RSS {m.get('max_rss_gb', float('nan')):.1f} GB "
+              f"(DuckDB memory_limit {m.get('memory_limit')}); the parts finished before the stop:")
+    else:
+        print(f"{label}: whole report {m['report_s']:.1f} s wall / {m['report_cpu']:.1f} s CPU "
+              f"(connect + analyses {m['parts']['connect'][1] + m['sql_cpu']:.1f} s CPU, figures and HTML "
+              f"{m['report_cpu'] - m['parts']['connect'][1] - m['sql_cpu']:.1f} s CPU); load average {m['load']:.1f}; "
+              f"peak RSS {m.get('max_rss_gb', float('nan')):.1f} GB (DuckDB memory_limit {m.get('memory_limit')})")
     for name, (w, c) in sorted(m["parts"].items(), key=lambda kv: -kv[1][1]):
         where = "" if name in m["in_report"] else "  (not in the report)"
         print(f"  {name:30s} {w:8.2f} s wall {c:8.2f} s CPU{where}")
@@ -215,10 +287,17 @@ def token_rows(run_dir: Path) -> int:
 
 
 def speedups(before: dict, after: dict) -> None:
+    if before.get("capped"):
+        print(f"compaction speed-up: the report on the original files was stopped at {before['report_cpu']:.1f} s CPU "
+              f"(cap {before['cap_cpu']:.0f} s, in {before['stopped_in']}): whole report >= "
+              f"x{before['report_cpu'] / after['report_cpu']:.1f} CPU (LOWER BOUND; compacted "
+              f"{after['report_cpu']:.1f} s CPU)")
     print("compaction speed-up (CPU seconds, original / compacted), by query:")
     for name, (_, c) in sorted(after["parts"].items(), key=lambda kv: -before["parts"].get(kv[0], [0, 0])[1]):
         b = before["parts"].get(name, [float("nan")] * 2)[1]
         print(f"  {name:30s} {b:8.2f} / {c:7.2f} = x{b / max(c, 1e-9):.1f}")
+    if before.get("capped"):
+        return  # the whole-report ratio is the lower bound above
     print(f"  whole report: x{before['report_s'] / after['report_s']:.1f} wall, "
           f"x{before['report_cpu'] / after['report_cpu']:.1f} CPU; its connect + analyses: "
           f"x{(before['sql_cpu'] + before['parts']['connect'][1]) / (after['sql_cpu'] + after['parts']['connect'][1]):.1f} CPU")
@@ -237,7 +316,16 @@ def main() -> None:
                          "--phase, one part of the benchmark at a time")
     ap.add_argument("--phase", choices=("all", "before", "compact", "after"), default="all")
     ap.add_argument("--skip-uncompacted", action="store_true", help="do not time the report before compaction")
+    ap.add_argument("--memory-limit", default="4GB",
+                    help="DuckDB memory_limit of the report's connections ('' for DuckDB's default, 80%% of RAM)")
+    ap.add_argument("--threads", type=int, default=None, help="DuckDB threads (default: DuckDB's, one per core)")
+    ap.add_argument("--before-cap-cpu", type=float, default=None, metavar="SECONDS",
+                    help="stop the report on the original files after this many CPU seconds; its time and the "
+                         "speed-up are then printed as lower bounds")
+    ap.add_argument("--before-json", type=Path, default=None,
+                    help="the before phase's figures (before.json) from another directory")
     a = ap.parse_args()
+    settings = {"memory_limit": a.memory_limit or None, "threads": a.threads}
     base = a.data or Path(tempfile.mkdtemp(prefix="entropylens-scale-", dir=a.dir))
     keep = a.keep or a.data is not None
     run_dir = base / "scale"
@@ -256,7 +344,7 @@ def main() -> None:
                   f"all tables: {sum(tree_bytes(run_dir / t, '')[1] for t in ('tokens', 'sequences', 'steps')):,} files")
         before = after = None
         if a.phase in ("all", "before") and not a.skip_uncompacted:
-            before = measure(run_dir, base / "report-before")
+            before = measure(run_dir, base / "report-before", cap_cpu=a.before_cap_cpu, **settings)
             _show("original files", before)
             (base / "before.json").write_text(json.dumps(before))
         if a.phase in ("all", "compact"):
@@ -270,19 +358,23 @@ def main() -> None:
         if cfiles:
             print(f"compacted tokens: {cfiles} files, {csize / 1e9:.2f} GB, {csize / rows:.1f} bytes per row")
         if a.phase in ("all", "after"):
-            after = measure(run_dir, base / "report-after")
+            after = measure(run_dir, base / "report-after", **settings)
             _show("compacted", after)
             (base / "after.json").write_text(json.dumps(after))
-        if before is None and (base / "before.json").exists():
-            before = json.loads((base / "before.json").read_text())
+        before_json = a.before_json or base / "before.json"
+        if before is None and before_json.exists():
+            before = json.loads(before_json.read_text())
+            print(f"before phase read from {before_json}")
         if before and after:
             speedups(before, after)
         if after and cfiles:
             arithmetic(csize / rows, rows / (after["report_cpu"] / 2))
             print(f"rows={rows} bytes_per_row={csize / rows:.2f} "
-                  f"report_s={before['report_s'] if before else float('nan'):.1f} "
+                  f"report_s={before['report_s'] if before else float('nan'):.1f}"
+                  f"{' (lower bound)' if before and before.get('capped') else ''} "
                   f"compacted_report_s={after['report_s']:.1f} compacted_report_cpu_s={after['report_cpu']:.1f} "
-                  f"speedup_cpu={before['report_cpu'] / after['report_cpu'] if before else float('nan'):.1f}")
+                  f"speedup_cpu={before['report_cpu'] / after['report_cpu'] if before else float('nan'):.1f}"
+                  f"{' (lower bound)' if before and before.get('capped') else ''}")
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
