@@ -8,14 +8,50 @@
 -- no token is seen twice, dH = entropy - old_entropy at updates after the first (drift since the
 -- rollout). relative_dh = mean_dh minus the run's mean over all quadrants (removes the common
 -- drift); agrees compares sign(relative_dh) with the law: PA&HP -, PA&LP +, NA&HP +, NA&LP -.
--- Only sequences seen at more than one (step, update) can hold a token seen twice: the per-token
--- window runs over their tokens alone, not over every row.
-WITH multi AS (
-    SELECT run, rank, seq
+-- Without a group per sequence: one pass sums the drift and finds each (run, rank, step, update)'s
+-- seq range; a sequence seen at two (step, update) lies where the ranges of its rank overlap (swept
+-- in seq order: below the largest hi of the ranges before, or above the smallest lo of those after),
+-- so the per-token window runs over the rows in those overlaps alone (a token seen once has no next
+-- row there either); in a run that reuses batches that is every row, as before.
+WITH blocks AS (
+    SELECT
+        run,
+        rank,
+        step,
+        update,
+        quadrant,
+        min(seq) AS lo,
+        max(seq) AS hi,
+        count(*) AS n,
+        count(entropy - old_entropy) AS n_dh,
+        sum(entropy - old_entropy) AS sum_dh
     FROM tokens
     WHERE quadrant <> 'ZA' AND entropy IS NOT NULL
-    GROUP BY run, rank, seq
-    HAVING min(CAST(step AS BIGINT) * 65536 + update) < max(CAST(step AS BIGINT) * 65536 + update)
+    GROUP BY run, rank, step, update, quadrant
+),
+ranges AS (
+    SELECT run, rank, step, update, min(lo) AS lo, max(hi) AS hi
+    FROM blocks
+    GROUP BY run, rank, step, update
+),
+swept AS (
+    SELECT
+        run,
+        rank,
+        step,
+        update,
+        lo,
+        hi,
+        max(hi) OVER (PARTITION BY run, rank ORDER BY lo, step, update
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_hi,
+        min(lo) OVER (PARTITION BY run, rank ORDER BY lo, step, update
+                      ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS next_lo
+    FROM ranges
+),
+shared AS (
+    SELECT run, rank, step, update, prev_hi, next_lo
+    FROM swept
+    WHERE prev_hi >= lo OR next_lo <= hi
 ),
 seen AS (
     SELECT
@@ -24,8 +60,8 @@ seen AS (
         t.entropy,
         lead(t.entropy) OVER (PARTITION BY t.run, t.rank, t.seq, t.pos ORDER BY t.step, t.update) AS next_entropy
     FROM tokens AS t
-    JOIN multi AS m ON t.run = m.run AND t.rank = m.rank AND t.seq = m.seq
-    WHERE t.quadrant <> 'ZA' AND t.entropy IS NOT NULL
+    JOIN shared AS s ON t.run = s.run AND t.rank = s.rank AND t.step = s.step AND t.update = s.update
+    WHERE t.quadrant <> 'ZA' AND t.entropy IS NOT NULL AND (t.seq <= s.prev_hi OR t.seq >= s.next_lo)
 ),
 repeated AS (
     SELECT run, quadrant, count(*) AS tokens, avg(next_entropy - entropy) AS mean_dh
@@ -34,9 +70,9 @@ repeated AS (
     GROUP BY run, quadrant
 ),
 drift AS (
-    SELECT run, quadrant, count(*) AS tokens, avg(entropy - old_entropy) AS mean_dh
-    FROM tokens
-    WHERE quadrant <> 'ZA' AND entropy IS NOT NULL AND update > 0
+    SELECT run, quadrant, CAST(sum(n) AS BIGINT) AS tokens, sum(sum_dh) / nullif(sum(n_dh), 0) AS mean_dh
+    FROM blocks
+    WHERE update > 0
     GROUP BY run, quadrant
 ),
 per_q AS (

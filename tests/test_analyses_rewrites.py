@@ -70,9 +70,11 @@ def _tokens(rng, n_seq: int, seq0: int, update: int) -> dict:
     }
 
 
-def _run(root, name: str, repeat: bool, seed: int) -> None:
+def _run(root, name: str, repeat: bool, seed: int, boundary: bool = False) -> None:
     """3 steps x 3 ranks x 2 updates; ``repeat``: update 1 sees update 0's sequences again and step
-    s + 1 sees some of step s's (seq ids reused), else every token once."""
+    s + 1 sees some of step s's (seq ids reused), else every token once; ``boundary``: each
+    (step, update) shares only its first sequence id with the one before (like a sequence split
+    between two mini-batches: benchmarks/scale.py's layout)."""
     rng = np.random.default_rng(seed)
     d = root / name
     d.mkdir()
@@ -81,7 +83,8 @@ def _run(root, name: str, repeat: bool, seed: int) -> None:
     for step in range(3):
         for rank in range(3):
             for update in range(2):
-                seq0 = (step * 10 if repeat else (step * 6 + update * 3) * 40) + rank * 1000
+                seq0 = (step * 10 if repeat else (step * 2 + update) * 39 if boundary
+                        else (step * 6 + update * 3) * 40) + rank * 1000
                 arrs = _tokens(np.random.default_rng(seed + 7 * step + rank) if repeat else rng, 40, seq0, update)
                 if repeat:  # same tokens, new entropies
                     arrs["entropy"] = rng.uniform(0.1, 3.0, len(arrs["seq"])).astype(np.float32)
@@ -94,6 +97,7 @@ def con(tmp_path_factory):
     root = tmp_path_factory.mktemp("rewrites")
     _run(root, "again", True, 1)
     _run(root, "once", False, 2)
+    _run(root, "boundary", False, 3, boundary=True)
     return connect(root)
 
 
@@ -102,14 +106,17 @@ def test_ratio_vs_prob_same_rows_as_ranking_every_row(con, points):
     got = run_analysis(con, "ratio_vs_prob", points=points)
     want = run_sql(con, PLAIN_RATIO_VS_PROB.replace("$points", str(points)))
     total = run_sql(con, "SELECT count(*) AS n FROM tokens WHERE quadrant <> 'ZA' GROUP BY run")["n"]
-    assert len(got) == sum(min(points, n) for n in total)  # both runs, at most `points` rows each
+    assert len(got) == sum(min(points, n) for n in total)  # every run, at most `points` rows each
     assert got.reset_index(drop=True).equals(want.reset_index(drop=True))
 
 
 def test_entropy_change_same_rows_as_window_over_every_token(con):
     got = run_analysis(con, "entropy_change_by_quadrant")
     want = run_sql(con, PLAIN_ENTROPY_CHANGE)
-    assert set(got["run"]) == {"again", "once"}  # one run of each mode
+    assert set(got["run"]) == {"again", "once", "boundary"}  # one run of each mode
+    n = run_sql(con, "SELECT run, count(*) AS n FROM tokens WHERE quadrant <> 'ZA' GROUP BY run").set_index("run")["n"]
+    seen_again = got.groupby("run")["tokens"].sum()
+    assert 0 < seen_again["boundary"] < n["boundary"] / 10  # only the shared sequences' tokens
     cols = ["run", "method", "quadrant", "tokens"]
     assert got[cols].reset_index(drop=True).equals(want[cols].reset_index(drop=True))
     for c in ("mean_dh", "relative_dh"):
@@ -121,7 +128,7 @@ def test_entropy_ratio_quantiles_are_exact(con):
     p95) are numpy's exact linear-interpolation quantiles of the step's float32 entropy ratios."""
     got = run_analysis(con, "entropy_ratio_by_step")
     rho = run_sql(con, "SELECT run, step, entropy_ratio FROM tokens WHERE entropy_ratio IS NOT NULL")
-    assert len(got) == 6  # 2 runs x 3 steps
+    assert len(got) == 9  # 3 runs x 3 steps
     for row in got.to_dict("records"):
         x = rho[(rho["run"] == row["run"]) & (rho["step"] == row["step"])]["entropy_ratio"].to_numpy(np.float64)
         assert row["tokens"] == len(x) > 100
@@ -143,7 +150,7 @@ def test_drift_by_prob_bin_same_rows_as_least(con, bins):
     assert case in sql
     got = run_sql(con, sql)
     want = run_sql(con, sql.replace(case, f"least(floor(prob * {bins}), {bins} - 1)"))
-    assert len(got) == 2 * bins  # both runs, every bin filled (prob is uniform on [0.01, 1])
+    assert len(got) == 3 * bins  # every run, every bin filled (prob is uniform on [0.01, 1])
     cols = ["run", "method", "bin", "prob_lo", "prob_hi", "tokens"]
     assert got[cols].equals(want[cols])
     assert np.allclose(got["mean_abs_log_ratio"], want["mean_abs_log_ratio"], rtol=1e-12, atol=0)
