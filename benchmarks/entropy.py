@@ -9,7 +9,9 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
    log_softmax + gather, beyond the [N, V] gradient both must produce.
 3. float64 error at V = 151936 with logit offsets 0..40.
 5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per chunk,
-   logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x).
+   logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x), with no
+   grad and in the training pass (forward + backward: where the recorder's s_t is computed); 5b. the same
+   in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
 Last lines: sensitivity_ratio=<time ratio with / without at the first shape> and
 ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
 """
@@ -195,12 +197,47 @@ def sensitivity_section(shapes, repeats: int) -> float:
     return first
 
 
+def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:
+    """Section 5b: the same two extra reductions in ``head_stats`` (hidden states through the LM head in
+    tiles: the pass of TRL ``attribution=True`` and of ``policy_update(hidden=, head=)``), forward +
+    backward (s_t is computed only in a training pass), with and without ``sensitivity``; medians of
+    per-pair ratios. Returns the ratio at the first shape."""
+    from entropylens.stats import head_stats
+
+    print(f"\n5b. the same in head_stats (hidden {hidden_size} -> V through the LM head, fp32, forward + backward), "
+          f"medians over {repeats} alternating pairs")
+    print(f"{'shape':>16} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
+    first = None
+    for n, v in shapes:
+        g = torch.Generator().manual_seed(0)
+        h = (torch.randn(n, hidden_size, generator=g)).requires_grad_(True)
+        w = (torch.randn(v, hidden_size, generator=g) * hidden_size ** -0.5 * 3).requires_grad_(True)
+        tok = torch.randint(0, v, (n,), generator=g)
+
+        def train(sens):
+            lp = head_stats(h, w, tok, sensitivity=sens)[0]
+            lp.sum().backward()
+            h.grad = w.grad = None
+
+        train(False), train(True)  # warm-up
+        t0, t1, ratios = [], [], []
+        for _ in range(repeats):
+            a_ms = median_ms(train, (False,), 1)
+            b_ms = median_ms(train, (True,), 1)
+            t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
+        r = statistics.median(ratios)
+        print(f"{str([n, v]):>16} {statistics.median(t0):11.1f} {statistics.median(t1):9.1f} {r:6.2f}")
+        first = first or r
+    return first
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--child", nargs=5)
     ap.add_argument("--sensitivity-only", action="store_true", help="section 5 only (the attribution's cost)")
+    ap.add_argument("--head-hidden", type=int, default=896, help="hidden size for section 5b (896: Qwen2.5-0.5B)")
     a = ap.parse_args()
     if a.child:
         kind, n, v, dtype, grad = a.child
@@ -210,7 +247,11 @@ def main() -> None:
     shapes = [(512, 4096), (128, 16384)] if a.quick else [(8192, 32000), (2048, 151936)]
     if a.sensitivity_only:
         print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-        print(f"sensitivity_ratio={sensitivity_section(shapes, a.repeats):.3f}")
+        ratio = sensitivity_section(shapes, a.repeats)
+        head_shapes = [(n // 8, v) for n, v in shapes]  # the head's matmuls: 8x fewer positions keep it short
+        head = head_sensitivity_section(head_shapes, a.head_hidden, a.repeats)
+        print(f"head_sensitivity_ratio={head:.3f}")
+        print(f"sensitivity_ratio={ratio:.3f}")
         return
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, TRL functions {TRL_SOURCE}")
     # Memory first, from children forked while this process is still small (Linux keeps the
@@ -263,6 +304,8 @@ def main() -> None:
         print(f"   torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
     sens_ratio = sensitivity_section(shapes, a.repeats)
+    head = head_sensitivity_section([(n // 8, v) for n, v in shapes], a.head_hidden, a.repeats)
+    print(f"head_sensitivity_ratio={head:.3f}")
     print(f"sensitivity_ratio={sens_ratio:.3f}")
     print(f"ratio_vs_trl={headline[0]:.3f} extra_gb={headline[1]:.3f}")
 
