@@ -462,6 +462,10 @@ def update_block(
     return pack(cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask)
 
 
+# The recorder's checked inputs (all masked-in values finite) -> the column that holds each
+CHECKED_COLUMNS = {"logprobs": "logprob", "old_logprobs": "old_logprob", "advantages": "advantage",
+                   "entropy": "entropy", "old_entropy": "old_entropy"}
+
 # Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
 # aggregates, grad_coef_unclipped for the attribution) and the small integer ones.
 _SNAPSHOT_FLOATS = FLOAT_COLS + ("ratio", "entropy_ratio", "grad_coef_unclipped")
@@ -534,7 +538,9 @@ def snapshot(
     sensitivity: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> Snapshot:
-    """Three copies (one stack each) of what :func:`update_block` reads. Arguments as there."""
+    """Three copies (one stack each) of what :func:`update_block` reads. Arguments as there; finite
+    flags of None (``FiniteFlags(names, None)``) are computed here from the copies of the checked
+    inputs' columns (CHECKED_COLUMNS): all masked-in values finite, as the recorder's check."""
     b, t = mask.shape
     fnames = tuple(c for c in _SNAPSHOT_FLOATS if c in cols)
     parts = [cols[c].reshape(b, t).float() for c in fnames]
@@ -542,6 +548,9 @@ def snapshot(
         fnames += ("sensitivity",)
         parts.append(sensitivity.detach().reshape(b, t).float())
     floats = torch.stack(parts)  # [n_float, B, T]
+    if isinstance(finite, FiniteFlags) and finite.flags is None and finite.names:
+        rows = floats[[fnames.index(CHECKED_COLUMNS[name]) for name in finite.names]]  # [k, B, T]
+        finite = FiniteFlags(finite.names, (torch.isfinite(rows) | ~mask).flatten(1).all(dim=1))  # [k]
     inames = tuple(c for c in _SNAPSHOT_INTS if c in cols) + ("mask",) + (("tokens",) if tokens is not None else ())
     parts = [cols[c].reshape(b, t) for c in inames[:-2 if tokens is not None else -1]]
     parts += [mask] + ([tokens.reshape(b, t)] if tokens is not None else [])

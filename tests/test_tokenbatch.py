@@ -208,3 +208,21 @@ def test_batched_aggregates_and_quantiles_match_each_update():
     torch.testing.assert_close(q[0], ref)
     agg = dict(zip(tokenbatch.AGG_NAMES, batched[1].tolist()))
     assert agg["n_tokens"] == 0.0 and agg["entropy_effect"] == 0.0
+
+
+def test_snapshot_computes_missing_finite_flags_from_its_copies():
+    # The CPU recorder leaves the input check to the snapshot (FiniteFlags(names, None)): each flag
+    # is "every masked-in value of that input's column finite". Masked-out non-finite values pass.
+    cols, mask, loss, _, seq, group, tokens, sens = _update_inputs(0)
+    cols["entropy"] = cols["entropy"].clone()
+    cols["old_logprob"] = cols["old_logprob"].clone()
+    cols["advantage"] = cols["advantage"].clone()
+    i, j = mask.nonzero()[0].tolist()  # a masked-in position
+    oi, oj = (~mask).nonzero()[0].tolist()  # a masked-out one
+    cols["entropy"][i, j] = float("inf")
+    cols["old_logprob"][oi, oj] = float("nan")
+    cols["advantage"][i, j] = float("nan")
+    names = ("logprobs", "old_logprobs", "advantages", "entropy", "old_entropy")
+    snap = tokenbatch.snapshot(cols, mask, loss, tokenbatch.FiniteFlags(names, None), seq, group, tokens, sens)
+    assert dict(zip(names, snap.finite.flags.tolist())) == {
+        "logprobs": True, "old_logprobs": True, "advantages": False, "entropy": False, "old_entropy": True}
