@@ -308,3 +308,31 @@ def test_trl_two_processes(tmp_path):
     # every rank's own status file; the run is finished because both ranks are
     assert sorted(p.name for p in (run / "ranks").iterdir()) == ["rank-0.json", "rank-1.json"]
     assert con.execute("SELECT status FROM runs").fetchone()[0] == "finished"
+
+
+def test_trl_sum_p_squared_asked_only_in_the_training_pass(tmp_path, monkeypatch):
+    # sum_j p_j^2 (log_sum_sq_probs, one more reduction per tile of TRL's fused head) feeds only the
+    # training pass's logit_grad_norm: the old-policy and reference passes run TRL's own head
+    import trl.trainer.utils as tu
+
+    real = tu._ChunkedLogProbFunction
+    calls = []
+
+    class Spy:
+        @staticmethod
+        def apply(*args):
+            calls.append((torch.is_grad_enabled(), "log_sum_sq_probs" in args[-1]))
+            return real.apply(*args)
+
+    from peft import LoraConfig
+
+    monkeypatch.setattr(tu, "_ChunkedLogProbFunction", Spy)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    tr = trl_tiny.trainer(tmp_path, "sq", peft_config=lora, beta=0.04, num_iterations=2, max_steps=2)
+    tr.train()
+    grad = [sq for g, sq in calls if g]
+    nograd = [sq for g, sq in calls if not g]
+    assert grad and nograd  # training passes, and old-policy / reference passes
+    assert all(grad) and not any(nograd)
+    t = _rows(tmp_path / "sq")
+    assert t["logit_grad_norm"].notna().all() and (t["old_entropy"] > 0).all()

@@ -235,16 +235,18 @@ def _trainer_class():
             base = self._el_base_model()
             if "forward" not in vars(base) or base.get_output_embeddings() is None:
                 return False
+            trl_fused = base.forward  # TRL's own head (log-probs and entropy): the no-grad passes need no more
             add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                               outputs=("log_probs", "entropy", "log_sum_sq_probs"))
-            fused = base.forward
+            fused = base.forward  # sum_j p_j^2 too (one more reduction per tile): only the training pass uses it
             owner = self
 
             @functools.wraps(type(base).forward)
             def forward(self_, *a, **k):
+                if not (k.get("fused_lm_head") and owner._el_capture is not None and torch.is_grad_enabled()):
+                    return trl_fused(*a, **k)
                 out = fused(*a, **k)
-                if k.get("fused_lm_head") and owner._el_capture is not None:
-                    owner._el_capture.append(getattr(out, "log_sum_sq_probs", None))
+                owner._el_capture.append(getattr(out, "log_sum_sq_probs", None))
                 return out
 
             base.forward = types.MethodType(forward, base)
@@ -280,12 +282,12 @@ def _trainer_class():
                     caps = self._el_capture
                 finally:
                     self._el_capture = None
-                sq = None
+                sq = None  # the no-grad passes (old policy, reference) capture nothing: no sum p^2 asked
                 if caps and all(c is not None for c in caps):
                     sq = torch.cat([c[:, -k:] for c in caps]).float().exp()  # sum_j p_j^2 [b, K]
                     if sq.shape != logps.shape:
                         sq = None
-                if sq is None:
+                if sq is None and torch.is_grad_enabled():
                     self._el_warn_once("sq", "TRL's fused head returned no log_sum_sq_probs for a batch; its "
                                              "logit_grad_norm is left empty")
             elif any(mm.get(key) is not None for key in _MM_KEYS):
