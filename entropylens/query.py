@@ -29,6 +29,8 @@ UNIFORM = ("sequences", "tokens")  # one writer, one schema per run: no union_by
 # query opens only the files its step/rank filter keeps (union_by_name reads every footer first)
 MATERIALIZED = ("steps", "probes")  # a row per update and rank: read once at connect into a table, not
 # once per query (an uncompacted 100M-row run has 24k steps files, each parsed again by every query)
+MATERIALIZE_FILES = 512  # files per read_parquet when materializing: DuckDB held ~0.45 MB per small file
+# until one read_parquet over them all finished (24k steps files: >13 GB); 512 at a time stays < 0.5 GB
 STALE_INTERVALS = 3  # a running run whose heartbeat is older than this many intervals is `stale`
 DEFAULT_HEARTBEAT_S = 10.0
 
@@ -124,17 +126,19 @@ def _derived_sql(table: str, have: set[str]) -> str:
     return "".join(out)
 
 
-def _sources(run: cat.RunFiles, table: str) -> list[str]:
+def _sources(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[str]:
     """read_parquet() calls over one run's files of ``table``: its committed Hive files (step and
-    rank from the path) and its compacted files (step and rank stored). The catalog already applied
-    the commit rule (tokens/sequences of a step only once its steps file exists), dropped bad files
-    and chose compacted files over the originals they replace."""
+    rank from the path) and its compacted files (step and rank stored); ``chunk``: at most that many
+    files per call. The catalog already applied the commit rule (tokens/sequences of a step only
+    once its steps file exists), dropped bad files and chose compacted files over the originals they
+    replace."""
     out = []
     files = run.files.get(table)
-    if files:
+    step = chunk or max(len(files or ()), 1)
+    for i in range(0, len(files or ()), step):
         union = "false" if table in UNIFORM else "true"
-        out.append(f"read_parquet({_sql_list(files)}, hive_partitioning = true, union_by_name = {union}, "
-                   "hive_types = {'step': INTEGER, 'rank': SMALLINT})")
+        out.append(f"read_parquet({_sql_list(files[i:i + step])}, hive_partitioning = true, "
+                   f"union_by_name = {union}, hive_types = {{'step': INTEGER, 'rank': SMALLINT}})")
     files = run.compacted.get(table)
     if files:
         out.append(f"read_parquet({_sql_list(files)}, union_by_name = true)")
@@ -184,10 +188,23 @@ def _views(snap: cat.Catalog, con):
     for table in sorted(set(PARTITIONED) | set(snap.tables())):
         selects = []
         derived = any(c.derived for c in TABLES.get(table, []))
+        chunk = MATERIALIZE_FILES if table in MATERIALIZED else None
         for r in snap.runs:
-            for src in _sources(r, table):
+            for src in _sources(r, table, chunk):
                 have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()} if derived else set()
                 selects.append(f"SELECT {_sql_str(r.id)} AS run, *{_derived_sql(table, have)} FROM {src}")
+        if table in MATERIALIZED and len(selects) > 1:  # each part read by its own statement (bounded memory)
+            parts = [f"_{table}_part{i}" for i in range(len(selects))]
+            for part, sel in zip(parts, selects):
+                con.execute(f"CREATE TEMP TABLE {part} AS {sel}")
+            union = " UNION ALL BY NAME ".join(f"SELECT * FROM {part}" for part in parts)
+            cols = [row[0] for row in con.execute(f"DESCRIBE {union}").fetchall()]
+            hive = [c for c in ("rank", "step") if c in cols]  # last, as one read_parquet puts them
+            order = ", ".join(f'"{c}"' for c in [c for c in cols if c not in hive] + hive)
+            con.execute(f"CREATE TEMP TABLE {table} AS SELECT {order} FROM ({union})")
+            for part in parts:
+                con.execute(f"DROP TABLE {part}")
+            continue
         body = " UNION ALL BY NAME ".join(selects) if selects else _empty_view(table)
         kind = "TEMP TABLE" if table in MATERIALIZED and selects else "VIEW"
         con.execute(f"CREATE {kind} {table} AS {body}")

@@ -165,3 +165,23 @@ def test_live_recorder_keeps_its_heartbeat_during_a_long_step(tmp_path):
         info = json.loads((tmp_path / "r" / "run.json").read_text())
         assert info["heartbeat_s"] == 1.0
     assert connect(tmp_path).execute("SELECT status FROM runs").fetchall() == [("finished",)]
+
+
+def test_steps_read_in_parts_equal_one_read(tmp_path, monkeypatch):
+    """connect reads steps / probes files MATERIALIZE_FILES at a time (one read_parquet over 24k files
+    held >13 GB): read 2 files at a time, the table is the one a single read gives, a later file's
+    extra metric column included (NULL in the files without it), in the same column order."""
+    import entropylens.query as q
+    from entropylens.writer import write_steps
+
+    d = make_run(tmp_path, "r", steps=5, rows=16)
+    write_steps(d, 5, 0, [{"update": 0, "n_tokens": 16, "my_metric": 2.5}])  # a column only this file has
+    whole = q.connect(tmp_path).execute("SELECT * FROM steps ORDER BY step, rank, update").df()
+    monkeypatch.setattr(q, "MATERIALIZE_FILES", 2)
+    con = q.connect(tmp_path)
+    parts = con.execute("SELECT * FROM steps ORDER BY step, rank, update").df()
+    assert len(whole) == 6 and list(parts.columns) == list(whole.columns)
+    assert parts.equals(whole)
+    assert parts["my_metric"].notna().sum() == 1
+    left = con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '\\_steps\\_part%' ESCAPE '\\'")
+    assert left.fetchall() == []  # the part tables are dropped
