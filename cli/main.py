@@ -266,17 +266,47 @@ def runs(path: PathArg) -> None:
     _emit(df[["run", "method", "steps", "tokens", "final_entropy", "final_reward", "status"]], Format.table, None)
 
 
-@app.command()
+def _is_sql(arg: str) -> bool:
+    """An argument that starts with `--` but is SQL (an SQL comment first): it has whitespace before any
+    `=`, which no option name has (`--run=a b` is an option, `-- top runs\nSELECT ...` is SQL)."""
+    return arg.startswith("--") and len(arg) > 2 and any(c.isspace() for c in arg.split("=", 1)[0])
+
+
+class _QueryCommand(typer.core.TyperCommand):
+    """`entropylens query`: SQL that starts with an SQL comment (`-- ...`) is the SQL argument, not an
+    unknown option (it is moved behind a `--` separator before parsing)."""
+
+    def parse_args(self, ctx, args):
+        if "--" not in args and any(_is_sql(a) for a in args):
+            args = [a for a in args if not _is_sql(a)] + ["--"] + [a for a in args if _is_sql(a)]
+        return super().parse_args(ctx, args)
+
+
+@app.command(cls=_QueryCommand)
 def query(
     path: PathArg,
-    sql: Annotated[str, typer.Argument(metavar="SQL", help="SQL over the views runs, steps, sequences, tokens.")],
+    sql: Annotated[str, typer.Argument(
+        metavar="SQL", help="One read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, ...) over "
+                            "the views runs, steps, sequences, tokens; `-` reads it from stdin.")],
     fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
 ) -> None:
-    """Run SQL (DuckDB) over the runs under PATH."""
+    """Run one read-only SQL statement (DuckDB) over the runs under PATH.
+
+    Statements that write or change the session (COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ...) are refused.
+
+    SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
+    """
+    from entropylens.cli.sql_guard import NotReadOnly, check_read_only
     from entropylens.query import QueryError, run_sql
 
+    if sql == "-":
+        sql = sys.stdin.read()
+    try:
+        check_read_only(sql)
+    except NotReadOnly as e:
+        _fail(str(e))
     con = _connect(path, run)
     try:
         df = run_sql(con, sql)
@@ -463,31 +493,63 @@ def demo(
     Named runs: grpo, dapo, gppo, ce_gppo (beta 0.5/1), ce_gppo_b0 (0/1), ce_gppo_switch (beta1 0 -> 0.5),
     cispo, gspo, erc_dapo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>, dual_clip_<c>.
     """
-    from entropylens.demo import run_demo
-    from entropylens.toy.config import config_for
+    import time
 
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if not names:
         _fail("--methods is empty")
+    from entropylens.workers import start_fork_server
+
+    start_fork_server(len(names) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
+    from entropylens.demo import run_demo
+    from entropylens.toy.config import config_for
+
     try:
         for n in names:
             config_for(n, **({"steps": steps} if steps is not None else {}))  # validate before training
+        t_run = time.perf_counter()
         res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
                        overwrite=overwrite, probe_every=probe_every)
     except ValueError as e:
         _fail(str(e))
-    _emit(_summary(res.runs_dir, [r.run for r in res.runs]), Format.table, None)
+    t0 = time.perf_counter()
+    _emit(_summary(res.runs_dir, [r.run for r in res.runs], res.summary), Format.table, None)
     typer.echo(f"runs: {res.runs_dir}")
-    typer.echo("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in res.phases.items()))
+    # start: interpreter, imports, the fork server's launch (before run_demo); process: all of it so far
+    phases = {k: v for k, v in res.phases.items() if k != "total"}
+    phases["summary"] = time.perf_counter() - t0
+    since = _process_seconds()
+    if since is not None:
+        phases = {"start": since - (time.perf_counter() - t_run), **phases, "process": since}
+    else:
+        phases["total"] = res.phases["total"]
+    typer.echo("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     if res.report_dir:
         typer.echo(f"report: {res.report_dir / 'index.html'}")
 
 
-def _summary(runs_dir: Path, runs: list[str]):
-    """run_summary over exactly the demo's runs (never older runs that share the directory)."""
-    from entropylens.query import connect, run_analysis
+def _process_seconds() -> float | None:
+    """Wall seconds since this process started (Linux: /proc), or None."""
+    import os
 
-    df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _summary(runs_dir: Path, runs: list[str], table=None):
+    """run_summary over exactly the demo's runs (never older runs that share the directory); ``table``:
+    the report's run table of the same runs, when the demo wrote one (no second connection)."""
+    if table is not None:
+        df = table
+    else:
+        from entropylens.query import connect, run_analysis
+
+        df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
     return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",
                "clip_high_frac", "erc_drop_frac"]]
 
@@ -498,6 +560,30 @@ def main() -> None:
     except KeyboardInterrupt:  # pragma: no cover
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except SystemExit as e:
+        _exit(e)
+
+
+def _exit(e: SystemExit) -> None:
+    """Leave at once where a command loaded torch (the demo): the interpreter's teardown of torch's and
+    transformers' modules takes ~1.5 s of CPU (5 s wall under load) and saves nothing (our files are
+    closed, the worker pool shut down). atexit handlers and non-daemon threads still finish first."""
+    if "torch" not in sys.modules or not (e.code is None or isinstance(e.code, int)):
+        raise e
+    import atexit
+    import os
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`)
+            pass
+    os._exit(e.code or 0)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from pathlib import Path
 
 from .run_claim import RunExistsError
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
+from .workers import available_cores, start_fork_server
+from .workers import one_thread_env as _one_thread_env
+from .workers import worker_context as _worker_context
 
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
 QUICK = dict(steps=6, prompts=8, group=4, minibatches=2, epochs=2, sft_steps=40)
@@ -39,14 +42,7 @@ class DemoResult:
     runs: list  # RunResult, in the order of the configs
     workers: int = 1
     phases: dict = field(default_factory=dict)  # wall seconds: "warm-up + training", "report", "total"
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (the affinity mask where the OS has one)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS / Windows
-        return max(1, os.cpu_count() or 1)
+    summary: object = None  # the report's run table (report.summary_table), when the demo wrote a report
 
 
 def default_workers(n_runs: int) -> int:
@@ -189,6 +185,7 @@ def run_demo(
         for c, i in zip(cfgs, ids):
             bar.add(i, c.steps)
         phases: dict[str, float] = {}
+        tables: list = []  # the report's run table, for the caller to print (no second connection)
         if n_workers == 1:
             states = {k: _warm_job(c, labels[k], bar.handle) for k, c in warm.items()}
             results = [_run_job(c, str(runs_dir), i, states[warm_key(c)], bar.handle)
@@ -198,12 +195,13 @@ def run_demo(
                 from .report import write_report
 
                 t0 = time.perf_counter()
-                write_report(runs_dir, report_dir, runs=ids)
+                write_report(runs_dir, report_dir, runs=ids, on_summary=tables.append)
                 phases["report"] = time.perf_counter() - t0
         else:
-            results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar, report_dir, phases, t_start)
+            results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar, report_dir, phases, t_start,
+                                  tables)
     phases["total"] = time.perf_counter() - t_start
-    return DemoResult(runs_dir, report_dir, results, n_workers, phases)
+    return DemoResult(runs_dir, report_dir, results, n_workers, phases, tables[0] if tables else None)
 
 
 def _prime() -> int:
@@ -211,70 +209,33 @@ def _prime() -> int:
     return os.getpid()
 
 
-# Modules a fork server imports once for all workers (torch, transformers' Qwen2, the toy).
-_PRELOAD = ["entropylens.demo", "transformers.models.qwen2.modeling_qwen2", "entropylens.toy.train",
-            "entropylens.report", "matplotlib.pyplot"]  # (the report's part a worker draws at the end)
-# The fork server starts as `python -c ...`, which puts the current directory first on its sys.path
-# (Python < 3.12 does not apply the parent's): in a source checkout (README's `pip install .` then
-# `entropylens demo` in the clone) `entropylens/` there would shadow the installed package, whose
-# `analyses` and `cli` live elsewhere in the checkout. PYTHONSAFEPATH=1 (Python >= 3.11) leaves the
-# current directory out; before 3.11 the server preloads only third-party modules and the workers
-# import entropylens after taking the parent's sys.path.
-_SAFE_PATH = sys.version_info >= (3, 11)
+# The report's figures, most expensive first (CPU seconds measured on the default demo's runs: the
+# analysis and the drawing): the workers take them one at a time, so the two finish together.
+FIGURE_ORDER = ("ratio_vs_prob", "entropy_change", "entropy_ratio", "entropy_budget", "grad_share",
+                "quadrant_share", "clipping_removed", "clipped_prob", "kl", "clip_by_quadrant", "reward",
+                "entropy", "drift_by_prob", "grad_norm", "probe")
+_REPORT_CON: dict = {}  # in a worker: one DuckDB connection per (runs dir, runs) for all its figures
 
 
-def _worker_context(mp):
-    """Workers never fork from this process: a forked child inherits torch's OpenMP pool and other
-    native threads (a demo started inside a process that already ran torch, e.g. a test session,
-    segfaulted in a forked worker). A fork server (a fresh process that imports torch, transformers
-    and the toy once, and runs no torch op) forks them instead: one import for all workers, not one
-    each (seconds of CPU on 2 cores). Spawn where there is no fork server (Windows)."""
-    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Windows
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD if _SAFE_PATH else [m for m in _PRELOAD if not m.startswith("entropylens")])
-    return ctx
+def _figure_job(runs_dir: str, report_dir: str, ids: list[str], name: str) -> tuple:
+    """One figure of the report, drawn in a worker -> (png or None, caption)."""
+    from .report import open_report, render_figure
 
-
-@contextlib.contextmanager
-def _one_thread_env():
-    """OMP_NUM_THREADS (torch's OpenMP, pyarrow's pool), MKL_NUM_THREADS and OPENBLAS_NUM_THREADS = 1
-    in the environment while the workers start, so every runtime in them starts with one thread, as
-    under OMP_NUM_THREADS=1 (torch.set_num_threads(1) alone leaves e.g. pyarrow's pool at one thread
-    per core); this process's environment is restored after. Also PYTHONSAFEPATH=1: the fork server
-    never imports entropylens from the current directory (see _SAFE_PATH)."""
-    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "PYTHONSAFEPATH")
-    before = {k: os.environ.get(k) for k in names}
-    os.environ.update({k: "1" for k in names})
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# The report's figures a worker draws while this process draws the others and the pages (about half
-# of the drawing time each; the analyses behind them run where the figure is drawn).
-WORKER_FIGURES = ("ratio_vs_prob", "entropy_ratio", "grad_share", "quadrant_share", "clip_by_quadrant",
-                  "drift_by_prob")
-
-
-def _report_part(runs_dir: str, report_dir: str, ids: list[str], names) -> dict:
-    from .report import render_figures
-
-    return render_figures(runs_dir, report_dir, names, runs=ids)
+    key = (runs_dir, tuple(ids))
+    if key not in _REPORT_CON:
+        _REPORT_CON.clear()
+        _REPORT_CON[key] = open_report(runs_dir, ids)
+    return render_figure(_REPORT_CON[key], report_dir, name)
 
 
 def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, report_dir: Path | None,
-                phases: dict, t_start: float) -> list:
+                phases: dict, t_start: float, tables: list) -> list:
     """The runs in ``n_workers`` spawned processes. The first seed's warm-up runs here while the
     workers start (a spawned worker spends seconds importing torch); other seeds' warm-ups run in the
     workers. A run is submitted as soon as its seed's weights exist. Events from the workers drive
-    ``bar`` while the parent waits. Then the report: a worker draws WORKER_FIGURES while this process
-    draws the rest and writes the pages. Wall times go into ``phases``."""
+    ``bar`` while the parent waits. Then the report: the workers draw the figures, one at a time, most
+    expensive first (FIGURE_ORDER), while this process computes the run table; then it writes the pages.
+    Wall times go into ``phases``."""
     import multiprocessing as mp
     import queue
     import threading
@@ -316,11 +277,6 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                         rf[n] = pool.submit(_run_job, c, str(runs_dir), i, states[warm_key(c)])
 
             submit_ready()
-            if report_dir is not None:  # the report's imports, while the workers train (not after)
-                from . import report  # noqa: F401
-                from .plots import _plt
-
-                _plt()  # matplotlib.pyplot on the Agg backend
             pending = set(wf) | set(rf.values()) | set(primes)
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -336,11 +292,16 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
             phases["warm-up + training"] = time.perf_counter() - t_start
             drain(timeout=0.05)  # the last events
             if report_dir is not None:
-                from .report import write_report
-
                 t0 = time.perf_counter()
-                part = pool.submit(_report_part, str(runs_dir), str(report_dir), ids, WORKER_FIGURES)
-                write_report(runs_dir, report_dir, runs=ids, elsewhere=WORKER_FIGURES, done=part.result)
+                figs = {n: pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, n) for n in FIGURE_ORDER}
+                from .report import FIGURES, write_report  # imported here while the workers draw
+
+                for f in FIGURES:  # a figure FIGURE_ORDER does not name yet: last
+                    if f.name not in figs:
+                        figs[f.name] = pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, f.name)
+                write_report(runs_dir, report_dir, runs=ids, elsewhere=tuple(figs),
+                             done=lambda: {n: f.result() for n, f in figs.items()},
+                             on_summary=tables.append)
                 phases["report"] = time.perf_counter() - t0
         except BaseException:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -150,6 +150,19 @@ def _render(con, out: Path, f: Figure) -> tuple[str | None, str]:
     return png, observed(f.name, df)
 
 
+def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):
+    """The connection the report's analyses run on (for :func:`render_figure`)."""
+    return _connect(path, runs, engine)
+
+
+def render_figure(con, out_dir, name: str) -> tuple[str | None, str]:
+    """Figure ``name`` on an open connection (:func:`open_report`) into ``out_dir`` -> (png or None,
+    caption), for :func:`write_report`'s ``done`` (a demo worker draws several on one connection)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _render(con, out, next(f for f in FIGURES if f.name == name))
+
+
 def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb") -> dict:
     """The figures ``names`` only (a part of a report drawn in another process, e.g. by a demo worker):
     {name: (png or None, caption)}, for :func:`write_report`'s ``elsewhere`` / ``done``."""
@@ -160,15 +173,18 @@ def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engin
 
 
 def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb",
-                 elsewhere: tuple[str, ...] = (), done=None) -> Path:
+                 elsewhere: tuple[str, ...] = (), done=None, on_summary=None) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``. Returns the path of index.html. ``elsewhere``: names of
     figures drawn into ``out_dir`` by another process (:func:`render_figures`); ``done`` gives their
-    {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here."""
+    {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here.
+    ``on_summary``: called with the run table (:func:`summary_table`), e.g. to print it too."""
     con = _connect(path, runs, engine)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con)
+    if on_summary is not None:
+        on_summary(summary)
     drawn = {f.name: _render(con, out, f) for f in FIGURES if f.name not in set(elsewhere)}
     if elsewhere:
         drawn.update(done() if callable(done) else done)

@@ -174,22 +174,60 @@ def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
     assert {c.steps for c in demo_configs(quick=True)} == {6}
 
 
-@pytest.mark.slow  # two whole reports (the --quick demo above draws its report split, for real, by default)
-def test_report_drawn_in_two_processes_equals_the_one_process_report(tmp_path):
-    """The demo draws WORKER_FIGURES in a worker while the parent draws the rest: same pages, same files."""
+@pytest.mark.slow  # two whole reports (the --quick demo above draws its report in the workers, for real)
+def test_report_drawn_figure_by_figure_equals_the_one_process_report(tmp_path):
+    """The demo's workers draw the figures one at a time (FIGURE_ORDER, each on the worker's one
+    connection) while the parent writes the pages: same pages, same files as one process."""
     from fixture_runs import build
 
-    from entropylens.demo import WORKER_FIGURES
-    from entropylens.report import render_figures, write_report
+    from entropylens.demo import FIGURE_ORDER
+    from entropylens.report import open_report, render_figure, write_report
 
     runs = build(tmp_path / "runs")
     one = write_report(runs, tmp_path / "one").parent
-    part = render_figures(runs, tmp_path / "two", WORKER_FIGURES)
-    assert sorted(part) == sorted(WORKER_FIGURES)
-    two = write_report(runs, tmp_path / "two", elsewhere=WORKER_FIGURES, done=lambda: part).parent
+    con = open_report(runs)
+    part = {n: render_figure(con, tmp_path / "two", n) for n in FIGURE_ORDER}
+    tables = []
+    two = write_report(runs, tmp_path / "two", elsewhere=FIGURE_ORDER, done=lambda: part,
+                       on_summary=tables.append).parent
     assert (one / "report.md").read_text() == (two / "report.md").read_text()
     assert (one / "index.html").read_text() == (two / "index.html").read_text()
     assert sorted(p.name for p in one.glob("*.png")) == sorted(p.name for p in two.glob("*.png"))
+    assert list(tables[0]["run"]) == ["a", "b"]
+
+
+def test_figure_order_names_every_figure_once():
+    """The workers draw FIGURE_ORDER (most expensive first): every figure of the report, once."""
+    from entropylens.demo import FIGURE_ORDER
+    from entropylens.report import FIGURES
+
+    assert sorted(FIGURE_ORDER) == sorted(f.name for f in FIGURES) and len(set(FIGURE_ORDER)) == len(FIGURE_ORDER)
+
+
+def test_fork_server_starts_early_only_for_parallel_demos(monkeypatch):
+    """`entropylens demo` starts the fork server before importing torch (its imports overlap ours) when
+    the demo will use worker processes, and not for one run or --workers 1. (Config, not timing.)"""
+    from multiprocessing import forkserver
+
+    from entropylens import workers
+
+    calls = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: calls.append(os.environ.get("OMP_NUM_THREADS")))
+    monkeypatch.setattr(workers, "available_cores", lambda: 2)
+    assert not workers.start_fork_server(1) and not workers.start_fork_server(4, workers=1)
+    assert calls == []
+    assert workers.start_fork_server(4)
+    assert calls == ["1"]  # started under the one-thread environment
+
+
+def test_demo_cli_exits_with_its_code_without_teardown(tmp_path):
+    """The CLI leaves at once after a command that loaded torch, keeping the exit code and the one-line
+    error (a bad method is found after the demo's imports)."""
+    cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--methods", "grpo,nope", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 2, res.stderr
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "nope" in lines[0], res.stderr
 
 
 def test_demo_workers_start_with_one_thread_environment(monkeypatch):
