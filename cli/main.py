@@ -203,6 +203,7 @@ def _emit(df, fmt: Format, output: Path | None) -> None:
 
 
 FOLD = 60  # characters: wider text cells (config JSON) are folded in tables; csv / json keep them whole
+WHOLE = ("run", "path")  # never folded: a run id or a path is copied from the table
 
 
 def _number(v: float) -> str:
@@ -211,21 +212,25 @@ def _number(v: float) -> str:
 
 
 def table_text(df) -> str:
-    """Aligned text table: integers as integers, text longer than FOLD folded to one line with '...'."""
+    """Aligned text table: integers as integers, text longer than FOLD folded to one line with '...'
+    (run ids and paths, WHOLE, are always shown whole)."""
     import pandas as pd
 
     if not len(df):
         return "(no rows)\n"
     d = df.copy()
-    folded = []
+    folded, widest = [], FOLD + 5
     for c in d.columns:
         if d[c].dtype == object or pd.api.types.is_string_dtype(d[c]):
             cells = [x if isinstance(x, str) else None for x in d[c]]
-            if max((len(x) for x in cells if x is not None), default=0) > FOLD:
+            longest = max((len(x) for x in cells if x is not None), default=0)
+            if c in WHOLE:
+                widest = max(widest, longest)
+            elif longest > FOLD:
                 d[c] = [x if x is None or len(x) <= FOLD else x[: FOLD - 3] + "..." for x in cells]
                 folded.append(c)
     with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 250,
-                           "display.max_colwidth", FOLD + 5, "display.float_format", _number):
+                           "display.max_colwidth", widest, "display.float_format", _number):
         text = d.to_string(index=False) + "\n"
     if folded:
         text += f"({', '.join(folded)} folded to {FOLD} characters; --format json prints them whole)\n"

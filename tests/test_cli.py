@@ -157,3 +157,57 @@ def test_table_prints_integers_as_integers_and_folds_wide_text(runs):
     assert "(config folded to 60 characters; --format json prints them whole)" in wide
     full = json.loads(ok("query", runs, sql, "--format", "json"))
     assert all(len(r["config"]) > 200 for r in full)  # json keeps it whole
+
+
+def test_query_is_read_only(runs, tmp_path):
+    """New-user trial: `query` ran COPY / CREATE / INSERT / ATTACH / INSTALL, which write files. Only one
+    read-only statement runs; the others are refused (one line, exit 2) before anything is written."""
+    target = tmp_path / "out.csv"
+    for sql, word in ((f"COPY (SELECT 1) TO '{target}'", "COPY"),
+                      ("CREATE TABLE t AS SELECT 1", "CREATE"),
+                      ("INSERT INTO steps SELECT * FROM steps", "INSERT"),
+                      (f"ATTACH '{tmp_path / 'x.db'}' AS x", "ATTACH"),
+                      ("INSTALL httpfs", "INSTALL"),
+                      ("SET threads = 1", "SET"),
+                      (f"EXPORT DATABASE '{tmp_path / 'exp'}'", "EXPORT"),
+                      ("DROP VIEW tokens", "DROP"),
+                      ("PRAGMA enable_profiling", "PRAGMA enable_profiling")):
+        line = err("query", runs, sql)
+        assert word in line and "read-only" in line, line
+    assert "2 statements" in err("query", runs, f"SELECT 1; COPY (SELECT 1) TO '{target}'")
+    assert not target.exists() and not (tmp_path / "x.db").exists() and not (tmp_path / "exp").exists()
+    # reading statements still run
+    assert ok("query", runs, "WITH t AS (SELECT run FROM runs) SELECT count(*) AS n FROM t").split() == ["n", "2"]
+    assert "column_name" in ok("query", runs, "DESCRIBE steps")
+    assert "tokens" in ok("query", runs, "SHOW TABLES")
+    assert "column_name" in ok("query", runs, "SUMMARIZE SELECT step FROM steps")
+    assert "physical_plan" in ok("query", runs, "EXPLAIN SELECT count(*) FROM tokens")
+    assert "name" in ok("query", runs, "PRAGMA table_info('runs')")
+    assert ok("query", runs, "FROM runs SELECT run ORDER BY run").split() == ["run", "a", "b"]
+    help_text = ok("query", "--help")
+    assert "read-only" in help_text and "COPY" in help_text
+
+
+def test_query_sql_may_start_with_a_comment_or_come_from_stdin(runs, tmp_path):
+    """New-user trial: SQL starting with `--` (an SQL comment) was taken for an unknown option."""
+    sql = "-- tokens per run\nSELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
+    want = ["run", "n", "a", "12", "b", "4"]
+    assert ok("query", runs, sql).split() == want
+    assert ok("query", runs, sql, "--run", "b").split() == ["run", "n", "b", "4"]  # options after it still work
+    assert ok("query", "--format", "csv", runs, sql) == "run,n\na,12\nb,4\n"
+    assert ok("query", runs, "--", sql).split() == want  # the usual `--` separator works too
+    res = runner.invoke(app, ["query", str(runs), "-"], input=sql)  # `-`: the SQL from stdin
+    assert res.exit_code == 0 and res.stdout.split() == want, res.output
+    assert "No such option: --nope" in err("query", runs, "SELECT 1", "--nope")  # a real unknown option
+
+
+def test_runs_shows_long_run_ids_whole(runs, tmp_path):
+    """New-user trial: `runs` cut long run names ('...'), so a run id could not be copied."""
+    import shutil
+
+    name = "grpo-lr7e-4-eps0.2-0.28-beta1-0.5-a-very-long-sweep-name-so-it-can-be-copied-s0"
+    assert len(name) > 60
+    shutil.copytree(runs / "a", tmp_path / "sweep" / name)
+    out = ok("runs", tmp_path / "sweep")
+    assert name in out.split() and "..." not in out
+    assert name in ok("query", tmp_path / "sweep", "SELECT run, config FROM runs").split()  # config folded, run whole
