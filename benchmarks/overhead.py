@@ -12,11 +12,14 @@ with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than
 thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
 file of one toy step written with and without fsync (file + directory), alternating.
 
-  python benchmarks/overhead.py [--steps 30] [--fsync-files 40]
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
+Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
+the writer thread's CPU ms per step; the untimed drain after each step.
 Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -29,6 +32,7 @@ from entropylens import Recorder
 from entropylens.toy import config_for
 from entropylens.toy.train import ToyTrainer
 from entropylens.writer import write_tokens
+from entropylens.writer_thread import WRITER_NICE
 
 
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:
@@ -88,7 +92,8 @@ def main() -> None:
                 rec.close()
     base_wall, base_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
-          f"{a.steps} steps per mode, alternating, torch threads {a.threads}")
+          f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread nice {WRITER_NICE}, "
+          f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
           f"{'drain ms':>9}")
     for m in modes:
