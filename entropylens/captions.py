@@ -23,6 +23,20 @@ def _pct(v) -> str:
     return "n/a" if v is None or v != v else f"{100 * v:.1f}%"
 
 
+def tau_text(taus: dict | None) -> str:
+    """The HP / LP threshold of the runs as a caption says it: 'tau = 0.5', or per run where they differ."""
+    vals = {r: float(v) for r, v in (taus or {}).items() if v is not None and v == v}
+    if not vals:
+        return "tau"
+    if len(set(vals.values())) == 1:
+        return f"tau = {next(iter(vals.values())):g}"
+    return "tau = " + ", ".join(f"{v:g} ({r})" for r, v in sorted(vals.items()))
+
+
+def _lp_note(taus) -> str:
+    return f" (LP: p < {tau_text(taus)}, HP: p >= tau)"
+
+
 def _per_method(df, col: str, fn) -> dict:
     return {m: fn(g) for m, g in df.groupby(df["method"].fillna("?"), sort=True)} if col in df else {}
 
@@ -48,17 +62,19 @@ def entropy(df) -> str:
     runs = _per_method(df, "old_entropy", lambda g: g["run"].nunique() if "run" in g else 1)
     ce = {m: tail[m] for m in tail if m.startswith("ce_gppo")}
     base = {m: tail[m] for m in tail if m in ("grpo", "dapo")}
-    if ce and base:
-        n = min(runs[m] for m in (*ce, *base))
-        nums = "; ".join(f"{m} {_f(v)}" for m, v in {**ce, **base}.items())
-        power = (" From one run per method: not a significant difference." if n < 2 else
-                 f" ({n}+ runs per method; no significance test here, see reports/paper-claims.md.)")
-        if min(ce.values()) > max(base.values()):
-            text += (f" Mean entropy over the last 10% of steps: {nums}; CE-GPPO is above GRPO / DAPO, the paper's "
-                     f"direction.{power}")
-        else:
-            text += (f" Here this differs from the paper: mean entropy over the last 10% of steps: {nums}; CE-GPPO is "
-                     f"not above GRPO / DAPO.{power}")
+    if len(tail) < 2:
+        return text
+    nums = "; ".join(f"{m} {_f(v)}" for m, v in tail.items())  # every method of the run set
+    power = (" From one run per method: not a significant difference." if min(runs.values()) < 2 else
+             f" ({min(runs.values())}+ runs per method; no significance test here, see reports/paper-claims.md.)")
+    if ce and base and min(ce.values()) > max(base.values()):
+        text += (f" Mean entropy over the last 10% of steps: {nums}; CE-GPPO is above GRPO / DAPO, the paper's "
+                 f"direction.{power}")
+    elif ce and base:
+        text += (f" Here this differs from the paper: mean entropy over the last 10% of steps: {nums}; CE-GPPO is "
+                 f"not above GRPO / DAPO.{power}")
+    else:
+        text += f" Mean entropy over the last 10% of steps: {nums}.{power}"
     return text
 
 
@@ -69,17 +85,17 @@ def reward(df) -> str:
     return "Here, final-step reward: " + "; ".join(f"{m} {_f(v)}" for m, v in last.items()) + "."
 
 
-def quadrant_share(df) -> str:
+def quadrant_share(df, taus=None) -> str:
     if df.empty:
         return "No steps recorded."
     tot = df.groupby("quadrant")["tokens"].sum()
     share = tot / tot.sum()
     return "Here, all runs and steps together: " + ", ".join(
         f"{q} {_pct(share.get(q, float('nan')))}" for q in ("PA&HP", "PA&LP", "NA&HP", "NA&LP", "ZA") if q in share
-    ) + "."
+    ) + f"{_lp_note(taus)}."
 
 
-def clip_by_quadrant(df) -> str:
+def clip_by_quadrant(df, taus=None) -> str:
     if df.empty:
         return "No token rows recorded."
     d = df[df["step"].isna()] if "step" in df else df
@@ -88,32 +104,37 @@ def clip_by_quadrant(df) -> str:
     lp = sum(w.loc[q, "c"] for q in LP if q in w.index) / max(1, sum(w.loc[q, "tokens"] for q in LP if q in w.index))
     hp = sum(w.loc[q, "c"] for q in HP if q in w.index) / max(1, sum(w.loc[q, "tokens"] for q in HP if q in w.index))
     text = ("Here, clipped share per quadrant (all runs): " + ", ".join(f"{q} {_pct(frac.get(q))}" for q in
-            ("PA&HP", "PA&LP", "NA&HP", "NA&LP") if q in frac) + f"; low-probability {_pct(lp)} vs high {_pct(hp)}.")
+            ("PA&HP", "PA&LP", "NA&HP", "NA&LP") if q in frac)
+            + f"; low-probability (p < {tau_text(taus)}) {_pct(lp)} vs high {_pct(hp)}.")
     if lp <= hp:
         text += " Here this differs from the paper: low-probability tokens are not clipped more often."
     return text
 
 
-def ratio_vs_prob(df) -> str:
+def ratio_vs_prob(df, taus=None) -> str:
     if df.empty:
         return "No token rows recorded."
     out = (df["ratio"] < 1 - df["eps_low"]) | (df["ratio"] > 1 + df["eps_high"])
-    lp, hp = df["prob"] < 0.5, df["prob"] >= 0.5
+    known = {r: float(v) for r, v in (taus or {}).items() if v is not None and v == v}
+    tau = df["run"].map(known).fillna(0.5) if known and "run" in df else 0.5  # each run's own threshold
+    t = tau_text(taus) if known else "0.5"
+    lp, hp = df["prob"] < tau, df["prob"] >= tau
     a, b = out[lp].mean() if lp.any() else float("nan"), out[hp].mean() if hp.any() else float("nan")
-    text = (f"Here ({len(df)} sampled tokens), outside the clip interval: {_pct(a)} of those with p < 0.5, "
-            + (f"{_pct(b)} of those with p >= 0.5." if b == b else "none has p >= 0.5."))
+    text = (f"Here ({len(df)} sampled tokens), outside the clip interval: {_pct(a)} of those with p < {t}, "
+            + (f"{_pct(b)} of those with p >= tau." if b == b else "none has p >= tau."))
     if a == a and b == b and a <= b:
         text += " Here this differs from the paper: high-probability tokens leave the interval as often."
     return text
 
 
-def grad_share(df) -> str:
+def grad_share(df, taus=None) -> str:
     if df.empty:
         return "No logit-gradient norms recorded."
     g = df.groupby("quadrant")["grad_sq"].sum()
     lp = sum(g.get(q, 0.0) for q in LP) / max(1e-30, g.sum())
     dropped = (df["grad_sq"] * df["clipped_share"].fillna(0)).sum() / max(1e-30, df["grad_sq"].sum())
-    return (f"Here, low-probability quadrants carry {_pct(lp)} of the squared logit-gradient norm; tokens outside "
+    return (f"Here, low-probability quadrants (p < {tau_text(taus)}) carry {_pct(lp)} of the squared logit-gradient "
+            f"norm; tokens outside "
             f"the clip interval on the gated side carry {_pct(dropped)}.")
 
 
@@ -162,7 +183,7 @@ def kl(df) -> str:
             + " (the paper reports ~1e-5 for its LLM).")
 
 
-def entropy_change(df) -> str:
+def entropy_change(df, taus=None) -> str:
     if df.empty or "agrees" not in df:
         return "No token was seen at two updates."
     d = df.groupby("quadrant")["relative_dh"].mean()
@@ -170,10 +191,10 @@ def entropy_change(df) -> str:
     agree = [q for q in pred if q in d and (d[q] > 0) == (pred[q] > 0)]
     text = f"Here the measured sign agrees with the law in {len(agree)} of {sum(q in d for q in pred)} quadrants"
     missing = [q for q in pred if q in d and q not in agree]
-    return text + (f" (not in {', '.join(missing)})." if missing else ".")
+    return text + (f" (not in {', '.join(missing)})" if missing else "") + f"{_lp_note(taus)}."
 
 
-def clipped_prob(df) -> str:
+def clipped_prob(df, taus=None) -> str:
     if df.empty:
         return "No token was clipped."
     parts, lp_of = [], {}
@@ -184,7 +205,7 @@ def clipped_prob(df) -> str:
         per_run = s.groupby("run").agg(n=("tokens", "sum"), lp=("lp_share", "first"))
         n = int(per_run["n"].sum())
         lp_of[side] = float((per_run["n"] * per_run["lp"]).sum() / n)
-        parts.append(f"{_pct(lp_of[side])} of {n} {side}-side clipped tokens have p < tau")
+        parts.append(f"{_pct(lp_of[side])} of {n} {side}-side clipped tokens have p < {tau_text(taus)}")
     text = "Here, " + "; ".join(parts) + "."
     if lp_of and max(lp_of.values()) <= 0.5:
         text += " Here this differs from the paper: the clipped tokens are not mostly low-probability."
@@ -194,7 +215,7 @@ def clipped_prob(df) -> str:
 _LAW = {"PA&HP": -1, "PA&LP": 1, "NA&HP": 1, "NA&LP": -1}  # covariance-law sign of each quadrant's effect
 
 
-def entropy_budget(df) -> str:
+def entropy_budget(df, taus=None) -> str:
     if df.empty or df["effect"].isna().all():
         return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
     tot = df.groupby("quadrant")["effect"].sum()
@@ -204,11 +225,11 @@ def entropy_budget(df) -> str:
     text = ("Here, summed over all runs and steps: " + ", ".join(
         f"{q} {tot[q]:+.3g} (law {'+' if _LAW[q] > 0 else '-'})" for q in _LAW if q in tot)
         + f"; the sign matches the covariance law in {len(agree)} of {sum(q in tot for q in _LAW)} quadrants;"
-        f" the step total is negative in {_pct(neg)} of steps.")
+        f" the step total is negative in {_pct(neg)} of steps{_lp_note(taus)}.")
     return text
 
 
-def clipping_removed(df) -> str:
+def clipping_removed(df, taus=None) -> str:
     if df.empty or df["dropped"].isna().all():
         return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
     d = df.groupby("quadrant")["dropped"].sum()
@@ -218,7 +239,8 @@ def clipping_removed(df) -> str:
     lp = abs(d.get("PA&LP", 0.0)) + abs(d.get("NA&LP", 0.0))
     pa, na = d.get("PA&LP", 0.0), d.get("NA&LP", 0.0)
     text = (f"Here, of the entropy effect taken away (all runs), PA&LP and NA&LP carry {_pct(lp / total)}: "
-            f"PA&LP {pa:+.3g}, NA&LP {na:+.3g}, PA&HP {d.get('PA&HP', 0.0):+.3g}, NA&HP {d.get('NA&HP', 0.0):+.3g}.")
+            f"PA&LP {pa:+.3g}, NA&LP {na:+.3g}, PA&HP {d.get('PA&HP', 0.0):+.3g}, NA&HP {d.get('NA&HP', 0.0):+.3g}"
+            f"{_lp_note(taus)}.")
     if lp / total > 0.5 and pa > 0 > na:
         text += " As CE-GPPO argues: dominated by PA&LP (raising) and NA&LP (lowering), opposite signs."
     else:
@@ -227,7 +249,7 @@ def clipping_removed(df) -> str:
     return text
 
 
-def probe_vs_measured(df) -> str:
+def probe_vs_measured(df, taus=None) -> str:
     if df.empty:
         return "No probes recorded (Recorder.probe, or entropylens demo --probe-every K)."
     st = df[df["part"] == "step"].dropna(subset=["measured_dh", "predicted_dh"])
@@ -239,7 +261,7 @@ def probe_vs_measured(df) -> str:
     q = df[df["part"].isin(list(_LAW))].groupby("part")["predicted_dh"].mean()
     agree = [k for k in _LAW if k in q and (q[k] > 0) == (_LAW[k] > 0)]
     text += (f"; mean predicted dH per quadrant: " + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
-             + f" (law's sign in {len(agree)} of {len(q)}).")
+             + f" (law's sign in {len(agree)} of {len(q)}){_lp_note(taus)}.")
     return text
 
 
@@ -252,12 +274,18 @@ OBSERVERS = {
 }
 
 
-def observed(name: str, df) -> str:
-    """The measured sentence for figure ``name`` (a figure without an observer: a row count)."""
+# the figures whose sentence splits tokens by the HP / LP threshold: they state the runs' tau
+TAU = ("quadrant_share", "clip_by_quadrant", "ratio_vs_prob", "grad_share", "entropy_change", "clipped_prob",
+       "entropy_budget", "clipping_removed", "probe")
+
+
+def observed(name: str, df, taus: dict | None = None) -> str:
+    """The measured sentence for figure ``name`` (a figure without an observer: a row count). ``taus``:
+    {run: tau} of the runs shown (runs.tau), stated where the sentence uses the HP / LP split."""
     fn = OBSERVERS.get(name)
     if fn is not None:
         try:
-            return fn(df)
+            return fn(df, taus) if name in TAU else fn(df)
         except (KeyError, ValueError, ZeroDivisionError, IndexError, TypeError):
             pass
     return f"Here: {len(df)} rows of this figure's analysis."

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plots
-from .captions import observed
+from .captions import TAU, observed
 from .query import connect, run_analysis
 
 
@@ -143,11 +143,26 @@ def _render(con, out: Path, f: Figure) -> tuple[str | None, str]:
     df = run_analysis(con, f.analysis)
     if f.optional and df.empty:
         return None, ""
-    fig = getattr(plots, f.plot)(df)
+    taus = _taus(con) if f.name in TAU else None  # the runs' HP / LP threshold, stated in the caption
+    fig = getattr(plots, f.plot)(df, **_tau_arg(f.plot, taus))
     png = f"{f.name}.png"
     fig.savefig(out / png, dpi=110)
     plt.close(fig)
-    return png, observed(f.name, df)
+    return png, observed(f.name, df, taus)
+
+
+def _taus(con) -> dict:
+    """{run: tau} of the runs on ``con`` ({} where the engine cannot say)."""
+    try:
+        return {r: t for r, t in con.execute("SELECT run, tau FROM runs").fetchall()}
+    except Exception:  # noqa: BLE001 - a caption detail never fails the report
+        return {}
+
+
+def _tau_arg(plot: str, taus: dict | None) -> dict:
+    """The clipped-token histogram draws tau: the runs' own value where they share one."""
+    vals = {float(v) for v in (taus or {}).values() if v is not None and v == v}
+    return {"tau": vals.pop()} if plot == "clipped_prob" and len(vals) == 1 else {}
 
 
 def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):

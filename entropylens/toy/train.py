@@ -199,9 +199,9 @@ def _probe_update_fn(trainer, rec, step, u, idx, seqs, resp, mask, adv, old_lp, 
 
 def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
           on_step: Callable[[int, float, float], None] | None = None, record: bool = True,
-          overwrite: bool = False) -> RunResult:
+          overwrite: bool = False, fsync: bool = True) -> RunResult:
     """Train the toy policy with ``cfg`` and record the run under ``out_dir/<run>`` (an existing run of
-    that id is refused unless ``overwrite``)."""
+    that id is refused unless ``overwrite``; ``fsync``: the Recorder's, see :class:`Recorder`)."""
     cfg.validate()
     run = run or f"{cfg.name or cfg.method}-s{cfg.seed}"
     t0 = time.perf_counter()
@@ -210,8 +210,8 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
     config = {**cfg.to_dict(), "method": cfg.name or cfg.method, "loss_method": cfg.method,
               "model": "toy-qwen2", "task": "shifted-lookup"}
     rewards_hist, ent_hist = [], []
-    rec = (Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample, overwrite=overwrite)
-           if record else None)
+    rec = (Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample, overwrite=overwrite,
+                    fsync=fsync) if record else None)
     try:
         for step in range(cfg.steps):
             r_mean, h_mean = trainer.rl_step(step, rec)

@@ -1,0 +1,54 @@
+"""Captions state the runs' HP / LP threshold tau, and the entropy caption compares every method (new-user trial)."""
+
+import pandas as pd
+
+from entropylens import captions
+
+
+def _entropy_df():
+    rows = []
+    # 10 steps per method; the last step (the last 10%) at 0.30 + a per-method offset
+    for m, last in (("grpo", 0.30), ("dapo", 0.31), ("ce_gppo", 0.50), ("erc_dapo", 0.45)):
+        for s in range(10):
+            rows.append({"run": f"{m}-s0", "method": m, "step": s, "old_entropy": 1.0 if s < 9 else last})
+    return pd.DataFrame(rows)
+
+
+def test_entropy_caption_compares_every_method_of_the_run_set():
+    text = captions.entropy(_entropy_df())
+    tail = text[text.index("last 10% of steps"):]
+    for m, v in (("ce_gppo", "0.5"), ("dapo", "0.31"), ("erc_dapo", "0.45"), ("grpo", "0.3")):
+        assert f"{m} {v}" in tail, text  # ERC included (it used to be left out)
+    assert "CE-GPPO is above GRPO / DAPO" in text
+    only = captions.entropy(_entropy_df().query("method in ['erc_dapo', 'dapo']"))  # no CE-GPPO: still compared
+    assert "last 10% of steps: dapo 0.31; erc_dapo 0.45." in only
+
+
+def test_captions_state_tau():
+    assert captions.tau_text({"a": 0.5, "b": 0.5}) == "tau = 0.5"
+    assert captions.tau_text({"b": 0.3, "a": 0.5}) == "tau = 0.5 (a), 0.3 (b)"
+    assert captions.tau_text({}) == "tau"
+    clipped = pd.DataFrame({"run": ["a", "a"], "method": ["grpo", "grpo"], "side": ["low", "high"], "bin": [0, 1],
+                            "prob_lo": [0.0, 0.5], "prob_hi": [0.5, 1.0], "tokens": [3, 1], "share": [1.0, 1.0],
+                            "lp_share": [1.0, 0.0]})
+    assert "have p < tau = 0.3" in captions.observed("clipped_prob", clipped, {"a": 0.3})
+    quad = pd.DataFrame({"run": "a", "method": "grpo", "step": 0, "quadrant": ["PA&HP", "PA&LP"], "tokens": [3, 1],
+                         "share": [0.75, 0.25]})
+    assert "LP: p < tau = 0.3" in captions.observed("quadrant_share", quad, {"a": 0.3})
+    # ratio_vs_prob splits at each run's own tau: p = 0.4 is HP under tau = 0.3
+    pts = pd.DataFrame({"run": "a", "prob": [0.2, 0.4], "ratio": [2.0, 1.0], "eps_low": 0.2, "eps_high": 0.2})
+    text = captions.observed("ratio_vs_prob", pts, {"a": 0.3})
+    assert "100.0% of those with p < tau = 0.3, 0.0% of those with p >= tau" in text
+
+
+def test_report_captions_state_the_runs_tau(tmp_path):
+    from fixture_runs import build
+
+    from entropylens.report import write_report
+
+    runs = build(tmp_path / "runs")  # tau = 0.5 in both runs
+    md = (write_report(runs, tmp_path / "rep").parent / "report.md").read_text()
+    for analysis in ("quadrant_share_by_step", "clip_by_quadrant", "clipped_prob_distribution",
+                     "grad_share_by_quadrant", "ratio_vs_prob"):
+        line = next(x for x in md.splitlines() if f"(analysis: `{analysis}`)" in x)
+        assert "tau = 0.5" in line, line
