@@ -260,6 +260,12 @@ def claim_clipped_lp(per_seed: dict[int, float], grpo_share: list[float]) -> Cla
                  caption=f"clipped tokens with p < {TAU}: {_fmt(*_ms(xs), 2)} of each seed's clipped tokens")
 
 
+def _stable_mean(agg, name: str) -> str:
+    """The mean final entropy over a config's stable seeds, with their count ('no stable seed' when none)."""
+    xs = stable_values(agg, name, "h_final")
+    return f"{_ms(xs)[0]:.3f} (n = {len(xs)})" if xs else "no stable seed"
+
+
 def _higher(agg, a: str, b: str) -> tuple[rules.Welch, bool]:
     xa, xb = stable_values(agg, a, "h_final"), stable_values(agg, b, "h_final")
     return rules.welch(xa, xb), _enough(xa, xb)
@@ -274,7 +280,7 @@ def claim_ce_gppo(agg) -> Claim:
                  "(rule: one-sided Welch t test at 5% for each; both: reproduced, one: partly).",
                  [beside(agg, n) for n in ("ce_gppo", "grpo", "dapo")],
                  caption="final entropy (stable seeds): " + ", ".join(
-                     f"{n} {_ms(stable_values(agg, n, 'h_final'))[0]:.3f}" for n in ("ce_gppo", "grpo", "dapo")))
+                     f"{n} {_stable_mean(agg, n)}" for n in ("ce_gppo", "grpo", "dapo")))
 
 
 def claim_betas(agg) -> Claim:
@@ -282,6 +288,7 @@ def claim_betas(agg) -> Claim:
     raises it (beta2 = 1 above 0.5 by Welch); stable seeds only."""
     names = ("ce_gppo_0.25_1", "ce_gppo", "ce_gppo_0.75_1")
     means = [_ms(stable_values(agg, n, "h_final"))[0] for n in names]
+    shown = [_stable_mean(agg, n) for n in names]
     w1, ok1 = _higher(agg, "ce_gppo_0.25_1", "ce_gppo_0.75_1")
     between = min(means[0], means[2]) <= means[1] <= max(means[0], means[2])
     w2, ok2 = _higher(agg, "ce_gppo", "ce_gppo_0.5_0.5")
@@ -290,13 +297,13 @@ def claim_betas(agg) -> Claim:
     else:
         verdict = _verdict([w1.holds and between, w2.holds])
     return Claim("4", "Larger beta1 lowers entropy, larger beta2 raises it.", "beta", verdict,
-                 f"final entropy over stable seeds at beta1 = 0.25 / 0.5 / 0.75 (beta2 = 1): {means[0]:.3f} / "
-                 f"{means[1]:.3f} / {means[2]:.3f}; 0.25 above 0.75: {w1.text()}; 0.5 in between: "
+                 f"final entropy over stable seeds at beta1 = 0.25 / 0.5 / 0.75 (beta2 = 1): {shown[0]} / "
+                 f"{shown[1]} / {shown[2]}; 0.25 above 0.75: {w1.text()}; 0.5 in between: "
                  f"{'yes' if between else 'no'}. beta2 = 1 above beta2 = 0.5 (beta1 = 0.5): {w2.text()} (rule: "
                  "one-sided Welch at 5% on each; beta1 part also needs 0.5 in between).",
                  [beside(agg, n) for n in (*names, "ce_gppo_0.5_0.5")],
-                 caption=f"final entropy, beta1 0.25 / 0.5 / 0.75: {means[0]:.3f} / {means[1]:.3f} / {means[2]:.3f}; "
-                         f"beta2 0.5: {_ms(stable_values(agg, 'ce_gppo_0.5_0.5', 'h_final'))[0]:.3f}")
+                 caption=f"final entropy (stable seeds), beta1 0.25 / 0.5 / 0.75: {' / '.join(shown)}; "
+                         f"beta2 0.5: {_stable_mean(agg, 'ce_gppo_0.5_0.5')}")
 
 
 def claim_bonus(agg) -> Claim:
