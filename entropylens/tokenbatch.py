@@ -431,7 +431,8 @@ def pack(
         parts.append(floats.view(torch.int32).reshape(*lead, -1))
     if tokens is not None:
         parts.append(tokens.to(torch.int32).reshape(*lead, -1))
-    parts += [flags.reshape(*lead, -1), seq.to(torch.int32).reshape(*lead, -1), group.to(torch.int32).reshape(*lead, -1)]
+    parts += [flags.reshape(*lead, -1), seq.to(torch.int32).reshape(*lead, -1),
+              group.to(torch.int32).reshape(*lead, -1)]
     return torch.cat(parts, -1), layout
 
 

@@ -198,7 +198,8 @@ def test_batched_aggregates_and_quantiles_match_each_update():
         tokenbatch.add_attribution(c, a[7], 0.7)
     stacked = {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
     masks = torch.stack([a[1] for a in inputs])
-    batched = tokenbatch.step_aggregates(stacked, masks, stacked["logit_grad_norm"], torch.stack([a[2] for a in inputs]))
+    losses = torch.stack([a[2] for a in inputs])
+    batched = tokenbatch.step_aggregates(stacked, masks, stacked["logit_grad_norm"], losses)
     for u, (c, a) in enumerate(zip(cols, inputs)):
         alone = tokenbatch.step_aggregates(c, a[1], c["logit_grad_norm"], a[2])
         assert torch.equal(batched[u].nan_to_num(123.0), alone.nan_to_num(123.0))
