@@ -3,7 +3,8 @@
 The training thread only puts messages on a bounded queue (``put`` blocks when the queue is full:
 back-pressure, never a drop). The thread, in queue order:
   update     waits for the update's host copy (CPU updates: builds the block here, the sample, the
-             aggregates and the packing off the training thread), checks the input finite flags, selects the token
+             aggregates and the packing off the training thread; a hand-over's same-shaped updates are
+             built together, host_copy.build_blocks), checks the input finite flags, selects the token
              rows (the compaction) and files the exact aggregates in the step table;
   scalars    adds recorded scalars to a step row (or to every row of a step);
   sequences  writes a sequences file;
