@@ -242,7 +242,7 @@ def claim_collapse(agg) -> Claim:
         verdict = "reproduced" if t.holds else "not reproduced"
     m = _ms(r)
     return Claim("1", "GRPO's entropy collapses.", "entropy-grpo", verdict,
-                 f"GRPO final / initial entropy {_fmt(*m, 2)} over {len(r)} stable seeds; rule: below {COLLAPSE} "
+                 f"GRPO final / initial entropy {_fmt(*m, 2) if r else 'not measured'} over {len(r)} stable seeds; rule: below {COLLAPSE} "
                  f"by a one-sided one-sample t test at 5% ({t.text()} for {COLLAPSE} - ratio).",
                  [beside(agg, "grpo")], caption=f"GRPO final / initial entropy {_fmt(*m, 2)} (rule: below {COLLAPSE})")
 

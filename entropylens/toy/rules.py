@@ -109,7 +109,8 @@ class Welch:
         one = self.n_b == 0  # a one-sample test
         n = f"n = {self.n_a}" if one else f"n = {self.n_a} / {self.n_b}"
         if self.n_a < 2 or (not one and self.n_b < 2):
-            return f"difference {self.diff:+.3f}, {n}: too few runs for a test"
+            diff = "no difference" if math.isnan(self.diff) else f"difference {self.diff:+.3f}"  # a side without runs
+            return f"{diff}, {n}: too few runs for a test"
         name = "t" if one else "Welch t"
         return f"difference {self.diff:+.3f}, {name} = {self.t:.2f}, df = {self.df:.1f}, one-sided p = {self.p:.3f}, {n}"
 
