@@ -398,17 +398,22 @@ def _head_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return u
 
 
-def _tile_sensitivity(logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """s = p_a (1 - p_a)(log p_a + H) - sum_{j != a} p_j^2 (log p_j + H) for one tile (log p [c, V], p [c, V],
-    tok [c], H [c]); the sampled token's term split off so nothing cancels as p_a -> 1 (see
-    :func:`entropy_sensitivity`). Leaves its inputs unchanged."""
+def _tile_sensitivity_(logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tensor,
+                       h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, sum_j p_j^2) of one tile (log p [c, V], p [c, V], tok [c], H [c]), with
+        s = p_a (1 - p_a)(log p_a + H) - sum_{j != a} p_j^2 (log p_j + H)
+    the sampled token's term split off so nothing cancels as p_a -> 1 (see :func:`entropy_sensitivity`),
+    and sum_j p_j^2 = sum_{j != a} p_j^2 + p_a^2 from the same squares. Works in place: ``logp_all``
+    and ``p`` are overwritten (the tile's last use), so no [c, V] temporary is allocated."""
     idx = tok.unsqueeze(1)
     p_a = p.gather(1, idx).squeeze(1)  # [c]
     lp_a = logp_all.gather(1, idx).squeeze(1)  # [c]
-    rest = p.scatter(1, idx, 0.0)  # p_j for j != a, [c, V]
+    rest = p.scatter_(1, idx, 0.0)  # p_j for j != a, [c, V]
     one_minus = rest.sum(dim=-1)  # 1 - p_a
-    terms = (logp_all.clamp(min=_HEAD_LOGP_FLOOR) + h.unsqueeze(1)).mul_(rest.square_())  # p_j^2 (log p_j + H)
-    return p_a * one_minus * (lp_a + h) - terms.sum(dim=-1)
+    sq_rest = rest.square_()  # p_j^2, j != a
+    sq = sq_rest.sum(dim=-1) + p_a.square()  # sum_j p_j^2
+    terms = logp_all.clamp_(min=_HEAD_LOGP_FLOOR).add_(h.unsqueeze(1)).mul_(sq_rest)  # p_j^2 (log p_j + H)
+    return p_a * one_minus * (lp_a + h) - terms.sum(dim=-1), sq
 
 
 class _HeadStats(torch.autograd.Function):
@@ -439,8 +444,9 @@ class _HeadStats(torch.autograd.Function):
             p = u.exp()  # [c, V]
             ent[s:e] = -(p * u.clamp(min=_HEAD_LOGP_FLOOR)).sum(dim=-1)  # H = -sum p log p (0 log 0 = 0)
             if sens_out is not None:  # the entropy sensitivity s (entropy attribution), from the same tile
-                sens_out[s:e] = _tile_sensitivity(u, p, tokens[s:e], ent[s:e])
-            sq[s:e] = p.square_().sum(dim=-1)
+                sens_out[s:e], sq[s:e] = _tile_sensitivity_(u, p, tokens[s:e], ent[s:e])  # u, p: last use
+            else:
+                sq[s:e] = p.square_().sum(dim=-1)
             lse[s:e] = lse_c
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
         ctx.set_materialize_grads(False)
