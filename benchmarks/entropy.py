@@ -162,6 +162,18 @@ def median_ms(fn, args, repeats) -> float:
     return statistics.median(times)
 
 
+def paired(fn, repeats: int) -> tuple[float, float, float]:
+    """fn(False) and fn(True) timed in ``repeats`` alternating pairs after one warm-up each: (median ms
+    without, median ms with, median of the per-pair ratios with / without)."""
+    fn(False), fn(True)  # warm-up
+    t0, t1, ratios = [], [], []
+    for _ in range(repeats):
+        a_ms = median_ms(fn, (False,), 1)
+        b_ms = median_ms(fn, (True,), 1)
+        t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
+    return statistics.median(t0), statistics.median(t1), statistics.median(ratios)
+
+
 def sensitivity_section(shapes, repeats: int) -> float:
     """Section 5: the fused pass with and without the entropy sensitivity (two more reductions per
     chunk), no grad, and the training pass (forward + custom backward) with and without it; medians of
@@ -184,14 +196,8 @@ def sensitivity_section(shapes, repeats: int) -> float:
             train_z.grad = None
 
         for label, fn in (("no grad", fwd), ("fwd + bwd", train)):
-            fn(False), fn(True)  # warm-up
-            t0, t1, ratios = [], [], []
-            for _ in range(repeats):
-                a_ms = median_ms(fn, (False,), 1)
-                b_ms = median_ms(fn, (True,), 1)
-                t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
-            r = statistics.median(ratios)
-            print(f"{str([n, v]):>16} {label:>14} {statistics.median(t0):11.1f} {statistics.median(t1):9.1f} {r:6.2f}")
+            without, with_, r = paired(fn, repeats)
+            print(f"{str([n, v]):>16} {label:>14} {without:11.1f} {with_:9.1f} {r:6.2f}")
             first = first or r
         del logits, tokens, train_z
     return first
@@ -219,14 +225,8 @@ def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:
             lp.sum().backward()
             h.grad = w.grad = None
 
-        train(False), train(True)  # warm-up
-        t0, t1, ratios = [], [], []
-        for _ in range(repeats):
-            a_ms = median_ms(train, (False,), 1)
-            b_ms = median_ms(train, (True,), 1)
-            t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
-        r = statistics.median(ratios)
-        print(f"{str([n, v]):>16} {statistics.median(t0):11.1f} {statistics.median(t1):9.1f} {r:6.2f}")
+        without, with_, r = paired(train, repeats)
+        print(f"{str([n, v]):>16} {without:11.1f} {with_:9.1f} {r:6.2f}")
         first = first or r
     return first
 
