@@ -183,10 +183,17 @@ def _connect(path: str, runs: list[str] | None = None):
 
 def _emit(df, fmt: Format, output: Path | None) -> None:
     """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output)."""
+    if output is not None and output.is_dir():
+        _fail(f"--output {output} is a directory; give a file name")
+    if output is not None and not output.parent.is_dir():
+        _fail(f"--output {output}: the directory {output.parent} does not exist")
     if fmt == Format.parquet:
         if output is None:
             _fail("--format parquet needs --output FILE")
-        df.to_parquet(output, index=False)
+        try:
+            df.to_parquet(output, index=False)
+        except OSError as e:
+            _fail(f"--output {output}: {e.strerror or e}")
         typer.echo(f"wrote {len(df)} rows to {output}")
         return
     if fmt == Format.csv:
@@ -196,7 +203,10 @@ def _emit(df, fmt: Format, output: Path | None) -> None:
     else:
         text = table_text(df)
     if output is not None:
-        output.write_text(text)
+        try:
+            output.write_text(text)
+        except OSError as e:  # no permission, disk full: the user's to fix
+            _fail(f"--output {output}: {e.strerror or e}")
         typer.echo(f"wrote {len(df)} rows to {output}")
     else:
         typer.echo(text, nl=False)
@@ -464,6 +474,9 @@ def compact(
     """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
     from entropylens.compact import compact as run_compact
 
+    if grace > 0 and ("://" in str(path) or Path(path).exists()):  # new-user trial: the waits looked like a hang
+        typer.echo(f"compacting: each run waits --grace {grace:g} s after its commit before removing the originals "
+                   "(queries already planned on them finish)", err=True)
     try:
         with _FileWarnings():
             results = run_compact(path, runs=run or None, grace_s=grace, file_bytes=file_mb << 20)

@@ -329,7 +329,7 @@ def entropy_change(df):
     ax.set_ylim(-ymax * 1.35, ymax * 1.35)
     ax.set_xlabel("quadrant")
     ax.set_ylabel("entropy change (nats), minus run mean")
-    ax.set_title("Entropy drift per quadrant vs covariance law (confounded: see the entropy budget)")
+    ax.set_title("Entropy drift per quadrant vs covariance law\n(confounded: see the entropy budget)")
     ax.legend(title="method", fontsize=8, title_fontsize=8)
     fig.tight_layout()
     return fig

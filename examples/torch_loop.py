@@ -12,17 +12,25 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entropylens import Recorder
+from entropylens.losses import METHODS
 from entropylens.integrations.torch import old_policy_pass, policy_update
 
 V, P, T, G = 24, 4, 8, 8  # vocab, prompt length, answer length, samples per prompt
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="entropylens-runs",
                     help="runs directory, or an object-store URL such as s3://bucket/runs (needs the s3 extra)")
-    ap.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    ap.add_argument("--method", default="ce_gppo",
+    ap.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
+    ap.add_argument("--method", default="ce_gppo", choices=METHODS, metavar="METHOD",
                     help="policy loss: grpo, dapo, gppo, ce_gppo, cispo or gspo (default ce_gppo)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads (default 1: a model this small is fastest on one, and more "

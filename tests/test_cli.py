@@ -94,6 +94,11 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "bad parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins")
     assert "unknown run" in err("query", runs, "SELECT 1", "--run", "zz")
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
+    # --output to a missing directory or to a directory: one line, not a FileNotFoundError traceback
+    for fmt in ("csv", "parquet"):
+        assert "does not exist" in err("query", runs, "SELECT 1", "--format", fmt, "--output", tmp_path / "no" / "x")
+    assert "is a directory" in err("query", runs, "SELECT 1", "--output", tmp_path)
+    assert "does not exist" in err("analyze", runs, "run_summary", "--output", tmp_path / "no" / "x.csv")
     assert "no entropylens run" in err("report", tmp_path)
     assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
 

@@ -150,6 +150,9 @@ def test_cli_compact(tmp_path):
     assert res.stdout.strip() == "a: nothing to compact (no final uncompacted step)"
     res = CliRunner().invoke(app, ["compact", str(tmp_path / "missing")])
     assert res.exit_code == 2 and res.stderr.startswith("error: path does not exist")
+    make_run(tmp_path, "b", steps=2, rows=8)
+    res = CliRunner().invoke(app, ["compact", str(tmp_path), "--grace", "0.01"])  # the wait is announced
+    assert res.exit_code == 0 and "waits --grace 0.01 s" in res.stderr
 
 
 def _truncate(p: Path) -> bytes:

@@ -44,6 +44,20 @@ def test_torch_loop_example(tmp_path):
     assert con.execute("SELECT count(*) FROM sequences").fetchone()[0] == 3 * 64
 
 
+def test_torch_loop_example_refuses_bad_options_before_any_run(tmp_path, capsys):
+    """New-user trial: --method foo ended in a traceback and left an empty failed run behind; --steps 0
+    made a finished run with no steps. Both are argparse usage errors now, and nothing is written."""
+    import pytest
+    import torch_loop
+
+    for bad in (["--method", "foo"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            torch_loop.main(["--out", str(tmp_path / "runs"), *bad])
+        assert e.value.code == 2
+        assert "error: argument" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_torch_loop_example_run_ids(tmp_path):
     """New-user trial: the example used a fixed run id while its refusal said 'the default id is new each
     time'. Now it is: two runs side by side; a fixed --run is refused the second time, --overwrite replaces."""
