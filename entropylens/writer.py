@@ -120,27 +120,71 @@ def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int,
     return path
 
 
-_STEP_INT = {"update": pa.int16(), "n_tokens": pa.int64(), "n_pa_hp": pa.int64(), "n_pa_lp": pa.int64(),
-             "n_na_hp": pa.int64(), "n_na_lp": pa.int64(), "n_za": pa.int64()}
+_FLOAT32, _FLOAT64 = pa.float32(), pa.float64()
+_STEP_TYPES: dict | None = None  # name -> arrow type of the stored steps columns, built once
+_STEP_INTS: frozenset = frozenset()  # the integer ones among them
+_EXACT_INT = float(2**53)  # integers below this magnitude pass through float64 unchanged
+
+
+def _step_types() -> dict:
+    global _STEP_TYPES, _STEP_INTS
+    if _STEP_TYPES is None:
+        from .schema import STEPS
+
+        types = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
+        _STEP_INTS = frozenset(n for n, t in types.items() if pa.types.is_integer(t))
+        _STEP_TYPES = types
+    return _STEP_TYPES
+
+
+def _steps_column(vals: list, typ) -> pa.Array:
+    """One steps column from Python values, value by value: None and NaN become nulls, integer
+    columns round (the reference the column-wise :func:`steps_table` equals)."""
+    vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
+    if pa.types.is_integer(typ):
+        vals = [None if v is None else int(round(v)) for v in vals]
+    return pa.array(vals, typ)
+
+
+def steps_table(rows: list[dict]) -> pa.Table:
+    """The steps rows as a table: the schema's columns (its dtypes) in schema order, then the extra
+    metrics (float64) in name order; None and NaN (an aggregate not measured) become nulls, integer
+    columns round half to even. Column-wise: the rows go into one float64 matrix [rows, columns]
+    (None -> NaN) and each column is one numpy slice, when every value is a Python float, None, or
+    (integer columns only) a Python int; other values (numpy scalars, bools, strings) take the
+    value-by-value path (:func:`_steps_column`), whose result this equals."""
+    known = _step_types()
+    names = list(known) + sorted({k for r in rows for k in r} - known.keys())
+    ints = _STEP_INTS
+    fast = bool(rows) and all(type(v) is float or v is None or (type(v) is int and k in ints)
+                              for r in rows for k, v in r.items())
+    if not fast:
+        return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()))
+                                     for n in names], names=names)
+    m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
+    null = np.isnan(m)
+    with np.errstate(over="ignore"):  # beyond float32's range -> inf, as the value-by-value cast
+        f32 = m.astype(np.float32)
+    cols = []
+    for j, name in enumerate(names):
+        typ = known.get(name, _FLOAT64)
+        if typ == _FLOAT32:
+            cols.append(pa.array(f32[j], typ, mask=null[j]))
+        elif name in ints:
+            if (np.abs(m[j][~null[j]]) < _EXACT_INT).all():
+                cols.append(pa.array(np.rint(np.where(null[j], 0.0, m[j])).astype(np.int64), typ, mask=null[j]))
+            else:  # beyond float64's exact integers, or inf (an error there): value by value
+                cols.append(_steps_column([r.get(name) for r in rows], typ))
+        else:
+            cols.append(pa.array(m[j], typ, mask=null[j]))
+    return pa.Table.from_arrays(cols, names=names)
 
 
 def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
-    """One file per (step, rank): a row per update. Known columns get the schema's dtype, extra
-    metrics float64; NaN aggregates (not measured) become nulls."""
-    from .schema import STEPS
-
-    known = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
-    names = list(known) + sorted({k for r in rows for k in r} - set(known))
-    cols = {}
-    for name in names:
-        vals = [r.get(name) for r in rows]
-        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
-        typ = known.get(name, pa.float64())
-        if pa.types.is_integer(typ):
-            vals = [None if v is None else int(round(v)) for v in vals]
-        cols[name] = pa.array(vals, typ)
+    """One file per (step, rank): a row per update (:func:`steps_table`). Known columns get the
+    schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls."""
     path = run_dir / "steps" / f"step={step}" / f"rank={rank}" / "steps.parquet"
-    write_parquet_atomic(pa.table(cols), path, fsync=fsync)
+    write_parquet_atomic(steps_table(rows), path, fsync=fsync)
     return path
 
 
