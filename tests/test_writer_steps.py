@@ -95,3 +95,32 @@ def test_steps_file_reads_back_in_duckdb(tmp_path):
     assert got[0][6] is None and got[0][7] == math.inf and got[0][8] is None
     assert got[1][:5] == (7, 1, 2, 4, None) and got[1][5] is None and got[1][8] == 2.0
     assert got[2][2:9] == (None,) * 7
+
+
+def test_small_files_skip_compression_and_statistics_tokens_files_keep_them(tmp_path):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from entropylens.writer import SMALL_BYTES, write_sequences, write_tokens
+
+    def meta(path):
+        col = pq.ParquetFile(path).metadata.row_group(0).column(0)
+        return col.compression, col.is_stats_set
+
+    n = 64
+    seqs = {"seq": np.arange(n, dtype=np.int32), "group": np.arange(n, dtype=np.int32) // 8,
+            "reward": np.ones(n, np.float32), "advantage": np.zeros(n, np.float32), "length": np.full(n, 16, np.int32)}
+    assert meta(write_steps(tmp_path, 0, 0, ROWS[:3])) == ("UNCOMPRESSED", False)
+    assert meta(write_sequences(tmp_path, 0, 0, 0, seqs)) == ("UNCOMPRESSED", False)
+    big = {**seqs, "text": ["x" * (SMALL_BYTES // n + 1)] * n}  # texts past the small-file size: zstd again
+    assert meta(write_sequences(tmp_path, 0, 0, 1, big)) == ("ZSTD", True)
+    rows = {"update": np.zeros(n, np.int16), "seq": np.arange(n, dtype=np.int32), "group": np.zeros(n, np.int32),
+            "pos": np.zeros(n, np.int32), "logprob": np.zeros(n, np.float32), "quadrant": np.zeros(n, np.int8),
+            "clip": np.zeros(n, np.int8), "clipped": np.zeros(n, bool)}
+    tok = write_tokens(tmp_path, 0, 0, 0, rows)
+    assert meta(tok) == ("ZSTD", True)  # DuckDB's filter pushdown reads the tokens files' min/max
+    # the small files read back as before: values, types and nulls
+    back = pq.read_table(tmp_path / "sequences" / "step=0" / "rank=0" / "part-0.parquet")
+    assert back.column("seq").to_pylist() == list(range(n)) and back.column("text").null_count == n
+    assert_same(pq.read_table(tmp_path / "steps" / "step=0" / "rank=0" / "steps.parquet").replace_schema_metadata(),
+                reference_table(ROWS[:3]))
