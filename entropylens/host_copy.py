@@ -74,6 +74,8 @@ class DeferredBlock:
         """The input finite flags, from the snapshot (no block needed)."""
         finite = self._snap.finite
         if isinstance(finite, tokenbatch.FiniteFlags):
+            if finite.flags is None:  # nothing left to check (policy_loss checked these inputs)
+                return {}
             return dict(zip(finite.names, (bool(v) for v in finite.flags.tolist())))
         return {name: bool(v) for name, v in finite.items()}
 

@@ -75,6 +75,10 @@ class PolicyLossOutput:
     columns: dict[str, torch.Tensor]
     config: dict = field(default_factory=dict)
     mask: torch.Tensor | None = None
+    # the inputs found finite at masked-in positions (as float32: float64 inputs are left out, their
+    # finite values may overflow float32), by argument name, with "mask" the mask argument: the
+    # recorder does not check these tensors again when it is given the same objects
+    checked: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _metrics: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -425,4 +429,8 @@ def policy_loss(
         dual_clip=dual_clip, erc=tuple(erc) if erc is not None else None, agg=agg, tau=tau,
         entropy_coef=entropy_coef, kl_coef=kl_coef, scale=scale,
     )
-    return PolicyLossOutput(loss=loss, columns=columns, config=config, mask=x.mask)
+    checked = {name: t for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs),
+                                         ("entropy", entropy), ("old_entropy", old_entropy))
+               if t is not None and t.dtype != torch.float64}
+    checked.update(advantages=advantages, mask=mask)  # advantages were checked as float32
+    return PolicyLossOutput(loss=loss, columns=columns, config=config, mask=x.mask, checked=checked)

@@ -501,3 +501,35 @@ def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, mon
         rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
     con = connect(tmp_path)
     assert con.execute("SELECT step, count(*) FROM tokens GROUP BY step").fetchall() == [(1, 6)]
+
+
+def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_path, monkeypatch):
+    # policy_loss checks its inputs (one sync); the recorder skips the very tensors it checked (same
+    # objects, same mask) and still checks the rest: a float64 input whose finite values overflow
+    # float32 (the loss checked it as float64; its stored float32 column is -inf)
+    from entropylens import tokenbatch
+    from entropylens.losses import policy_loss
+
+    names = []
+    snapshot = tokenbatch.snapshot
+    monkeypatch.setattr(tokenbatch, "snapshot", lambda cols, mask, loss, finite, *a: names.append(finite.names)
+                        or snapshot(cols, mask, loss, finite, *a))
+    m = torch.ones(2, 3, dtype=torch.bool)
+    lp, old, adv = torch.full((2, 3), -1.0), torch.full((2, 3), -1.1), torch.tensor([1.0, -1.0])
+    h = torch.full((2, 3), 0.5)
+    out = policy_loss(lp, old, adv, m, entropy=h)
+    assert out.checked["logprobs"] is lp and out.checked["mask"] is m
+    big = torch.full((2, 3), -1.0, dtype=torch.float64)
+    big[1, 2] = -1e300  # finite in float64, -inf in float32
+    out64 = policy_loss(big, old, adv, m)
+    assert "logprobs" not in out64.checked
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
+                          old_entropy=h.clone(), loss=out)
+        assert names[-1] == ("old_entropy",)  # the one input the loss was not given
+        with pytest.raises(ValueError, match="^logprobs contains NaN or Inf at masked-in positions"):
+            rec.record_update(1, 0, mask=m, advantages=adv, logprobs=big, old_logprobs=old, loss=out64)
+        assert names[-1] == ("logprobs",)
+        rec.record_update(2, 0, mask=m.clone(), advantages=adv, logprobs=lp, old_logprobs=old, loss=out)
+        assert names[-1] == ("logprobs", "old_logprobs", "advantages")  # another mask object: all checked
+    assert connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchone()[0] == 12
