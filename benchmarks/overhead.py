@@ -15,6 +15,8 @@ file of one toy step written with and without fsync (file + directory), alternat
   python benchmarks/overhead.py [--steps 30] [--fsync-files 40]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
+The order of the modes rotates every step. Besides the pooled medians, the median of the per-step
+paired ratios full / off (the same step index: same model stage) is printed.
 Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
@@ -74,8 +76,12 @@ def main() -> None:
         cpu = {m: [] for m in modes}
         writer_cpu = {m: [] for m in modes}
         drain = {m: [] for m in modes}
+        names = list(modes)
         for i in range(a.steps + 2):  # two warm-up rounds
-            for m, rec in modes.items():
+            # the order of the modes rotates every step: no mode always runs right after another's
+            # writer work or always first after the rollout's allocations
+            for m in names[i % len(names):] + names[: i % len(names)]:
+                rec = modes[m]
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
@@ -106,6 +112,14 @@ def main() -> None:
         plain, synced = fsync_cost(a.fsync_files, rows)
         print(f"token file of one step ({rows} rows): {plain:.2f} ms without fsync, {synced:.2f} ms with fsync "
               f"(file + directory), on the writer thread")
+    # paired: each step's full / off (the same step index, so the same model stage and batch sizes);
+    # their median is robust to drifts of the machine's speed that the pooled medians above are not
+    paired = [f / o for f, o in zip(wall["full"], wall["off"])]
+    paired_cpu = [f / o for f, o in zip(cpu["full"], cpu["off"])]
+    q = statistics.quantiles(paired, n=4)
+    print(f"paired per-step ratios (full / off): median {statistics.median(paired):.3f} (quartiles {q[0]:.3f}, "
+          f"{q[2]:.3f}); training-thread CPU {statistics.median(paired_cpu):.3f}")
+    print(f"paired_overhead_ratio={statistics.median(paired):.3f}")
     print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
     print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")
 
