@@ -592,7 +592,7 @@ _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the 
 
 def _scalar(v) -> float:
     if isinstance(v, torch.Tensor):
-        return float(v.detach().float().cpu())
+        return float(v.detach().float().cpu()) if v.device.type != "cpu" or v.dim() else float(v.item())
     return float(v)
 
 

@@ -133,8 +133,8 @@ def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, 
     q_rest = ex.mul_(ex).sum(dim=-1)  # sum_{j!=a} e_j^2       (reduction 2)
     log_s = sumexp.log()
     mu = dot / sumexp
-    p_a = e_a / sumexp
-    sens = p_a * (s_rest / sumexp) * (u_a - mu) - (r_rest - mu * q_rest) / sumexp.square()
+    # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest), in 7 ops on [c] (per-op cost rules at small c)
+    sens = torch.addcmul(torch.addcmul(r_rest.neg_(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
     return u_a - log_s, log_s - mu, m + log_s, sens
 
 

@@ -63,11 +63,9 @@ def derive_columns(
     s / T^2 on changed tokens (NaN, stored as null, elsewhere)."""
     cols: dict[str, torch.Tensor] = dict(loss_columns or {})
     shape = logprobs.shape
-    adv = advantages.detach().float()
-    if adv.dim() == 1:
-        adv = adv.unsqueeze(1).expand(shape)
     if "advantage" not in cols:
-        cols["advantage"] = adv
+        adv = advantages.detach().float()
+        cols["advantage"] = adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv
     if "logprob" not in cols:
         cols["logprob"] = logprobs.detach().float()
     if "old_logprob" not in cols:
