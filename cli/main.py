@@ -249,7 +249,7 @@ def table_text(df) -> str:
 
 @app.command()
 def schema(
-    table: Annotated[Optional[str], typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens).")] = None,
+    table: Annotated[Optional[str], typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens, probes).")] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print Markdown tables (as in README).")] = False,
 ) -> None:
     """Print the column contract (name, dtype, meaning) of every table."""
@@ -258,7 +258,7 @@ def schema(
     if table is not None and table not in TABLES:
         _fail(f"unknown table {table!r}; tables: {', '.join(TABLES)}")
     if markdown:
-        typer.echo(schema_markdown(), nl=False)
+        typer.echo(schema_markdown(table), nl=False)
         return
     typer.echo(f"schema version {SCHEMA_VERSION}")
     for name, cols in TABLES.items():
@@ -524,7 +524,12 @@ def demo(
 
     try:
         for n in names:
-            config_for(n, **({"steps": steps} if steps is not None else {}))  # validate before training
+            try:  # validate before training
+                config_for(n, **({"steps": steps} if steps is not None else {}))
+            except ValueError as e:
+                if str(e).startswith("unknown run "):  # the user typed a method name
+                    raise ValueError(f"--methods: unknown method {str(e)[len('unknown run '):]}") from None
+                raise
         t_run = time.perf_counter()
         res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
                        overwrite=overwrite, probe_every=probe_every)

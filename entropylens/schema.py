@@ -239,10 +239,13 @@ def arrow_type(dtype: str):
     }[dtype]
 
 
-def schema_markdown() -> str:
-    """The column contract as Markdown tables (README embeds this text verbatim; a test checks it)."""
+def schema_markdown(only: str | None = None) -> str:
+    """The column contract as Markdown tables (README embeds this text verbatim; a test checks it);
+    ``only``: that table alone."""
     lines: list[str] = []
     for table, cols in TABLES.items():
+        if only is not None and table != only:
+            continue
         lines.append(f"**{table}**\n")
         lines.append("| column | dtype | meaning |")
         lines.append("|---|---|---|")

@@ -100,7 +100,7 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "is a directory" in err("query", runs, "SELECT 1", "--output", tmp_path)
     assert "does not exist" in err("analyze", runs, "run_summary", "--output", tmp_path / "no" / "x.csv")
     assert "no entropylens run" in err("report", tmp_path)
-    assert "unknown run 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
+    assert "--methods: unknown method 'nope'" in err("demo", "--methods", "nope", "--out", tmp_path / "d")
 
 
 def test_usage_errors_are_one_line_exit_2(runs):

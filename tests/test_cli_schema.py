@@ -20,3 +20,10 @@ def test_schema_markdown_and_unknown_table():
     res = runner.invoke(app, ["schema", "nope"])
     assert res.exit_code == 2
     assert "unknown table 'nope'" in res.output
+
+
+def test_schema_markdown_of_one_table_prints_only_that_table():
+    out = runner.invoke(app, ["schema", "probes", "--markdown"]).output
+    assert out.startswith("**probes**\n") and out.count("**") == 2  # one table heading
+    assert all(f"`{c.name}`" in out for c in TABLES["probes"])
+    assert "`logit_grad_norm`" not in out  # a tokens column
