@@ -65,6 +65,7 @@ def main() -> None:
 
     times = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
     per_round: list[dict[str, float]] = []  # each round's median wall per trainer: paired ratios
+    writer_cpu: dict[str, list[float]] = {m: [] for m in times}  # the writer thread's CPU per step, per run
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             per_round.append({})
@@ -81,7 +82,9 @@ def main() -> None:
                     tr = el
                 timer = Timer()
                 tr.add_callback(timer)
-                tr.train()
+                tr.train()  # closes the recorder: its writer has done all its work
+                if mode != "plain":
+                    writer_cpu[mode].append(tr.recorder._writer.cpu_seconds / max(1, len(timer.times)))
                 times[mode] += timer.times[2:]  # skip warm-up steps
                 per_round[-1][mode] = statistics.median(x[0] for x in timer.times[2:])
     med = {m: [statistics.median(x[i] for x in t) for i in range(3)] for m, t in times.items()}
@@ -90,6 +93,9 @@ def main() -> None:
     print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12}")
     for m, v in med.items():
         print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f}")
+    for m, w in writer_cpu.items():
+        if w:
+            print(f"  {m}: writer thread {statistics.median(w) * 1000:.1f} ms CPU per step (all its work, close included)")
     ratio = [e / p for e, p in zip(med["entropylens"], med["plain"])]
     print(f"ratios: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
     if a.attribution:

@@ -29,8 +29,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import storage, tokenbatch
 from . import writer as parquet
 from .host_copy import DeferredBlock, HostCopy, build_blocks
@@ -159,6 +157,7 @@ class WriterThread:
         # messages wait in an outbox and go over as one batch at a step's end (or every OUTBOX_SIZE):
         # waking the thread per update costs a thread switch (and the GIL) on the training thread
         self._outbox: list[tuple] = []
+        self._cpu_at_exit: float | None = None  # the thread's CPU time, set as it stops
         self.write_run_json()
         self._thread = threading.Thread(target=self._loop, name=f"entropylens-writer-{info.run}", daemon=True)
         self._thread.start()
@@ -240,7 +239,10 @@ class WriterThread:
 
     @property
     def cpu_seconds(self) -> float:
-        """CPU time the writer thread has used so far (Linux: its thread clock; else 0)."""
+        """CPU time the writer thread has used so far (Linux: its thread clock; else 0); after it has
+        stopped, its total."""
+        if self._cpu_at_exit is not None:
+            return self._cpu_at_exit
         try:
             return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
         except (AttributeError, OSError, TypeError):
@@ -285,6 +287,7 @@ class WriterThread:
             except queue.Empty:
                 item = ("heartbeat",)
             if item is _STOP:
+                self._cpu_at_exit = time.thread_time()
                 return
             messages = item[1] if item[0] == "batch" else [item]
             if self.error is None:
@@ -313,9 +316,8 @@ class WriterThread:
         ratios = host.entropy_ratios()
         if ratios is not None:
             self._steps.add_entropy_ratios(step, ratios)
-        rows = host.rows()
-        rows["update"] = np.full(len(rows["seq"]), update, np.int16)
-        for file_step, updates, arrays in self._tokens.add(step, update, rows):
+        # its rows are selected when its file is complete, with the file's other updates (token_buffer.py)
+        for file_step, updates, arrays in self._tokens.add(step, update, host):
             parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
 
     def _on_scalars(self, step: int, update: int | None, values: "dict[str, Any] | tuple") -> None:
