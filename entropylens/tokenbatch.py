@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -364,22 +365,49 @@ class Layout:
 
 @dataclass
 class HostUpdate:
-    """A packed block on the host, split back into its parts (numpy views, no copies)."""
+    """A packed block on the host, split back into its parts (numpy views, no copies). The
+    per-token columns are decoded from the flags word when first read (the writer thread selects
+    a step's rows for all its updates at once, :func:`rows_of`, and never needs them per update)."""
 
     aggregates: dict[str, float]
     finite: dict[str, bool]
-    columns: dict[str, np.ndarray]  # every position of [B, T], flattened to [B*T]
-    selected: np.ndarray  # [B*T] bool: masked in and sampled
-    masked: np.ndarray  # [B*T] bool: masked in (a response token)
+    floats: np.ndarray  # [n_float, B*T] float32, layout.float_names
+    token_id: np.ndarray | None  # [B*T] int32 (None: no token ids)
+    flags: np.ndarray  # [B*T] int32: the packed flags word of every position
     seq: np.ndarray  # [B] int32
     group: np.ndarray  # [B] int32
     layout: Layout
 
+    @cached_property
+    def columns(self) -> dict[str, np.ndarray]:
+        """Every position of [B, T], flattened to [B*T]: the float columns, token ids, the flags' columns."""
+        cols: dict[str, np.ndarray] = {c: self.floats[i] for i, c in enumerate(self.layout.float_names)}
+        if self.token_id is not None:
+            cols["token_id"] = self.token_id
+        cols.update(_flag_columns(self.flags, self.layout.has_erc))
+        return cols
+
+    @cached_property
+    def selected(self) -> np.ndarray:
+        """[B*T] bool: masked in and sampled."""
+        return ((self.flags >> _SELECTED_SHIFT) & 1).astype(bool)
+
+    @cached_property
+    def masked(self) -> np.ndarray:
+        """[B*T] bool: masked in (a response token)."""
+        return ((self.flags >> _MASK_SHIFT) & 1).astype(bool)
+
+    @property
+    def n_selected(self) -> int:
+        """How many rows :meth:`rows` gives."""
+        return int(np.count_nonzero(self.flags & (1 << _SELECTED_SHIFT)))
+
     def entropy_ratios(self) -> np.ndarray | None:
         """rho = (H + 1e-8) / (H_old + 1e-8) of every masked-in token (float32, as on the device)."""
-        if "entropy" not in self.columns or "old_entropy" not in self.columns:
+        names = self.layout.float_names
+        if "entropy" not in names or "old_entropy" not in names:
             return None
-        h, h_old = self.columns["entropy"][self.masked], self.columns["old_entropy"][self.masked]
+        h, h_old = self.floats[names.index("entropy")][self.masked], self.floats[names.index("old_entropy")][self.masked]
         return (h + np.float32(1e-8)) / (h_old + np.float32(1e-8))
 
     def rows(self) -> dict[str, np.ndarray]:
@@ -393,6 +421,52 @@ class HostUpdate:
         if "token_id" not in out:
             out["token_id"] = np.full(len(idx), -1, np.int32)
         return out
+
+
+def _flag_columns(flags: np.ndarray, has_erc: bool) -> dict[str, np.ndarray]:
+    """quadrant, clip, clipped (and erc_kept) from flags words (any shape)."""
+    cols = {
+        "quadrant": (flags & _Q_BITS).astype(np.int8),
+        "clip": (((flags >> _CLIP_SHIFT) & 0b11) - 1).astype(np.int8),
+        "clipped": ((flags >> _CLIPPED_SHIFT) & 1).astype(bool),
+    }
+    if has_erc:
+        cols["erc_kept"] = ((flags >> _ERC_SHIFT) & 1).astype(bool)
+    return cols
+
+
+def rows_of(hosts: "list[HostUpdate]", updates: "list[int]") -> dict[str, np.ndarray]:
+    """The selected token rows of several updates, in order, with an int16 ``update`` column: equal,
+    column for column, to concatenating each one's :meth:`HostUpdate.rows` (plus its update). Updates of
+    one layout (a step's mini-batches) are selected together: one np.flatnonzero and one gather per
+    column over the stacked blocks, instead of one set per update; the flag columns are decoded
+    for the selected rows only."""
+    layout = hosts[0].layout
+    if len(hosts) == 1 or any(h.layout != layout for h in hosts[1:]):
+        parts = []
+        for h, u in zip(hosts, updates):
+            r = h.rows()
+            r["update"] = np.full(len(r["seq"]), u, np.int16)
+            parts.append(r)
+        return parts[0] if len(parts) == 1 else {k: np.concatenate([r[k] for r in parts]) for k in parts[0]}
+    n = layout.batch * layout.length
+    flags = np.stack([h.flags for h in hosts]).reshape(-1)  # [U*n]
+    idx = np.flatnonzero(flags & (1 << _SELECTED_SHIFT))  # update-major, then position: the rows' order
+    u_idx, at = np.divmod(idx, n)
+    b_idx, pos = np.divmod(at, layout.length)
+    floats = np.stack([h.floats for h in hosts], axis=1).reshape(len(layout.float_names), len(hosts) * n)
+    picked = floats[:, idx]  # [n_float, k]
+    out: dict[str, np.ndarray] = {c: picked[i] for i, c in enumerate(layout.float_names)}
+    if layout.has_tokens:
+        out["token_id"] = np.stack([h.token_id for h in hosts]).reshape(-1)[idx]
+    out.update(_flag_columns(flags[idx], layout.has_erc))
+    out["seq"] = np.stack([h.seq for h in hosts])[u_idx, b_idx]
+    out["group"] = np.stack([h.group for h in hosts])[u_idx, b_idx]
+    out["pos"] = pos.astype(np.int32)
+    if not layout.has_tokens:
+        out["token_id"] = np.full(len(idx), -1, np.int32)
+    out["update"] = np.asarray(updates, np.int16)[u_idx]
+    return out
 
 
 class FiniteFlags(NamedTuple):
@@ -604,15 +678,5 @@ def unpack(host: np.ndarray, layout: Layout) -> HostUpdate:
     aggregates = dict(zip(AGG_NAMES, views["aggregates"].view(np.float64).tolist()))
     finite = read_finite(host, layout)
     floats = views["floats"].view(np.float32).reshape(len(layout.float_names), n)
-    cols: dict[str, np.ndarray] = {c: floats[i] for i, c in enumerate(layout.float_names)}
-    if layout.has_tokens:
-        cols["token_id"] = views["token_id"]
-    flags = views["flags"]
-    cols["quadrant"] = (flags & _Q_BITS).astype(np.int8)
-    cols["clip"] = (((flags >> _CLIP_SHIFT) & 0b11) - 1).astype(np.int8)
-    cols["clipped"] = ((flags >> _CLIPPED_SHIFT) & 1).astype(bool)
-    if layout.has_erc:
-        cols["erc_kept"] = ((flags >> _ERC_SHIFT) & 1).astype(bool)
-    selected = ((flags >> _SELECTED_SHIFT) & 1).astype(bool)
-    masked = ((flags >> _MASK_SHIFT) & 1).astype(bool)
-    return HostUpdate(aggregates, finite, cols, selected, masked, views["seq"], views["group"], layout)
+    token_id = views["token_id"] if layout.has_tokens else None
+    return HostUpdate(aggregates, finite, floats, token_id, views["flags"], views["seq"], views["group"], layout)
