@@ -174,20 +174,29 @@ def steps_table(rows: list[dict]) -> pa.Table:
                                      for n in names], names=names)
     m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
     null = np.isnan(m)
-    with np.errstate(over="ignore"):  # beyond float32's range -> inf, as the value-by-value cast
-        f32 = m.astype(np.float32)
-    cols = []
+    n = len(rows)
+    cols: list = [None] * len(names)
+    # columns of one arrow type become one array (one conversion), cut into per-column slices
+    groups: dict = {}
     for j, name in enumerate(names):
-        typ = known.get(name, _FLOAT64)
+        groups.setdefault(known.get(name, _FLOAT64), []).append(j)
+    for typ, js in groups.items():
+        vals, nulls = m[js], null[js]  # [k, rows]
         if typ == _FLOAT32:
-            cols.append(pa.array(f32[j], typ, mask=null[j]))
-        elif name in ints:
-            if (np.abs(m[j][~null[j]]) < _EXACT_INT).all():
-                cols.append(pa.array(np.rint(np.where(null[j], 0.0, m[j])).astype(np.int64), typ, mask=null[j]))
-            else:  # beyond float64's exact integers, or inf (an error there): value by value
-                cols.append(_steps_column([r.get(name) for r in rows], typ))
-        else:
-            cols.append(pa.array(m[j], typ, mask=null[j]))
+            with np.errstate(over="ignore"):  # beyond float32's range -> inf, as the value-by-value cast
+                vals = vals.astype(np.float32)
+        elif pa.types.is_integer(typ):
+            exact = (np.abs(vals) < _EXACT_INT) | nulls  # [k, rows]
+            ok = exact.all(axis=1)
+            for j in np.asarray(js)[~ok]:  # beyond float64's exact integers, or inf (an error there): value by value
+                cols[j] = _steps_column([r.get(names[j]) for r in rows], typ)
+            js, vals, nulls = [j for j, good in zip(js, ok) if good], vals[ok], nulls[ok]
+            vals = np.rint(np.where(nulls, 0.0, vals)).astype(np.int64)  # round half to even, as round()
+        if not js:
+            continue
+        arr = pa.array(vals.ravel(), typ, mask=nulls.ravel())
+        for i, j in enumerate(js):
+            cols[j] = arr.slice(i * n, n)
     return pa.Table.from_arrays(cols, names=names)
 
 
