@@ -35,6 +35,21 @@ def _fsync_path(path: str) -> None:
     finally:
         os.close(fd)
 
+
+def _write_file(path: str, data, fsync: bool) -> None:
+    """Write ``data`` to a new local file through one descriptor (fsync'd through it when ``fsync``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0),
+                 0o666)
+    try:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[os.write(fd, view):]
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class StorageError(ValueError):
     """A location that cannot be used (unknown protocol, missing filesystem package)."""
 
@@ -162,14 +177,16 @@ class Location:
         if self.remote:
             self.fs.pipe_file(self.path, bytes(data))
             return
-        self.write_with(lambda tmp: Path(tmp).write_bytes(data), fsync=fsync)
+        # written and fsync'd through one descriptor (no second open to fsync it by path)
+        self.write_with(lambda tmp: _write_file(tmp, data, fsync), fsync=fsync, filled_synced=True)
 
     def write_text(self, text: str, *, fsync: bool = False) -> None:
         self.write_bytes(text.encode(), fsync=fsync)
 
-    def write_with(self, fill: Callable[[str], Any], *, fsync: bool = False) -> None:
+    def write_with(self, fill: Callable[[str], Any], *, fsync: bool = False, filled_synced: bool = False) -> None:
         """``fill(tmp_path)`` writes the whole file to a local temporary path; it then appears here
-        atomically (rename, or one upload completed only when whole). Large files go this way."""
+        atomically (rename, or one upload completed only when whole). Large files go this way.
+        ``filled_synced``: ``fill`` has fsync'd the file itself (only the directory is left)."""
         if self.remote:
             import tempfile
 
@@ -186,7 +203,7 @@ class Location:
         tmp = os.path.join(parent, f".{self.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             fill(tmp)
-            if fsync:
+            if fsync and not filled_synced:
                 _fsync_path(tmp)
             os.replace(tmp, self.path)
             if fsync:
