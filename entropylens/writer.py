@@ -7,6 +7,8 @@ Encodings (benchmarks/writer.py measures them against pyarrow's defaults): zstd 
 dictionary encoding only for low-cardinality columns (update, seq, group, quadrant, token_id,
 advantage: one value per sequence); BYTE_STREAM_SPLIT for the float columns; step and rank live in
 the Hive partition path, not in the file; derived columns (schema.Column.derived) are not stored.
+Files of a few KB (a step's steps rows, its sequences: ``SMALL_BYTES``) are written without
+compression and column statistics (parquet_options); tokens files always keep both.
 """
 
 from __future__ import annotations
