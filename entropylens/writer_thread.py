@@ -34,6 +34,7 @@ from . import writer as parquet
 from .host_copy import DeferredBlock, HostCopy, build_blocks
 from .schema import QUADRANT_NAMES, SCHEMA_VERSION
 from .step_table import StepTable
+from .threads import serial_torch_ops
 from .token_buffer import TokenBuffer
 
 _STOP = object()
@@ -272,6 +273,8 @@ class WriterThread:
     # ------------------------------------------------------------ thread side
     def _loop(self) -> None:
         lower_priority(WRITER_NICE)
+        if os.environ.get("ENTROPYLENS_WRITER_OMP", "1") != "0":  # (0: the old behaviour, for benchmarks)
+            serial_torch_ops()  # never an OpenMP team of its own (entropylens/threads.py)
         if WRITER_SCHED == "idle":
             idle_class()
         handlers = {
