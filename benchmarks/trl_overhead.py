@@ -6,14 +6,16 @@ Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording 
 TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
 backward), on the tiny offline setup of examples/trl_grpo.py. Rounds alternate the two; medians over
 steps (the first two steps of each run are warm-up and skipped); rounds alternate the order in which the
-trainers run, and each round's ratio (median step of one trainer over the other's) is printed too: on a
-shared machine the spread of those paired ratios shows how far to trust the pooled one.
+trainers run. Steps 2 .. n-2 of each run are compared (warm-up and the last step left out: the
+last one also waits for the writer's remaining work, shown apart), as means (steps alternate between
+generation and update-only steps, so medians fall between the two kinds) and as per-step pairs (step i
+of one trainer against step i of the other in the same round); the whole run after warm-up is printed too.
 
 Three clocks per step: wall time; CPU time of the training thread (time.thread_time: with
 ``--threads 1`` all of torch's work runs on it, so this is what the instrumentation costs the
 trainer, robust when other processes share the cores); and the CPU time of the whole process
 (the Parquet writer thread included).
-Last line: trl_overhead_ratio=<instrumented median / plain median (wall)>
+Last line: trl_overhead_ratio=<instrumented mean / plain mean (wall), steps 2 .. n-2>
 """
 
 from __future__ import annotations
@@ -63,13 +65,13 @@ def main() -> None:
         def __init__(self):
             StepTimer.__init__(self)
 
-    times = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
-    per_round: list[dict[str, float]] = []  # each round's median wall per trainer: paired ratios
-    writer_cpu: dict[str, list[float]] = {m: [] for m in times}  # the writer thread's CPU per step, per run
+    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else [])]
+    # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
+    runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
+    writer_cpu: dict[str, list[float]] = {m: [] for m in modes}  # the writer thread's CPU per step, per run
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
-            per_round.append({})
-            order = list(times) if r % 2 == 0 else list(times)[::-1]  # alternate the order: drift hits both
+            order = modes if r % 2 == 0 else modes[::-1]  # alternate the order: drift hits both
             for mode in order:
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
                                              hidden=a.hidden, attribution=mode == "attribution")
@@ -85,29 +87,38 @@ def main() -> None:
                 tr.train()  # closes the recorder: its writer has done all its work
                 if mode != "plain":
                     writer_cpu[mode].append(tr.recorder._writer.cpu_seconds / max(1, len(timer.times)))
-                times[mode] += timer.times[2:]  # skip warm-up steps
-                per_round[-1][mode] = statistics.median(x[0] for x in timer.times[2:])
-    med = {m: [statistics.median(x[i] for x in t) for i in range(3)] for m, t in times.items()}
+                runs[mode].append(timer.times)
+    # Steps alternate between a generation step (rollout + updates) and an update-only step
+    # (num_iterations = 2, gradient accumulation 2), so a median over steps falls between the two
+    # kinds; the last step also waits for the writer's remaining work (the trainer logs every step's
+    # summary by the end). So: steps 2 .. n-2 of each run (warm-up and last left out), compared as
+    # means and as per-step pairs (step i of one trainer against step i of the other, same round:
+    # same kind of step); the last step is shown apart.
+    kept = {m: [x for run in rs for x in run[2:-1]] for m, rs in runs.items()}
+    mean = {m: [statistics.fmean(x[i] for x in t) for i in range(3)] for m, t in kept.items()}
+    last = {m: statistics.median(run[-1][0] for run in rs) for m, rs in runs.items()}
     print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, torch threads {torch.get_num_threads()}, "
-          f"{a.rounds} rounds x {a.steps} steps, medians (ms):")
-    print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12}")
-    for m, v in med.items():
-        print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f}")
+          f"{a.rounds} rounds x {a.steps} steps; steps 2..{a.steps - 2} of each run, means (ms):")
+    print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12} {'last step':>10}")
+    for m, v in mean.items():
+        print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f} {last[m] * 1000:10.1f}")
     for m, w in writer_cpu.items():
         if w:
             print(f"  {m}: writer thread {statistics.median(w) * 1000:.1f} ms CPU per step (all its work, close included)")
-    ratio = [e / p for e, p in zip(med["entropylens"], med["plain"])]
-    print(f"ratios: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
+    ratio = [e / p for e, p in zip(mean["entropylens"], mean["plain"])]
+    print(f"ratios of the means: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
     if a.attribution:
-        att = [e / p for e, p in zip(med["attribution"], med["plain"])]
+        att = [e / p for e, p in zip(mean["attribution"], mean["plain"])]
         print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
-    paired = [rd["entropylens"] / rd["plain"] for rd in per_round]
-    print("per-round wall ratios (each round's trainers run back to back, order alternating): "
-          + ", ".join(f"{x:.3f}" for x in paired) + f"; median {statistics.median(paired):.3f}")
+    paired = [e[0] / p[0] for er, pr in zip(runs["entropylens"], runs["plain"]) for e, p in zip(er[2:-1], pr[2:-1])]
+    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
+    print(f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "
+          f"quartiles {q[0]:.3f} .. {q[2]:.3f}, n = {len(paired)}")
+    whole = [sum(x[0] for x in er[2:]) / sum(x[0] for x in pr[2:]) for er, pr in zip(runs["entropylens"], runs["plain"])]
+    print("whole runs after warm-up (last step included), per round: " + ", ".join(f"{x:.3f}" for x in whole))
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
     print(f"trl_overhead_paired_ratio={statistics.median(paired):.3f}")
     print(f"trl_overhead_ratio={ratio[0]:.3f}")
-
 
 if __name__ == "__main__":
     main()
