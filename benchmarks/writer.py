@@ -1,11 +1,15 @@
 """Tokens-table write throughput and size: entropylens' encodings against pyarrow's defaults.
 
-  python benchmarks/writer.py [--rows 2000000] [--rows-per-file 262144]
+  python benchmarks/writer.py [--rows 2000000] [--rows-per-file 262144] [--steps-files 300]
 
 Values are shaped like a toy GRPO run (not uniform random): groups of 8 responses of 12-48 tokens,
 a 40-token vocabulary, sampling probabilities mostly near 1 with a low-probability tail, one
 advantage per sequence from group-normalised 0/1 rewards, ratios within a few percent of 1,
 entropies in nats. One core (pyarrow's pool set to 1 thread), medians of 3 passes, in one process.
+Then the steps file of one toy step (8 update rows, every aggregate, a few NaN = not measured, two
+extra metrics): writer.write_steps (column-wise table, a small file: no compression, no statistics)
+against the construction it replaced (one Python list per column, zstd-1 with statistics), alternating
+file by file; thread CPU time per file (median), the same rows read back equal.
 Last line: rows_per_s=<ours> bytes_per_row=<ours>
 """
 
@@ -21,7 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, tokens_table, write_parquet_atomic
+from entropylens.schema import STEPS, arrow_type
+from entropylens.tokenbatch import AGG_NAMES
+from entropylens.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, tokens_table, write_parquet_atomic, write_steps
 
 
 def toy_like_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -83,10 +89,59 @@ def run(fn, chunks, tmp: Path) -> tuple[float, float]:
     return rows / statistics.median(times), size / rows
 
 
+def toy_steps_rows(updates: int = 8, seed: int = 0) -> list[dict]:
+    """A toy step's steps rows as the step table hands them over: floats (counts too), NaN where an
+    aggregate was not measured, the update index, a learning rate and two extra metrics."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(updates):
+        row = {name: float(rng.random()) for name in AGG_NAMES}
+        row.update({k: float(rng.integers(0, 4096)) for k in AGG_NAMES if k.startswith("n_")})
+        row.update({"lgn_mean_pa_hp": float("nan"), "erc_drop_frac": float("nan"), "update": u, "grad_norm": 0.5,
+                    "lr": 1e-3, "reward_mean": 0.4375, "accuracy": 0.25, "policy_entropy": 1.5})
+        rows.append(row)
+    return rows
+
+
+def write_steps_before(run_dir: Path, step: int, rows: list[dict]) -> Path:
+    """The steps file as written before: one Python list per column, zstd-1 with statistics."""
+    known = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
+    names = list(known) + sorted({k for r in rows for k in r} - set(known))
+    cols = {}
+    for name in names:
+        vals = [r.get(name) for r in rows]
+        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
+        typ = known.get(name, pa.float64())
+        if pa.types.is_integer(typ):
+            vals = [None if v is None else int(round(v)) for v in vals]
+        cols[name] = pa.array(vals, typ)
+    path = run_dir / "before" / f"step={step}" / "steps.parquet"
+    write_parquet_atomic(pa.table(cols), path)
+    return path
+
+
+def steps_files(n: int, tmp: Path) -> tuple[float, float, int]:
+    """Median thread-CPU ms per steps file (ours, before; alternating) and the file's column count."""
+    rows = toy_steps_rows()
+    ours, before = [], []
+    for i in range(n + 5):
+        c0 = time.thread_time()
+        a = write_steps(tmp, i, 0, rows)
+        c1 = time.thread_time()
+        b = write_steps_before(tmp, i, rows)
+        c2 = time.thread_time()
+        if i >= 5:  # warm-up
+            ours.append(c1 - c0)
+            before.append(c2 - c1)
+    assert pq.read_table(a).equals(pq.read_table(b))  # the same columns, types, values and nulls
+    return statistics.median(ours) * 1e3, statistics.median(before) * 1e3, pq.read_metadata(a).num_columns
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--rows-per-file", type=int, default=262_144)
+    ap.add_argument("--steps-files", type=int, default=300, help="steps files per construction (0: skip)")
     a = ap.parse_args()
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -97,11 +152,15 @@ def main() -> None:
         run(write_ours, chunks[:1], tmp)  # warm-up
         base_rps, base_bpr = run(write_defaults, chunks, tmp)
         rps, bpr = run(write_ours, chunks, tmp)
+        steps = steps_files(a.steps_files, tmp) if a.steps_files else None
     print(f"{a.rows:,} token rows in files of {a.rows_per_file:,}, one core")
     print(f"{'encoding':<34} {'rows/s':>12} {'bytes/row':>10}")
     print(f"{'pyarrow defaults (zstd)':<34} {base_rps:12,.0f} {base_bpr:10.2f}")
     print(f"{'entropylens (dict+BSS, zstd-1)':<34} {rps:12,.0f} {bpr:10.2f}")
     print(f"speed x{rps / base_rps:.2f}, size x{bpr / base_bpr:.2f} against the defaults")
+    if steps:
+        print(f"steps file of a toy step (8 rows x {steps[2]} columns): {steps[0]:.3f} ms CPU, was "
+              f"{steps[1]:.3f} ms (x{steps[0] / steps[1]:.2f}); same table read back")
     print(f"rows_per_s={rps:.0f} bytes_per_row={bpr:.2f}")
 
 
