@@ -115,7 +115,7 @@ def write_steps_before(run_dir: Path, step: int, rows: list[dict]) -> Path:
         if pa.types.is_integer(typ):
             vals = [None if v is None else int(round(v)) for v in vals]
         cols[name] = pa.array(vals, typ)
-    path = run_dir / "before" / f"step={step}" / "steps.parquet"
+    path = run_dir / "before" / f"step={step}" / "rank=0" / "steps.parquet"  # as deep as ours: the same new dirs
     write_parquet_atomic(pa.table(cols), path)
     return path
 
