@@ -42,9 +42,6 @@ _STOP = object()
 # the training step's threads cannot: at 19 the scheduler gives the writer a core only when training
 # leaves one free (a full queue still blocks the trainer: back-pressure, never a drop). 0 disables.
 WRITER_NICE = int(os.environ.get("ENTROPYLENS_WRITER_NICE", "19"))
-# ENTROPYLENS_WRITER_SCHED=idle puts the writer thread in Linux's SCHED_IDLE class (below nice 19: it
-# runs only on a core nothing else wants, and a waking training thread preempts it at once)
-WRITER_SCHED = os.environ.get("ENTROPYLENS_WRITER_SCHED", "normal")
 OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
 
 
@@ -57,17 +54,6 @@ def lower_priority(nice: int) -> bool:
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return True
-    except OSError:
-        return False
-
-
-def idle_class() -> bool:
-    """Move the calling thread to SCHED_IDLE (Linux, this thread only). False where unavailable."""
-    if not hasattr(os, "SCHED_IDLE") or not hasattr(threading, "get_native_id"):
-        return False
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
         return True
     except OSError:
         return False
@@ -275,8 +261,6 @@ class WriterThread:
         lower_priority(WRITER_NICE)
         if os.environ.get("ENTROPYLENS_WRITER_OMP", "1") != "0":  # (0: the old behaviour, for benchmarks)
             serial_torch_ops()  # never an OpenMP team of its own (entropylens/threads.py)
-        if WRITER_SCHED == "idle":
-            idle_class()
         handlers = {
             "update": self._on_update, "scalars": self._on_scalars, "rewards": self._on_rewards,
             "sequences": self._on_sequences, "close": self._on_close, "summary": self._on_summary,
