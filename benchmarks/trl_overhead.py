@@ -69,6 +69,7 @@ def main() -> None:
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
     runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
     writer_cpu: dict[str, list[float]] = {m: [] for m in modes}  # the writer thread's CPU per step, per run
+    tokens: dict[str, list[int]] = {m: [] for m in modes}  # tokens the trainer saw per run: the same work?
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             order = modes if r % 2 == 0 else modes[::-1]  # alternate the order: drift hits both
@@ -88,6 +89,8 @@ def main() -> None:
                 if mode != "plain":
                     writer_cpu[mode].append(tr.recorder._writer.cpu_seconds / max(1, len(timer.times)))
                 runs[mode].append(timer.times)
+                seen = [h["num_tokens"] for h in tr.state.log_history if "num_tokens" in h]
+                tokens[mode].append(int(seen[-1]) if seen else -1)
     # Steps alternate between a generation step (rollout + updates) and an update-only step
     # (num_iterations = 2, gradient accumulation 2), so a median over steps falls between the two
     # kinds; the last step also waits for the writer's remaining work (the trainer logs every step's
@@ -114,6 +117,8 @@ def main() -> None:
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
     print(f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "
           f"quartiles {q[0]:.3f} .. {q[2]:.3f}, n = {len(paired)}")
+    print("tokens seen per round (prompts + completions; equal when both trainers did the same work): "
+          + "; ".join(" / ".join(str(tokens[m][r]) for m in modes) for r in range(a.rounds)))
     whole = [sum(x[0] for x in er[2:]) / sum(x[0] for x in pr[2:]) for er, pr in zip(runs["entropylens"], runs["plain"])]
     print("whole runs after warm-up (last step included), per round: " + ", ".join(f"{x:.3f}" for x in whole))
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")

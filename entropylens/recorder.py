@@ -442,12 +442,13 @@ class Recorder:
         writer thread to take in the queued updates)."""
         return self.step_summary_later(step).result()
 
-    def step_summary_later(self, step: int) -> "PendingSummary":
+    def step_summary_later(self, step: int, names: "tuple[str, ...] | None" = None) -> "PendingSummary":
         """:meth:`step_summary` without waiting: returns at once; ``.ready()`` says whether the writer
         thread has answered, ``.result()`` gives the summary (waiting if needed). For trainer logs that
-        must not wait on the writer thread's disk writes (a step's files, fsync included)."""
+        must not wait on the writer thread's disk writes (a step's files, fsync included). ``names``:
+        only these aggregates (and n_tokens), the rest is not computed."""
         self._finalize_pending()
-        return PendingSummary(self._writer.summary_request(int(step)), self._writer)
+        return PendingSummary(self._writer.summary_request(int(step), names), self._writer)
 
     @property
     def has_hook(self) -> bool:

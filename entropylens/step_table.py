@@ -60,18 +60,18 @@ class StepTable:
             out.append((step, rows))
         return out
 
-    def summary(self, step: int) -> dict[str, float]:
+    def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
         """The step's aggregates over the updates of ``step`` so far: n_* counts summed, the entropy-ratio
         quantiles over all the step's tokens (linear interpolation, as torch.quantile), the other
         aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out).
-        Empty once closed."""
+        ``names``: only these aggregates (and n_tokens). Empty once closed."""
         rows = [r for (s, _), r in self._rows.items() if s == step and "n_tokens" in r]
         n_tokens = sum(r["n_tokens"] for r in rows)
         out: dict[str, float] = {"n_tokens": float(n_tokens)}
         if not rows or n_tokens == 0:
             return out
         for name in AGG_NAMES:
-            if name == "n_tokens":
+            if name == "n_tokens" or (names is not None and name not in names):
                 continue
             if name.startswith("n_"):
                 out[name] = float(sum(r[name] for r in rows))
@@ -81,9 +81,9 @@ class StepTable:
             if weight:
                 out[name] = sum(v * n for v, n in pairs) / weight
         ratios = self._entropy_ratios.get(step)
-        if ratios:
+        if ratios and (names is None or any(name in names for name in QUANTILES)):
             every = np.concatenate(ratios)
-            if len(every):
-                for name, q in QUANTILES.items():
-                    out[name] = float(np.quantile(every.astype(np.float64), q))
+            if len(every):  # one sort for the three quantiles
+                values = np.quantile(every.astype(np.float64), list(QUANTILES.values()))
+                out.update((k, v) for k, v in zip(QUANTILES, values.tolist()) if names is None or k in names)
         return out

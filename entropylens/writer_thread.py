@@ -201,19 +201,19 @@ class WriterThread:
             self._last_beat = now
             self.put(("heartbeat",))
 
-    def summary(self, step: int) -> dict[str, float]:
+    def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
         """The step table's summary of ``step`` once every queued message is handled."""
-        return self.answer(self.summary_request(step))
+        return self.answer(self.summary_request(step, names))
 
     def answer(self, reply: _Reply) -> dict[str, float]:
         """The reply's summary, waiting for it ({} if the thread has died)."""
         return reply.wait(self._thread) or {}
 
-    def summary_request(self, step: int) -> _Reply:
+    def summary_request(self, step: int, names: "tuple[str, ...] | None" = None) -> _Reply:
         """Ask for ``step``'s summary without waiting: the reply is set once the thread has handled
         every message queued before it (its ``done()`` says when; ``wait(thread)`` blocks)."""
         reply = _Reply()
-        self.put(("summary", step, reply), flush=True)
+        self.put(("summary", step, reply, names), flush=True)
         return reply
 
     def drain(self) -> None:
@@ -328,5 +328,5 @@ class WriterThread:
         for step, rows in self._steps.close(upto):
             parquet.write_steps(self.run_dir, step, self.rank, rows, fsync=self.fsync)
 
-    def _on_summary(self, step: int, reply: _Reply) -> None:
-        reply.set(self._steps.summary(step))
+    def _on_summary(self, step: int, reply: _Reply, names: "tuple[str, ...] | None" = None) -> None:
+        reply.set(self._steps.summary(step, names))

@@ -437,6 +437,10 @@ def test_step_summary_quantiles_are_quantiles_of_the_step(tmp_path):
             rec.record_update(0, update, mask=mask, advantages=torch.ones(1), logprobs=lp, old_logprobs=lp,
                               entropy=torch.tensor(h), old_entropy=torch.ones(1, 3), seq_ids=torch.tensor([update]))
         summary = rec.step_summary(0)
+        only = rec.step_summary_later(0, ("entropy_ratio_p95", "n_pa_hp")).result()  # what a trainer log asks
+        assert only == {k: summary[k] for k in ("n_tokens", "entropy_ratio_p95", "n_pa_hp")}
+        assert rec.step_summary_later(0, ("entropy_mean",)).result() == {k: summary[k] for k in ("n_tokens",
+                                                                                                "entropy_mean")}
     assert summary["n_tokens"] == 5
     assert summary["entropy_ratio_p50"] == pytest.approx(1.0)
     assert summary["entropy_ratio_p95"] == pytest.approx(3.6, rel=1e-6)

@@ -59,6 +59,7 @@ TRL_TESTED = ("1.16",)  # major.minor releases whose private GRPOTrainer methods
 LOG_KEYS = ("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "erc_drop_frac", "kl_k3",
             "clip_low_frac", "clip_high_frac", "clip_frac_pa_lp", "clip_frac_na_lp", "lgn_mean_pa_hp",
             "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp")
+_SUMMARY_NAMES = LOG_KEYS + ("n_pa_hp", "n_pa_lp", "n_na_hp", "n_na_lp")  # what _el_log_summary reads
 _MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
             "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL loss types that clip like PPO
@@ -460,7 +461,7 @@ def _trainer_class():
             # the summary comes from the writer thread once it has taken in the step: asking without
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
             # fsync included); answers are logged as they arrive, all of them by the last step
-            self._el_summaries.append(self.recorder.step_summary_later(step))
+            self._el_summaries.append(self.recorder.step_summary_later(step, _SUMMARY_NAMES))
             last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
             while self._el_summaries and (last or self._el_summaries[0].ready()):
                 self._el_log_summary(self._el_summaries.pop(0).result())
