@@ -8,6 +8,7 @@ matplotlib) happen inside the commands, so `entropylens --help` is fast.
 from __future__ import annotations
 
 import sys
+import time as _time
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -551,17 +552,25 @@ def demo(
         typer.echo(f"report: {res.report_dir / 'index.html'}")
 
 
+_IMPORTED_AT = _time.perf_counter()
+_EXEC_GAP_S = 10.0  # a process this much older than the CLI's import was a shell that exec'd us late
+
+
 def _process_seconds() -> float | None:
-    """Wall seconds since this process started (Linux: /proc), or None."""
+    """Wall seconds since this process started (Linux: /proc), or None. A shell runs the last command
+    of `a && b` in its own process (exec): that process started with `a`, so when it is more than
+    _EXEC_GAP_S older than this module's import, the seconds since the import are returned instead."""
     import os
 
     try:
         with open("/proc/self/stat") as f:
             start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+            age = float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
+    since_import = _time.perf_counter() - _IMPORTED_AT
+    return since_import if age - since_import > _EXEC_GAP_S else age
 
 
 def _summary(runs_dir: Path, runs: list[str], table=None):

@@ -321,13 +321,24 @@ class Recorder:
         self._finalize_pending()
         if step <= self._closed_upto:
             raise ValueError(f"step {step} was already written; record_step must come before later steps")
-        self._advance_to(step)
         values = {"grad_norm": grad_norm, "lr": lr, **metrics}
         values = {k: v for k, v in values.items() if v is not None}
+        columns: dict[str, str] = {}  # column -> the name it came from
         for k in values:
             if k not in _PLAIN_NAMES and not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum():
                 raise ValueError(f"metric name {k!r}: use letters, digits, '_', '/', '.', '-'")
+            col = k.replace("/", "_").replace(".", "_").replace("-", "_")
+            if col in _RECORDER_COLUMNS:
+                raise ValueError(f"metric name {k!r}: the steps column {col!r} is the recorder's own (from the "
+                                 "recorded updates); record it under another name")
+            if col in columns:
+                raise ValueError(f"metric names {columns[col]!r} and {k!r} are both the steps column {col!r}")
+            columns[col] = k
         values = {k.replace("/", "_").replace(".", "_").replace("-", "_"): v for k, v in values.items()}
+        for k, v in values.items():
+            if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
+                raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")
+        self._advance_to(step)
         # device tensors (a grad norm on CUDA) reach the host by one non-blocking copy that the writer
         # thread waits for (no synchronising .item() on this thread); everything else becomes a float now
         on_device = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type in _DEFERRED_DEVICES]
@@ -588,6 +599,10 @@ class PendingSummary:
 
 
 _PLAIN_NAMES = frozenset(("grad_norm", "lr"))
+# steps columns the recorder fills from the updates (or keys rows by): a metric of that name would
+# overwrite or be dropped, so record_step refuses it (grad_norm, lr, reward_mean and the loss
+# settings are the caller's to give)
+_RECORDER_COLUMNS = frozenset(tokenbatch.AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
 
 

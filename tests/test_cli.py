@@ -216,3 +216,18 @@ def test_runs_shows_long_run_ids_whole(runs, tmp_path):
     out = ok("runs", tmp_path / "sweep")
     assert name in out.split() and "..." not in out
     assert name in ok("query", tmp_path / "sweep", "SELECT run, config FROM runs").split()  # config folded, run whole
+
+
+def test_demo_start_time_counts_from_the_cli_import_when_a_shell_execd_it_late(monkeypatch):
+    # `pip install ... && entropylens demo`: bash execs the last command in its own process, which
+    # started with pip; the demo's "start" then counts from the CLI's import, not from pip's start
+    import time
+
+    from entropylens.cli import main as cli_main
+
+    age = cli_main._process_seconds()  # this pytest process: started long before the CLI module's import
+    monkeypatch.setattr(cli_main, "_IMPORTED_AT", time.perf_counter() - 0.5)
+    monkeypatch.setattr(cli_main, "_EXEC_GAP_S", 1e9)
+    assert cli_main._process_seconds() >= age  # the process's own age
+    monkeypatch.setattr(cli_main, "_EXEC_GAP_S", 0.0)
+    assert 0.5 <= cli_main._process_seconds() < 5.0  # since the import

@@ -537,3 +537,27 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
         rec.record_update(2, 0, mask=m.clone(), advantages=adv, logprobs=lp, old_logprobs=old, loss=out)
         assert names[-1] == ("logprobs", "old_logprobs", "advantages")  # another mask object: all checked
     assert connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchone()[0] == 12
+
+
+def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_path):
+    # a metric named like a column the recorder fills from the updates would overwrite it (update=u)
+    # or be dropped (the whole step): refused with one line; so are two names for one column and
+    # values that are not numbers. Nothing of a refused call is recorded.
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp,
+                          entropy=torch.full((2, 3), 2.0), old_entropy=torch.full((2, 3), 2.0))
+        for name in ("entropy_mean", "n_tokens", "clip_high_frac", "loss", "rank", "run"):
+            with pytest.raises(ValueError, match=f"metric name '{name}': the steps column '{name}' is the recorder's own"):
+                rec.record_step(0, update=0, **{name: 9.0})
+        with pytest.raises(ValueError, match="metric name 'entropy/mean': the steps column 'entropy_mean'"):
+            rec.record_step(0, **{"entropy/mean": 1.0})
+        with pytest.raises(ValueError, match="metric names 'a.b' and 'a_b' are both the steps column 'a_b'"):
+            rec.record_step(0, **{"a.b": 1.0, "a_b": 2.0})
+        with pytest.raises(ValueError, match="metric 'note': expected a number, got str"):
+            rec.record_step(0, note="hello")
+        rec.record_step(0, update=0, grad_norm=torch.tensor(0.5), lr=1e-3, reward_mean=0.25, beta1=0.5, my_metric=1.0)
+    row = connect(tmp_path).execute(
+        "SELECT entropy_mean, n_tokens, grad_norm, reward_mean, beta1, my_metric FROM steps").fetchall()
+    assert row == [(pytest.approx(2.0), 6, pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.5), 1.0)]
