@@ -25,9 +25,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.schema import STEPS, arrow_type
 from entropylens.tokenbatch import AGG_NAMES
-from entropylens.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, tokens_table, write_parquet_atomic, write_steps
+from entropylens.writer import (TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, steps_table_by_values, tokens_table,
+                                write_parquet_atomic, write_steps)
 
 
 def toy_like_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -105,18 +105,8 @@ def toy_steps_rows(updates: int = 8, seed: int = 0) -> list[dict]:
 
 def write_steps_before(run_dir: Path, step: int, rows: list[dict]) -> Path:
     """The steps file as written before: one Python list per column, zstd-1 with statistics."""
-    known = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
-    names = list(known) + sorted({k for r in rows for k in r} - set(known))
-    cols = {}
-    for name in names:
-        vals = [r.get(name) for r in rows]
-        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
-        typ = known.get(name, pa.float64())
-        if pa.types.is_integer(typ):
-            vals = [None if v is None else int(round(v)) for v in vals]
-        cols[name] = pa.array(vals, typ)
     path = run_dir / "before" / f"step={step}" / "rank=0" / "steps.parquet"  # as deep as ours: the same new dirs
-    write_parquet_atomic(pa.table(cols), path)
+    write_parquet_atomic(steps_table_by_values(rows), path)
     return path
 
 

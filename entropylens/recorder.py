@@ -334,7 +334,7 @@ class Recorder:
             if col in columns:
                 raise ValueError(f"metric names {columns[col]!r} and {k!r} are both the steps column {col!r}")
             columns[col] = k
-        values = {k.replace("/", "_").replace(".", "_").replace("-", "_"): v for k, v in values.items()}
+        values = {col: values[k] for col, k in columns.items()}
         for k, v in values.items():
             if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
                 raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")

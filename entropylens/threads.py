@@ -4,8 +4,8 @@ A torch op that goes parallel on a thread starts an OpenMP team for that thread 
 of MKL's own thread count, even for a [2, 512] x [512, 7] product). GNU OpenMP counts
 every team's threads, and once they outnumber the cores it stops spin-waiting between parallel
 regions: the training thread's own team then sleeps after each region and is woken by a futex at the
-next one, which slowed a 2-thread TRL step on 2 cores by ~15-25% once the writer thread had made its
-team. :func:`serial_torch_ops` sets the calling thread's OpenMP thread count to 1 (``omp_set_num_threads``
+next one (its effect on a step was within the benchmarks' noise here; the extra team itself is what
+tests/test_threads.py checks). :func:`serial_torch_ops` sets the calling thread's OpenMP thread count to 1 (``omp_set_num_threads``
 is per thread) and, where torch's CPU library exports MKL's service functions, MKL's per-thread count
 (``MKL_Set_Num_Threads_Local``) too, so its torch ops run serially and it never makes a team. ``torch.set_num_threads(1)``
 would not do: it also changes the process-wide count that every thread torch initialises later reads.

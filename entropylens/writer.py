@@ -172,8 +172,7 @@ def steps_table(rows: list[dict]) -> pa.Table:
     fast = bool(rows) and all(type(v) is float or v is None or (type(v) is int and k in ints)
                               for r in rows for k, v in r.items())
     if not fast:
-        return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()))
-                                     for n in names], names=names)
+        return steps_table_by_values(rows)
     m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
     null = np.isnan(m)
     n = len(rows)
@@ -202,6 +201,15 @@ def steps_table(rows: list[dict]) -> pa.Table:
     return pa.Table.from_arrays(cols, names=names)
 
 
+def steps_table_by_values(rows: list[dict]) -> pa.Table:
+    """:func:`steps_table` value by value (:func:`_steps_column` per column): the path for values the
+    column-wise one does not take, and the reference it equals."""
+    known = _step_types()
+    names = list(known) + sorted({k for r in rows for k in r} - known.keys())
+    return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()))
+                                 for n in names], names=names)
+
+
 def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
     """One file per (step, rank): a row per update (:func:`steps_table`). Known columns get the
     schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls."""
@@ -220,9 +228,7 @@ def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, 
     for c in PROBES:
         if c.name in ("step", "rank"):
             continue  # partition keys
-        vals = [r.get(c.name) for r in rows]
-        vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
-        cols[c.name] = pa.array(vals, arrow_type(c.dtype))
+        cols[c.name] = _steps_column([r.get(c.name) for r in rows], arrow_type(c.dtype))
     path = run_dir / "probes" / f"step={step}" / f"rank={rank}" / f"probe-{update}.parquet"
     write_parquet_atomic(pa.table(cols), path, fsync=fsync)
     return path
