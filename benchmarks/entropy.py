@@ -10,7 +10,9 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
 3. float64 error at V = 151936 with logit offsets 0..40.
 5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per chunk,
    logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x), with no
-   grad and in the training pass (forward + backward: where the recorder's s_t is computed); 5b. the same
+   grad and in the training pass (forward + backward: where the recorder's s_t is computed), and the
+   recorder's whole training pass with attribution (s_t, and the logit-gradient norm from the same
+   sums) against the pass before attribution (a hook reading the gradient's row norms); 5b. the same
    in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
 Last lines: sensitivity_ratio=<time ratio with / without at the first shape> and
 ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
@@ -176,9 +178,11 @@ def paired(fn, repeats: int) -> tuple[float, float, float]:
 
 def sensitivity_section(shapes, repeats: int) -> float:
     """Section 5: the fused pass with and without the entropy sensitivity (two more reductions per
-    chunk), no grad, and the training pass (forward + custom backward) with and without it; medians of
-    the per-pair time ratios over ``repeats`` alternating pairs. Returns the no-grad ratio at the first
-    shape."""
+    chunk), no grad, and the training pass (forward + custom backward) with and without it; then the
+    recorder's training pass with attribution (s_t and d_t from the same sums, the logit-gradient norm
+    in closed form) against the same pass before it (no s_t, a hook reading the gradient's row
+    norms); medians of the per-pair time ratios over ``repeats`` alternating pairs. Returns the
+    no-grad ratio at the first shape."""
     print(f"\n5. entropy sensitivity (two more reductions per chunk): fp32, medians over {repeats} alternating pairs")
     print(f"{'shape':>16} {'pass':>14} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
     first = None
@@ -195,7 +199,24 @@ def sensitivity_section(shapes, repeats: int) -> float:
             lp.sum().backward()
             train_z.grad = None
 
-        for label, fn in (("no grad", fwd), ("fwd + bwd", train)):
+        def recorded(attribution):
+            """The recorder's training pass (policy_update's logits path): with attribution, s_t and
+            d_t = ||e_a - p|| from the same sums (logit_grad_norm = |g|/T * d_t, no hook); before it, no
+            s_t and a hook reading ||dLoss/dz_t|| off the [N, V] gradient (Recorder.watch_logits)."""
+            if attribution:
+                lp = logprobs_and_entropy(train_z, tokens, sensitivity=True, one_hot_distance=True)[0]
+            else:
+                handle = train_z.register_hook(
+                    lambda g: norms.append(torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32)))
+                lp = logprobs_and_entropy(train_z, tokens)[0]
+            lp.sum().backward()
+            if not attribution:
+                handle.remove()
+                norms.clear()
+            train_z.grad = None
+
+        norms = []
+        for label, fn in (("no grad", fwd), ("fwd + bwd", train), ("recorder's", recorded)):
             without, with_, r = paired(fn, repeats)
             print(f"{str([n, v]):>16} {label:>14} {without:11.1f} {with_:9.1f} {r:6.2f}")
             first = first or r

@@ -1,6 +1,6 @@
-"""The toy trainer's step time with the recorder off, on (sample=1, with watch_logits, fsync on and
-off), and on with sample=0.1, alternating in one process; medians over many steps. Asserts nothing
-about time.
+"""The toy trainer's step time with the recorder off, on (sample=1, with attribution and exact
+logit-gradient norms, fsync on and off), and on with sample=0.1, alternating in one process;
+medians over many steps. Asserts nothing about time.
 
 Two clocks per mode: wall time of the step, and CPU time of the training thread (time.thread_time:
 what the recorder costs the caller, robust when other processes share the cores; the writer
@@ -16,7 +16,8 @@ file of one toy step written with and without fsync (file + directory), alternat
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
 The order of the modes rotates every step. Besides the pooled medians, the median of the per-step
-paired ratios full / off (the same step index: same model stage) is printed.
+paired ratios full / off (the same step index: same model stage) is printed, with its 95% bootstrap
+interval.
 Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
@@ -55,6 +56,15 @@ def fsync_cost(n: int, rows: int) -> tuple[float, float]:
                 write_tokens(Path(d), i, 0, int(fsync), arrs, fsync=fsync)
                 times[fsync].append(time.perf_counter() - t0)
     return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+
+
+def median_ci(xs: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the median of ``xs`` (how far the machine's noise lets one
+    run's median move)."""
+    rng = np.random.default_rng(seed)
+    arr = np.asarray(xs)
+    meds = np.median(rng.choice(arr, size=(resamples, arr.size), replace=True), axis=1)
+    return float(np.quantile(meds, 0.025)), float(np.quantile(meds, 0.975))
 
 
 def main() -> None:
@@ -117,8 +127,9 @@ def main() -> None:
     paired = [f / o for f, o in zip(wall["full"], wall["off"])]
     paired_cpu = [f / o for f, o in zip(cpu["full"], cpu["off"])]
     q = statistics.quantiles(paired, n=4)
-    print(f"paired per-step ratios (full / off): median {statistics.median(paired):.3f} (quartiles {q[0]:.3f}, "
-          f"{q[2]:.3f}); training-thread CPU {statistics.median(paired_cpu):.3f}")
+    lo, hi = median_ci(paired)
+    print(f"paired per-step ratios (full / off): median {statistics.median(paired):.3f} (95% bootstrap interval "
+          f"{lo:.3f}-{hi:.3f}; quartiles {q[0]:.3f}, {q[2]:.3f}); training-thread CPU {statistics.median(paired_cpu):.3f}")
     print(f"paired_overhead_ratio={statistics.median(paired):.3f}")
     print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
     print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")

@@ -181,10 +181,11 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("erc_kept", "bool", "ERC kept the gradient (rho inside its band); null without ERC"),
     _c("grad_coef", "float32", "dLoss/dlogprob of the token for the back-propagated loss (aggregation weight and "
        "gradient-accumulation scale included; TRL's own loss: from a hook on the [B, T] log-prob tensor)"),
-    _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary: from a hook on the logits "
-       "(watch_logits), or without logits (TRL's fused head, head_stats) the exact closed form "
-       "|g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2), g_t = dLoss/dlogp_t, p the current policy's; "
-       "null where an entropy bonus also reaches the logits"),
+    _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, g_t = dLoss/dlogp_t, p the current "
+       "policy's: from a hook on the logits (watch_logits; policy_update with an entropy bonus); "
+       "policy_update's logits path the exact closed form |g_t| / T * ||e_a - p_t|| from its sensitivity "
+       "pass's sums (no cancellation as p_t -> 1); without logits (TRL's fused head, head_stats) "
+       "|g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2), null where an entropy bonus also reaches the logits"),
     _c("entropy_effect", "float32", "first-order entropy change of the token's own position per unit logit step "
        "of its gradient: grad_coef * s / T^2, s = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) "
        "(stats.entropy_sensitivity; eta left out: dH_t = eta * entropy_effect)"),

@@ -80,10 +80,11 @@ class _ChunkBuffers:
 
 
 def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
-             sens_out: torch.Tensor | None = None):
+             sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None):
     """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
-    sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk)."""
+    sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
+    ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_chunk_with_sensitivity`)."""
     n, v = flat.shape
     dev = flat.device
     lse = torch.empty(n, dtype=torch.float32, device=dev)
@@ -97,8 +98,10 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
         u, m = buf.load(flat[s:e_], temperature)  # u = z/T - m, [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
         if sens_out is not None:
-            logp[s:e_], ent[s:e_], lse[s:e_], sens_out[s:e_] = _chunk_with_sensitivity(
-                u, ex, m, flat_tok[s:e_], buf.t[: e_ - s])
+            logp[s:e_], ent[s:e_], lse[s:e_], sens_out[s:e_], dist = _chunk_with_sensitivity(
+                u, ex, m, flat_tok[s:e_], buf.t[: e_ - s], dist_out is not None)
+            if dist_out is not None:
+                dist_out[s:e_] = dist
             continue
         sumexp = ex.sum(dim=-1)  # [c]
         log_s = sumexp.log()  # [c]
@@ -113,9 +116,12 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     return logp, ent, lse
 
 
-def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor, t: torch.Tensor):
-    """(logp_a, H, lse, s) of one chunk. u [c,V] shifted logits, ex = exp(u) [c,V] (overwritten),
-    m [c] the shift, tok [c], t [c,V] scratch.
+def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor, t: torch.Tensor,
+                            want_dist: bool = False):
+    """(logp_a, H, lse, s, dist) of one chunk. u [c,V] shifted logits, ex = exp(u) [c,V] (overwritten),
+    m [c] the shift, tok [c], t [c,V] scratch. dist [c] (None unless ``want_dist``) is the
+    one-hot distance ||e_a - p||_2 = sqrt(S_rest^2 + Q_rest) / S from the same sums: with
+    (1 - p_a) = S_rest / S and sum_{j != a} p_j^2 = Q_rest / S^2 nothing cancels as p_a -> 1.
 
     With e = exp(u), S = sum_j e_j, mu = sum_j p_j u_j (so log p_j + H = u_j - mu):
         s = p_a (1 - p_a) (u_a - mu) - sum_{j != a} p_j^2 (u_j - mu)
@@ -135,7 +141,8 @@ def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, 
     mu = dot / sumexp
     # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest), in 7 ops on [c] (per-op cost rules at small c)
     sens = torch.addcmul(torch.addcmul(r_rest.neg_(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
-    return u_a - log_s, log_s - mu, m + log_s, sens
+    dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
+    return u_a - log_s, log_s - mu, m + log_s, sens, dist
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -147,20 +154,21 @@ class _LogprobEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, flat_tok, temperature, rows, want_sens):
+    def forward(ctx, logits, flat_tok, temperature, rows, want_sens, want_dist):
         flat = logits.reshape(-1, logits.shape[-1])
         sens = torch.empty(flat.shape[0] if want_sens else 0, dtype=torch.float32, device=flat.device)
+        dist = torch.empty(flat.shape[0] if want_dist else 0, dtype=torch.float32, device=flat.device)
         logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True,
-                                  sens_out=sens if want_sens else None)
+                                  sens_out=sens if want_sens else None, dist_out=dist if want_dist else None)
         ctx.save_for_backward(logits, flat_tok, lse, ent)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work
-        ctx.mark_non_differentiable(sens)
+        ctx.mark_non_differentiable(sens, dist)
         ctx.temperature = temperature
         ctx.rows = rows
-        return logp, ent, sens
+        return logp, ent, sens, dist
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent, _g_sens):
+    def backward(ctx, g_logp, g_ent, _g_sens, _g_dist):
         logits, flat_tok, lse, ent = ctx.saved_tensors
         t, rows = ctx.temperature, ctx.rows
         v = logits.shape[-1]
@@ -190,7 +198,7 @@ class _LogprobEntropy(torch.autograd.Function):
                 if t != 1.0:
                     out.div_(t)
                 grad[s:e_] = out
-        return grad.view_as(logits), None, None, None, None
+        return grad.view_as(logits), None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -201,12 +209,16 @@ def logprobs_and_entropy(
     chunk_size: int | None = None,
     entropy_grad: bool = False,
     sensitivity: bool = False,
+    one_hot_distance: bool = False,
 ):
     """log pi(a_t) and the full-vocabulary entropy H_t in one pass over each chunk of logits.
 
     logits [..., V] (any float dtype), tokens [...] int -> (logprobs [...], entropy [...]) float32,
     and with ``sensitivity=True`` a third tensor: the entropy sensitivity s_t
-    (:func:`entropy_sensitivity`) from the same pass (two more reductions per chunk).
+    (:func:`entropy_sensitivity`) from the same pass (two more reductions per chunk); with
+    ``one_hot_distance=True`` as well a fourth: d_t = ||e_a - p_t||_2 from the same sums, so that
+    |g_t| / T * d_t is the exact logit-gradient norm of a loss that reaches the logits only through
+    logp_a (g_t = dLoss/dlogp_a; :func:`logit_grad_norm` computes it from the logits alone).
     logp_a = z_a/T - lse(z/T);  H = lse(z/T) - sum_j softmax(z/T)_j z_j/T.
     The logsumexp is shared; logits are max-shifted; float32 accumulation. ``logprobs`` carries
     autograd when ``logits`` requires grad (the backward recomputes the softmax per chunk, so no
@@ -217,18 +229,26 @@ def logprobs_and_entropy(
     v = logits.shape[-1]
     flat_tok = tokens.reshape(-1).long()
     rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
+    if one_hot_distance and not sensitivity:
+        raise ValueError("one_hot_distance=True comes from the sensitivity's sums: pass sensitivity=True too")
     if logits.requires_grad and torch.is_grad_enabled():
-        logp, ent, sens = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows, bool(sensitivity))
+        logp, ent, sens, dist = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows, bool(sensitivity),
+                                                      bool(one_hot_distance))
         if not entropy_grad:
             ent = ent.detach()
     else:
         with torch.no_grad():
-            sens = torch.empty(flat_tok.numel() if sensitivity else 0, dtype=torch.float32, device=logits.device)
+            n = flat_tok.numel()
+            sens = torch.empty(n if sensitivity else 0, dtype=torch.float32, device=logits.device)
+            dist = torch.empty(n if one_hot_distance else 0, dtype=torch.float32, device=logits.device)
             logp, ent, _ = _forward(logits.reshape(-1, v), flat_tok, float(temperature), rows, True,
-                                    sens_out=sens if sensitivity else None)
+                                    sens_out=sens if sensitivity else None, dist_out=dist if one_hot_distance else None)
+    out = (logp.view(tokens.shape), ent.view(tokens.shape))
     if sensitivity:
-        return logp.view(tokens.shape), ent.view(tokens.shape), sens.view(tokens.shape)
-    return logp.view(tokens.shape), ent.view(tokens.shape)
+        out += (sens.view(tokens.shape),)
+    if one_hot_distance:
+        out += (dist.view(tokens.shape),)
+    return out
 
 
 def entropy_sensitivity(
@@ -290,6 +310,15 @@ def sum_p_squared(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size:
     lse1 = logsumexp_f32(z, temperature=temperature, chunk_size=chunk_size)
     lse2 = logsumexp_f32(z, temperature=temperature / 2.0, chunk_size=chunk_size)
     return torch.exp(lse2 - 2.0 * lse1)
+
+
+def one_hot_distance_from_sum_p2(logprobs: torch.Tensor, sum_p2: torch.Tensor) -> torch.Tensor:
+    """d_t = ||e_a - p_t||_2 = sqrt(1 - 2 p_a + sum_j p_j^2) from log p_a and sum_j p_j^2 (an engine's
+    or :func:`head_stats`' output), clamped at 0 against rounding ((1 - p_a)^2 + sum_{j != a} p_j^2 >= 0;
+    it cancels as p_a -> 1, which the logits path avoids). The logit-gradient norm of a loss that
+    reaches the logits only through logp_a is |dLoss/dlogp_a| / T * d_t. [...] -> [...] float32."""
+    p = logprobs.detach().float().exp()
+    return torch.sqrt((1.0 - 2.0 * p + sum_p2.detach().float()).clamp(min=0.0))
 
 
 def logit_grad_norm(

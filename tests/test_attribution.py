@@ -247,6 +247,78 @@ def test_policy_update_records_the_attribution(tmp_path):
     torch.testing.assert_close(torch.tensor(got["entropy_effect"]), want, rtol=1e-5, atol=1e-9)
 
 
+def test_one_hot_distance_against_float64_including_p_near_one():
+    """logprobs_and_entropy(..., one_hot_distance=True): d = ||e_a - p||_2 from the sensitivity's split
+    sums, float64 reference; p_a up to 1 - 1e-6 (where sqrt(1 - 2p + sum p^2) in float32 cancels to
+    0 or noise), -inf logits, chunked, with and without grad."""
+    v, a, t = 50, 7, 0.8
+    rows = [_logits_with_pa(v, p_a, t, a, seed) for seed, p_a in
+            enumerate([1e-6, 0.05, 0.5, 0.99, 0.9999, 1 - 1e-6])]
+    z = torch.stack(rows)  # [6, V] float64
+    z[:, 3] = float("-inf")  # a banned token
+    p = torch.softmax(z / t, -1)
+    e_a = torch.zeros_like(p)
+    e_a[:, a] = 1.0
+    want = (e_a - p).norm(dim=-1)  # float64
+    tok = torch.full((6,), a)
+    for grad in (False, True):
+        zz = z.float().requires_grad_(grad)
+        lp, h, s, d = stats.logprobs_and_entropy(zz, tok, temperature=t, sensitivity=True, one_hot_distance=True,
+                                                 chunk_size=4)
+        torch.testing.assert_close(d.double(), want, rtol=2e-5, atol=0)
+        lp2, h2, s2 = stats.logprobs_and_entropy(zz, tok, temperature=t, sensitivity=True, chunk_size=4)
+        assert torch.equal(lp, lp2) and torch.equal(h, h2) and torch.equal(s, s2)  # the same pass, bit for bit
+    # hand-worked: z = (0, log 3), a = 1 -> p = (1/4, 3/4), e_a - p = (-1/4, 1/4), d = sqrt(2)/4
+    d = stats.logprobs_and_entropy(torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([1]), sensitivity=True,
+                                   one_hot_distance=True)[3]
+    assert abs(d.item() - math.sqrt(2) / 4) < 1e-7
+    with pytest.raises(ValueError, match="one_hot_distance"):
+        stats.logprobs_and_entropy(z.float(), tok, one_hot_distance=True)
+
+
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_policy_update_logit_grad_norm_is_the_gradients_norm(tmp_path, entropy_coef):
+    """policy_update's logits path: logit_grad_norm (the closed form |g|/T * d from the sensitivity pass,
+    or with an entropy bonus the backward hook) equals ||dLoss/dz_t|| from plain autograd, at GA scale,
+    a temperature, p_a near 1 and -inf logits."""
+    from entropylens import Recorder
+    from entropylens.integrations.torch import policy_update
+    from entropylens.losses import policy_loss
+    from entropylens.query import connect
+
+    g = torch.Generator().manual_seed(11)
+    b, t_len, v, temp = 4, 5, 30, 0.9
+    z = torch.randn(b, t_len, v, generator=g) * 2
+    tok = torch.randint(1, v, (b, t_len), generator=g)
+    z[0, 0, tok[0, 0]] += 25.0  # p_a ~ 1 - 1e-11: the naive 1 - 2p + sum p^2 cancels
+    z[:, :, 0] = float("-inf")  # a banned token
+    logits = z.clone().requires_grad_(True)
+    old_lp, old_h = stats.logprobs_and_entropy(z + 0.2 * torch.randn(b, t_len, v, generator=g), tok)
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    mask = torch.ones(b, t_len, dtype=torch.bool)
+    mask[3, 3:] = False
+    with Recorder(tmp_path, run="pu", config={"method": "ce_gppo"}) as rec:
+        out = policy_update(rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, temperature=temp,
+                            method="ce_gppo", beta1=0.5, beta2=1.0, scale=0.25, entropy_coef=entropy_coef,
+                            seq_ids=torch.arange(b))
+        assert rec.has_hook == bool(entropy_coef)  # the hook only where H's gradient reaches the logits
+        out.loss.backward()
+    got = torch.tensor(connect(tmp_path).execute(
+        "SELECT logit_grad_norm FROM tokens ORDER BY seq, pos").fetchnumpy()["logit_grad_norm"])
+    # float64 autograd of the same loss (float32 autograd itself cancels at p_a ~ 1: g (1 - p_a) from g - g p_a)
+    z64 = z.double().requires_grad_(True)
+    lp64 = torch.log_softmax(z64 / temp, -1)
+    h64 = -(lp64.exp() * lp64.clamp(min=-1e4)).sum(-1)
+    out64 = policy_loss(lp64.gather(-1, tok.unsqueeze(-1)).squeeze(-1), old_lp.double(), adv.double(), mask,
+                        entropy=h64 if entropy_coef else h64.detach(), old_entropy=old_h.double(), method="ce_gppo",
+                        beta1=0.5, beta2=1.0, scale=0.25, entropy_coef=entropy_coef)
+    out64.loss.backward()
+    want = z64.grad.norm(dim=-1)[mask]  # [n] row-major = (seq, pos) order
+    torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-12 if not entropy_coef else 1e-9)
+    # and the float32 autograd gradient away from p_a ~ 1
+    torch.testing.assert_close(got[1:], logits.grad.norm(dim=-1)[mask][1:], rtol=2e-5, atol=1e-9)
+
+
 def test_claims_8_and_9_rules_on_hand_made_runs():
     from entropylens.toy import claims
 

@@ -23,7 +23,7 @@ import torch
 
 from ..losses import PolicyLossOutput, policy_loss
 from ..recorder import Recorder
-from ..stats import head_stats, logprobs_and_entropy
+from ..stats import head_stats, logprobs_and_entropy, one_hot_distance_from_sum_p2
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -74,13 +74,14 @@ def policy_update(
     eps, beta1, beta2, erc, dual_clip, entropy_coef, agg, scale, ...) and the recorded update. Call
     ``out.loss.backward()`` afterwards.
 
-    From ``logits`` [B, T, V]: a hook on them gives the exact ||dLoss/dz_t|| during the backward.
-    From ``hidden`` [B, T, H] and ``head`` (``logits=None``): ``head_stats`` gives log-probs,
-    entropies and sum_j p_j^2 without logits, and ``logit_grad_norm`` is the exact closed form
-    |grad_coef| / T * sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus, whose gradient also
-    reaches the logits through H)."""
+    ``logit_grad_norm`` (||dLoss/dz_t||_2 of this loss) is the exact closed form |grad_coef| / T * d_t:
+    from ``logits`` [B, T, V], d_t = ||e_a - p_t|| comes from the sensitivity pass's own sums (no
+    cancellation as p_a -> 1, no pass over the gradient); with an entropy bonus, whose gradient also
+    reaches the logits through H, a hook on the logits measures it during the backward instead. From
+    ``hidden`` [B, T, H] and ``head`` (``logits=None``): ``head_stats`` gives log-probs, entropies and
+    sum_j p_j^2 without logits, d_t = sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus)."""
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
-    sum_p2, sens = None, [None]
+    sum_p2, sens, dist = None, [None], None
     if logits is None:
         if hidden is None or head is None:
             raise ValueError("policy_update needs logits, or hidden states and the head")
@@ -91,18 +92,22 @@ def policy_update(
         if not entropy_grad:
             entropy = entropy.detach()
     else:
-        if recorder is not None and logits.requires_grad:
+        training = logits.requires_grad and torch.is_grad_enabled()
+        if recorder is not None and training and entropy_grad:
             recorder.watch_logits(logits)
-        # recording: the entropy sensitivity s from the same chunked pass (entropy attribution)
+        # recording: the entropy sensitivity s (entropy attribution) and d_t from the same chunked pass
+        want_dist = recorder is not None and training and not entropy_grad
         logprobs, entropy, *sens = logprobs_and_entropy(logits, tokens, temperature=temperature,
                                                         chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                                        sensitivity=recorder is not None)
+                                                        sensitivity=recorder is not None, one_hot_distance=want_dist)
+        if want_dist:
+            dist = sens.pop()
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
     if sum_p2 is not None and not entropy_grad:
-        p = logprobs.detach().float().exp()
-        out.columns["logit_grad_norm"] = (out.columns["grad_coef"].abs() / temperature
-                                          * torch.sqrt((1.0 - 2.0 * p + sum_p2.float()).clamp(min=0.0)))
+        dist = one_hot_distance_from_sum_p2(logprobs, sum_p2)
+    if dist is not None:
+        out.columns["logit_grad_norm"] = out.columns["grad_coef"].abs() / temperature * dist
     if recorder is not None:
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,

@@ -3,8 +3,9 @@
 Per step: prompts x G samples at temperature T -> rewards -> group-normalised advantages ->
 one no-grad pass of the old policy (log-probs and full-vocabulary entropy) -> ``updates``
 mini-batch policy updates with ``policy_loss`` (any method, ERC, entropy bonus, dual-clip, a beta1
-schedule), each recorded with exact logit-gradient norms (watch_logits), the global grad norm
-before clipping and the lr; then the step's sequences and reward.
+schedule), each recorded with exact logit-gradient norms (policy_update: closed form from the
+sensitivity pass), the global grad norm before clipping and the lr; then the step's sequences and
+reward.
 """
 
 from __future__ import annotations
