@@ -2,7 +2,7 @@
 -- columns: run, method, status, steps, tokens, final_entropy, min_entropy, final_reward, clip_low_frac, clip_high_frac, erc_drop_frac, eps_low, eps_high, config
 -- figure: the report's summary table
 -- params: none
--- final_*: the last recorded step; clip fractions are token-weighted over the whole run (exact, from steps).
+-- steps: recorded steps (a run that logs only scalars counts its steps too); final_*: the last recorded step; clip fractions are token-weighted over the whole run (exact, from steps).
 -- final_reward: mean reward over the last step's sequences, all ranks (steps' reward_mean for runs without sequences).
 WITH per_step AS (
     SELECT
@@ -50,7 +50,7 @@ final_reward AS (
 agg AS (
     SELECT
         run,
-        CAST(count_if(tokens > 0) AS BIGINT) AS steps,
+        CAST(count(*) AS BIGINT) AS steps,  -- every recorded step, updates or only scalars (record_step)
         sum(tokens) AS tokens,
         arg_max(entropy, step) FILTER (WHERE entropy IS NOT NULL) AS final_entropy,
         min(entropy) AS min_entropy,

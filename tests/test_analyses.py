@@ -169,6 +169,19 @@ def test_run_summary(con):
     assert one(df, "method", run="b") == "ce_gppo"
 
 
+def test_run_summary_counts_scalar_only_steps(tmp_path):
+    """A run that logs only scalars (record_step, no updates) has steps: 3, not 0."""
+    from entropylens import Recorder
+    from entropylens.query import connect
+
+    with Recorder(tmp_path, run="s") as rec:
+        for step in range(3):
+            rec.record_step(step, lr=0.1, reward_mean=0.5 + step)
+    df = run_analysis(connect(tmp_path), "run_summary")
+    assert one(df, "steps", run="s") == 3 and one(df, "tokens", run="s") == 0
+    assert one(df, "final_reward", run="s") == pytest.approx(2.5)
+
+
 def test_errors(con, tmp_path):
     with pytest.raises(QueryError, match="unknown analysis 'nope'"):
         run_analysis(con, "nope")
