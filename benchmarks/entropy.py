@@ -165,13 +165,18 @@ def median_ms(fn, args, repeats) -> float:
 
 
 def paired(fn, repeats: int) -> tuple[float, float, float]:
-    """fn(False) and fn(True) timed in ``repeats`` alternating pairs after one warm-up each: (median ms
-    without, median ms with, median of the per-pair ratios with / without)."""
+    """fn(False) and fn(True) timed in ``repeats`` pairs after one warm-up each, the order swapped
+    every pair (ABBA: neither variant always runs second, on a machine whose speed drifts within
+    seconds): (median ms without, median ms with, median of the per-pair ratios with / without)."""
     fn(False), fn(True)  # warm-up
     t0, t1, ratios = [], [], []
-    for _ in range(repeats):
-        a_ms = median_ms(fn, (False,), 1)
-        b_ms = median_ms(fn, (True,), 1)
+    for i in range(repeats):
+        if i % 2 == 0:
+            a_ms = median_ms(fn, (False,), 1)
+            b_ms = median_ms(fn, (True,), 1)
+        else:
+            b_ms = median_ms(fn, (True,), 1)
+            a_ms = median_ms(fn, (False,), 1)
         t0.append(a_ms), t1.append(b_ms), ratios.append(b_ms / a_ms)
     return statistics.median(t0), statistics.median(t1), statistics.median(ratios)
 
