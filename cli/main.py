@@ -7,6 +7,7 @@ matplotlib) happen inside the commands, so `entropylens --help` is fast.
 
 from __future__ import annotations
 
+import os
 import sys
 import time as _time
 from enum import Enum
@@ -139,6 +140,26 @@ def _root() -> None:
 def _fail(msg: str) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code=2)
+
+
+def _check_out_dir(out: Path, option: str = "--out") -> None:
+    """A local output directory must be a directory, or creatable as one: one line otherwise."""
+    if "://" in str(out):
+        return
+    if out.exists() and not out.is_dir():
+        _fail(f"{option} {out} is a file; give a directory")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        _fail(f"{option} {out}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        _fail(f"{option} {out}: {parent} is not writable")
+
+
+def _os_error_line(e: OSError) -> str:
+    """'No such file or directory: /proc/demo' rather than '[Errno 2] ...'."""
+    return f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
 
 
 def _user_errors():
@@ -388,11 +409,14 @@ def report(
     from entropylens.report import write_report
 
     _connect(path, run)  # path errors first, as one line
+    _check_out_dir(out)
     try:
         with _FileWarnings():
             index = write_report(path, out, runs=run or None, engine=engine.value)
     except _user_errors() as e:
-        _fail(str(e))
+        _fail(_os_error_line(e) if isinstance(e, OSError) else str(e))
+    except OSError as e:  # e.g. an --out under /proc: the system's reason, one line
+        _fail(f"--out {out}: {_os_error_line(e)}")
     typer.echo(f"report: {index}")
 
 
@@ -475,7 +499,13 @@ def compact(
     """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
     from entropylens.compact import compact as run_compact
 
-    if grace > 0 and ("://" in str(path) or Path(path).exists()):  # new-user trial: the waits looked like a hang
+    from entropylens.query import find_runs
+
+    try:  # path errors first, as one line (before the banner); a listing, no reading
+        find_runs(path, runs=run or None)
+    except _user_errors() as e:
+        _fail(str(e))
+    if grace > 0:  # new-user trial: the waits looked like a hang
         typer.echo(f"compacting: each run waits --grace {grace:g} s after its commit before removing the originals "
                    "(queries already planned on them finish)", err=True)
     try:
@@ -517,6 +547,12 @@ def demo(
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if not names:
         _fail("--methods is empty")
+    _check_out_dir(out)
+    if not overwrite:  # a second `entropylens demo` is refused before seconds of imports and a fork server
+        taken = [f"{n}-s{k}" for n in names for k in range(max(1, seeds)) if (out / "runs" / f"{n}-s{k}").exists()]
+        if taken:
+            _fail(f"{out / 'runs'} already holds run(s) {', '.join(taken)}; use --overwrite to replace them "
+                  "or --out for a new directory")
     from entropylens.workers import start_fork_server
 
     start_fork_server(len(names) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
@@ -536,6 +572,8 @@ def demo(
                        overwrite=overwrite, probe_every=probe_every)
     except ValueError as e:
         _fail(str(e))
+    except OSError as e:  # the output directory (a full disk, a read-only or pseudo file system)
+        _fail(f"--out {out}: {_os_error_line(e)}")
     t0 = time.perf_counter()
     _emit(_summary(res.runs_dir, [r.run for r in res.runs], res.summary), Format.table, None)
     typer.echo(f"runs: {res.runs_dir}")

@@ -17,6 +17,7 @@ _LAZY = {
     "connect": ("entropylens.query", "connect"),
     "run_analysis": ("entropylens.query", "run_analysis"),
 }
+_SUBMODULES = ("report", "query", "stats", "losses", "recorder", "toy", "integrations")  # entropylens.report etc.
 
 
 def __getattr__(name: str):
@@ -25,4 +26,8 @@ def __getattr__(name: str):
 
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
+    if name in _SUBMODULES:  # `import entropylens; entropylens.report.write_report(...)` works as documented
+        import importlib
+
+        return importlib.import_module(f"entropylens.{name}")
     raise AttributeError(f"module 'entropylens' has no attribute {name!r}")

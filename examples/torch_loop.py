@@ -88,9 +88,10 @@ def train(a):
 
 
 if __name__ == "__main__":
+    from entropylens.recorder import RecorderError
     from entropylens.run_claim import RunExistsError
 
     try:
         main()
-    except RunExistsError as e:
+    except (RunExistsError, RecorderError) as e:  # a run of that id, an --out that is a file: one line
         raise SystemExit(f"error: {e}") from None

@@ -231,3 +231,37 @@ def test_demo_start_time_counts_from_the_cli_import_when_a_shell_execd_it_late(m
     assert cli_main._process_seconds() >= age  # the process's own age
     monkeypatch.setattr(cli_main, "_EXEC_GAP_S", 0.0)
     assert 0.5 <= cli_main._process_seconds() < 5.0  # since the import
+
+
+def test_out_that_is_a_file_or_cannot_be_made_is_one_line(runs, tmp_path):
+    """New-user trial: `report --out README.md` and `demo --out README.md` ended in tracebacks."""
+    afile = tmp_path / "notes.md"
+    afile.write_text("x")
+    assert err("report", runs, "--out", afile) == f"error: --out {afile} is a file; give a directory"
+    assert err("demo", "--out", afile, "--quick") == f"error: --out {afile} is a file; give a directory"
+    assert "is a file, not a directory" in err("report", runs, "--out", afile / "sub")
+    assert afile.read_text() == "x"  # nothing written
+
+
+def test_demo_refuses_existing_runs_before_starting(tmp_path):
+    """A second `entropylens demo` into the same --out is refused at once, naming the runs."""
+    (tmp_path / "runs" / "grpo-s0").mkdir(parents=True)
+    line = err("demo", "--out", tmp_path, "--methods", "grpo,dapo")
+    assert line == (f"error: {tmp_path / 'runs'} already holds run(s) grpo-s0; use --overwrite to replace them "
+                    "or --out for a new directory")
+
+
+def test_compact_checks_the_path_before_its_banner(tmp_path):
+    res = runner.invoke(app, ["compact", str(tmp_path)])
+    assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
+        f"error: no entropylens run under {tmp_path} (no run.json found)"]
+
+
+def test_submodules_reachable_from_the_package():
+    """README: `entropylens.report.write_report(path, out_dir)` after a plain `import entropylens`."""
+    import subprocess
+    import sys
+
+    code = "import entropylens; print(entropylens.report.write_report.__name__, entropylens.query.connect.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["write_report", "connect"]
