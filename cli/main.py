@@ -551,8 +551,9 @@ def demo(
     if not overwrite:  # a second `entropylens demo` is refused before seconds of imports and a fork server
         taken = [f"{n}-s{k}" for n in names for k in range(max(1, seeds)) if (out / "runs" / f"{n}-s{k}").exists()]
         if taken:
-            _fail(f"{out / 'runs'} already holds run(s) {', '.join(taken)}; use --overwrite to replace them "
-                  "or --out for a new directory")
+            from entropylens.run_claim import runs_exist_message
+
+            _fail(runs_exist_message(out / "runs", taken))
     from entropylens.workers import start_fork_server
 
     start_fork_server(len(names) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)

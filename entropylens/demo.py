@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .run_claim import RunExistsError
+from .run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 from .workers import available_cores, start_fork_server
 from .workers import one_thread_env as _one_thread_env
@@ -64,10 +64,7 @@ def _prepare_out(runs_dir: Path, report_dir: Path | None, ids: list[str], overwr
     """Refuse to mix a new run into an old one of the same id; with ``overwrite`` remove the old ones."""
     existing = [i for i in ids if (runs_dir / i).exists()]
     if existing and not overwrite:
-        raise RunExistsError(
-            f"{runs_dir} already holds run(s) {', '.join(existing)}; use --overwrite to replace them "
-            "or --out for a new directory"
-        )
+        raise RunExistsError(runs_exist_message(runs_dir, existing))
     for i in existing:
         shutil.rmtree(runs_dir / i)
     if overwrite and report_dir is not None and report_dir.exists():

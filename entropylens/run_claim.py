@@ -18,6 +18,13 @@ class RunExistsError(ValueError):
     """The run directory already holds a run of this id (pass overwrite=True / --overwrite)."""
 
 
+def runs_exist_message(runs_dir, existing: "list[str]") -> str:
+    """The demo's refusal to mix new runs into old ones of the same ids (the CLI's early check and
+    :func:`entropylens.demo.run_demo` say it alike)."""
+    return (f"{runs_dir} already holds run(s) {', '.join(existing)}; use --overwrite to replace them "
+            "or --out for a new directory")
+
+
 def _owner(rel: str) -> int | None:
     """The rank a file belongs to (None: run-level, e.g. run.json, compacted/...)."""
     for part in rel.split("/"):

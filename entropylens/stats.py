@@ -321,6 +321,16 @@ def one_hot_distance_from_sum_p2(logprobs: torch.Tensor, sum_p2: torch.Tensor) -
     return torch.sqrt((1.0 - 2.0 * p + sum_p2.detach().float()).clamp(min=0.0))
 
 
+def logit_grad_norm_from_sum_p2(grad_coef: torch.Tensor, logprobs: torch.Tensor, sum_p2: torch.Tensor,
+                                temperature: "float | torch.Tensor" = 1.0) -> torch.Tensor:
+    """||dLoss/dz_t||_2 = |g_t| / T * d_t (:func:`one_hot_distance_from_sum_p2`) for a loss that reaches
+    the logits only through logp_a (g_t = dLoss/dlogp_a, the grad_coef column): TRL's fused head and
+    verl's engines give sum_j p_j^2, no logits. [B, T] -> [B, T] float32; ``temperature`` a float or
+    one per row ([B])."""
+    t = temperature if not isinstance(temperature, torch.Tensor) else temperature.float().reshape(-1, 1)
+    return grad_coef.detach().float().abs() / t * one_hot_distance_from_sum_p2(logprobs, sum_p2)
+
+
 def logit_grad_norm(
     logits: torch.Tensor,
     tokens: torch.Tensor,

@@ -23,7 +23,7 @@ import torch
 
 from ..losses import PolicyLossOutput, policy_loss
 from ..recorder import Recorder
-from ..stats import head_stats, logprobs_and_entropy, one_hot_distance_from_sum_p2
+from ..stats import head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -105,7 +105,8 @@ def policy_update(
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
     if sum_p2 is not None and not entropy_grad:
-        dist = one_hot_distance_from_sum_p2(logprobs, sum_p2)
+        out.columns["logit_grad_norm"] = logit_grad_norm_from_sum_p2(out.columns["grad_coef"], logprobs, sum_p2,
+                                                                     temperature)
     if dist is not None:
         out.columns["logit_grad_norm"] = out.columns["grad_coef"].abs() / temperature * dist
     if recorder is not None:

@@ -53,7 +53,7 @@ import torch
 from ..losses import METHODS, policy_loss
 from ._version import require_tested
 from ..recorder import Recorder
-from ..stats import clip_region, clipped_mask, head_stats, one_hot_distance_from_sum_p2
+from ..stats import clip_region, clipped_mask, head_stats, logit_grad_norm_from_sum_p2
 
 TRL_TESTED = ("1.16",)  # major.minor releases whose private GRPOTrainer methods this was tested against
 LOG_KEYS = ("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "erc_drop_frac", "kl_k3",
@@ -140,11 +140,7 @@ def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high
     return {"clip": region, "clipped": clipped & m}
 
 
-def closed_form_logit_grad_norm(grad_logp: torch.Tensor, logprobs: torch.Tensor, sum_p_squared: torch.Tensor,
-                                temperature: float) -> torch.Tensor:
-    """||dL/dz_t||_2 = |g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2) for a loss that reaches the logits only
-    through logp_t (g_t = dL/dlogp_t; p_t = exp(logp_t) under the current policy). [B, T] float32."""
-    return grad_logp.detach().float().abs() / temperature * one_hot_distance_from_sum_p2(logprobs, sum_p_squared)
+closed_form_logit_grad_norm = logit_grad_norm_from_sum_p2  # the name this module exported before
 
 
 class _LossColumns:

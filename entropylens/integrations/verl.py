@@ -53,7 +53,7 @@ import torch
 
 from ..losses import policy_loss
 from ._version import require_tested
-from ..stats import one_hot_distance_from_sum_p2
+from ..stats import logit_grad_norm_from_sum_p2
 
 VERL_TESTED = ("0.9",)  # major.minor releases whose loss / trainer / engine interfaces this was tested with
 METHODS = ("gppo", "ce_gppo")  # registered under their own names
@@ -286,14 +286,6 @@ def dp_rank(dp_group) -> tuple[int, int, bool]:
     ranks = dist.get_process_group_ranks(dp_group)
     return dist.get_rank(dp_group), len(ranks), 0 in ranks
 
-
-def logit_grad_norm_from_sum_p2(grad_coef: torch.Tensor, logprob: torch.Tensor, sum_p2: torch.Tensor,
-                                temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """||dLoss/dz_t||_2 = |g| / T * sqrt(1 - 2 pi_a + sum_j pi_j^2) for a loss that reaches the logits only
-    through logp_a = log softmax(z/T)_a (g = dLoss/dlogp_a, the grad_coef column). [B, T] -> [B, T] float32.
-    (1 - 2 pi_a + sum pi^2 = (1 - pi_a)^2 + sum_{j != a} pi_j^2 >= 0; clamped at 0 against rounding.)"""
-    t = temperature if not isinstance(temperature, torch.Tensor) else temperature.float().reshape(-1, 1)
-    return grad_coef.abs().float() / t * one_hot_distance_from_sum_p2(logprob, sum_p2)
 
 
 def _padded(tensor, data, width: int):
