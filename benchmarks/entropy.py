@@ -14,7 +14,10 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
    recorder's whole training pass with attribution (s_t, and the logit-gradient norm from the same
    sums) against the pass before attribution (a hook reading the gradient's row norms); 5b. the same
    in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
-Last lines: sensitivity_ratio=<time ratio with / without at the first shape> and
+6. far tails: the pass on logits whose shifted values reach below -87.3 (1% -inf entries; sd 8 at
+   T = 0.6) against the same pass on logits without such a tail, and a bare torch.exp of the
+   unfloored values (the slow path every vocabulary-wide exp's floor avoids).
+Last lines: tail_ratio=<the largest pass ratio of section 6>, sensitivity_ratio=<time ratio with / without at the first shape> and
 ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memory>
 """
 
@@ -257,6 +260,59 @@ def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:
     return first
 
 
+def tails_section(n: int, v: int, repeats: int) -> float:
+    """Section 6: logits whose shifted values reach below -87.3, where exp's float32 result is no longer
+    a normal number: -inf entries (banned tokens, 1% of the vocabulary, scattered) and the far tail of a
+    wide distribution (sd 8) at temperature 0.6. torch's CPU exp leaves its vector path there (5-25x
+    slower per such element); entropylens floors every vocabulary-wide exp argument at -87 (stats
+    module docstring). Each row: the pass on the tail logits against the same pass on logits without
+    a tail (randn * 3, same shape and temperature); medians of per-pair ratios. The last row times a
+    bare torch.exp of the unfloored shifted logits the same way: what the floor avoids. Returns the
+    largest pass ratio."""
+    print(f"\n6. far tails at {[n, v]} fp32: the pass on logits with a tail / the same pass without one, "
+          f"medians over {repeats} alternating pairs")
+    print(f"{'logits':>30} {'pass':>12} {'no tail ms':>11} {'tail ms':>8} {'ratio':>6}")
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(n, v, generator=g) * 3
+    tokens = torch.randint(0, v, (n,), generator=g)
+    banned = plain.clone()
+    banned[:, torch.randperm(v, generator=g)[: v // 100]] = float("-inf")
+    wide = torch.randn(n, v, generator=g) * 8
+    worst = 0.0
+    for label, tail, t in (("1% -inf (banned), T=1", banned, 1.0), ("sd 8, T=0.6", wide, 0.6)):
+        shifted = tail / t
+        shifted -= shifted.amax(-1, keepdim=True)
+        frac = float((shifted < -87.3).float().mean())
+        pick = {False: plain, True: tail}
+        grad_z = {k: z.clone().requires_grad_(True) for k, z in pick.items()}
+
+        def nograd(k):
+            with torch.no_grad():
+                logprobs_and_entropy(pick[k], tokens, temperature=t)
+
+        def train(k):
+            lp, h = logprobs_and_entropy(grad_z[k], tokens, temperature=t, entropy_grad=True)
+            (lp.sum() + h.sum()).backward()
+            grad_z[k].grad = None
+
+        base_shifted = plain / t
+        base_shifted -= base_shifted.amax(-1, keepdim=True)
+        rows = 3 * 2**20 // (4 * v) or 1  # one chunk's rows, as the pass takes them
+        raw = {False: base_shifted[:rows].contiguous(), True: shifted[:rows].contiguous()}
+
+        def bare_exp(k):
+            for _ in range(8):
+                torch.exp(raw[k])
+
+        for name, fn in (("no grad", nograd), ("fwd + bwd", train), ("bare exp", bare_exp)):
+            without, with_, r = paired(fn, repeats)
+            print(f"{label + f' ({frac:.1%} < -87.3)':>30} {name:>12} {without:11.1f} {with_:8.1f} {r:6.2f}")
+            if name != "bare exp":
+                worst = max(worst, r)
+        del grad_z, shifted, base_shifted
+    return worst
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
@@ -264,6 +320,7 @@ def main() -> None:
     ap.add_argument("--child", nargs=5)
     ap.add_argument("--sensitivity-only", action="store_true", help="section 5 only (the attribution's cost)")
     ap.add_argument("--head-hidden", type=int, default=896, help="hidden size for section 5b (896: Qwen2.5-0.5B)")
+    ap.add_argument("--tails-only", action="store_true", help="section 6 only (logits with a far tail)")
     a = ap.parse_args()
     if a.child:
         kind, n, v, dtype, grad = a.child
@@ -271,6 +328,11 @@ def main() -> None:
         return
 
     shapes = [(512, 4096), (128, 16384)] if a.quick else [(8192, 32000), (2048, 151936)]
+    tail_shape = (shapes[1][0] // 4, shapes[1][1])
+    if a.tails_only:
+        print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+        print(f"tail_ratio={tails_section(*tail_shape, a.repeats):.3f}")
+        return
     if a.sensitivity_only:
         print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
         ratio = sensitivity_section(shapes, a.repeats)
@@ -331,6 +393,8 @@ def main() -> None:
 
     sens_ratio = sensitivity_section(shapes, a.repeats)
     head = head_sensitivity_section([(n // 8, v) for n, v in shapes], a.head_hidden, a.repeats)
+    tail = tails_section(*tail_shape, a.repeats)
+    print(f"tail_ratio={tail:.3f}")
     print(f"head_sensitivity_ratio={head:.3f}")
     print(f"sensitivity_ratio={sens_ratio:.3f}")
     print(f"ratio_vs_trl={headline[0]:.3f} extra_gb={headline[1]:.3f}")

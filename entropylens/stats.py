@@ -6,9 +6,16 @@ lse = logsumexp(u); p = softmax(u); logp_a = u_a - lse; H = lse - sum_j p_j u_j.
 Every reduction over the vocabulary runs over chunks of positions, so the extra memory is
 O(chunk x V) float32, never a second [N, V] tensor.
 
--inf logits (vocabulary padding, banned tokens) are exact zeros of p: the shifted logits are
-clamped to the lowest finite float32 so that 0 * log 0 terms are 0, never 0 * -inf = NaN.
-(A row whose logits are all -inf has no distribution and stays NaN.)
+Every exp over the vocabulary takes a floored argument (``_exp_floor``: -87 in float32, just above
+log of the smallest normal float, -708 in float64). Below it torch's CPU exp leaves its vector path
+(measured 5-25x slower per element whose result underflows, benchmarks/entropy.py section 6), and
+such elements are common: -inf logits (vocabulary padding, banned tokens) and the far tail of a
+wide distribution at a low temperature. The floored terms are at most exp(-87) = 1.6e-38 each, so
+over V <= 10^6 tokens they move S = sum_j exp(u_j) >= 1 (the max term is 1) and its companions by
+< 1e-31 relative: far below float32 resolution. The sampled token's log-probability is gathered
+before the floor, so it stays exact (-inf logits: the lowest finite float32). -inf logits are then
+finite, so 0 * -inf = NaN never arises. (A row whose logits are all -inf has no distribution and
+stays NaN.)
 """
 
 from __future__ import annotations
@@ -52,9 +59,16 @@ def _check_logits_tokens(logits: torch.Tensor, tokens: torch.Tensor | None, temp
 
 
 _F32_LOWEST = torch.finfo(torch.float32).min
-# Backward floor for log p: exp(x) is exactly 0 in float32 below about -104, so flooring at -1e4
-# changes nothing for finite logits and keeps (log p + H) * g finite where log p = -inf.
-_LOGP_FLOOR = -1e4
+
+
+def _exp_floor(dtype: torch.dtype) -> float:
+    """The floor of every exp argument over the vocabulary (module docstring): exp of it is still a
+    normal float (float32: exp(-87) = 1.6e-38 > 1.18e-38, the smallest normal), which torch's CPU exp
+    computes on its fast path; float64's fast range reaches -708."""
+    return -708.0 if dtype == torch.float64 else -87.0
+
+
+_EXP_FLOOR = _exp_floor(torch.float32)
 
 
 class _ChunkBuffers:
@@ -66,17 +80,21 @@ class _ChunkBuffers:
         self.e = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.t = torch.empty(rows, vocab, dtype=torch.float32, device=device) if products else None
 
-    def load(self, z: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """u <- z/T - max(z/T), -inf clamped to the lowest finite float32 (exp gives exactly 0 and
-        0 * u stays 0); returns (u [n,V], max [n]) as views into the buffer."""
+    def load(self, z: torch.Tensor, temperature: float, tok: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """u <- max(z/T - max(z/T), floor) (``_EXP_FLOOR``: exp stays on its fast path; -inf -> floor);
+        returns (u [n,V], max [n], u_a [n] or None) with u views into the buffer and u_a the sampled
+        token's shifted logit taken before the floor (-inf -> the lowest finite float32)."""
         n = z.shape[0]
         u = self.u[:n]
         u.copy_(z)
         if temperature != 1.0:
             u.div_(temperature)
         m = u.amax(dim=-1)  # [n]
-        u.sub_(m.unsqueeze(-1)).clamp_(min=_F32_LOWEST)  # -inf - m -> lowest finite
-        return u, m
+        u.sub_(m.unsqueeze(-1))
+        u_a = None if tok is None else u.gather(1, tok.unsqueeze(1)).squeeze(1).clamp_(min=_F32_LOWEST)  # [n]
+        u.clamp_(min=_EXP_FLOOR)
+        return u, m, u_a
 
 
 def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
@@ -95,11 +113,11 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     buf = _ChunkBuffers(min(rows, n), v, dev, products=sens_out is not None)
     for s in range(0, n, rows):
         e_ = min(s + rows, n)
-        u, m = buf.load(flat[s:e_], temperature)  # u = z/T - m, [c, V]
+        u, m, u_a = buf.load(flat[s:e_], temperature, None if flat_tok is None else flat_tok[s:e_])  # u: [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
         if sens_out is not None:
             logp[s:e_], ent[s:e_], lse[s:e_], sens_out[s:e_], dist = _chunk_with_sensitivity(
-                u, ex, m, flat_tok[s:e_], buf.t[: e_ - s], dist_out is not None)
+                u, ex, m, flat_tok[s:e_], u_a, buf.t[: e_ - s], dist_out is not None)
             if dist_out is not None:
                 dist_out[s:e_] = dist
             continue
@@ -107,7 +125,6 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
         log_s = sumexp.log()  # [c]
         lse[s:e_] = m + log_s
         if flat_tok is not None:
-            u_a = u.gather(1, flat_tok[s:e_].unsqueeze(1)).squeeze(1)  # [c]
             logp[s:e_] = u_a - log_s
         if want_entropy:
             # H = log S - sum_j e_j u_j / S   (u shifted: the max cancels)
@@ -116,10 +133,11 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     return logp, ent, lse
 
 
-def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor, t: torch.Tensor,
-                            want_dist: bool = False):
-    """(logp_a, H, lse, s, dist) of one chunk. u [c,V] shifted logits, ex = exp(u) [c,V] (overwritten),
-    m [c] the shift, tok [c], t [c,V] scratch. dist [c] (None unless ``want_dist``) is the
+def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor,
+                            u_a_exact: torch.Tensor, t: torch.Tensor, want_dist: bool = False):
+    """(logp_a, H, lse, s, dist) of one chunk. u [c,V] shifted, floored logits, ex = exp(u) [c,V]
+    (overwritten), m [c] the shift, tok [c], u_a_exact [c] the sampled token's shifted logit before
+    the floor (log p_a from it), t [c,V] scratch. dist [c] (None unless ``want_dist``) is the
     one-hot distance ||e_a - p||_2 = sqrt(S_rest^2 + Q_rest) / S from the same sums: with
     (1 - p_a) = S_rest / S and sum_{j != a} p_j^2 = Q_rest / S^2 nothing cancels as p_a -> 1.
 
@@ -142,7 +160,7 @@ def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, 
     # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest), in 7 ops on [c] (per-op cost rules at small c)
     sens = torch.addcmul(torch.addcmul(r_rest.neg_(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
     dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
-    return u_a - log_s, log_s - mu, m + log_s, sens, dist
+    return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist
 
 
 class _LogprobEntropy(torch.autograd.Function):
@@ -184,7 +202,7 @@ class _LogprobEntropy(torch.autograd.Function):
                 lp.copy_(flat[s:e_])
                 if t != 1.0:
                     lp.div_(t)
-                lp.sub_(lse[s:e_].unsqueeze(1)).clamp_(min=_LOGP_FLOOR)  # log p_j, [c, V]; -inf -> floor
+                lp.sub_(lse[s:e_].unsqueeze(1)).clamp_(min=_EXP_FLOOR)  # log p_j, [c, V], floored (-inf too)
                 if g_ent is not None:
                     # -p (log p + H) g_H - p g_logp
                     gl = g_logp[s:e_] if g_logp is not None else torch.zeros(c, device=flat.device)
@@ -360,9 +378,8 @@ def logit_grad_norm(
             buf = _ChunkBuffers(min(rows, n), v, flat.device)
             for s in range(0, n, rows):
                 e_ = min(s + rows, n)
-                u, _ = buf.load(flat[s:e_], temperature)  # [c, V], max-shifted
+                u, _, u_a = buf.load(flat[s:e_], temperature, tok[s:e_])  # [c, V] max-shifted, floored; [c]
                 idx = tok[s:e_].unsqueeze(1)
-                u_a = u.gather(1, idx).squeeze(1)  # [c]
                 lse = torch.logsumexp(u, dim=-1)  # [c]
                 u.scatter_(1, idx, float("-inf"))  # drop the sampled token
                 lse_rest = torch.logsumexp(u, dim=-1)  # lse_{j != a}(u)
@@ -414,7 +431,6 @@ def kl_k3(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
 
 _HEAD_CHUNK_BYTES_CPU = 32 * 2**20  # one float32 [rows, V] tile (a matmul wants more rows than _forward)
 _HEAD_CHUNK_BYTES_DEVICE = 256 * 2**20
-_HEAD_LOGP_FLOOR = -1e4  # log p below this has p == 0 in float32: -inf logits (a -inf bias) stay finite
 
 
 def _head_rows(n: int, vocab: int, chunk_size: int | None, device: torch.device) -> int:
@@ -451,7 +467,7 @@ def _tile_sensitivity_(logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tenso
     one_minus = rest.sum(dim=-1)  # 1 - p_a
     sq_rest = rest.square_()  # p_j^2, j != a
     sq = sq_rest.sum(dim=-1) + p_a.square()  # sum_j p_j^2
-    terms = logp_all.clamp_(min=_HEAD_LOGP_FLOOR).add_(h.unsqueeze(1)).mul_(sq_rest)  # p_j^2 (log p_j + H)
+    terms = logp_all.add_(h.unsqueeze(1)).mul_(sq_rest)  # p_j^2 (log p_j + H); log p floored (finite)
     return p_a * one_minus * (lp_a + h) - terms.sum(dim=-1), sq
 
 
@@ -477,11 +493,17 @@ class _HeadStats(torch.autograd.Function):
         for s in range(0, n, rows):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, temperature, dtype)  # [c, V]
-            lse_c = torch.logsumexp(u, dim=-1)  # [c]
-            u.sub_(lse_c.unsqueeze(1))  # log p, [c, V]
-            logp[s:e] = u.gather(1, tokens[s:e].unsqueeze(1)).squeeze(1)
-            p = u.exp()  # [c, V]
-            ent[s:e] = -(p * u.clamp(min=_HEAD_LOGP_FLOOR)).sum(dim=-1)  # H = -sum p log p (0 log 0 = 0)
+            m = u.amax(dim=-1, keepdim=True)  # [c, 1]
+            u_a = u.gather(1, tokens[s:e].unsqueeze(1)).sub_(m).squeeze(1)  # [c], before the floor
+            u.sub_(m).clamp_(min=_exp_floor(dtype))  # shifted, floored (module docstring), [c, V]
+            p = u.exp()  # [c, V], unnormalised
+            sum_e = p.sum(dim=-1, keepdim=True)  # [c, 1]
+            log_s = sum_e.log()
+            p.div_(sum_e)  # p
+            u.sub_(log_s)  # log p (floored: -inf logits finite, 0 log 0 terms ~0)
+            logp[s:e] = u_a - log_s.squeeze(1)
+            lse_c = (m + log_s).squeeze(1)  # [c]
+            ent[s:e] = -(p * u).sum(dim=-1)  # H = -sum p log p
             if sens_out is not None:  # the entropy sensitivity s (entropy attribution), from the same tile
                 sens_out[s:e], sq[s:e] = _tile_sensitivity_(u, p, tokens[s:e], ent[s:e])  # u, p: last use
             else:
@@ -508,7 +530,7 @@ class _HeadStats(torch.autograd.Function):
         for s in range(0, n, rows):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, t, dtype)  # [c, V]
-            u.sub_(lse[s:e].unsqueeze(1)).clamp_(min=_HEAD_LOGP_FLOOR)  # log p (exp of the floor is 0)
+            u.sub_(lse[s:e].unsqueeze(1)).clamp_(min=_exp_floor(dtype))  # log p, floored (module docstring)
             if g_ent is not None:
                 coef = (u + ent[s:e].unsqueeze(1)).mul_(g_ent[s:e].to(dtype).unsqueeze(1))  # g_H (log p + H)
                 if g_logp is not None:

@@ -141,7 +141,10 @@ def test_neg_inf_logits_backward_against_finite_part(g_ent):
     assert torch.isfinite(x.grad).all()
     torch.testing.assert_close(x.grad[:, keep], xr.grad, rtol=1e-5, atol=1e-7)
     banned = [j for j in range(z.shape[1]) if j not in keep]
-    assert (x.grad[:, banned] == 0).all()
+    # p_j = 0 there; the exp floor (stats module docstring) stands in exp(-87) = 1.6e-38 for it, so the
+    # banned entries are -p_j (w + g_ent (log p_j + H)) with log p_j ~ -87 - log S: at most
+    # 1.6e-38 * (2 + 2.5 * 100) ~ 4e-36 here, zero for every float32 purpose
+    assert x.grad[:, banned].abs().max() < 1e-35
 
 
 # ------------------------------------------------------------------ token columns and the budget
@@ -388,3 +391,103 @@ def test_policy_update_from_hidden_states_records_the_attribution(tmp_path):
     want = (out.columns["grad_coef"] * s).reshape(-1).sort().values
     got = connect(tmp_path).execute("SELECT entropy_effect FROM tokens ORDER BY entropy_effect").fetchnumpy()
     torch.testing.assert_close(torch.tensor(got["entropy_effect"]), want, rtol=1e-4, atol=1e-8)
+
+
+# ------------------------------------------------------------------ far tails: the exp floor
+class _ExpArgs(torch.overrides.TorchFunctionMode):
+    """Records the smallest argument of every exp over a [*, V] tensor (the vocabulary-wide ones)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.mins = vocab, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.exp, torch.Tensor.exp, torch.Tensor.exp_) and args[0].dim() >= 2 \
+                and args[0].shape[-1] == self.vocab:
+            self.mins.append(float(args[0].min()))
+        return func(*args, **(kwargs or {}))
+
+
+def _far_tail_logits(temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 logits [4, 60] whose tempered shifted values reach far below -87 (finite: -100 .. -1e4,
+    and -inf); row 0 samples a token at z = -150 (log p ~ -150 / T, exact), row 1 a -inf-free normal one."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 60, generator=g, dtype=torch.float64) * 2
+    z[:, 40:45] = torch.tensor([-100.0, -300.0, -1e4, -95.0, -88.0], dtype=torch.float64)
+    z[1:, 50:53] = float("-inf")
+    z[3, :30] = -200.0  # a row whose tail is half the vocabulary
+    z[0, 41] = -150.0
+    tok = torch.tensor([41, 3, 7, 55])
+    return z, tok
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_far_tail_logits_against_float64(temperature):
+    """Logits far below the max (a wide distribution at a low temperature, -inf padding): every
+    vocabulary-wide exp takes a floored argument (torch's CPU exp is 5-25x slower below -87.3), and the
+    values still equal float64 autograd's: log p of a token in the tail exactly, H, s, d_t, sum p^2, and
+    the gradient (its floored entries are below 1e-35 where the true one is ~0)."""
+    z, tok = _far_tail_logits(temperature)
+    keep = ~torch.isinf(z)
+    zf = z.float()
+    x = zf.clone().requires_grad_(True)
+    with _ExpArgs(z.shape[-1]) as spy:
+        lp, h, s, d = stats.logprobs_and_entropy(x, tok, temperature=temperature, entropy_grad=True,
+                                                 sensitivity=True, one_hot_distance=True, chunk_size=3)
+        (lp * torch.tensor([0.5, -1.0, 2.0, 0.25])).sum().add(h.sum() * 0.7).backward()
+    assert spy.mins and min(spy.mins) >= -87.0  # forward, sensitivity and backward
+    # float64 reference on the float32 logits
+    zd = zf.double().requires_grad_(True)
+    la = torch.log_softmax(zd / temperature, -1)
+    p = la.exp()
+    ref_lp = la.gather(1, tok.unsqueeze(1)).squeeze(1)
+    ref_h = -(p * torch.where(p > 0, la, torch.zeros_like(la))).sum(-1)
+    (ref_lp * torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64)).sum().add(ref_h.sum() * 0.7).backward()
+    assert lp[0].item() == pytest.approx(ref_lp[0].item(), rel=1e-6)  # log p ~ -150 / T: the tail token
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(h.double(), ref_h.detach(), rtol=0, atol=1e-5)
+    for i in range(4):
+        ref_s = _autograd_dh_deta(zf[i].double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0,
+                                  temperature) * temperature**2  # -1e30: p = 0, log p finite
+        assert s[i].item() == pytest.approx(ref_s, rel=1e-4, abs=1e-8)
+    e_a = torch.nn.functional.one_hot(tok, z.shape[-1]).double()
+    ref_d = (e_a - p.detach()).norm(dim=-1)
+    torch.testing.assert_close(d.double(), ref_d, rtol=1e-5, atol=0)
+    torch.testing.assert_close(x.grad[keep].double(), zd.grad[keep], rtol=1e-5, atol=1e-7)
+    assert x.grad[~keep].abs().max() < 1e-35
+    torch.testing.assert_close(stats.sum_p_squared(zf, temperature=temperature).double(),
+                               (p.detach() ** 2).sum(-1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0])
+def test_far_tail_head_stats_against_float64(temperature):
+    """head_stats on the same tails through the bias (a -inf bias bans a token; a sampled banned token
+    gives log p = -inf and a finite s, which was NaN before the floor), floored exps, float64 values."""
+    z, tok = _far_tail_logits(temperature)
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 8, generator=g)
+    weight = torch.randn(60, 8, generator=g) * 0.1
+    bias = z[2].float()  # the far tail and three -inf entries, as the head's bias
+    tok = torch.tensor([41, 3, 51, 55])  # row 2 samples a banned token
+    hh = hidden.clone().requires_grad_(True)
+    with _ExpArgs(60) as spy:
+        lp, h, sq, s = stats.head_stats(hh, weight, tok, bias=bias, temperature=temperature, sensitivity=True)
+        (lp[[0, 1, 3]].sum() + h.sum()).backward()
+    assert spy.mins and min(spy.mins) >= -87.0
+    logits = (hidden @ weight.T + bias).double()
+    hd = hidden.double().requires_grad_(True)
+    la = torch.log_softmax((hd @ weight.double().T + bias.double()) / temperature, -1)
+    p = la.exp()
+    ref_lp = la.gather(1, tok.unsqueeze(1)).squeeze(1)
+    ref_h = -(p * torch.where(p > 0, la, torch.zeros_like(la))).sum(-1)
+    (ref_lp[[0, 1, 3]].sum() + ref_h.sum()).backward()
+    assert lp[2].item() == float("-inf")
+    torch.testing.assert_close(lp[[0, 1, 3]].double(), ref_lp[[0, 1, 3]].detach(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(h.double(), ref_h.detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sq.double(), (p.detach() ** 2).sum(-1), rtol=1e-5, atol=0)
+    assert torch.isfinite(s).all()
+    for i in range(4):
+        ref_s = _autograd_dh_deta(logits[i].float().double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0,
+                                  temperature) * temperature**2
+        assert s[i].item() == pytest.approx(ref_s, rel=1e-4, abs=1e-8)
+    torch.testing.assert_close(hh.grad.double(), hd.grad, rtol=1e-5, atol=1e-7)
