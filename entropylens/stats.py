@@ -80,19 +80,25 @@ class _ChunkBuffers:
         self.e = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.t = torch.empty(rows, vocab, dtype=torch.float32, device=device) if products else None
 
-    def load(self, z: torch.Tensor, temperature: float, tok: torch.Tensor | None
+    def load(self, z: torch.Tensor, temperature: float, tok: torch.Tensor | None,
+             m_out: torch.Tensor | None = None, u_a_out: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """u <- max(z/T - max(z/T), floor) (``_EXP_FLOOR``: exp stays on its fast path; -inf -> floor);
-        returns (u [n,V], max [n], u_a [n] or None) with u views into the buffer and u_a the sampled
-        token's shifted logit taken before the floor (-inf -> the lowest finite float32)."""
+        returns (u [n,V], max [n], u_a [n] or None) with u a view into the buffer and u_a the sampled
+        token's shifted logit taken before the floor (-inf stays -inf here). ``m_out`` / ``u_a_out``
+        ([n] views of the caller's per-row buffers) receive max and u_a directly."""
         n = z.shape[0]
         u = self.u[:n]
         u.copy_(z)
         if temperature != 1.0:
             u.div_(temperature)
-        m = u.amax(dim=-1)  # [n]
+        m = torch.amax(u, dim=-1, out=m_out) if m_out is not None else u.amax(dim=-1)  # [n]
         u.sub_(m.unsqueeze(-1))
-        u_a = None if tok is None else u.gather(1, tok.unsqueeze(1)).squeeze(1).clamp_(min=_F32_LOWEST)  # [n]
+        u_a = None
+        if tok is not None:
+            idx = tok.unsqueeze(1)
+            u_a = (torch.gather(u, 1, idx, out=u_a_out.unsqueeze(1)) if u_a_out is not None
+                   else u.gather(1, idx)).squeeze(1)  # [n]
         u.clamp_(min=_EXP_FLOOR)
         return u, m, u_a
 
@@ -102,63 +108,84 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
     sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
-    ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_chunk_with_sensitivity`)."""
+    ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_sensitivity_from_sums`).
+
+    Each chunk only writes its rows' sums over the vocabulary (reductions straight into [N] buffers);
+    the arithmetic on those sums (logs, quotients, s) runs once over all N rows after the loop: the
+    same ops on the same values, without ~25 small per-chunk ops (a chunk has ~3 rows at V = 151936)."""
     n, v = flat.shape
     dev = flat.device
+    want_sens = sens_out is not None
+    want_dot = want_entropy or want_sens
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     logp = torch.empty(n, dtype=torch.float32, device=dev) if flat_tok is not None else None
-    ent = torch.empty(n, dtype=torch.float32, device=dev) if want_entropy or sens_out is not None else None
+    ent = torch.empty(n, dtype=torch.float32, device=dev) if want_dot else None
     if n == 0:
         return logp, ent, lse
-    buf = _ChunkBuffers(min(rows, n), v, dev, products=sens_out is not None)
+    # per-row sums: m the shift, u_a the sampled token's shifted logit (before the floor), S = sum_j e_j
+    # (with the sensitivity: S_rest, j != a), dot = sum_j e_j u_j (dot_rest); the sensitivity's e_a, the
+    # floored u_a, R_rest = sum_{j != a} e_j^2 u_j and Q_rest = sum_{j != a} e_j^2
+    sums = torch.empty(8 if want_sens else 4, n, dtype=torch.float32, device=dev)
+    m_all, ua_all, s_all, dot_all = sums[0], sums[1], sums[2], sums[3]
+    buf = _ChunkBuffers(min(rows, n), v, dev, products=want_sens)
     for s in range(0, n, rows):
         e_ = min(s + rows, n)
-        u, m, u_a = buf.load(flat[s:e_], temperature, None if flat_tok is None else flat_tok[s:e_])  # u: [c, V]
+        tok = None if flat_tok is None else flat_tok[s:e_]
+        u, _, _ = buf.load(flat[s:e_], temperature, tok, m_all[s:e_], ua_all[s:e_])  # u: [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
-        if sens_out is not None:
-            logp[s:e_], ent[s:e_], lse[s:e_], sens_out[s:e_], dist = _chunk_with_sensitivity(
-                u, ex, m, flat_tok[s:e_], u_a, buf.t[: e_ - s], dist_out is not None)
-            if dist_out is not None:
-                dist_out[s:e_] = dist
+        if want_sens:
+            idx = tok.unsqueeze(1)  # [c, 1]
+            torch.gather(u, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # u_a, floored
+            torch.gather(ex, 1, idx, out=sums[5, s:e_].unsqueeze(1))  # e_a
+            ex.scatter_(1, idx, 0.0)  # e_j for j != a
+            torch.sum(ex, dim=-1, out=s_all[s:e_])  # S_rest
+            prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
+            torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
+            torch.sum(prod.mul_(ex), dim=-1, out=sums[6, s:e_])  # R_rest   (reduction 1)
+            torch.sum(ex.mul_(ex), dim=-1, out=sums[7, s:e_])  # Q_rest   (reduction 2)
             continue
-        sumexp = ex.sum(dim=-1)  # [c]
-        log_s = sumexp.log()  # [c]
-        lse[s:e_] = m + log_s
-        if flat_tok is not None:
-            logp[s:e_] = u_a - log_s
+        torch.sum(ex, dim=-1, out=s_all[s:e_])  # S
         if want_entropy:
-            # H = log S - sum_j e_j u_j / S   (u shifted: the max cancels)
-            dot = ex.mul_(u).sum(dim=-1)  # [c]
-            ent[s:e_] = log_s - dot / sumexp
+            torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # sum_j e_j u_j
+    if flat_tok is not None:
+        ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
+    if want_sens:
+        lp, h, lse_, sens, dist = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, *sums[4:], dist_out is not None)
+        logp.copy_(lp), ent.copy_(h), lse.copy_(lse_), sens_out.copy_(sens)
+        if dist_out is not None:
+            dist_out.copy_(dist)
+        return logp, ent, lse
+    log_s = s_all.log()  # [N]
+    torch.add(m_all, log_s, out=lse)
+    if flat_tok is not None:
+        torch.sub(ua_all, log_s, out=logp)
+    if want_entropy:
+        # H = log S - sum_j e_j u_j / S   (u shifted: the max cancels)
+        torch.sub(log_s, dot_all.div_(s_all), out=ent)
     return logp, ent, lse
 
 
-def _chunk_with_sensitivity(u: torch.Tensor, ex: torch.Tensor, m: torch.Tensor, tok: torch.Tensor,
-                            u_a_exact: torch.Tensor, t: torch.Tensor, want_dist: bool = False):
-    """(logp_a, H, lse, s, dist) of one chunk. u [c,V] shifted, floored logits, ex = exp(u) [c,V]
-    (overwritten), m [c] the shift, tok [c], u_a_exact [c] the sampled token's shifted logit before
-    the floor (log p_a from it), t [c,V] scratch. dist [c] (None unless ``want_dist``) is the
-    one-hot distance ||e_a - p||_2 = sqrt(S_rest^2 + Q_rest) / S from the same sums: with
-    (1 - p_a) = S_rest / S and sum_{j != a} p_j^2 = Q_rest / S^2 nothing cancels as p_a -> 1.
+def _sensitivity_from_sums(m: torch.Tensor, u_a_exact: torch.Tensor, s_rest: torch.Tensor, dot_rest: torch.Tensor,
+                           u_a: torch.Tensor, e_a: torch.Tensor, r_rest: torch.Tensor, q_rest: torch.Tensor,
+                           want_dist: bool = False):
+    """(logp_a, H, lse, s, dist), each [N], from the per-row sums of the sensitivity pass (all [N]):
+    m the shift, u_a_exact the sampled token's shifted logit before the floor (log p_a from it),
+    S_rest = sum_{j != a} e_j, dot_rest = sum_{j != a} e_j u_j, u_a the floored one, e_a = exp(u_a),
+    R_rest = sum_{j != a} e_j^2 u_j, Q_rest = sum_{j != a} e_j^2 (e = exp(u), u shifted and floored).
+    dist (None unless ``want_dist``) is the one-hot distance ||e_a - p||_2 = sqrt(S_rest^2 + Q_rest) / S
+    from the same sums: with (1 - p_a) = S_rest / S and sum_{j != a} p_j^2 = Q_rest / S^2 nothing
+    cancels as p_a -> 1.
 
-    With e = exp(u), S = sum_j e_j, mu = sum_j p_j u_j (so log p_j + H = u_j - mu):
+    With S = S_rest + e_a and mu = sum_j p_j u_j (so log p_j + H = u_j - mu):
         s = p_a (1 - p_a) (u_a - mu) - sum_{j != a} p_j^2 (u_j - mu)
     The sampled token's own term is split off so nothing cancels as p_a -> 1: 1 - p_a is
     S_rest / S, and the rest sums run over e with e_a zeroed (all their terms have one sign)."""
-    idx = tok.unsqueeze(1)  # [c, 1]
-    u_a = u.gather(1, idx).squeeze(1)  # [c]
-    e_a = ex.gather(1, idx).squeeze(1)  # [c]
-    ex.scatter_(1, idx, 0.0)  # e_j for j != a
-    s_rest = ex.sum(dim=-1)  # [c]
     sumexp = s_rest + e_a
-    prod = torch.mul(ex, u, out=t)  # e_j u_j, j != a
-    dot = prod.sum(dim=-1) + e_a * u_a  # sum_j e_j u_j
-    r_rest = prod.mul_(ex).sum(dim=-1)  # sum_{j!=a} e_j^2 u_j   (reduction 1)
-    q_rest = ex.mul_(ex).sum(dim=-1)  # sum_{j!=a} e_j^2       (reduction 2)
+    dot = dot_rest + e_a * u_a  # sum_j e_j u_j
     log_s = sumexp.log()
     mu = dot / sumexp
-    # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest), in 7 ops on [c] (per-op cost rules at small c)
-    sens = torch.addcmul(torch.addcmul(r_rest.neg_(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
+    # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest)
+    sens = torch.addcmul(torch.addcmul(r_rest.neg(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
     dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
     return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist
 
