@@ -104,11 +104,13 @@ class _ChunkBuffers:
 
 
 def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
-             sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None):
+             sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None,
+             lse_lo_out: torch.Tensor | None = None):
     """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
     sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
     ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_sensitivity_from_sums`).
+    ``lse_lo_out`` ([N] float32) receives lse's float32 rounding residual (:func:`_lse_residual`).
 
     Each chunk only writes its rows' sums over the vocabulary (reductions straight into [N] buffers);
     the arithmetic on those sums (logs, quotients, s) runs once over all N rows after the loop: the
@@ -150,13 +152,18 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     if flat_tok is not None:
         ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
     if want_sens:
-        lp, h, lse_, sens, dist = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, *sums[4:], dist_out is not None)
+        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, *sums[4:],
+                                                                 dist_out is not None)
         logp.copy_(lp), ent.copy_(h), lse.copy_(lse_), sens_out.copy_(sens)
         if dist_out is not None:
             dist_out.copy_(dist)
+        if lse_lo_out is not None:
+            lse_lo_out.copy_(_lse_residual(m_all, log_s, lse))
         return logp, ent, lse
     log_s = s_all.log()  # [N]
     torch.add(m_all, log_s, out=lse)
+    if lse_lo_out is not None:
+        lse_lo_out.copy_(_lse_residual(m_all, log_s, lse))
     if flat_tok is not None:
         torch.sub(ua_all, log_s, out=logp)
     if want_entropy:
@@ -187,11 +194,35 @@ def _sensitivity_from_sums(m: torch.Tensor, u_a_exact: torch.Tensor, s_rest: tor
     # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest)
     sens = torch.addcmul(torch.addcmul(r_rest.neg(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
     dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
-    return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist
+    return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist, log_s
+
+
+# Where lse's float32 rounding residual exceeds this (|lse| >= ~32), the backward folds it back in
+# (_lse_fix); below, it is under the pass's own float32 error (relative gradient error < 1e-6).
+_LSE_RESIDUAL_TOL = 1e-6
+
+
+def _lse_residual(m: torch.Tensor, log_s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """lse_lo = (m + log S) - fl32(m + log S), [N] float32: what float32 rounding took from lse = m + log S
+    (up to half an ulp of lse: ~1e-3 nats at |lse| ~ 2e4). The backward's log p = z/T - lse would carry
+    it into every p_j; a large logit offset (|z/T| >> 1) makes it visible (forward values never use
+    lse: log p_a = u_a - log S with u shifted first)."""
+    return (m.double() + log_s.double() - lse.double()).float()
+
+
+def _lse_fix(lse_lo: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, H') [N] for the backward: with log p computed as z/T - lse (rounded), the true
+    log p = that - lse_lo, so p = exp(that) * w with w = exp(-lse_lo), and log p + H = that + H' with
+    H' = H - lse_lo. Rows whose |lse_lo| <= _LSE_RESIDUAL_TOL keep w = 1 and H' = H exactly (the
+    gradient is then the same, bit for bit, as without the correction)."""
+    fix = lse_lo.abs() > _LSE_RESIDUAL_TOL
+    w = torch.where(fix, torch.exp(-lse_lo), torch.ones_like(lse_lo))
+    return w, torch.where(fix, ent - lse_lo, ent)
 
 
 class _LogprobEntropy(torch.autograd.Function):
-    """(logits, tokens) -> (logp_a, H, s). Backward recomputes softmax chunk by chunk from the saved lse.
+    """(logits, tokens) -> (logp_a, H, s). Backward recomputes softmax chunk by chunk from the saved lse
+    and its float32 rounding residual (:func:`_lse_fix`: exact at any logit offset).
 
     d logp_a / d z_j = (1[j=a] - p_j) / T
     d H / d z_j      = -p_j (log p_j + H) / T
@@ -203,9 +234,11 @@ class _LogprobEntropy(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         sens = torch.empty(flat.shape[0] if want_sens else 0, dtype=torch.float32, device=flat.device)
         dist = torch.empty(flat.shape[0] if want_dist else 0, dtype=torch.float32, device=flat.device)
+        lse_lo = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
         logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True,
-                                  sens_out=sens if want_sens else None, dist_out=dist if want_dist else None)
-        ctx.save_for_backward(logits, flat_tok, lse, ent)
+                                  sens_out=sens if want_sens else None, dist_out=dist if want_dist else None,
+                                  lse_lo_out=lse_lo)
+        ctx.save_for_backward(logits, flat_tok, lse, ent, lse_lo)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work
         ctx.mark_non_differentiable(sens, dist)
         ctx.temperature = temperature
@@ -214,13 +247,18 @@ class _LogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_sens, _g_dist):
-        logits, flat_tok, lse, ent = ctx.saved_tensors
+        logits, flat_tok, lse, ent, lse_lo = ctx.saved_tensors
         t, rows = ctx.temperature, ctx.rows
         v = logits.shape[-1]
         flat = logits.reshape(-1, v)
         n = flat.shape[0]
         grad = torch.empty_like(flat)  # [N, V] in the logits dtype: the gradient itself
         if n:
+            # p_j = exp(z_j/T - lse) * w and log p_j + H = (z_j/T - lse) + H' (lse's rounding, _lse_fix):
+            # w folds into the row coefficients, so the [c, V] work is unchanged
+            w, ent = _lse_fix(lse_lo, ent)
+            g_w = None if g_logp is None else g_logp * w  # [N]
+            g_ent_w = None if g_ent is None else g_ent * w
             u_buf = torch.empty(min(rows, n), v, dtype=torch.float32, device=flat.device)
             for s in range(0, n, rows):
                 e_ = min(s + rows, n)
@@ -232,12 +270,12 @@ class _LogprobEntropy(torch.autograd.Function):
                 lp.sub_(lse[s:e_].unsqueeze(1)).clamp_(min=_EXP_FLOOR)  # log p_j, [c, V], floored (-inf too)
                 if g_ent is not None:
                     # -p (log p + H) g_H - p g_logp
-                    gl = g_logp[s:e_] if g_logp is not None else torch.zeros(c, device=flat.device)
-                    coef = (lp + ent[s:e_].unsqueeze(1)).mul_(g_ent[s:e_].unsqueeze(1)).add_(gl.unsqueeze(1))
+                    gl = g_w[s:e_] if g_logp is not None else torch.zeros(c, device=flat.device)
+                    coef = (lp + ent[s:e_].unsqueeze(1)).mul_(g_ent_w[s:e_].unsqueeze(1)).add_(gl.unsqueeze(1))
                     out = lp.exp_().mul_(coef).neg_()
                 else:
-                    out = lp.exp_().mul_(-g_logp[s:e_].unsqueeze(1))  # -p g_logp
-                if g_logp is not None:
+                    out = lp.exp_().mul_(-g_w[s:e_].unsqueeze(1))  # -p g_logp
+                if g_logp is not None:  # + g_logp 1[j = a] (exact: no p in it)
                     idx = flat_tok[s:e_].unsqueeze(1)
                     out.scatter_add_(1, idx, g_logp[s:e_].unsqueeze(1))
                 if t != 1.0:
@@ -268,7 +306,9 @@ def logprobs_and_entropy(
     The logsumexp is shared; logits are max-shifted; float32 accumulation. ``logprobs`` carries
     autograd when ``logits`` requires grad (the backward recomputes the softmax per chunk, so no
     [N, V] softmax is stored). ``entropy`` is detached unless ``entropy_grad=True`` (entropy bonus).
-    -inf logits are exact zeros of p (no NaN).
+    -inf logits give no NaN: their p is exp(-87) = 1.6e-38 in place of 0 (the exp floor, module
+    docstring), so their gradient is ~1e-38 times the row's coefficient rather than exactly 0; a sampled
+    token whose logit is -inf gets logp = the lowest finite float32 (-3.4e38), not -inf.
     """
     _check_logits_tokens(logits, tokens, temperature)
     v = logits.shape[-1]
@@ -517,6 +557,7 @@ class _HeadStats(torch.autograd.Function):
         ent = torch.empty(n, dtype=dtype, device=dev)
         sq = torch.empty(n, dtype=dtype, device=dev)
         lse = torch.empty(n, dtype=dtype, device=dev)
+        lse_lo = torch.zeros(n, dtype=dtype, device=dev)  # lse's rounding residual (_lse_residual; 0 in float64)
         for s in range(0, n, rows):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, temperature, dtype)  # [c, V]
@@ -530,13 +571,15 @@ class _HeadStats(torch.autograd.Function):
             u.sub_(log_s)  # log p (floored: -inf logits finite, 0 log 0 terms ~0)
             logp[s:e] = u_a - log_s.squeeze(1)
             lse_c = (m + log_s).squeeze(1)  # [c]
+            if dtype == torch.float32:
+                lse_lo[s:e] = _lse_residual(m.squeeze(1), log_s.squeeze(1), lse_c)
             ent[s:e] = -(p * u).sum(dim=-1)  # H = -sum p log p
             if sens_out is not None:  # the entropy sensitivity s (entropy attribution), from the same tile
                 sens_out[s:e], sq[s:e] = _tile_sensitivity_(u, p, tokens[s:e], ent[s:e])  # u, p: last use
             else:
                 sq[s:e] = p.square_().sum(dim=-1)
             lse[s:e] = lse_c
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, ent, lse_lo)
         ctx.set_materialize_grads(False)
         ctx.temperature, ctx.rows = temperature, rows
         ctx.mark_non_differentiable(sq)
@@ -544,7 +587,7 @@ class _HeadStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_sq):
-        hidden, weight, bias, tokens, lse, ent = ctx.saved_tensors
+        hidden, weight, bias, tokens, lse, ent, lse_lo = ctx.saved_tensors
         t, rows = ctx.temperature, ctx.rows
         n = hidden.shape[0]
         dtype = lse.dtype
@@ -554,17 +597,21 @@ class _HeadStats(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
         if g_logp is None and g_ent is None:
             return grad_h, grad_w, grad_b, None, None, None, None
+        # lse's float32 rounding folded into the row coefficients (_lse_fix): p = exp(u - lse) * w
+        w, ent = _lse_fix(lse_lo, ent)
+        g_w = None if g_logp is None else g_logp.to(dtype) * w  # [N]
+        g_ent_w = None if g_ent is None else g_ent.to(dtype) * w
         for s in range(0, n, rows):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, t, dtype)  # [c, V]
             u.sub_(lse[s:e].unsqueeze(1)).clamp_(min=_exp_floor(dtype))  # log p, floored (module docstring)
             if g_ent is not None:
-                coef = (u + ent[s:e].unsqueeze(1)).mul_(g_ent[s:e].to(dtype).unsqueeze(1))  # g_H (log p + H)
+                coef = (u + ent[s:e].unsqueeze(1)).mul_(g_ent_w[s:e].unsqueeze(1))  # g_H (log p + H)
                 if g_logp is not None:
-                    coef.add_(g_logp[s:e].to(dtype).unsqueeze(1))
+                    coef.add_(g_w[s:e].unsqueeze(1))
                 dz = u.exp_().mul_(coef).neg_()  # -p (g + g_H (log p + H))
             else:
-                dz = u.exp_().mul_(-g_logp[s:e].to(dtype).unsqueeze(1))  # -p g
+                dz = u.exp_().mul_(-g_w[s:e].unsqueeze(1))  # -p g
             if g_logp is not None:
                 dz.scatter_add_(1, tokens[s:e].unsqueeze(1), g_logp[s:e].to(dtype).unsqueeze(1))  # + g 1[j=a]
             if t != 1.0:
