@@ -186,6 +186,8 @@ class Recorder:
         self._closed = False
         self._step_updates: dict[int, bool] = {}  # updates recorded in the current step -> had seq_ids
         self._closed_upto = -1  # steps <= this were handed to the writer for good
+        self._step_scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
+        self._warned_rescalar = False
         self._last_step = -1
         self._sequence_parts: dict[int, int] = {}
         self._pending: _Pending | None = None
@@ -339,6 +341,8 @@ class Recorder:
             if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
                 raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")
         self._advance_to(step)
+        if update is None:
+            self._warn_replaced_step_scalars(step, set(values))
         # device tensors (a grad norm on CUDA) reach the host by one non-blocking copy that the writer
         # thread waits for (no synchronising .item() on this thread); everything else becomes a float now
         on_device = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type in _DEFERRED_DEVICES]
@@ -348,6 +352,22 @@ class Recorder:
             values = (values, tuple(on_device), HostCopy(stacked))
         if not self._disabled:
             self._writer.scalars(step, None if update is None else int(update), values)
+
+    def _warn_replaced_step_scalars(self, step: int, names: set[str]) -> None:
+        """Warn (once per run) when a whole-step scalar is set twice for one step: the later value replaces
+        the earlier one, which loses e.g. the first grad norm of a step with two optimizer steps."""
+        seen_step, seen = self._step_scalars_seen
+        if seen_step != step:
+            seen = set()
+            self._step_scalars_seen = (step, seen)
+        again = sorted(seen & names)
+        seen |= names
+        if again and not self._warned_rescalar:
+            self._warned_rescalar = True
+            warnings.warn(f"entropylens: record_step({step}) set {', '.join(again)} for the whole step again; the "
+                          "later value replaces the earlier one. With several optimizer steps in one step (several "
+                          "mini-batches), record each one's grad_norm / lr with update=<its last update>",
+                          stacklevel=3)
 
     def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
         """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts."""

@@ -150,7 +150,9 @@ STEP_METRICS: tuple[str, ...] = (
 SEQUENCES: tuple[Column, ...] = (
     _c("step", "int32", "training step"),
     _c("rank", "int16", "rank that recorded the row"),
-    _c("seq", "int32", "sequence id within the step (same id as tokens.seq)"),
+    _c("seq", "int32", "sequence id (tokens.seq): unique within the step; the row sits at the step that recorded "
+       "the sequence (TRL: its generation step, ids unique across the run, so with num_iterations > 1 "
+       "join later steps' tokens on seq alone)"),
     _c("group", "int32", "prompt group id (the G responses to one prompt share it)"),
     _c("reward", "float32", "scalar reward of the response"),
     _c("advantage", "float32", "advantage of the response"),
@@ -159,7 +161,7 @@ SEQUENCES: tuple[Column, ...] = (
 )
 
 TOKENS: tuple[Column, ...] = _STEP_KEYS + (
-    _c("seq", "int32", "sequence id within the step"),
+    _c("seq", "int32", "sequence id, unique within the step (TRL, verl: across the run)"),
     _c("group", "int32", "prompt group id"),
     _c("pos", "int32", "position of the token in the response (0-based)"),
     _c("token_id", "int32", "sampled token id a_t"),

@@ -561,3 +561,30 @@ def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_pa
     row = connect(tmp_path).execute(
         "SELECT entropy_mean, n_tokens, grad_norm, reward_mean, beta1, my_metric FROM steps").fetchall()
     assert row == [(pytest.approx(2.0), 6, pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.5), 1.0)]
+
+
+def test_record_step_warns_once_when_a_whole_step_scalar_is_replaced(tmp_path):
+    # two optimizer steps in one RL step, each calling record_step(step, grad_norm=...) without update=:
+    # the second value replaced the first on every update row, silently (new-user trial). Now a warning
+    # (once per run) names the columns and the fix; update= per optimizer step keeps both values.
+    lp = torch.zeros(2, 3)
+    m = torch.ones(2, 3, dtype=torch.bool)
+    kw = dict(mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rec.record_step(0, grad_norm=0.8)
+            rec.record_step(0, reward_mean=0.5)  # another column: no warning
+        with pytest.warns(UserWarning, match=r"record_step\(0\) set grad_norm for the whole step again.*update="):
+            rec.record_step(0, grad_norm=0.9, lr=1e-3)
+        rec.record_update(1, 0, seq_ids=torch.tensor([0, 1]), **kw)
+        rec.record_update(1, 1, seq_ids=torch.tensor([2, 3]), **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per run; and per-update values never warn
+            rec.record_step(1, update=0, grad_norm=0.7)
+            rec.record_step(1, update=1, grad_norm=0.6)
+            rec.record_step(1, grad_norm=0.1)
+            rec.record_step(1, grad_norm=0.2)
+    rows = connect(tmp_path).execute('SELECT step, "update", grad_norm FROM steps ORDER BY step, "update"').fetchall()
+    assert rows[0] == (0, 0, pytest.approx(0.9))  # the later value, as warned

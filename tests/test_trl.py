@@ -147,6 +147,11 @@ def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
     assert Counting.logged == t.groupby("step").size().tolist() and not tr._el_summaries
     n = sum(1 for h in tr.state.log_history if "entropylens/share_pa_hp" in h)
     assert 1 <= n <= 3 and "entropylens/share_pa_hp" in tr.state.log_history[-2]  # the last step's log has one
+    # the learning rate each optimizer step used: TRL's default linear decay from 5e-3 over 3 steps, no
+    # warm-up (lr_k = 5e-3 (1 - k/3)); it was read after the scheduler had stepped (one step late)
+    lrs = connect(tmp_path / "logs1").execute("SELECT step, max(lr) FROM steps GROUP BY step ORDER BY step").fetchall()
+    assert [s for s, _ in lrs] == [0, 1, 2]
+    np.testing.assert_allclose([lr for _, lr in lrs], [5e-3, 5e-3 * 2 / 3, 5e-3 / 3], rtol=1e-6)
 
 
 @pytest.mark.parametrize("loss", [None, "ce_gppo"])

@@ -202,6 +202,7 @@ def _trainer_class():
             self._el_group_base = 0
             self._el_rewards = None
             self._el_grad_norm = None
+            self._el_lr = None  # the learning rate of the optimizer step in progress
             self._el_capture = None  # list while a pass runs: log_sum_sq_probs of each fused forward
             self._el_passes = None  # list during generation: (logps, entropies) of each no-grad pass
             self._el_train = None  # the training pass of the current micro-batch
@@ -417,6 +418,9 @@ def _trainer_class():
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             self._el_rec = None
+            if self._el_micro == 0:  # the learning rate this optimizer step uses (the scheduler steps after it)
+                self._el_lr = (self._get_learning_rate() if hasattr(self, "_get_learning_rate")
+                               else self.args.learning_rate)
             result = super().training_step(model, inputs, num_items_in_batch)
             rec, self._el_rec = self._el_rec, None
             if rec is not None:  # the backward has run: the hook holds dLoss/dlogp
@@ -451,7 +455,7 @@ def _trainer_class():
         def _el_step_end(self) -> None:
             step = self.state.global_step - 1  # the optimizer step that just finished
             gn = self._el_grad_norm
-            lr = self._get_learning_rate() if hasattr(self, "_get_learning_rate") else self.args.learning_rate
+            lr = self._el_lr if self._el_lr is not None else self.args.learning_rate  # read before the scheduler stepped
             self.recorder.record_step(step, grad_norm=float(gn) if gn is not None else None, lr=float(lr))
             # the summary comes from the writer thread once it has taken in the step: asking without
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
@@ -462,6 +466,7 @@ def _trainer_class():
                 self._el_log_summary(self._el_summaries.pop(0).result())
             self._el_micro = 0
             self._el_grad_norm = None
+            self._el_lr = None
 
         def _el_log_summary(self, summary: dict) -> None:
             for k, v in summary.items():
