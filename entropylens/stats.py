@@ -125,9 +125,9 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     if n == 0:
         return logp, ent, lse
     # per-row sums: m the shift, u_a the sampled token's shifted logit (before the floor), S = sum_j e_j
-    # (with the sensitivity: S_rest, j != a), dot = sum_j e_j u_j (dot_rest); the sensitivity's e_a, the
-    # floored u_a, R_rest = sum_{j != a} e_j^2 u_j and Q_rest = sum_{j != a} e_j^2
-    sums = torch.empty(8 if want_sens else 4, n, dtype=torch.float32, device=dev)
+    # (with the sensitivity: S_rest, j != a), dot = sum_j e_j u_j (dot_rest); the sensitivity's e_a,
+    # R_rest = sum_{j != a} e_j^2 u_j and Q_rest = sum_{j != a} e_j^2
+    sums = torch.empty(7 if want_sens else 4, n, dtype=torch.float32, device=dev)
     m_all, ua_all, s_all, dot_all = sums[0], sums[1], sums[2], sums[3]
     buf = _ChunkBuffers(min(rows, n), v, dev, products=want_sens)
     for s in range(0, n, rows):
@@ -137,14 +137,13 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
         if want_sens:
             idx = tok.unsqueeze(1)  # [c, 1]
-            torch.gather(u, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # u_a, floored
-            torch.gather(ex, 1, idx, out=sums[5, s:e_].unsqueeze(1))  # e_a
+            torch.gather(ex, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # e_a
             ex.scatter_(1, idx, 0.0)  # e_j for j != a
             torch.sum(ex, dim=-1, out=s_all[s:e_])  # S_rest
             prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
             torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
-            torch.sum(prod.mul_(ex), dim=-1, out=sums[6, s:e_])  # R_rest   (reduction 1)
-            torch.sum(ex.mul_(ex), dim=-1, out=sums[7, s:e_])  # Q_rest   (reduction 2)
+            torch.sum(prod.mul_(ex), dim=-1, out=sums[5, s:e_])  # R_rest   (reduction 1)
+            torch.sum(ex.mul_(ex), dim=-1, out=sums[6, s:e_])  # Q_rest   (reduction 2)
             continue
         torch.sum(ex, dim=-1, out=s_all[s:e_])  # S
         if want_entropy:
@@ -152,23 +151,22 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     if flat_tok is not None:
         ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
     if want_sens:
-        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, *sums[4:],
+        u_a = ua_all.clamp(min=_EXP_FLOOR)  # the floored u_a, as the chunk's u held it
+        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, u_a, *sums[4:],
                                                                  dist_out is not None)
         logp.copy_(lp), ent.copy_(h), lse.copy_(lse_), sens_out.copy_(sens)
         if dist_out is not None:
             dist_out.copy_(dist)
-        if lse_lo_out is not None:
-            lse_lo_out.copy_(_lse_residual(m_all, log_s, lse))
-        return logp, ent, lse
-    log_s = s_all.log()  # [N]
-    torch.add(m_all, log_s, out=lse)
+    else:
+        log_s = s_all.log()  # [N]
+        torch.add(m_all, log_s, out=lse)
+        if flat_tok is not None:
+            torch.sub(ua_all, log_s, out=logp)
+        if want_entropy:
+            # H = log S - sum_j e_j u_j / S   (u shifted: the max cancels)
+            torch.sub(log_s, dot_all.div_(s_all), out=ent)
     if lse_lo_out is not None:
         lse_lo_out.copy_(_lse_residual(m_all, log_s, lse))
-    if flat_tok is not None:
-        torch.sub(ua_all, log_s, out=logp)
-    if want_entropy:
-        # H = log S - sum_j e_j u_j / S   (u shifted: the max cancels)
-        torch.sub(log_s, dot_all.div_(s_all), out=ent)
     return logp, ent, lse
 
 
