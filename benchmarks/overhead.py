@@ -12,7 +12,7 @@ with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than
 thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
 file of one toy step written with and without fsync (file + directory), alternating.
 
-  python benchmarks/overhead.py [--steps 30] [--fsync-files 40]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
 The order of the modes rotates every step. Besides the pooled medians, the median of the per-step
@@ -75,13 +75,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--fsync-files", type=int, default=40, help="token files per fsync setting (0: skip)")
     ap.add_argument("--sft-steps", type=int, default=50, help="supervised warm-up steps of the toy before RL")
+    ap.add_argument("--modes", default="off,full,full-nofsync,sample=0.1",
+                    help="comma-separated subset of off,full,full-nofsync,sample=0.1 (off and full always run); "
+                         "fewer modes give the headline pair more steps in the same time")
     a = ap.parse_args()
+    wanted = {"off", "full", *a.modes.split(",")}
+    unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1"}
+    if unknown:
+        ap.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(a.threads)
     trainer = ToyTrainer(config_for("grpo", sft_steps=a.sft_steps, hidden=a.hidden, prompts=a.prompts))
     cfg = trainer.cfg
     with tempfile.TemporaryDirectory() as d:
-        modes = {"off": None, "full": Recorder(d, run="full"), "full-nofsync": Recorder(d, run="nf", fsync=False),
-                 "sample=0.1": Recorder(d, run="s01", sample=0.1)}
+        make = {"off": lambda: None, "full": lambda: Recorder(d, run="full"),
+                "full-nofsync": lambda: Recorder(d, run="nf", fsync=False),
+                "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1)}
+        modes = {m: f() for m, f in make.items() if m in wanted}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
         writer_cpu = {m: [] for m in modes}

@@ -186,6 +186,7 @@ class Recorder:
         self._closed = False
         self._step_updates: dict[int, bool] = {}  # updates recorded in the current step -> had seq_ids
         self._closed_upto = -1  # steps <= this were handed to the writer for good
+        self._alarms_seen = -1  # the live alarms have observed the steps <= this
         self._step_scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
         self._warned_rescalar = False
         self._last_step = -1
@@ -322,7 +323,7 @@ class Recorder:
         step = int(step)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_step must come before later steps")
+            raise ValueError(f"step {step} was already written; record_step must come before later steps and before commit()")
         values = {"grad_norm": grad_norm, "lr": lr, **metrics}
         values = {k: v for k, v in values.items() if v is not None}
         columns: dict[str, str] = {}  # column -> the name it came from
@@ -375,7 +376,7 @@ class Recorder:
         step = int(step)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_sequences must come before later steps")
+            raise ValueError(f"step {step} was already written; record_sequences must come before later steps and before commit()")
         self._advance_to(step)
         arrays = {
             "seq": _host(seq_ids, np.int32),
@@ -416,7 +417,7 @@ class Recorder:
         step, update = int(step), int(update)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; probe must come before later steps")
+            raise ValueError(f"step {step} was already written; probe must come before later steps and before commit()")
         self._advance_to(step)
         rows = probe_update(model, optimizer, loss_fn, batch, max_grad_norm=max_grad_norm)
         self._finalize_pending()
@@ -427,6 +428,30 @@ class Recorder:
             self._writer.probes(step, update, rows)
         self.record_step(step, update=update, grad_norm=before_clip, lr=rows[-1]["lr"])
         return rows
+
+    def commit(self, step: int | None = None) -> int:
+        """Write every step up to ``step`` now (default: every step recorded so far, the one in
+        progress included) and wait until their files are renamed into place (and on disk, with
+        ``fsync=True``): from then on a kill loses nothing of them. Those steps are closed:
+        recording into them again raises, later steps record as usual. Returns the last committed
+        step (-1 when nothing was recorded). For checkpoints: record the step, save the model, then
+        ``commit()``: a job resumed from that checkpoint finds every step before it on disk. Costs a
+        wait for the writer thread (its backlog, then the step's files), so call it at checkpoints,
+        not every step."""
+        self._check_alive()
+        self._finalize_pending()
+        if step is not None and int(step) > self._last_step:
+            raise ValueError(f"step {int(step)} has not been recorded (the last recorded step is {self._last_step})")
+        upto = self._last_step if step is None else int(step)
+        if upto > self._closed_upto and not self._disabled:
+            if upto == self._last_step:
+                self._observe_alarms(upto)  # the others were observed as later steps closed them
+            self._writer.close_steps(upto=upto)
+            self._closed_upto = upto
+        if not self._disabled:
+            self._writer.drain()
+        self._check_alive()  # a write that failed meanwhile raises here
+        return upto
 
     def close(self, status: str = "finished", _raise: bool = True) -> None:
         """Flush, wait for the writer, write the final status."""
@@ -519,8 +544,11 @@ class Recorder:
                          tokens, seq_ids, group_ids) -> None:
         if step < 0 or update < 0:
             raise ValueError(f"step and update must be >= 0, got step={step} update={update}")
-        if step < self._last_step or step <= self._closed_upto:
+        if step < self._last_step:
             raise ValueError(f"step {step} comes after step {self._last_step}: steps must not go back")
+        if step <= self._closed_upto:
+            raise ValueError(f"step {step} was already written (steps <= {self._closed_upto} are closed: by a later "
+                             "step or by commit()); record into later steps")
         same_step = self._step_updates if step == self._last_step else {}
         if update in same_step:
             raise ValueError(f"step {step} update {update} was already recorded")
@@ -546,9 +574,11 @@ class Recorder:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
 
     def _observe_alarms(self, step: int) -> None:
-        """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule."""
-        if self._alarm_thresholds is None:
+        """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule.
+        Each step is observed once (a step closed by :meth:`commit` is not observed again)."""
+        if self._alarm_thresholds is None or step <= self._alarms_seen:
             return
+        self._alarms_seen = step
         if self._alarms is None:
             from .alarms import LiveAlarms
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,6 +44,7 @@ _STOP = object()
 # the training step's threads cannot: at 19 the scheduler gives the writer a core only when training
 # leaves one free (a full queue still blocks the trainer: back-pressure, never a drop). 0 disables.
 WRITER_NICE = int(os.environ.get("ENTROPYLENS_WRITER_NICE", "19"))
+BACKPRESSURE_WARN_S = 5.0  # one warning per run once a hand-over has waited this long for room in the queue
 OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
 
 
@@ -57,6 +60,16 @@ def lower_priority(nice: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def _outside_package() -> int:
+    """The ``stacklevel`` of the first caller outside entropylens (a warning then names the user's line,
+    whichever recorder method led to it)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level - 1 if frame is None else level
 
 
 def utc_now() -> str:
@@ -144,6 +157,7 @@ class WriterThread:
         # messages wait in an outbox and go over as one batch at a step's end (or every OUTBOX_SIZE):
         # waking the thread per update costs a thread switch (and the GIL) on the training thread
         self._outbox: list[tuple] = []
+        self._warned_wait = False  # the back-pressure warning (once per run)
         self._cpu_at_exit: float | None = None  # the thread's CPU time, set as it stops
         self.write_run_json()
         self._thread = threading.Thread(target=self._loop, name=f"entropylens-writer-{info.run}", daemon=True)
@@ -167,6 +181,7 @@ class WriterThread:
         if not self._outbox:
             return
         item, self._outbox = ("batch", self._outbox), []
+        waited = 0.0
         while True:
             try:
                 self._queue.put(item, timeout=0.5)
@@ -174,6 +189,14 @@ class WriterThread:
             except queue.Full:
                 if self.error is not None or not self._thread.is_alive():
                     return
+                waited += 0.5
+                if waited >= BACKPRESSURE_WARN_S and not self._warned_wait:
+                    self._warned_wait = True
+                    warnings.warn(
+                        f"entropylens: the training loop has waited {waited:.1f} s for the writer thread (its queue "
+                        f"of {self._queue.maxsize} hand-overs is full). If the machine's cores are busy with other "
+                        f"work, the writer (nice {WRITER_NICE}) gets little CPU: ENTROPYLENS_WRITER_NICE=0 gives it "
+                        "a fair share; a larger queue_size or sample < 1 lowers its load", stacklevel=_outside_package())
 
     def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         self.put(("update", step, update, copy))

@@ -588,3 +588,41 @@ def test_record_step_warns_once_when_a_whole_step_scalar_is_replaced(tmp_path):
             rec.record_step(1, grad_norm=0.2)
     rows = connect(tmp_path).execute('SELECT step, "update", grad_norm FROM steps ORDER BY step, "update"').fetchall()
     assert rows[0] == (0, 0, pytest.approx(0.9))  # the later value, as warned
+
+
+def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
+    # without commit, step 1 (in progress) and possibly step 0 (closed, writer lagging) are not on disk;
+    # commit() writes both and returns once their files are in place: the files are read here while the
+    # recorder is still open (no close, no later step)
+    rec = Recorder(tmp_path, run="r", alarms={})
+    assert rec.commit() == -1  # nothing recorded: nothing to write
+    for step in (0, 1):
+        for u in (0, 1):
+            record_one(rec, step, u, seed=10 * step + u)
+    assert rec.commit() == 1
+    n = int(make_batch(0)[2].sum())  # every seed's mask keeps the same positions: 6 x 9 - 4 - 7
+    assert n == 43
+    con = connect(tmp_path)
+    assert con.execute('SELECT step, "update", n_tokens FROM steps ORDER BY ALL').fetchall() == [
+        (0, 0, n), (0, 1, n), (1, 0, n), (1, 1, n)]
+    assert con.execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall() == [
+        (0, 2 * n), (1, 2 * n)]
+    # the committed step is closed: its updates and scalars are refused, naming the reason
+    with pytest.raises(ValueError, match=r"step 1 was already written \(steps <= 1 are closed: by a later step or "
+                                         r"by commit\(\)\)"):
+        record_one(rec, 1, 2)
+    with pytest.raises(ValueError, match="step 1 was already written"):
+        rec.record_step(1, reward_mean=0.5)
+    with pytest.raises(ValueError, match=r"step 5 has not been recorded \(the last recorded step is 1\)"):
+        rec.commit(5)
+    # later steps record as usual; commit(step) writes only up to that step
+    record_one(rec, 2, 0, seed=20)
+    record_one(rec, 3, 0, seed=30)  # step 2 closed by step 3 (written whenever the writer gets to it)
+    assert rec.commit(2) == 2
+    assert connect(tmp_path).execute("SELECT max(step) FROM steps").fetchone() == (2,)
+    record_one(rec, 3, 1, seed=31)  # step 3 is still open
+    rec.close()
+    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step ORDER BY step').fetchall() == [
+        (0, 2), (1, 2), (2, 1), (3, 2)]
+    with pytest.raises(RecorderError, match="closed"):
+        rec.commit()

@@ -52,6 +52,31 @@ def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
     assert status <= {"running", "stale"}  # killed: never marked finished (stale once the heartbeat ages)
 
 
+def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
+    # the child commits each step (Recorder.commit) and then says so; killed at random moments, every
+    # step it reported committed is on disk whole: its steps rows, all their token rows, its sequences
+    rng = random.Random(99)
+    for i in range(4):
+        p = subprocess.Popen([sys.executable, str(CHILD), "commit", str(tmp_path), f"c{i}"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        first = p.stdout.readline()
+        assert first.strip() == "committed 0", p.stderr.read()
+        time.sleep(rng.uniform(0.0, 1.0))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        lines = [first] + p.stdout.read().splitlines()
+        last = int(lines[-1].split()[1])  # the last step reported committed before the kill
+        con = connect(tmp_path)
+        steps = con.execute("SELECT step, count(*), sum(n_tokens) FROM steps WHERE run = ? GROUP BY step "
+                            "ORDER BY step", [f"c{i}"]).fetchall()
+        assert [s for s, _, _ in steps][: last + 1] == list(range(last + 1))
+        for step, n_updates, n_tokens in steps[: last + 1]:
+            assert n_updates == 2
+            rows = con.execute("SELECT count(*) FROM tokens WHERE run = ? AND step = ?", [f"c{i}", step]).fetchone()
+            seqs = con.execute("SELECT count(*) FROM sequences WHERE run = ? AND step = ?", [f"c{i}", step]).fetchone()
+            assert rows == (n_tokens,) and seqs == (16,)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -154,6 +154,28 @@ def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
     np.testing.assert_allclose([lr for _, lr in lrs], [5e-3, 5e-3 * 2 / 3, 5e-3 / 3], rtol=1e-6)
 
 
+def test_trl_checkpoint_commits_the_recorded_steps(tmp_path, monkeypatch):
+    # save_steps = 2: when TRL has saved checkpoint-2, steps 0 and 1 are already on disk (read here while
+    # training goes on), and at checkpoint-3 step 2 too; the recorder is not closed before the last save
+    from entropylens import Recorder
+
+    seen = []
+    commit = Recorder.commit
+
+    def spy(self, step=None):
+        upto = commit(self, step)
+        con = connect(tmp_path / "ckpt")
+        seen.append((upto, con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps").fetchone()[0],
+                     self._closed))
+        return upto
+
+    monkeypatch.setattr(Recorder, "commit", spy)
+    tr = trl_tiny.trainer(tmp_path, "ckpt", max_steps=3, save_strategy="steps", save_steps=2)
+    tr.train()
+    assert (tmp_path / ".trl" / "checkpoint-2").is_dir() and (tmp_path / ".trl" / "checkpoint-3").is_dir()
+    assert seen == [(1, [0, 1], False), (2, [0, 1, 2], False)]
+
+
 @pytest.mark.parametrize("loss", [None, "ce_gppo"])
 def test_trl_attribution_entropy_effect_against_float64_full_logits(tmp_path, loss):
     # attribution=True: every pass through head_stats; the training pass also gives s_t. The recorded

@@ -28,6 +28,8 @@ What it changes in TRL (private methods, hence the version check):
   ``entropylens/...``, taken from the writer thread without waiting for it: a step's values reach the
   log as soon as the writer has them (usually at the next optimizer step; all of them by the last).
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
+- Each checkpoint TRL saves commits the recorded steps (``Recorder.commit``: their files are on disk
+  when ``on_save`` returns), so a job killed after a checkpoint loses none of the steps before it.
 
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
 backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
@@ -163,6 +165,11 @@ def _trainer_class():
 
         def on_step_end(self, args, state, control, **kwargs):
             self.owner._el_step_end()
+
+        def on_save(self, args, state, control, **kwargs):
+            # a checkpoint was saved: every step recorded so far reaches the disk with it (a job resumed
+            # from this checkpoint finds all its steps; Recorder.commit)
+            self.owner.recorder.commit()
 
     class EntropyLensGRPOTrainer(GRPOTrainer):
         """GRPOTrainer + entropylens recording (+ optionally entropylens' losses). See the module docstring."""

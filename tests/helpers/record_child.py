@@ -1,6 +1,7 @@
 """A recording process for the reliability tests (killed with SIGKILL, or one rank of two).
 
   python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
+  python record_child.py commit ROOT RUN      record steps, commit() after each, print 'committed S'; until killed
   python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
 """
 
@@ -45,6 +46,20 @@ def kill_mode(root, run):
         step += 1
 
 
+def commit_mode(root, run):
+    gen = torch.Generator().manual_seed(hash(run) % 1000)
+    rec = Recorder(root, run=run, config={"method": "grpo"})
+    step = 0
+    while True:
+        for u in range(2):
+            one_update(rec, step, u, 8, 64, 50, gen, seq_offset=8 * u)
+        rec.record_sequences(step, seq_ids=torch.arange(16), rewards=torch.rand(16, generator=gen),
+                             advantages=torch.randn(16, generator=gen), lengths=torch.full((16,), 64))
+        assert rec.commit() == step
+        print(f"committed {step}", flush=True)  # a checkpoint would be saved here
+        step += 1
+
+
 def dist_mode(root, steps):
     import torch.distributed as dist
 
@@ -65,5 +80,7 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "kill":
         kill_mode(sys.argv[2], sys.argv[3])
+    elif mode == "commit":
+        commit_mode(sys.argv[2], sys.argv[3])
     else:
         dist_mode(sys.argv[2], int(sys.argv[3]))
