@@ -415,6 +415,8 @@ def report(
             index = write_report(path, out, runs=run or None, engine=engine.value)
     except _user_errors() as e:
         _fail(_os_error_line(e) if isinstance(e, OSError) else str(e))
+    except BrokenPipeError:
+        raise  # the reader of our output went away: main() stops quietly
     except OSError as e:  # e.g. an --out under /proc: the system's reason, one line
         _fail(f"--out {out}: {_os_error_line(e)}")
     typer.echo(f"report: {index}")
@@ -573,6 +575,8 @@ def demo(
                        overwrite=overwrite, probe_every=probe_every)
     except ValueError as e:
         _fail(str(e))
+    except BrokenPipeError:
+        raise  # the reader of our output went away: main() stops quietly
     except OSError as e:  # the output directory (a full disk, a read-only or pseudo file system)
         _fail(f"--out {out}: {_os_error_line(e)}")
     t0 = time.perf_counter()
@@ -631,8 +635,24 @@ def main() -> None:
     except KeyboardInterrupt:  # pragma: no cover
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`entropylens demo | head`): stop quietly, exit 1
+        _quiet_exit(1)  # (inside a command click does the same: its main exits 1 on EPIPE, silenced)
     except SystemExit as e:
         _exit(e)
+
+
+def _quiet_exit(code: int) -> None:
+    """Exit without another word: stdout and stderr (maybe the closed pipe) now point to /dev/null, so
+    neither an error line nor the interpreter's final flush can raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
+    _exit(SystemExit(code))
 
 
 def _exit(e: SystemExit) -> None:

@@ -257,6 +257,7 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                 break
 
     keys = list(warm)
+    starter = None
     with ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(events,)) as pool:
         try:
             # Start every worker now, from a thread: starting one waits for the fork server's imports.
@@ -307,6 +308,19 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                              on_summary=tables.append)
                 phases["report"] = time.perf_counter() - t0
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)
+            if starter is not None:
+                starter.join()  # the workers it is starting: known to the pool, then stopped with the rest
+            _stop_workers(pool)
             raise
     return results
+
+
+def _stop_workers(pool) -> None:
+    """Abandon the workers' jobs and stop them now. Leaving the pool's ``with`` waits for every running
+    job, and a worker whose progress events nobody reads any more cannot even exit (its queue's
+    feeder thread waits to flush them into a full pipe): `entropylens demo | head` used to hang there."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in processes:
+        if p.is_alive():
+            p.terminate()

@@ -131,6 +131,27 @@ def test_demo_progress_lines_through_a_pipe(tmp_path):
     assert "\x1b[" not in text  # no terminal control codes in a log
 
 
+def test_demo_stops_quietly_when_its_reader_goes_away(tmp_path):
+    """`entropylens demo | head -2`: the reader closes the pipe while the workers train. The demo used
+    to say `error: --out DIR: Broken pipe` (a closed pipe taken for the output directory's error), print
+    workers' tracebacks, or hang for good (its workers could not exit with unread progress events); now
+    it stops at once, says nothing, exits 1 (click's code for a closed pipe) and leaves no worker."""
+    cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--quick", "--workers", "2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    for _ in range(2):
+        assert proc.stdout.readline()
+    proc.stdout.close()  # as head does after its lines
+    try:
+        code = proc.wait(timeout=240)  # a liveness bound, not a timing: the hang never returned
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the demo did not stop after its reader went away") from None
+    assert (code, proc.stderr.read()) == (1, "")
+    time.sleep(1.0)
+    left = subprocess.run(["pgrep", "-f", f"entropylens.*{tmp_path}"], capture_output=True, text=True).stdout
+    assert left.strip() == "", left
+
+
 def test_demo_refuses_an_existing_run_then_overwrites_cleanly(tmp_path):
     """#13.4: re-running into an output directory never mixes runs: refused, or replaced with --overwrite;
     the summary and the report cover exactly the runs this demo made."""
