@@ -106,7 +106,9 @@ def clip_by_quadrant(df, taus=None) -> str:
     text = ("Here, clipped share per quadrant (all runs): " + ", ".join(f"{q} {_pct(frac.get(q))}" for q in
             ("PA&HP", "PA&LP", "NA&HP", "NA&LP") if q in frac)
             + f"; low-probability (p < {tau_text(taus)}) {_pct(lp)} vs high {_pct(hp)}.")
-    if lp <= hp:
+    if w["c"].sum() == 0:
+        text += " No token was clipped in these runs: nothing to compare with the paper's claim."
+    elif lp <= hp:
         text += " Here this differs from the paper: low-probability tokens are not clipped more often."
     return text
 

@@ -43,7 +43,7 @@ import torch
 from . import run_claim, storage, tokenbatch
 from .host_copy import DeferredBlock, HostCopy
 from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
-from .writer_thread import RunInfo, WriterThread
+from .writer_thread import RunInfo, WriterThread, caller_stacklevel
 
 
 class RecorderError(RuntimeError):
@@ -187,6 +187,7 @@ class Recorder:
         self._step_updates: dict[int, bool] = {}  # updates recorded in the current step -> had seq_ids
         self._closed_upto = -1  # steps <= this were handed to the writer for good
         self._alarms_seen = -1  # the live alarms have observed the steps <= this
+        self._probing = False  # probe(): its record_step may name an update without token rows
         self._step_scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
         self._warned_rescalar = False
         self._last_step = -1
@@ -278,6 +279,13 @@ class Recorder:
         if settings and self._info.loss is None:  # the run-level settings (method, eps, ...), once, into run.json
             self._info.loss = {k: settings[k] for k in RUN_SETTINGS if k in settings}
             self._writer.heartbeat(force=True)
+            cfg = self._info.config or {}
+            named = cfg.get("loss_method", cfg.get("method"))  # loss_method: a run named apart from its loss
+            if named is not None and settings.get("method") not in (None, named):
+                warnings.warn(f"entropylens: Recorder(config={{'method': {named!r}}}) but the loss is "
+                              f"{settings['method']!r}: the runs table and the report name the run {named!r}; "
+                              f"run.json's loss block says {settings['method']!r}. Pass the loss's method in "
+                              "config", stacklevel=caller_stacklevel())
         per_update = update_settings(settings)  # beta1 etc.: they may change over a run -> steps rows
         if per_update:
             self._writer.scalars(step, update, per_update)
@@ -324,6 +332,13 @@ class Recorder:
         self._finalize_pending()
         if step <= self._closed_upto:
             raise ValueError(f"step {step} was already written; record_step must come before later steps and before commit()")
+        if update is not None and not self._probing and not self._disabled:
+            known = self._step_updates if step == self._last_step else {}
+            if int(update) not in known:  # a steps row of its own, without tokens: an off-by-one in update=
+                have = ", ".join(str(u) for u in sorted(known)) or "none"
+                raise ValueError(f"record_step({step}, update={int(update)}): step {step} has no update {int(update)} "
+                                 f"recorded (its updates: {have}); record the update first, or leave out update= "
+                                 "for a value of the whole step")
         values = {"grad_norm": grad_norm, "lr": lr, **metrics}
         values = {k: v for k, v in values.items() if v is not None}
         columns: dict[str, str] = {}  # column -> the name it came from
@@ -341,6 +356,9 @@ class Recorder:
         for k, v in values.items():
             if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
                 raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")
+            size = v.size if isinstance(v, np.ndarray) else v.numel() if isinstance(v, torch.Tensor) else 1
+            if size != 1:
+                raise ValueError(f"metric {columns[k]!r}: expected one number, got a tensor of shape {tuple(v.shape)}")
         self._advance_to(step)
         if update is None:
             self._warn_replaced_step_scalars(step, set(values))
@@ -426,7 +444,11 @@ class Recorder:
             r["update"] = update
         if not self._disabled:
             self._writer.probes(step, update, rows)
-        self.record_step(step, update=update, grad_norm=before_clip, lr=rows[-1]["lr"])
+        self._probing = True  # the probed update's own row, whether or not loss_fn recorded its tokens
+        try:
+            self.record_step(step, update=update, grad_norm=before_clip, lr=rows[-1]["lr"])
+        finally:
+            self._probing = False
         return rows
 
     def commit(self, step: int | None = None) -> int:
@@ -435,7 +457,7 @@ class Recorder:
         ``fsync=True``): from then on a kill loses nothing of them. Those steps are closed:
         recording into them again raises, later steps record as usual. Returns the last committed
         step (-1 when nothing was recorded). For checkpoints: record the step, save the model, then
-        ``commit()``: a job resumed from that checkpoint finds every step before it on disk. Costs a
+        ``commit()``: a job killed after it has lost none of the steps before the checkpoint. Costs a
         wait for the writer thread (its backlog, then the step's files), so call it at checkpoints,
         not every step."""
         self._check_alive()

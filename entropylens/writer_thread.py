@@ -62,7 +62,7 @@ def lower_priority(nice: int) -> bool:
         return False
 
 
-def _outside_package() -> int:
+def caller_stacklevel() -> int:
     """The ``stacklevel`` of the first caller outside entropylens (a warning then names the user's line,
     whichever recorder method led to it)."""
     package = os.path.dirname(os.path.abspath(__file__))
@@ -196,7 +196,7 @@ class WriterThread:
                         f"entropylens: the training loop has waited {waited:.1f} s for the writer thread (its queue "
                         f"of {self._queue.maxsize} hand-overs is full). If the machine's cores are busy with other "
                         f"work, the writer (nice {WRITER_NICE}) gets little CPU: ENTROPYLENS_WRITER_NICE=0 gives it "
-                        "a fair share; a larger queue_size or sample < 1 lowers its load", stacklevel=_outside_package())
+                        "a fair share; a larger queue_size or sample < 1 lowers its load", stacklevel=caller_stacklevel())
 
     def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         self.put(("update", step, update, copy))

@@ -52,3 +52,15 @@ def test_report_captions_state_the_runs_tau(tmp_path):
                      "grad_share_by_quadrant", "ratio_vs_prob"):
         line = next(x for x in md.splitlines() if f"(analysis: `{analysis}`)" in x)
         assert "tau = 0.5" in line, line
+
+
+def test_clip_caption_with_no_clipped_token_draws_no_conclusion():
+    # a run where nothing was clipped: "low 0.0% vs high 0.0%" used to be read as differing from the paper
+    df = pd.DataFrame({"quadrant": ["PA&HP", "PA&LP", "NA&HP", "NA&LP"], "tokens": [10, 5, 8, 2],
+                       "clipped_frac": [0.0, 0.0, 0.0, 0.0]})
+    text = captions.clip_by_quadrant(df, {"a": 0.5})
+    assert "No token was clipped in these runs" in text and "differs from the paper" not in text
+    # one clipped low-probability token (PA&LP: 1 of 5; NA&LP none): low 1/7 = 14.3% against high 0%: no remark
+    df.loc[1, "clipped_frac"] = 0.2
+    text = captions.clip_by_quadrant(df, {"a": 0.5})
+    assert "14.3% vs high 0.0%" in text and "differs" not in text and "No token" not in text

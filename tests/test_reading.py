@@ -159,7 +159,7 @@ def test_live_recorder_keeps_its_heartbeat_during_a_long_step(tmp_path):
     from entropylens import Recorder
 
     with Recorder(tmp_path, run="r", heartbeat_s=1.0) as rec:
-        rec.record_step(0, update=0, grad_norm=1.0)
+        rec.record_step(0, grad_norm=1.0)
         time.sleep(5.0)  # one long step: 5 intervals without a recorder call (stale after 3 + 1 s)
         assert connect(tmp_path).execute("SELECT status FROM runs").fetchall() == [("running",)]
         info = json.loads((tmp_path / "r" / "run.json").read_text())

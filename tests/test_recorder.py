@@ -563,6 +563,38 @@ def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_pa
     assert row == [(pytest.approx(2.0), 6, pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.5), 1.0)]
 
 
+def test_record_step_refuses_an_update_that_was_not_recorded(tmp_path):
+    # record_step(4, update=99) used to add a steps row of its own (n_tokens null) and put the grad norm there,
+    # silently: with gradient accumulation an off-by-one in update= lost it from the real update's row
+    lp = torch.zeros(2, 3)
+    kw = dict(mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, seq_ids=torch.tensor([0, 1]), **kw)
+        rec.record_update(0, 1, seq_ids=torch.tensor([2, 3]), **kw)
+        with pytest.raises(ValueError, match=r"record_step\(0, update=2\): step 0 has no update 2 recorded "
+                                             r"\(its updates: 0, 1\)"):
+            rec.record_step(0, update=2, grad_norm=1.0)
+        with pytest.raises(ValueError, match=r"step 1 has no update 0 recorded \(its updates: none\)"):
+            rec.record_step(1, update=0, grad_norm=1.0)  # a later step without updates: refused, nothing closed
+        rec.record_step(0, update=1, grad_norm=1.0)
+        rec.record_step(0, reward_mean=0.5)  # a whole-step value needs no update
+    rows = connect(tmp_path).execute('SELECT step, "update", grad_norm, reward_mean FROM steps ORDER BY ALL').fetchall()
+    assert rows == [(0, 0, None, 0.5), (0, 1, 1.0, 0.5)]
+
+
+def test_record_step_names_a_metric_that_is_not_one_number(tmp_path):
+    lp = torch.zeros(2, 3)
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp,
+                          old_logprobs=lp)
+        with pytest.raises(ValueError, match=r"metric 'kl': expected one number, got a tensor of shape \(2,\)"):
+            rec.record_step(0, kl=torch.tensor([1.0, 2.0]))
+        with pytest.raises(ValueError, match=r"metric 'val_acc': expected one number, got a tensor of shape \(0,\)"):
+            rec.record_step(0, val_acc=np.array([]))
+        rec.record_step(0, kl=torch.tensor([[0.5]]), val_acc=np.float32(0.25))  # one element: fine
+    assert connect(tmp_path).execute("SELECT kl, val_acc FROM steps").fetchall() == [(0.5, 0.25)]
+
+
 def test_record_step_warns_once_when_a_whole_step_scalar_is_replaced(tmp_path):
     # two optimizer steps in one RL step, each calling record_step(step, grad_norm=...) without update=:
     # the second value replaced the first on every update row, silently (new-user trial). Now a warning
@@ -626,3 +658,26 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
         (0, 2), (1, 2), (2, 1), (3, 2)]
     with pytest.raises(RecorderError, match="closed"):
         rec.commit()
+
+
+def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
+    # config says grpo, the loss is ce_gppo: the runs table names the run by config's method, run.json's loss
+    # block by the loss's; the mismatch used to pass silently (new-user trial)
+    from entropylens.integrations.torch import policy_update
+
+    x, tokens, mask, adv, old = make_batch(0)
+    with torch.no_grad():
+        old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
+    with Recorder(tmp_path, run="r", config={"method": "grpo"}) as rec:
+        with pytest.warns(UserWarning, match=r"config=\{'method': 'grpo'\}\) but the loss is 'ce_gppo'") as w:
+            policy_update(rec, 0, 0, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B),
+                          method="ce_gppo")
+        assert [r.filename for r in w if "but the loss is" in str(r.message)] == [__file__]  # the caller's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once: the run-level settings are taken from the first update only
+            policy_update(rec, 0, 1, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B) + B,
+                          method="ce_gppo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same method: no warning
+        with Recorder(tmp_path, run="s", config={"method": "ce_gppo"}) as rec:
+            policy_update(rec, 0, 0, x.float(), tokens, mask, adv.float(), old_lp, method="ce_gppo")

@@ -167,8 +167,8 @@ def _trainer_class():
             self.owner._el_step_end()
 
         def on_save(self, args, state, control, **kwargs):
-            # a checkpoint was saved: every step recorded so far reaches the disk with it (a job resumed
-            # from this checkpoint finds all its steps; Recorder.commit)
+            # a checkpoint was saved: every step recorded so far reaches the disk with it (a job killed
+            # after this checkpoint has lost none of the steps before it; Recorder.commit)
             self.owner.recorder.commit()
 
     class EntropyLensGRPOTrainer(GRPOTrainer):
