@@ -245,7 +245,8 @@ def _number(v: float) -> str:
 
 def table_text(df) -> str:
     """Aligned text table: integers as integers, text longer than FOLD folded to one line with '...'
-    (run ids and paths, WHOLE, are always shown whole)."""
+    (run ids and paths, WHOLE, are always shown whole), a missing value as NULL in every column (as csv
+    leaves it empty and json writes null: a float NaN reads the same, as in those formats)."""
     import pandas as pd
 
     if not len(df):
@@ -253,6 +254,9 @@ def table_text(df) -> str:
     d = df.copy()
     folded, widest = [], FOLD + 5
     for c in d.columns:
+        col = d[c]
+        if pd.api.types.is_extension_array_dtype(col) and pd.api.types.is_integer_dtype(col) and col.isna().any():
+            d[c] = col.astype(object)  # nullable integers: <NA> would print as is; as objects they take na_rep
         if d[c].dtype == object or pd.api.types.is_string_dtype(d[c]):
             cells = [x if isinstance(x, str) else None for x in d[c]]
             longest = max((len(x) for x in cells if x is not None), default=0)
@@ -261,9 +265,12 @@ def table_text(df) -> str:
             elif longest > FOLD:
                 d[c] = [x if x is None or len(x) <= FOLD else x[: FOLD - 3] + "..." for x in cells]
                 folded.append(c)
+    for c in d.columns:
+        if d[c].dtype == object:  # None and pd.NA print as themselves; NaN takes na_rep
+            d[c] = d[c].where(d[c].notna(), float("nan"))
     with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 250,
                            "display.max_colwidth", widest, "display.float_format", _number):
-        text = d.to_string(index=False) + "\n"
+        text = d.to_string(index=False, na_rep="NULL") + "\n"
     if folded:
         text += f"({', '.join(folded)} folded to {FOLD} characters; --format json prints them whole)\n"
     return text

@@ -265,3 +265,16 @@ def test_submodules_reachable_from_the_package():
     code = "import entropylens; print(entropylens.report.write_report.__name__, entropylens.query.connect.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["write_report", "connect"]
+
+
+def test_table_format_prints_missing_values_as_null():
+    # a float NULL printed as NaN and an integer NULL as <NA> (new-user trial); csv leaves them empty, json null
+    import numpy as np
+    import pandas as pd
+
+    from entropylens.cli.main import table_text
+
+    df = pd.DataFrame({"grad_norm": [0.5, np.nan], "n_tokens": pd.array([43, None], dtype="Int64"),
+                       "run": ["r", None], "step": [0, 1]})
+    assert [line.split() for line in table_text(df).splitlines()] == [
+        ["grad_norm", "n_tokens", "run", "step"], ["0.5", "43", "r", "0"], ["NULL", "NULL", "NULL", "1"]]
