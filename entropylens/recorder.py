@@ -29,6 +29,7 @@ This module is the public API (argument checks, identity, the order of calls). T
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import secrets
 import warnings
@@ -43,7 +44,17 @@ import torch
 from . import run_claim, storage, tokenbatch
 from .host_copy import DeferredBlock, HostCopy
 from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
-from .writer_thread import RunInfo, WriterThread, caller_stacklevel
+from .writer_thread import RunInfo, WriterThread, caller_stacklevel, utc_now
+
+
+def _earlier_run_info(run_dir, started_at: str) -> tuple[str, list]:
+    """(started_at, resumed) of the run.json a resumed run continues (its own start and earlier resumes
+    stay in run.json); the given start and [] where it cannot be read."""
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+        return str(info.get("started_at") or started_at), list(info.get("resumed") or [])
+    except Exception:  # noqa: BLE001 - a missing or torn run.json: the resumed run starts it anew
+        return started_at, []
 
 
 class RecorderError(RuntimeError):
@@ -123,7 +134,11 @@ class Recorder:
     each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``probe`` runs the
     parameter-space entropy probe on one update. A directory that already holds a run of this id is
     refused (``run_claim.RunExistsError``) unless ``overwrite=True``, which first removes the old run's
-    files; the default run id is new each time.
+    files; the default run id is new each time. ``resume`` continues a run a killed job left (the same
+    ``run=``): ``resume=K`` after step K (the checkpoint the job resumes from: this rank's files of
+    later steps are removed, they are recorded again), ``resume=True`` after this rank's last committed
+    step; recording then starts at a later step, and run.json keeps the first start and lists each
+    resume. A compacted run cannot be resumed. With several ranks pass the same K to every rank.
     """
 
     def __init__(
@@ -144,6 +159,7 @@ class Recorder:
         fsync: bool = True,
         alarms=None,
         overwrite: bool = False,
+        resume: "bool | int" = False,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -164,6 +180,7 @@ class Recorder:
         self.world_size = int(
             world_size if world_size is not None else (torch.distributed.get_world_size() if dist_on else 1)
         )
+        self._run_was_generated = run is None
         if run is None:
             run = self._default_run_id(dist_on)
         if not run or "/" in run or run.startswith("."):
@@ -180,7 +197,15 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - OSError locally; credentials/bucket errors on S3
             why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
-        run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
+        resumed_after = None
+        if resume is not False and resume is not None:
+            if overwrite:
+                raise ValueError("resume and overwrite exclude each other: resume continues the run, overwrite replaces it")
+            if self._run_was_generated:
+                raise ValueError("resume needs the run id of the run to continue (run=...)")
+            resumed_after = run_claim.resume(self.dir, self.rank, self.world_size, None if resume is True else int(resume))
+        else:
+            run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
@@ -196,6 +221,10 @@ class Recorder:
         self._watch: LogitWatch | None = None
         self._info = RunInfo(run=run, world_size=self.world_size, config=self.config, eps_low=self.eps_low,
                              eps_high=self.eps_high, tau=self.tau, sample=self.sample)
+        if resumed_after is not None:  # steps <= resumed_after are the earlier job's, committed
+            self._last_step = self._closed_upto = self._alarms_seen = resumed_after
+            self._info.started_at, earlier = _earlier_run_info(self.dir, self._info.started_at)
+            self._info.resumed = earlier + [{"after_step": resumed_after, "at": utc_now()}]
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
         atexit.register(self._atexit)

@@ -1,5 +1,6 @@
 """A run directory is written by one run (#13): a Recorder refuses a directory that already holds
-a run of the same id unless told to overwrite, and then removes exactly the old run's files.
+a run of the same id unless told to overwrite, and then removes exactly the old run's files; or,
+told to resume, continues it after a committed step (:func:`resume`).
 
 Each rank checks only its own files (``*/rank=R/*``, ``ranks/rank-R.json``), so ranks never race:
 rank 0 also owns run.json, the compacted parts and the files of ranks >= world_size (an earlier run
@@ -12,6 +13,7 @@ import posixpath
 import re
 
 _RANK = re.compile(r"^rank=(\d+)$|^rank-(\d+)\.json$")
+_STEP = re.compile(r"^step=(\d+)$")
 
 
 class RunExistsError(ValueError):
@@ -59,3 +61,37 @@ def claim(run_dir, rank: int, world_size: int, overwrite: bool) -> int:
     for p in old:
         run_dir.at(p).remove()
     return len(old)
+
+
+def _step_of(rel: str) -> int | None:
+    for part in rel.split("/"):
+        m = _STEP.match(part)
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def resume(run_dir, rank: int, world_size: int, after: int | None) -> int:
+    """Continue the run in ``run_dir`` after step ``after`` (None: this rank's last committed step, the
+    last with a steps file). This rank's files of later steps are removed: a killed job's uncommitted
+    leftovers, and the steps after a checkpoint that the resumed job records again. Returns the step
+    the run continues after (-1: from the start). Refused with one line: no run there, a compacted run
+    (its parts span steps), or ``after`` beyond the last committed step."""
+    mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size)]
+    if not mine:
+        raise ValueError(f"resume: {run_dir} holds no run to resume (no files of rank {rank})")
+    if any(rel.startswith("compacted/") or rel == "compacted" for _, rel in mine):
+        raise ValueError(f"resume: {run_dir} was compacted (entropylens compact); a compacted run cannot be resumed")
+    committed = [_step_of(rel) for _, rel in mine
+                 if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
+    last = max((s for s in committed if s is not None), default=-1)
+    if after is None:
+        after = last
+    elif after > last:
+        raise ValueError(f"resume={after}: step {after} of rank {rank} was never committed in {run_dir} "
+                         f"(its last committed step is {last})")
+    for path, rel in mine:
+        step = _step_of(rel)
+        if step is not None and step > after and _owner(rel) == rank:
+            run_dir.at(path).remove()
+    return after

@@ -95,6 +95,7 @@ class RunInfo:
     status: str = "running"
     loss: dict | None = None  # the loss's run-level settings (method, eps, agg, ...)
     started_at: str = field(default_factory=utc_now)
+    resumed: list = field(default_factory=list)  # [{"after_step": K, "at": time}] per resume (Recorder(resume=))
 
     def to_dict(self, error: BaseException | None) -> dict[str, Any]:
         loss = self.loss or {}
@@ -116,6 +117,7 @@ class RunInfo:
             "tau": loss.get("tau", self.tau),
             "sample": self.sample,
             "quadrants": QUADRANT_NAMES,
+            **({"resumed": self.resumed} if self.resumed else {}),
         }
 
 

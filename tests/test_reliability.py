@@ -77,6 +77,64 @@ def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
             assert rows == (n_tokens,) and seqs == (16,)
 
 
+def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
+    # the child commits each step and is killed; the "checkpoint" is step 1 (the writer may have committed
+    # later steps, and left uncommitted files of the one in progress). Resuming with resume=1 keeps steps
+    # 0-1 as they were, removes the rest, and the new job records steps 2-3: every step once, its rows whole
+    import json
+
+    from entropylens import Recorder
+    from entropylens.run_claim import RunExistsError
+
+    p = subprocess.Popen([sys.executable, str(CHILD), "commit", str(tmp_path), "k"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    for line in p.stdout:
+        if line.strip() == "committed 2":
+            break
+    time.sleep(0.3)  # the child goes on: later steps committed, one in progress (files of it maybe on disk)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    con = connect(tmp_path)
+    before = con.execute("SELECT step, update, n_tokens FROM steps WHERE step <= 1 ORDER BY ALL").fetchall()
+    tokens_before = con.execute("SELECT count(*) FROM tokens WHERE step <= 1").fetchone()
+    started = json.loads((tmp_path / "k" / "run.json").read_text())["started_at"]
+    try:
+        Recorder(tmp_path, run="k")
+    except RunExistsError:
+        pass
+    else:
+        raise AssertionError("an existing run must be refused without resume")
+    import pytest
+
+    with pytest.raises(ValueError, match=r"resume=100000: step 100000 of rank 0 was never committed"):
+        Recorder(tmp_path, run="k", resume=100_000)
+    with pytest.raises(ValueError, match="holds no run to resume"):
+        Recorder(tmp_path, run="nothing-here", resume=True)
+    import torch
+
+    sys.path.insert(0, str(CHILD.parent))
+    from record_child import one_update
+
+    gen = torch.Generator().manual_seed(5)
+    with Recorder(tmp_path, run="k", config={"method": "grpo"}, resume=1) as rec:
+        with pytest.raises(ValueError, match="steps <= 1 are closed"):
+            one_update(rec, 1, 2, 8, 64, 50, gen)
+        for step in (2, 3):
+            for u in range(2):
+                one_update(rec, step, u, 8, 64, 50, gen, seq_offset=8 * u)
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, update, n_tokens FROM steps WHERE step <= 1 ORDER BY ALL").fetchall() == before
+    assert con.execute("SELECT count(*) FROM tokens WHERE step <= 1").fetchone() == tokens_before
+    per_step = con.execute("SELECT step, count(*), sum(n_tokens) FROM steps GROUP BY step ORDER BY step").fetchall()
+    assert [(s, n) for s, n, _ in per_step] == [(0, 2), (1, 2), (2, 2), (3, 2)]
+    for step, _, n_tokens in per_step:  # no row left of the killed job's steps 2-3
+        assert con.execute("SELECT count(*) FROM tokens WHERE step = ?", [step]).fetchone() == (n_tokens,)
+    assert con.execute("SELECT count(*) FROM sequences WHERE step >= 2").fetchone() == (0,)  # not recorded again
+    info = json.loads((tmp_path / "k" / "run.json").read_text())
+    assert info["status"] == "finished" and info["started_at"] == started
+    assert [r["after_step"] for r in info["resumed"]] == [1]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,6 +2,7 @@
 gradient accumulation, the closed-form logit-gradient norm against full logits, PEFT + KL,
 TRL's non-PPO loss types, the fallback head, refused options, two processes."""
 
+import json
 import os
 import subprocess
 import sys
@@ -174,6 +175,23 @@ def test_trl_checkpoint_commits_the_recorded_steps(tmp_path, monkeypatch):
     tr.train()
     assert (tmp_path / ".trl" / "checkpoint-2").is_dir() and (tmp_path / ".trl" / "checkpoint-3").is_dir()
     assert seen == [(1, [0, 1], False), (2, [0, 1, 2], False)]
+
+
+def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
+    # 2 steps with a checkpoint at 2, then a new trainer resumes from checkpoint-2 into the same run with
+    # resume=1 and trains to step 3: steps 0-2 once each, the first job's rows of 0-1 kept as they were
+    first = trl_tiny.trainer(tmp_path, "res", max_steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    con = connect(tmp_path / "res")
+    kept = con.execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()
+    assert sorted({r[0] for r in kept}) == [0, 1]
+    second = trl_tiny.trainer(tmp_path, "res", max_steps=3, save_strategy="no", el=dict(resume=1))
+    second.train(resume_from_checkpoint=str(tmp_path / ".trl" / "checkpoint-2"))
+    rows = connect(tmp_path / "res").execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()
+    assert [r for r in rows if r[0] <= 1] == kept
+    assert sorted({r[0] for r in rows}) == [0, 1, 2]
+    info = json.loads((tmp_path / "res" / "run.json").read_text())
+    assert [r["after_step"] for r in info["resumed"]] == [1] and info["status"] == "finished"
 
 
 @pytest.mark.parametrize("loss", [None, "ce_gppo"])

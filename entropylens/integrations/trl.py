@@ -30,6 +30,8 @@ What it changes in TRL (private methods, hence the version check):
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
 - Each checkpoint TRL saves commits the recorded steps (``Recorder.commit``: their files are on disk
   when ``on_save`` returns), so a job killed after a checkpoint loses none of the steps before it.
+  Resuming from ``checkpoint-N`` (``trainer.train(resume_from_checkpoint=...)``): pass the same ``run``
+  and ``resume=N - 1`` (steps are TRL's optimizer steps from 0): the run continues after step N - 1.
 
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
 backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
@@ -176,7 +178,7 @@ def _trainer_class():
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
                      erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=False, attribution=False,
-                     **kwargs):
+                     resume=False, **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
@@ -203,7 +205,8 @@ def _trainer_class():
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
             }
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
-                                     rank=self.accelerator.process_index, world_size=self.accelerator.num_processes)
+                                     rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
+                                     resume=resume)
             self._el_micro = 0
             self._el_seq_count = 0  # sequences generated on this rank so far
             self._el_group_base = 0
