@@ -47,14 +47,22 @@ from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
 from .writer_thread import RunInfo, WriterThread, caller_stacklevel, utc_now
 
 
-def _earlier_run_info(run_dir, started_at: str) -> tuple[str, list]:
-    """(started_at, resumed) of the run.json a resumed run continues (its own start and earlier resumes
-    stay in run.json); the given start and [] where it cannot be read."""
+def _earlier_run_info(run_dir) -> dict:
+    """The run.json a resumed run continues (its config, loss settings, start and earlier resumes stay);
+    {} where it cannot be read (a torn run.json: the resumed run writes it anew)."""
     try:
         info = json.loads((run_dir / "run.json").read_text())
-        return str(info.get("started_at") or started_at), list(info.get("resumed") or [])
-    except Exception:  # noqa: BLE001 - a missing or torn run.json: the resumed run starts it anew
-        return started_at, []
+        return info if isinstance(info, dict) else {}
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _step_list(steps: list[int]) -> str:
+    """'6-7' or '3, 5, 9' (up to 8 named)."""
+    steps = sorted(steps)
+    if steps == list(range(steps[0], steps[-1] + 1)) and len(steps) > 2:
+        return f"{steps[0]}-{steps[-1]}"
+    return ", ".join(str(x) for x in steps[:8]) + (", ..." if len(steps) > 8 else "")
 
 
 class RecorderError(RuntimeError):
@@ -134,11 +142,12 @@ class Recorder:
     each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``probe`` runs the
     parameter-space entropy probe on one update. A directory that already holds a run of this id is
     refused (``run_claim.RunExistsError``) unless ``overwrite=True``, which first removes the old run's
-    files; the default run id is new each time. ``resume`` continues a run a killed job left (the same
-    ``run=``): ``resume=K`` after step K (the checkpoint the job resumes from: this rank's files of
-    later steps are removed, they are recorded again), ``resume=True`` after this rank's last committed
-    step; recording then starts at a later step, and run.json keeps the first start and lists each
-    resume. A compacted run cannot be resumed. With several ranks pass the same K to every rank.
+    files; the default run id is new each time. ``resume=K`` continues the run a killed job left (the
+    same ``run=``) after step K, the last step of the checkpoint the job resumes from: this rank's files
+    of later steps are removed (a warning counts the committed ones: the resumed job records them
+    again), recording starts after K, run.json keeps the first job's config (a different method is
+    refused), start and loss settings and lists each resume. A compacted run cannot be resumed. With
+    several ranks pass the same K to every rank.
     """
 
     def __init__(
@@ -180,7 +189,15 @@ class Recorder:
         self.world_size = int(
             world_size if world_size is not None else (torch.distributed.get_world_size() if dist_on else 1)
         )
-        self._run_was_generated = run is None
+        resuming = resume is not False and resume is not None
+        if resuming:  # checked before anything is created on disk
+            if overwrite:
+                raise ValueError("resume and overwrite exclude each other: resume continues the run, overwrite replaces it")
+            if run is None:
+                raise ValueError("resume needs the run id of the run to continue (run=...)")
+            if isinstance(resume, bool) or not isinstance(resume, (int, np.integer)) or resume < 0:
+                raise ValueError(f"resume must be the step the job resumes after (an int >= 0: the checkpoint's last "
+                                 f"step), got {resume!r}")
         if run is None:
             run = self._default_run_id(dist_on)
         if not run or "/" in run or run.startswith("."):
@@ -189,6 +206,8 @@ class Recorder:
         self._alarms = None  # LiveAlarms, made at the first closed step when alarms= is set
         self.root = storage.location(root, storage_options)  # a local directory or s3://bucket/prefix
         self.dir = self.root / run
+        if resuming and not self.dir.isdir():
+            raise ValueError(f"resume: {self.dir} holds no run to resume")
         try:
             self.dir.mkdirs()
             probe = self.dir / f".probe-{self.rank}.tmp"
@@ -197,13 +216,20 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - OSError locally; credentials/bucket errors on S3
             why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
-        resumed_after = None
-        if resume is not False and resume is not None:
-            if overwrite:
-                raise ValueError("resume and overwrite exclude each other: resume continues the run, overwrite replaces it")
-            if self._run_was_generated:
-                raise ValueError("resume needs the run id of the run to continue (run=...)")
-            resumed_after = run_claim.resume(self.dir, self.rank, self.world_size, None if resume is True else int(resume))
+        resumed_after, earlier = None, {}
+        if resuming:
+            earlier = _earlier_run_info(self.dir)
+            known = earlier.get("config") or {}
+            if known.get("method") and self.config.get("method") not in (None, known["method"]):
+                raise ValueError(f"resume: run {run!r} was recorded with method {known['method']!r}, config says "
+                                 f"{self.config['method']!r}")
+            self.config = {**known, **self.config}  # the earlier job's settings, unless given again
+            self.eps_low, self.eps_high = _run_level_eps(self.config)
+            resumed_after, removed = run_claim.resume(self.dir, self.rank, self.world_size, int(resume))
+            if removed:
+                warnings.warn(f"entropylens: resume={int(resume)} removed {len(removed)} committed step(s) of run "
+                              f"{run!r} (rank {self.rank}): {_step_list(removed)}; the resumed job records them again",
+                              stacklevel=2)
         else:
             run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
         self._salt = tokenbatch.run_hash(run)
@@ -221,10 +247,12 @@ class Recorder:
         self._watch: LogitWatch | None = None
         self._info = RunInfo(run=run, world_size=self.world_size, config=self.config, eps_low=self.eps_low,
                              eps_high=self.eps_high, tau=self.tau, sample=self.sample)
+        self._resumed_after = resumed_after
         if resumed_after is not None:  # steps <= resumed_after are the earlier job's, committed
             self._last_step = self._closed_upto = self._alarms_seen = resumed_after
-            self._info.started_at, earlier = _earlier_run_info(self.dir, self._info.started_at)
-            self._info.resumed = earlier + [{"after_step": resumed_after, "at": utc_now()}]
+            self._info.started_at = str(earlier.get("started_at") or self._info.started_at)
+            self._info.loss = earlier.get("loss") or None
+            self._info.resumed = list(earlier.get("resumed") or []) + [{"after_step": resumed_after, "at": utc_now()}]
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
         atexit.register(self._atexit)
@@ -360,7 +388,7 @@ class Recorder:
         step = int(step)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_step must come before later steps and before commit()")
+            raise ValueError(f"step {step} was already written; record_step must come before later steps, commit() and resume=")
         if update is not None and not self._probing and not self._disabled:
             known = self._step_updates if step == self._last_step else {}
             if int(update) not in known:  # a steps row of its own, without tokens: an off-by-one in update=
@@ -423,7 +451,7 @@ class Recorder:
         step = int(step)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_sequences must come before later steps and before commit()")
+            raise ValueError(f"step {step} was already written; record_sequences must come before later steps, commit() and resume=")
         self._advance_to(step)
         arrays = {
             "seq": _host(seq_ids, np.int32),
@@ -464,7 +492,7 @@ class Recorder:
         step, update = int(step), int(update)
         self._finalize_pending()
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; probe must come before later steps and before commit()")
+            raise ValueError(f"step {step} was already written; probe must come before later steps, commit() and resume=")
         self._advance_to(step)
         rows = probe_update(model, optimizer, loss_fn, batch, max_grad_norm=max_grad_norm)
         self._finalize_pending()
@@ -491,6 +519,8 @@ class Recorder:
         not every step."""
         self._check_alive()
         self._finalize_pending()
+        if step is not None and int(step) < 0:
+            raise ValueError(f"commit: step must be >= 0, got {int(step)}")
         if step is not None and int(step) > self._last_step:
             raise ValueError(f"step {int(step)} has not been recorded (the last recorded step is {self._last_step})")
         upto = self._last_step if step is None else int(step)
@@ -596,10 +626,12 @@ class Recorder:
         if step < 0 or update < 0:
             raise ValueError(f"step and update must be >= 0, got step={step} update={update}")
         if step < self._last_step:
-            raise ValueError(f"step {step} comes after step {self._last_step}: steps must not go back")
+            raise ValueError(f"step {step} recorded after step {self._last_step}: steps must not go back"
+                             + (f" (the run resumed after step {self._resumed_after})"
+                                if self._resumed_after is not None and step <= self._resumed_after else ""))
         if step <= self._closed_upto:
             raise ValueError(f"step {step} was already written (steps <= {self._closed_upto} are closed: by a later "
-                             "step or by commit()); record into later steps")
+                             "step, by commit() or by resume=); record into later steps")
         same_step = self._step_updates if step == self._last_step else {}
         if update in same_step:
             raise ValueError(f"step {step} update {update} was already recorded")

@@ -71,12 +71,11 @@ def _step_of(rel: str) -> int | None:
     return None
 
 
-def resume(run_dir, rank: int, world_size: int, after: int | None) -> int:
-    """Continue the run in ``run_dir`` after step ``after`` (None: this rank's last committed step, the
-    last with a steps file). This rank's files of later steps are removed: a killed job's uncommitted
-    leftovers, and the steps after a checkpoint that the resumed job records again. Returns the step
-    the run continues after (-1: from the start). Refused with one line: no run there, a compacted run
-    (its parts span steps), or ``after`` beyond the last committed step."""
+def resume(run_dir, rank: int, world_size: int, after: int) -> tuple[int, list[int]]:
+    """Continue the run in ``run_dir`` after step ``after`` (>= 0). This rank's files of later steps
+    are removed: a killed job's uncommitted leftovers, and the steps after a checkpoint that the
+    resumed job records again. Returns (after, the committed steps removed). Refused with one line: no
+    run there, a compacted run (its parts span steps), or ``after`` beyond the last committed step."""
     mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size)]
     if not mine:
         raise ValueError(f"resume: {run_dir} holds no run to resume (no files of rank {rank})")
@@ -85,13 +84,11 @@ def resume(run_dir, rank: int, world_size: int, after: int | None) -> int:
     committed = [_step_of(rel) for _, rel in mine
                  if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
     last = max((s for s in committed if s is not None), default=-1)
-    if after is None:
-        after = last
-    elif after > last:
+    if after > last:
         raise ValueError(f"resume={after}: step {after} of rank {rank} was never committed in {run_dir} "
                          f"(its last committed step is {last})")
     for path, rel in mine:
         step = _step_of(rel)
         if step is not None and step > after and _owner(rel) == rank:
             run_dir.at(path).remove()
-    return after
+    return after, sorted(s for s in committed if s is not None and s > after)

@@ -640,13 +640,15 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
     assert con.execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall() == [
         (0, 2 * n), (1, 2 * n)]
     # the committed step is closed: its updates and scalars are refused, naming the reason
-    with pytest.raises(ValueError, match=r"step 1 was already written \(steps <= 1 are closed: by a later step or "
-                                         r"by commit\(\)\)"):
+    with pytest.raises(ValueError, match=r"step 1 was already written \(steps <= 1 are closed: by a later step, "
+                                         r"by commit\(\) or by resume=\)"):
         record_one(rec, 1, 2)
     with pytest.raises(ValueError, match="step 1 was already written"):
         rec.record_step(1, reward_mean=0.5)
     with pytest.raises(ValueError, match=r"step 5 has not been recorded \(the last recorded step is 1\)"):
         rec.commit(5)
+    with pytest.raises(ValueError, match=r"commit: step must be >= 0, got -3"):
+        rec.commit(-3)
     # later steps record as usual; commit(step) writes only up to that step
     record_one(rec, 2, 0, seed=20)
     record_one(rec, 3, 0, seed=30)  # step 2 closed by step 3 (written whenever the writer gets to it)

@@ -109,14 +109,28 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"resume=100000: step 100000 of rank 0 was never committed"):
         Recorder(tmp_path, run="k", resume=100_000)
     with pytest.raises(ValueError, match="holds no run to resume"):
-        Recorder(tmp_path, run="nothing-here", resume=True)
+        Recorder(tmp_path, run="nothing-here", resume=3)
+    assert not (tmp_path / "nothing-here").exists()  # a refused resume creates nothing
+    for bad in (-5, True, "3"):  # a negative K removed every step; True meant the last step on disk, not the checkpoint
+        with pytest.raises(ValueError, match=r"resume must be the step the job resumes after \(an int >= 0"):
+            Recorder(tmp_path, run="k", resume=bad)
+    with pytest.raises(ValueError, match="resume needs the run id"):
+        Recorder(tmp_path, resume=1)
+    with pytest.raises(ValueError, match=r"resume: run 'k' was recorded with method 'grpo', config says 'dapo'"):
+        Recorder(tmp_path, run="k", resume=1, config={"method": "dapo"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]
     import torch
 
     sys.path.insert(0, str(CHILD.parent))
     from record_child import one_update
 
     gen = torch.Generator().manual_seed(5)
-    with Recorder(tmp_path, run="k", config={"method": "grpo"}, resume=1) as rec:
+    last = con.execute("SELECT max(step) FROM steps").fetchone()[0]  # the child committed more than step 1
+    assert last >= 2
+    with pytest.warns(UserWarning, match=rf"resume=1 removed {last - 1} committed step\(s\) of run 'k' \(rank 0\): "
+                                         rf"{2 if last == 2 else f'2, 3' if last == 3 else f'2-{last}'}; the resumed job"):
+        rec = Recorder(tmp_path, run="k", resume=1)  # no config: the run keeps the first job's
+    with rec:
         with pytest.raises(ValueError, match="steps <= 1 are closed"):
             one_update(rec, 1, 2, 8, 64, 50, gen)
         for step in (2, 3):
@@ -132,6 +146,7 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     assert con.execute("SELECT count(*) FROM sequences WHERE step >= 2").fetchone() == (0,)  # not recorded again
     info = json.loads((tmp_path / "k" / "run.json").read_text())
     assert info["status"] == "finished" and info["started_at"] == started
+    assert info["method"] == "grpo" and info["config"]["method"] == "grpo" and info["loss"]["method"] == "grpo"
     assert [r["after_step"] for r in info["resumed"]] == [1]
 
 
