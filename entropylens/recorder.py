@@ -168,7 +168,7 @@ class Recorder:
         fsync: bool = True,
         alarms=None,
         overwrite: bool = False,
-        resume: "bool | int" = False,
+        resume: int | None = None,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -189,7 +189,7 @@ class Recorder:
         self.world_size = int(
             world_size if world_size is not None else (torch.distributed.get_world_size() if dist_on else 1)
         )
-        resuming = resume is not False and resume is not None
+        resuming = resume is not None
         if resuming:  # checked before anything is created on disk
             if overwrite:
                 raise ValueError("resume and overwrite exclude each other: resume continues the run, overwrite replaces it")
@@ -216,7 +216,8 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - OSError locally; credentials/bucket errors on S3
             why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
-        resumed_after, earlier = None, {}
+        self._resumed_after = int(resume) if resuming else None  # steps <= it are the earlier job's, committed
+        earlier = {}
         if resuming:
             earlier = _earlier_run_info(self.dir)
             known = earlier.get("config") or {}
@@ -225,7 +226,7 @@ class Recorder:
                                  f"{self.config['method']!r}")
             self.config = {**known, **self.config}  # the earlier job's settings, unless given again
             self.eps_low, self.eps_high = _run_level_eps(self.config)
-            resumed_after, removed = run_claim.resume(self.dir, self.rank, self.world_size, int(resume))
+            removed = run_claim.resume(self.dir, self.rank, self.world_size, self._resumed_after)
             if removed:
                 warnings.warn(f"entropylens: resume={int(resume)} removed {len(removed)} committed step(s) of run "
                               f"{run!r} (rank {self.rank}): {_step_list(removed)}; the resumed job records them again",
@@ -247,12 +248,12 @@ class Recorder:
         self._watch: LogitWatch | None = None
         self._info = RunInfo(run=run, world_size=self.world_size, config=self.config, eps_low=self.eps_low,
                              eps_high=self.eps_high, tau=self.tau, sample=self.sample)
-        self._resumed_after = resumed_after
-        if resumed_after is not None:  # steps <= resumed_after are the earlier job's, committed
-            self._last_step = self._closed_upto = self._alarms_seen = resumed_after
+        if resuming:
+            self._last_step = self._closed_upto = self._alarms_seen = self._resumed_after
             self._info.started_at = str(earlier.get("started_at") or self._info.started_at)
             self._info.loss = earlier.get("loss") or None
-            self._info.resumed = list(earlier.get("resumed") or []) + [{"after_step": resumed_after, "at": utc_now()}]
+            self._info.resumed = list(earlier.get("resumed") or []) + [{"after_step": self._resumed_after,
+                                                                        "at": utc_now()}]
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
         atexit.register(self._atexit)
@@ -387,8 +388,7 @@ class Recorder:
         self._check_alive()
         step = int(step)
         self._finalize_pending()
-        if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_step must come before later steps, commit() and resume=")
+        self._refuse_closed(step, "record_step")
         if update is not None and not self._probing and not self._disabled:
             known = self._step_updates if step == self._last_step else {}
             if int(update) not in known:  # a steps row of its own, without tokens: an off-by-one in update=
@@ -450,8 +450,7 @@ class Recorder:
         self._check_alive()
         step = int(step)
         self._finalize_pending()
-        if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; record_sequences must come before later steps, commit() and resume=")
+        self._refuse_closed(step, "record_sequences")
         self._advance_to(step)
         arrays = {
             "seq": _host(seq_ids, np.int32),
@@ -491,8 +490,7 @@ class Recorder:
         self._check_alive()
         step, update = int(step), int(update)
         self._finalize_pending()
-        if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; probe must come before later steps, commit() and resume=")
+        self._refuse_closed(step, "probe")
         self._advance_to(step)
         rows = probe_update(model, optimizer, loss_fn, batch, max_grad_norm=max_grad_norm)
         self._finalize_pending()
@@ -655,6 +653,11 @@ class Recorder:
         watch = self._watch
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
+
+    def _refuse_closed(self, step: int, what: str) -> None:
+        """A step already written (closed by a later step, commit() or resume=) takes nothing more."""
+        if step <= self._closed_upto:
+            raise ValueError(f"step {step} was already written; {what} must come before later steps, commit() and resume=")
 
     def _observe_alarms(self, step: int) -> None:
         """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule.

@@ -71,10 +71,10 @@ def _step_of(rel: str) -> int | None:
     return None
 
 
-def resume(run_dir, rank: int, world_size: int, after: int) -> tuple[int, list[int]]:
+def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
     """Continue the run in ``run_dir`` after step ``after`` (>= 0). This rank's files of later steps
     are removed: a killed job's uncommitted leftovers, and the steps after a checkpoint that the
-    resumed job records again. Returns (after, the committed steps removed). Refused with one line: no
+    resumed job records again. Returns the committed steps removed. Refused with one line: no
     run there, a compacted run (its parts span steps), or ``after`` beyond the last committed step."""
     mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size)]
     if not mine:
@@ -91,4 +91,4 @@ def resume(run_dir, rank: int, world_size: int, after: int) -> tuple[int, list[i
         step = _step_of(rel)
         if step is not None and step > after and _owner(rel) == rank:
             run_dir.at(path).remove()
-    return after, sorted(s for s in committed if s is not None and s > after)
+    return sorted(s for s in committed if s is not None and s > after)

@@ -178,7 +178,7 @@ def _trainer_class():
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
                      erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=False, attribution=False,
-                     resume=False, **kwargs):
+                     resume=None, **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
