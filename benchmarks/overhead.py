@@ -15,13 +15,16 @@ file of one toy step written with and without fsync (file + directory), alternat
   python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
-The order of the modes rotates every step. Besides the pooled medians, the median of the per-step
-paired ratios full / off (the same step index: same model stage) is printed, with its 95% bootstrap
-interval.
+Every mode runs each step from the same saved state (weights, Adam state, sampling generator), so
+all modes train the same steps bit for bit (checked: the weights after each mode's step must be
+equal; a mismatch is printed); the order of the modes rotates every step. Besides the pooled
+medians, the median of the per-step paired ratios full / off (the same step from the same state) is
+printed, with its 95% bootstrap interval.
 Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
 import argparse
+import copy
 import os
 import statistics
 import tempfile
@@ -56,6 +59,26 @@ def fsync_cost(n: int, rows: int) -> tuple[float, float]:
                 write_tokens(Path(d), i, 0, int(fsync), arrs, fsync=fsync)
                 times[fsync].append(time.perf_counter() - t0)
     return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+
+
+def save_state(trainer: ToyTrainer) -> tuple:
+    """What a toy step reads and changes: the weights, the optimizer's state, the sampling generator."""
+    return ({k: v.clone() for k, v in trainer.model.state_dict().items()}, copy.deepcopy(trainer.opt.state_dict()),
+            trainer.gen.get_state())
+
+
+def fingerprint(trainer: ToyTrainer) -> bytes:
+    """The weights' bytes: equal after two modes' runs of a step iff they trained it identically."""
+    return b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())
+
+
+def restore_state(trainer: ToyTrainer, state: tuple) -> None:
+    weights, opt, gen = state
+    with torch.no_grad():
+        for k, v in trainer.model.state_dict().items():
+            v.copy_(weights[k])
+    trainer.opt.load_state_dict(copy.deepcopy(opt))
+    trainer.gen.set_state(gen)
 
 
 def median_ci(xs: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -96,15 +119,22 @@ def main() -> None:
         writer_cpu = {m: [] for m in modes}
         drain = {m: [] for m in modes}
         names = list(modes)
+        diverged = 0  # steps whose modes ended with different weights (the pairs would not be the same work)
         for i in range(a.steps + 2):  # two warm-up rounds
-            # the order of the modes rotates every step: no mode always runs right after another's
-            # writer work or always first after the rollout's allocations
+            state = save_state(trainer)
+            # every mode runs step i from the same state (weights, Adam moments, sampling generator):
+            # the same rollout, the same updates, bit for bit (the recorder never changes training), so a
+            # pair differs only by the recorder and the machine. The order of the modes rotates every step:
+            # no mode always runs first after the rollout's allocations or right after another's writer work
+            after: list = []
             for m in names[i % len(names):] + names[: i % len(names)]:
+                restore_state(trainer, state)
                 rec = modes[m]
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
                 t1, c1 = time.perf_counter(), time.thread_time()
+                after.append(fingerprint(trainer))
                 if rec:
                     rec._writer.drain()  # untimed: this recorder's handed-over work ends before the next mode
                 if i >= 2:
@@ -112,6 +142,7 @@ def main() -> None:
                     cpu[m].append(c1 - c0)
                     drain[m].append(time.perf_counter() - t1)
                     writer_cpu[m].append((rec._writer.cpu_seconds - w0) if rec else 0.0)
+            diverged += any(f != after[0] for f in after)
         for rec in modes.values():
             if rec:
                 rec.close()
@@ -119,6 +150,8 @@ def main() -> None:
     print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
           f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread nice {WRITER_NICE}, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"every mode trained each step from the same state: {a.steps + 2 - diverged} of {a.steps + 2} steps "
+          f"ended with identical weights in all modes")
     print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
           f"{'drain ms':>9}")
     for m in modes:
@@ -131,8 +164,9 @@ def main() -> None:
         plain, synced = fsync_cost(a.fsync_files, rows)
         print(f"token file of one step ({rows} rows): {plain:.2f} ms without fsync, {synced:.2f} ms with fsync "
               f"(file + directory), on the writer thread")
-    # paired: each step's full / off (the same step index, so the same model stage and batch sizes);
-    # their median is robust to drifts of the machine's speed that the pooled medians above are not
+    # paired: each step's full / off, both run from the same state (the same rollout and updates): the
+    # toy's step time moves by +-20% as training goes on (data-dependent kernels, e.g. exp in the far
+    # tail), which the pair cancels; their median is robust to drifts of the machine's speed too
     paired = [f / o for f, o in zip(wall["full"], wall["off"])]
     paired_cpu = [f / o for f, o in zip(cpu["full"], cpu["off"])]
     q = statistics.quantiles(paired, n=4)

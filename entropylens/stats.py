@@ -105,12 +105,16 @@ class _ChunkBuffers:
 
 def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
              sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None,
-             lse_lo_out: torch.Tensor | None = None):
+             lse_lo_out: torch.Tensor | None = None, split: bool = False):
     """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
     sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
     ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_sensitivity_from_sums`).
     ``lse_lo_out`` ([N] float32) receives lse's float32 rounding residual (:func:`_lse_residual`).
+    ``split`` (needs tokens; implied by ``sens_out``): S and sum_j e_j u_j are summed with the sampled
+    token's term split off (S = S_rest + e_a), as the sensitivity needs: the training pass always sums
+    this way, so its log-probs, entropies and gradients are the same bits with or without the
+    sensitivity (recording never changes training).
 
     Each chunk only writes its rows' sums over the vocabulary (reductions straight into [N] buffers);
     the arithmetic on those sums (logs, quotients, s) runs once over all N rows after the loop: the
@@ -118,6 +122,7 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     n, v = flat.shape
     dev = flat.device
     want_sens = sens_out is not None
+    split = (split or want_sens) and flat_tok is not None
     want_dot = want_entropy or want_sens
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     logp = torch.empty(n, dtype=torch.float32, device=dev) if flat_tok is not None else None
@@ -127,7 +132,7 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     # per-row sums: m the shift, u_a the sampled token's shifted logit (before the floor), S = sum_j e_j
     # (with the sensitivity: S_rest, j != a), dot = sum_j e_j u_j (dot_rest); the sensitivity's e_a,
     # R_rest = sum_{j != a} e_j^2 u_j and Q_rest = sum_{j != a} e_j^2
-    sums = torch.empty(7 if want_sens else 4, n, dtype=torch.float32, device=dev)
+    sums = torch.empty(7 if want_sens else 5 if split else 4, n, dtype=torch.float32, device=dev)
     m_all, ua_all, s_all, dot_all = sums[0], sums[1], sums[2], sums[3]
     buf = _ChunkBuffers(min(rows, n), v, dev, products=want_sens)
     for s in range(0, n, rows):
@@ -135,11 +140,14 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
         tok = None if flat_tok is None else flat_tok[s:e_]
         u, _, _ = buf.load(flat[s:e_], temperature, tok, m_all[s:e_], ua_all[s:e_])  # u: [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
-        if want_sens:
+        if split:
             idx = tok.unsqueeze(1)  # [c, 1]
             torch.gather(ex, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # e_a
             ex.scatter_(1, idx, 0.0)  # e_j for j != a
             torch.sum(ex, dim=-1, out=s_all[s:e_])  # S_rest
+            if not want_sens:
+                torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # dot_rest
+                continue
             prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
             torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
             torch.sum(prod.mul_(ex), dim=-1, out=sums[5, s:e_])  # R_rest   (reduction 1)
@@ -150,11 +158,14 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
             torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # sum_j e_j u_j
     if flat_tok is not None:
         ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
-    if want_sens:
+    if split:
         u_a = ua_all.clamp(min=_EXP_FLOOR)  # the floored u_a, as the chunk's u held it
-        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, u_a, *sums[4:],
+        rest = sums[5:] if want_sens else (None, None)
+        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, u_a, sums[4], *rest,
                                                                  dist_out is not None)
-        logp.copy_(lp), ent.copy_(h), lse.copy_(lse_), sens_out.copy_(sens)
+        logp.copy_(lp), ent.copy_(h), lse.copy_(lse_)
+        if want_sens:
+            sens_out.copy_(sens)
         if dist_out is not None:
             dist_out.copy_(dist)
     else:
@@ -171,15 +182,16 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
 
 
 def _sensitivity_from_sums(m: torch.Tensor, u_a_exact: torch.Tensor, s_rest: torch.Tensor, dot_rest: torch.Tensor,
-                           u_a: torch.Tensor, e_a: torch.Tensor, r_rest: torch.Tensor, q_rest: torch.Tensor,
-                           want_dist: bool = False):
+                           u_a: torch.Tensor, e_a: torch.Tensor, r_rest: torch.Tensor | None,
+                           q_rest: torch.Tensor | None, want_dist: bool = False):
     """(logp_a, H, lse, s, dist), each [N], from the per-row sums of the sensitivity pass (all [N]):
     m the shift, u_a_exact the sampled token's shifted logit before the floor (log p_a from it),
     S_rest = sum_{j != a} e_j, dot_rest = sum_{j != a} e_j u_j, u_a the floored one, e_a = exp(u_a),
     R_rest = sum_{j != a} e_j^2 u_j, Q_rest = sum_{j != a} e_j^2 (e = exp(u), u shifted and floored).
     dist (None unless ``want_dist``) is the one-hot distance ||e_a - p||_2 = sqrt(S_rest^2 + Q_rest) / S
     from the same sums: with (1 - p_a) = S_rest / S and sum_{j != a} p_j^2 = Q_rest / S^2 nothing
-    cancels as p_a -> 1.
+    cancels as p_a -> 1. Without R_rest and Q_rest (None: the training pass not recording) s is None and
+    logp_a, H and lse are the same bits as with them.
 
     With S = S_rest + e_a and mu = sum_j p_j u_j (so log p_j + H = u_j - mu):
         s = p_a (1 - p_a) (u_a - mu) - sum_{j != a} p_j^2 (u_j - mu)
@@ -190,8 +202,10 @@ def _sensitivity_from_sums(m: torch.Tensor, u_a_exact: torch.Tensor, s_rest: tor
     log_s = sumexp.log()
     mu = dot / sumexp
     # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest)
-    sens = torch.addcmul(torch.addcmul(r_rest.neg(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
-    dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
+    sens = dist = None
+    if r_rest is not None:
+        sens = torch.addcmul(torch.addcmul(r_rest.neg(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
+        dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
     return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist, log_s
 
 
@@ -235,7 +249,7 @@ class _LogprobEntropy(torch.autograd.Function):
         lse_lo = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
         logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True,
                                   sens_out=sens if want_sens else None, dist_out=dist if want_dist else None,
-                                  lse_lo_out=lse_lo)
+                                  lse_lo_out=lse_lo, split=True)  # the same bits with or without s
         ctx.save_for_backward(logits, flat_tok, lse, ent, lse_lo)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work
         ctx.mark_non_differentiable(sens, dist)
