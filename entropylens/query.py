@@ -100,6 +100,7 @@ def run_row(info: dict, run_id: str, path: str) -> dict:
         "started_at": info.get("started_at"),
         "heartbeat_at": info.get("heartbeat_at"),
         "schema_version": info.get("schema_version"),
+        "resumes": len(info.get("resumed") or []),
         "path": path,
     }
 

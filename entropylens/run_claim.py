@@ -91,4 +91,31 @@ def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
         step = _step_of(rel)
         if step is not None and step > after and _owner(rel) == rank:
             run_dir.at(path).remove()
+    _remove_leftovers(run_dir, rank, after)
     return sorted(s for s in committed if s is not None and s > after)
+
+
+def _remove_leftovers(run_dir, rank: int, after: int) -> None:
+    """Local runs: the killed job's hidden temporaries of this rank (a file it was writing when killed:
+    ``.NAME.PID.TID.tmp``, never read) and this rank's directories of steps > ``after`` left empty.
+    Object stores have neither (a file appears whole in one PUT; no directories)."""
+    if run_dir.remote:
+        return
+    import os
+
+    for dirpath, dirnames, filenames in os.walk(run_dir.path, topdown=False):
+        rel = posixpath.relpath(dirpath.replace(os.sep, "/"), run_dir.path.replace(os.sep, "/"))
+        if _owner(rel) != rank:
+            continue
+        for f in filenames:
+            if f.startswith(".") and f.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(dirpath, f))
+                except FileNotFoundError:
+                    pass
+        step = _step_of(rel)
+        if step is not None and step > after and rel.split("/")[-1] == f"rank={rank}":
+            try:
+                os.rmdir(dirpath)  # only if empty
+            except OSError:
+                pass

@@ -64,10 +64,11 @@ RUNS: tuple[Column, ...] = (
     _c("eps_high", "float64", "clip range, high side"),
     _c("tau", "float64", "HP / LP threshold on the sampling probability"),
     _c("sample", "float64", "token-row keep fraction (steps aggregates always cover all tokens)"),
-    _c("status", "string", "running / finished / failed"),
+    _c("status", "string", "running / finished / failed (stale: running, but its heartbeat stopped)"),
     _c("started_at", "string", "start time, ISO 8601 UTC"),
     _c("heartbeat_at", "string", "last heartbeat, ISO 8601 UTC"),
     _c("schema_version", "int32", "SCHEMA_VERSION the run was written with"),
+    _c("resumes", "int32", "times a job resumed the run (Recorder(resume=K)); run.json lists each one's step and time"),
 )
 
 _STEP_KEYS: tuple[Column, ...] = (

@@ -125,6 +125,12 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     from record_child import one_update
 
     gen = torch.Generator().manual_seed(5)
+    # what a job killed while writing leaves: a hidden temporary (of a later step, and of a kept step)
+    leftover = tmp_path / "k" / "tokens" / "step=90" / "rank=0"
+    leftover.mkdir(parents=True)
+    (leftover / ".update-0.parquet.123.456.tmp").write_bytes(b"PAR1 half a file")
+    kept_tmp = tmp_path / "k" / "steps" / "step=0" / "rank=0" / ".steps.parquet.123.456.tmp"
+    kept_tmp.write_bytes(b"PAR1")
     last = con.execute("SELECT max(step) FROM steps").fetchone()[0]  # the child committed more than step 1
     assert last >= 2
     with pytest.warns(UserWarning, match=rf"resume=1 removed {last - 1} committed step\(s\) of run 'k' \(rank 0\): "
@@ -148,6 +154,9 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     assert info["status"] == "finished" and info["started_at"] == started
     assert info["method"] == "grpo" and info["config"]["method"] == "grpo" and info["loss"]["method"] == "grpo"
     assert [r["after_step"] for r in info["resumed"]] == [1]
+    assert con.execute("SELECT resumes FROM runs WHERE run = 'k'").fetchone() == (1,)
+    assert not leftover.exists() and not kept_tmp.exists()  # temporaries and the later step's empty dir removed
+    assert (tmp_path / "k" / "steps" / "step=0" / "rank=0" / "steps.parquet").exists()
 
 
 def _free_port() -> int:
