@@ -151,7 +151,7 @@ def main() -> None:
           f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread nice {WRITER_NICE}, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"every mode trained each step from the same state: {a.steps + 2 - diverged} of {a.steps + 2} steps "
-          f"ended with identical weights in all modes")
+          f"({a.steps} measured, 2 warm-up rounds) ended with identical weights in all modes")
     print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
           f"{'drain ms':>9}")
     for m in modes:

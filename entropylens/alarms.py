@@ -17,7 +17,9 @@ Rules (name: what fires, default threshold, CLI flag):
   erc_drop_rate    ERC drop fraction outside [erc_drop_min, erc_drop_max]  0.001 / 0.5
 Entropy is the rollout policy's (old_entropy), else the updated one; the initial entropy is the mean
 over the first ``baseline`` steps (default 3). The rolling median is over the previous ``window``
-steps (default 20) and needs 5 of them; a zero median never fires.
+steps (default 20) and needs 5 of them; a zero median never fires. The ERC drop fraction's low side
+counts from the step after the first ``baseline`` steps with ERC (the run starts on its rollout policy,
+where ERC has nothing to drop yet); its high side from the first.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Monitor:
     _first: list = field(default_factory=list)
     _hist: dict = field(default_factory=dict)
     _neg: int = 0
+    _erc_steps: int = 0  # steps seen with an ERC drop fraction
     _active: set = field(default_factory=set)
 
     def _spike(self, key: str, value: float | None, factor: float) -> tuple[bool, float]:
@@ -131,8 +134,12 @@ class Monitor:
             if fired:
                 hits[rule] = (v, thr)
         erc = _num(row, "erc_drop_frac")
-        if erc is not None and not t.erc_drop_min <= erc <= t.erc_drop_max:
-            hits["erc_drop_rate"] = (erc, t.erc_drop_min if erc < t.erc_drop_min else t.erc_drop_max)
+        if erc is not None:
+            self._erc_steps += 1
+            if erc > t.erc_drop_max:
+                hits["erc_drop_rate"] = (erc, t.erc_drop_max)
+            elif erc < t.erc_drop_min and self._erc_steps > t.baseline:  # not while the run starts on-policy
+                hits["erc_drop_rate"] = (erc, t.erc_drop_min)
         new = [Finding(self.run, int(step), r, v, thr) for r, (v, thr) in hits.items() if r not in self._active]
         self._active = set(hits)
         return sorted(new, key=lambda f: RULES.index(f.rule))

@@ -54,6 +54,10 @@ def test_spikes_against_the_rolling_median():
 def test_erc_drop_rate_range_and_one_line_per_finding():
     found = _feed([{"erc_drop_frac": x} for x in (0.2, 0.6, 0.7, 0.2, 0.0)])
     assert [(f.step, f.rule, f.threshold) for f in found] == [(1, "erc_drop_rate", 0.5), (4, "erc_drop_rate", 0.001)]
+    # nothing dropped in the first 3 (baseline) steps is the run starting on its rollout policy, not an alarm;
+    # from the 4th step on it is (a band so wide that ERC does nothing)
+    early = _feed([{"erc_drop_frac": x} for x in (0.0, 0.0, 0.0, 0.05, 0.0)])
+    assert [(f.step, f.rule, f.value) for f in early] == [(4, "erc_drop_rate", 0.0)]
     assert found[0].line() == "run=r step=1 rule=erc_drop_rate value=0.6 threshold=0.5"
     df = pd.DataFrame({"run": ["b", "a", "a"], "step": [0, 1, 0], "erc_drop_frac": [0.9, 0.9, 0.2]})
     assert [(f.run, f.step) for f in evaluate(df)] == [("a", 1), ("b", 0)]

@@ -48,6 +48,23 @@ def test_install_layout(tmp_path, editable):
         assert "/site-packages/entropylens/cli/" in out["entropylens.cli"]
 
 
+def test_python_started_in_the_repository_root_has_the_cli_and_the_analyses():
+    """New-user trial: `python` in the repository root (where the README's install leaves you) imports the
+    checkout's entropylens/ folder, which lacked entropylens.cli and entropylens.analyses (pyproject maps
+    the top-level cli/ and analyses/ into the package only in an install): run_analysis raised
+    ModuleNotFoundError. The checkout's own folders now serve those two names."""
+    probe = PROBE.replace("sp = site.getsitepackages()[0]\nout[\"site\"] = sorted(os.listdir(sp))\n", "")
+    probe = probe.replace("print(json.dumps(out))\n", "import entropylens\nprint(json.dumps({**out, 'file': entropylens.__file__}))\n")
+    # -S: no site-packages, so no install (an editable one has a finder of its own) can answer for the checkout
+    res = subprocess.run([sys.executable, "-S", "-c", probe], check=True, cwd=ROOT, capture_output=True, text=True)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["file"] == str(ROOT / "entropylens" / "__init__.py")  # the checkout, not an install
+    assert out["entropylens.cli.main"] == str(ROOT / "cli" / "main.py")
+    assert out["entropylens.analyses"] == str(ROOT / "analyses" / "__init__.py")
+    assert out["sql"] == sorted(p.name for p in (ROOT / "analyses").glob("*.sql"))
+    assert out["cli"] is not None  # (the repository root is on sys.path, so its own cli/ is importable as such)
+
+
 def test_every_runtime_dependency_is_imported():
     """New-user trial: polars and seaborn were installed for every user though nothing imported them.
     Each entry of [project].dependencies must be imported by the package's own sources."""
