@@ -217,9 +217,14 @@ def clipped_prob(df, taus=None) -> str:
 _LAW = {"PA&HP": -1, "PA&LP": 1, "NA&HP": 1, "NA&LP": -1}  # covariance-law sign of each quadrant's effect
 
 
+NO_ATTRIBUTION = ("No entropy attribution recorded: policy_update records it with a recorder; TRL: "
+                  "EntropyLensGRPOTrainer(..., attribution=True); by hand: record_update(..., "
+                  "entropy_sensitivity=...); verl does not record it.")
+
+
 def entropy_budget(df, taus=None) -> str:
     if df.empty or df["effect"].isna().all():
-        return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
+        return NO_ATTRIBUTION
     tot = df.groupby("quadrant")["effect"].sum()
     agree = [q for q in _LAW if q in tot and (tot[q] > 0) == (_LAW[q] > 0) and tot[q] != 0]
     steps = df.drop_duplicates(["run", "step"])
@@ -233,7 +238,7 @@ def entropy_budget(df, taus=None) -> str:
 
 def clipping_removed(df, taus=None) -> str:
     if df.empty or df["dropped"].isna().all():
-        return "No entropy attribution recorded (record_update(..., entropy_sensitivity=...))."
+        return NO_ATTRIBUTION
     d = df.groupby("quadrant")["dropped"].sum()
     total = sum(abs(d.get(q, 0.0)) for q in _LAW)
     if total == 0:

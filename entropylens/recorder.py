@@ -228,9 +228,9 @@ class Recorder:
             self.eps_low, self.eps_high = _run_level_eps(self.config)
             removed = run_claim.resume(self.dir, self.rank, self.world_size, self._resumed_after)
             if removed:
-                warnings.warn(f"entropylens: resume={int(resume)} removed {len(removed)} committed step(s) of run "
-                              f"{run!r} (rank {self.rank}): {_step_list(removed)}; the resumed job records them again",
-                              stacklevel=2)
+                warnings.warn(f"entropylens: resume={int(resume)} removed {len(removed)} complete step(s) of run "
+                              f"{run!r} (rank {self.rank}) recorded after step {int(resume)}: {_step_list(removed)}; "
+                              "the resumed job records them again", stacklevel=2)
         else:
             run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
         self._salt = tokenbatch.run_hash(run)

@@ -55,8 +55,9 @@ def claim(run_dir, rank: int, world_size: int, overwrite: bool) -> int:
     if not overwrite:
         shown = ", ".join(posixpath.relpath(p, run_dir.path) for p in old[:2]) + (", ..." if len(old) > 2 else "")
         raise RunExistsError(
-            f"{run_dir} already holds a run ({len(old)} file(s): {shown}); pass overwrite=True "
-            "(CLI: --overwrite) to replace it, or another run id (the default id is new each time)"
+            f"{run_dir} already holds a run ({len(old)} file(s): {shown}); pass resume=K to continue it after "
+            "its step K (a checkpoint's last step), overwrite=True (CLI: --overwrite) to replace it (its files are "
+            "deleted), or another run id (the default id is new each time)"
         )
     for p in old:
         run_dir.at(p).remove()

@@ -59,7 +59,7 @@ def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32, attributi
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default="entropylens-runs")
     ap.add_argument("--loss", default=None, help="an entropylens loss (ce_gppo, gppo, dapo, ...); default TRL's")
     ap.add_argument("--steps", type=int, default=3)

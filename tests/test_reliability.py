@@ -133,7 +133,8 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     kept_tmp.write_bytes(b"PAR1")
     last = con.execute("SELECT max(step) FROM steps").fetchone()[0]  # the child committed more than step 1
     assert last >= 2
-    with pytest.warns(UserWarning, match=rf"resume=1 removed {last - 1} committed step\(s\) of run 'k' \(rank 0\): "
+    with pytest.warns(UserWarning, match=rf"resume=1 removed {last - 1} complete step\(s\) of run 'k' \(rank 0\) "
+                                         rf"recorded after step 1: "
                                          rf"{2 if last == 2 else f'2, 3' if last == 3 else f'2-{last}'}; the resumed job"):
         rec = Recorder(tmp_path, run="k", resume=1)  # no config: the run keeps the first job's
     with rec:

@@ -178,20 +178,32 @@ def test_trl_checkpoint_commits_the_recorded_steps(tmp_path, monkeypatch):
 
 
 def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
-    # 2 steps with a checkpoint at 2, then a new trainer resumes from checkpoint-2 into the same run with
-    # resume=1 and trains to step 3: steps 0-2 once each, the first job's rows of 0-1 kept as they were
-    first = trl_tiny.trainer(tmp_path, "res", max_steps=2, save_strategy="steps", save_steps=2)
+    # 4 steps with checkpoints at 2 and 4, then a new trainer resumes from checkpoint-2 into the same run
+    # (resume=<that checkpoint>: its steps 0-1) and trains to step 3: steps 0-2 once each, the first job's
+    # rows of 0-1 kept as they were, its step 3 removed
+    first = trl_tiny.trainer(tmp_path, "res", max_steps=4, save_strategy="steps", save_steps=2)
     first.train()
     con = connect(tmp_path / "res")
-    kept = con.execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()
-    assert sorted({r[0] for r in kept}) == [0, 1]
-    second = trl_tiny.trainer(tmp_path, "res", max_steps=3, save_strategy="no", el=dict(resume=1))
-    second.train(resume_from_checkpoint=str(tmp_path / ".trl" / "checkpoint-2"))
+    kept = con.execute('SELECT step, "update", n_tokens, grad_norm FROM steps WHERE step <= 1 ORDER BY ALL').fetchall()
+    assert sorted({r[0] for r in con.execute("SELECT step FROM steps").fetchall()}) == [0, 1, 2, 3]
+    ckpt = tmp_path / ".trl" / "checkpoint-2"
+    # new-user trial: an off-by-one resume= recorded a step twice or lost steps; refused before any file goes
+    with pytest.raises(ValueError, match=r"resume=2: no checkpoint in .* ends at step 2 \(checkpoint-2: steps 0-1, "
+                                         r"checkpoint-4: steps 0-3\)"):
+        trl_tiny.trainer(tmp_path, "res", max_steps=3, el=dict(resume=2))
+    wrong = trl_tiny.trainer(tmp_path, "res", max_steps=3, el=dict(resume=3))  # checkpoint-4's: nothing removed
+    with pytest.raises(ValueError, match=r"resume=3 but .*checkpoint-2 holds steps 0-1: build the trainer with resume=1"):
+        wrong.train(resume_from_checkpoint=str(ckpt))
+    assert con.execute("SELECT count(DISTINCT step) FROM steps").fetchone() == (4,)  # nothing lost
+    with pytest.warns(UserWarning, match=r"removed 2 complete step\(s\) .* recorded after step 1: 2, 3"):
+        second = trl_tiny.trainer(tmp_path, "res", max_steps=3, save_strategy="no", el=dict(resume=str(ckpt)))
+    second.train(resume_from_checkpoint=str(ckpt))
     rows = connect(tmp_path / "res").execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()
     assert [r for r in rows if r[0] <= 1] == kept
     assert sorted({r[0] for r in rows}) == [0, 1, 2]
     info = json.loads((tmp_path / "res" / "run.json").read_text())
-    assert [r["after_step"] for r in info["resumed"]] == [1] and info["status"] == "finished"
+    # each job that resumed the run is listed, the refused one (after step 3, which recorded nothing) too
+    assert [r["after_step"] for r in info["resumed"]] == [3, 1] and info["status"] == "finished"
 
 
 @pytest.mark.parametrize("loss", [None, "ce_gppo"])

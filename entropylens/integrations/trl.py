@@ -31,7 +31,9 @@ What it changes in TRL (private methods, hence the version check):
 - Each checkpoint TRL saves commits the recorded steps (``Recorder.commit``: their files are on disk
   when ``on_save`` returns), so a job killed after a checkpoint loses none of the steps before it.
   Resuming from ``checkpoint-N`` (``trainer.train(resume_from_checkpoint=...)``): pass the same ``run``
-  and ``resume=N - 1`` (steps are TRL's optimizer steps from 0): the run continues after step N - 1.
+  and ``resume=".../checkpoint-N"`` (the checkpoint's directory: its trainer_state.json says N), or
+  ``resume=N - 1`` (steps are TRL's optimizer steps from 0): the run continues after step N - 1. ``train``
+  refuses, before training, a checkpoint that is not the one ``resume`` named.
 
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
 backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
@@ -104,6 +106,40 @@ def unsupported_trl_options(args, aux_loss_enabled: bool = False) -> list[str]:
     if aux_loss_enabled:
         out.append(f"router_aux_loss_coef={getattr(args, 'router_aux_loss_coef', None)} (the MoE router aux loss)")
     return out
+
+
+def checkpoint_last_step(path) -> int:
+    """The last step a TRL checkpoint directory holds: its trainer_state.json's ``global_step`` N
+    (optimizer steps done) covers steps 0..N-1."""
+    import json
+    from pathlib import Path
+
+    try:
+        n = int(json.loads((Path(path) / "trainer_state.json").read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"resume={str(path)!r} is not a TRL checkpoint directory (no trainer_state.json with a "
+                         f"global_step: {type(e).__name__}: {e})") from None
+    if n < 1:
+        raise ValueError(f"resume={str(path)!r}: the checkpoint holds no step (global_step {n})")
+    return n - 1
+
+
+def _check_resume_step(resume: int, output_dir) -> None:
+    """``resume=K`` must be the last step of a checkpoint: where ``output_dir`` holds checkpoints and none
+    ends at step K, refuse (an off-by-one K would remove recorded steps the checkpoint covers, or keep
+    one the resumed job records again)."""
+    from pathlib import Path
+
+    ends = {}
+    for d in sorted(Path(output_dir).glob("checkpoint-*")) if output_dir else []:
+        try:
+            ends[d.name] = checkpoint_last_step(d)
+        except ValueError:
+            continue
+    if ends and resume not in ends.values():
+        listed = ", ".join(f"{name}: steps 0-{last}" for name, last in sorted(ends.items(), key=lambda kv: kv[1]))
+        raise ValueError(f"resume={resume}: no checkpoint in {output_dir} ends at step {resume} ({listed}); pass "
+                         "resume=<the checkpoint's directory> (or its last step)")
 
 
 def _refuse(loss: str, options: list[str]) -> None:
@@ -204,6 +240,11 @@ def _trainer_class():
                 "temperature": self.temperature, "kl_beta": self.beta, "attribution": bool(attribution),
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
             }
+            if resume is not None and not isinstance(resume, int):  # a checkpoint directory: its last step
+                resume = checkpoint_last_step(resume)
+            elif resume is not None:  # before the recorder removes the steps after it
+                _check_resume_step(resume, self.args.output_dir)
+            self._el_resume = resume
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
                                      rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
                                      resume=resume)
@@ -267,12 +308,29 @@ def _trainer_class():
         # -- training entry: the recorder's status follows the run ---------------------------------
         def train(self, *args, **kwargs):
             try:
+                self._el_check_resume(kwargs.get("resume_from_checkpoint", args[0] if args else None))
                 out = super().train(*args, **kwargs)
             except BaseException:
                 self.recorder.close(status="failed", _raise=False)
                 raise
             self.recorder.close()
             return out
+
+        def _el_check_resume(self, checkpoint) -> None:
+            """A resumed run must continue after the checkpoint's last step: an off-by-one ``resume=`` would
+            record a step twice (too high) or leave steps missing (too low), so it is refused here."""
+            if self._el_resume is None or not checkpoint:
+                return
+            if checkpoint is True:  # TRL's own choice: the last checkpoint in output_dir
+                from transformers.trainer_utils import get_last_checkpoint
+
+                checkpoint = get_last_checkpoint(self.args.output_dir)
+                if checkpoint is None:
+                    return  # TRL raises its own error
+            last = checkpoint_last_step(checkpoint)
+            if last != self._el_resume:
+                raise ValueError(f"resume={self._el_resume} but {checkpoint} holds steps 0-{last}: build the trainer "
+                                 f"with resume={last} (or resume={str(checkpoint)!r})")
 
         # -- log-probs, entropies and sum p^2 from TRL's fused head ---------------------------------
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
