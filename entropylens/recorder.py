@@ -146,8 +146,8 @@ class Recorder:
     same ``run=``) after step K, the last step of the checkpoint the job resumes from: this rank's files
     of later steps are removed (a warning counts the committed ones: the resumed job records them
     again), recording starts after K, run.json keeps the first job's config (a different method is
-    refused), start and loss settings and lists each resume. A compacted run cannot be resumed. With
-    several ranks pass the same K to every rank.
+    refused), start and loss settings and lists each resume. Compacted steps must lie at or before K.
+    With several ranks pass the same K to every rank.
     """
 
     def __init__(

@@ -14,6 +14,7 @@ import re
 
 _RANK = re.compile(r"^rank=(\d+)$|^rank-(\d+)\.json$")
 _STEP = re.compile(r"^step=(\d+)$")
+_COMPACTED_COMMIT = re.compile(r"^compacted/steps/steps-(\d+)-(\d+)\.parquet$")  # compact.py's commit of LO..HI
 
 
 class RunExistsError(ValueError):
@@ -36,10 +37,11 @@ def _owner(rel: str) -> int | None:
     return None
 
 
-def old_files(run_dir, rank: int, world_size: int) -> list[str]:
-    """Files under ``run_dir`` (a storage.Location) that an earlier run left for this rank to own."""
+def old_files(run_dir, rank: int, world_size: int, listing: "list[str] | None" = None) -> list[str]:
+    """Files under ``run_dir`` (a storage.Location) that an earlier run left for this rank to own
+    (``listing``: run_dir's files, when the caller has listed them already)."""
     out = []
-    for path in sorted(run_dir.files()):
+    for path in sorted(run_dir.files()) if listing is None else listing:
         owner = _owner(posixpath.relpath(path, run_dir.path))
         if owner == rank or (rank == 0 and (owner is None or owner >= world_size)):
             out.append(path)
@@ -75,16 +77,24 @@ def _step_of(rel: str) -> int | None:
 def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
     """Continue the run in ``run_dir`` after step ``after`` (>= 0). This rank's files of later steps
     are removed: a killed job's uncommitted leftovers, and the steps after a checkpoint that the
-    resumed job records again. Returns the committed steps removed. Refused with one line: no
-    run there, a compacted run (its parts span steps), or ``after`` beyond the last committed step."""
-    mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size)]
-    if not mine:
+    resumed job records again. Returns the committed steps removed. Compacted steps (entropylens
+    compact, whose parts span steps and ranks) must all lie at or before ``after``: they stay as they
+    are. Refused with one line: no run there, compacted steps after ``after``, or ``after`` beyond the
+    last committed step."""
+    listing = sorted(run_dir.files())
+    mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size, listing)]
+    compacted = [(int(m.group(1)), int(m.group(2))) for p in listing
+                 if (m := _COMPACTED_COMMIT.match(posixpath.relpath(p, run_dir.path)))]
+    if not mine and not compacted:
         raise ValueError(f"resume: {run_dir} holds no run to resume (no files of rank {rank})")
-    if any(rel.startswith("compacted/") or rel == "compacted" for _, rel in mine):
-        raise ValueError(f"resume: {run_dir} was compacted (entropylens compact); a compacted run cannot be resumed")
+    if compacted and max(hi for _, hi in compacted) > after:
+        lo, hi = max(compacted, key=lambda r: r[1])
+        raise ValueError(f"resume={after}: steps {lo}-{hi} of {run_dir} were compacted (entropylens compact) and "
+                         f"reach past step {after}; compacted steps cannot be removed: resume after step {hi} or "
+                         "later, or continue into a new run id")
     committed = [_step_of(rel) for _, rel in mine
                  if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
-    last = max((s for s in committed if s is not None), default=-1)
+    last = max([s for s in committed if s is not None] + [hi for _, hi in compacted], default=-1)
     if after > last:
         raise ValueError(f"resume={after}: step {after} of rank {rank} was never committed in {run_dir} "
                          f"(its last committed step is {last})")

@@ -160,6 +160,41 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     assert (tmp_path / "k" / "steps" / "step=0" / "rank=0" / "steps.parquet").exists()
 
 
+def test_a_run_compacted_while_it_trained_resumes_after_its_compacted_steps(tmp_path):
+    """New-user trial: one `entropylens compact` of a live or killed run made it unresumable. Compacted steps
+    stay (their parts span steps and ranks); resuming after them removes only later, uncompacted steps."""
+    import pytest
+    import torch
+
+    from entropylens import Recorder
+    from entropylens.compact import compact
+
+    sys.path.insert(0, str(CHILD.parent))
+    from record_child import one_update
+
+    gen = torch.Generator().manual_seed(3)
+    rec = Recorder(tmp_path, run="c", config={"method": "grpo"})
+    for step in range(4):
+        one_update(rec, step, 0, 4, 8, 20, gen)
+    rec.commit()  # steps 0-3 on disk; the job goes on (status running)
+    (done,) = compact(tmp_path, grace_s=0)
+    assert done.steps == (0, 3)  # the final steps of a live run: every rank committed them
+    rec.close(status="failed", _raise=False)  # then it fails (as a trainer's crash handler closes it)
+    with pytest.raises(ValueError, match=r"resume=1: steps 0-3 of .* were compacted .* reach past step 1; "
+                                         r"compacted steps cannot be removed: resume after step 3 or later"):
+        Recorder(tmp_path, run="c", resume=1)
+    before = connect(tmp_path).execute("SELECT step, n_tokens FROM steps ORDER BY step").fetchall()
+    with Recorder(tmp_path, run="c", resume=3) as again:
+        for step in (4, 5):
+            one_update(again, step, 0, 4, 8, 20, gen)
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, n_tokens FROM steps WHERE step <= 3 ORDER BY step").fetchall() == before
+    per_step = con.execute("SELECT step, count(*), sum(n_tokens) FROM steps GROUP BY step ORDER BY step").fetchall()
+    assert [(s, n) for s, n, _ in per_step] == [(k, 1) for k in range(6)]
+    for step, _, n_tokens in per_step:
+        assert con.execute("SELECT count(*) FROM tokens WHERE step = ?", [step]).fetchone() == (n_tokens,)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
