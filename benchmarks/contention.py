@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import median_ci, restore_state, save_state  # noqa: E402
+from overhead import median_ci  # noqa: E402
 
 from entropylens.toy import config_for  # noqa: E402
 from entropylens.toy.train import ToyTrainer  # noqa: E402
@@ -90,9 +90,9 @@ def main() -> None:
     names = list(burners)
     wall = {m: [] for m in names}
     for i in range(a.steps + 2):  # two warm-up rounds
-        state = save_state(trainer)
+        state = trainer.state()
         for m in names[i % len(names):] + names[: i % len(names)]:
-            restore_state(trainer, state)
+            trainer.load_state(state)
             burner = burners[m]
             if burner:
                 burner.start()

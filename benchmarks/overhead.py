@@ -24,7 +24,6 @@ Last line: overhead_ratio=<full-recording median / off median (wall)>
 """
 
 import argparse
-import copy
 import os
 import statistics
 import tempfile
@@ -61,24 +60,9 @@ def fsync_cost(n: int, rows: int) -> tuple[float, float]:
     return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
 
 
-def save_state(trainer: ToyTrainer) -> tuple:
-    """What a toy step reads and changes: the weights, the optimizer's state, the sampling generator."""
-    return ({k: v.clone() for k, v in trainer.model.state_dict().items()}, copy.deepcopy(trainer.opt.state_dict()),
-            trainer.gen.get_state())
-
-
 def fingerprint(trainer: ToyTrainer) -> bytes:
     """The weights' bytes: equal after two modes' runs of a step iff they trained it identically."""
     return b"".join(p.detach().numpy().tobytes() for p in trainer.model.parameters())
-
-
-def restore_state(trainer: ToyTrainer, state: tuple) -> None:
-    weights, opt, gen = state
-    with torch.no_grad():
-        for k, v in trainer.model.state_dict().items():
-            v.copy_(weights[k])
-    trainer.opt.load_state_dict(copy.deepcopy(opt))
-    trainer.gen.set_state(gen)
 
 
 def median_ci(xs: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -121,14 +105,14 @@ def main() -> None:
         names = list(modes)
         diverged = 0  # steps whose modes ended with different weights (the pairs would not be the same work)
         for i in range(a.steps + 2):  # two warm-up rounds
-            state = save_state(trainer)
+            state = trainer.state()
             # every mode runs step i from the same state (weights, Adam moments, sampling generator):
             # the same rollout, the same updates, bit for bit (the recorder never changes training), so a
             # pair differs only by the recorder and the machine. The order of the modes rotates every step:
             # no mode always runs first after the rollout's allocations or right after another's writer work
             after: list = []
             for m in names[i % len(names):] + names[: i % len(names)]:
-                restore_state(trainer, state)
+                trainer.load_state(state)
                 rec = modes[m]
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()

@@ -57,20 +57,6 @@ def test_head_pass_is_the_same_bits_with_the_sensitivity():
         assert torch.equal(a, b)
 
 
-def _state(trainer: ToyTrainer) -> tuple:
-    return ({k: v.clone() for k, v in trainer.model.state_dict().items()}, trainer.opt.state_dict(),
-            trainer.gen.get_state())
-
-
-def _restore(trainer: ToyTrainer, state: tuple) -> None:
-    import copy
-
-    weights, opt, gen = state
-    trainer.model.load_state_dict(weights)
-    trainer.opt.load_state_dict(copy.deepcopy(opt))
-    trainer.gen.set_state(gen)
-
-
 @pytest.mark.parametrize("method,kw", [
     ("grpo", {}),
     ("ce_gppo", {"beta1": 0.5, "beta2": 1.0, "erc": (0.95, 1.05)}),
@@ -84,10 +70,10 @@ def test_toy_steps_train_the_same_weights_with_and_without_the_recorder(tmp_path
     with torch.no_grad():
         for p in trainer.model.parameters():  # away from the warm start's exact values
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.01)
-    start = _state(trainer)
+    start = trainer.state()
     weights = []
     for record in (False, True):
-        _restore(trainer, start)
+        trainer.load_state(start)
         rec = Recorder(tmp_path, run=f"{method}-{record}", config={"method": method}) if record else None
         for step in range(2):
             trainer.rl_step(step, rec)

@@ -121,6 +121,20 @@ class ToyTrainer:
                             dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef,
                             tau=cfg.tau)
 
+    def state(self) -> tuple:
+        """A copy of what a step reads and changes: the weights, the optimizer's state and the sampling
+        generator (:meth:`load_state` puts it back: the next step is then the same, bit for bit)."""
+        return ({k: v.clone() for k, v in self.model.state_dict().items()}, copy.deepcopy(self.opt.state_dict()),
+                self.gen.get_state())
+
+    def load_state(self, state: tuple) -> None:
+        weights, opt, gen = state
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(weights[k])
+        self.opt.load_state_dict(copy.deepcopy(opt))
+        self.gen.set_state(gen)
+
     def _probed_update(self, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1) -> None:
         """Update u of a probe step through Recorder.probe (the same real update, measured)."""
         fn = _probe_update_fn(self, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
