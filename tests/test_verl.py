@@ -70,6 +70,10 @@ def test_loss_function_with_real_verl_objects_records_rows(verl_python):
     run_checks(verl_python, "records_every_token")
 
 
+def test_checkpoints_commit_and_a_killed_job_resumes_its_run(verl_python):
+    run_checks(verl_python, "checkpoint_commits or resume_plan")
+
+
 def test_documented_verl_command_lines_compose(verl_python):
     run_checks(verl_python, "documented_command_lines")
 

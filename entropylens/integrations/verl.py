@@ -21,7 +21,10 @@ importing this module registers the losses. Three layers, each usable alone:
    run id once on the driver, writes an int64 sample id and the step into every sample of the batch
    (mini-batches are shuffled and dynamic batch sizing reorders rows: row position is never used),
    makes sure the old-policy entropy reaches the loss function (and computes it where verl did not),
-   asks the engine for ``sum_pi_squared``, and logs our aggregates as ``entropylens/...``.
+   asks the engine for ``sum_pi_squared``, and logs our aggregates as ``entropylens/...``. At each
+   checkpoint it commits every worker's recorded steps and leaves ``entropylens.json`` (the run, the
+   step, the next sample id) in the checkpoint folder; a job resumed from that checkpoint continues
+   the run after its step (:func:`resume_plan`).
 
 Aggregation: verl normalises each micro-batch's loss by GLOBAL counts (``agg_loss``: dp_size,
 batch_num_tokens, global_batch_size, loss_scale_factor). With n local tokens (B' local sequences with
@@ -41,8 +44,11 @@ Recorded when the loss has no entropy bonus and no KL term (otherwise that ident
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import math
+import os
 import secrets
 import warnings
 from dataclasses import dataclass
@@ -274,6 +280,13 @@ def close_recorders(status: str = "finished") -> None:
         rec.close(status=status, _raise=False)
 
 
+def commit_recorders() -> None:
+    """Commit this process's recorders (:meth:`Recorder.commit`): every step they recorded is in whole
+    files on disk when this returns, so a job killed later has lost none of them."""
+    for rec in _RECORDERS.values():
+        rec.commit()
+
+
 def dp_rank(dp_group) -> tuple[int, int, bool]:
     """(rank in the data-parallel group, its size, whether this process records). Model-parallel peers
     (Ulysses SP, TP) hold the same micro-batch: only the dp group that contains global rank 0 records,
@@ -311,11 +324,16 @@ class EntropyLensLoss:
     config: the ActorConfig as verl's worker builds it (``omega_conf_to_dataclass(actor)``); its
     ``policy_loss`` is an :class:`EntropyLensLossConfig` (or carries the same fields).
     run: the run id agreed once (the trainer picks it on the driver); None with recording: rank 0 of
-    the recording dp group broadcasts one. ``closing=True``: unpickling this object on a worker
-    closes that worker's recorders (how the trainer flushes the last step on every rank).
+    the recording dp group broadcasts one. resume: the step a resumed job continues after (the verl
+    checkpoint's global step; ``Recorder(resume=...)``: the run's steps after it are removed and
+    recorded again). ``closing=True``: unpickling this object on a worker closes that worker's
+    recorders (how the trainer flushes the last step on every rank); ``committing=True``: unpickling it
+    commits them (how the trainer commits every rank's steps at a checkpoint), and it is then the
+    worker's loss function as before.
     """
 
-    def __init__(self, config, *, run: str | None = None, closing: bool = False):
+    def __init__(self, config, *, run: str | None = None, closing: bool = False, resume: int | None = None,
+                 committing: bool = False):
         self.config = config
         pl = config.policy_loss
         self.method = method_of(pl.loss_mode)
@@ -329,6 +347,8 @@ class EntropyLensLoss:
         self.sample = float(_pl_get(config, "sample", 1.0))
         self.tau = float(_pl_get(config, "tau", 0.5))
         self.closing = closing
+        self.committing = committing
+        self.resume = resume
         self._update: dict[int, int] = {}
         self._warned: set[str] = set()
 
@@ -340,6 +360,17 @@ class EntropyLensLoss:
         self.__dict__.update(state)
         if self.closing:
             close_recorders(getattr(self, "status", "finished"))
+        elif self.committing:
+            commit_recorders()
+            self.committing = False
+
+    def shipped(self, *, committing: bool = False, closing: bool = False, status: str = "finished") -> "EntropyLensLoss":
+        """A copy of this loss function for ``set_loss_fn`` that commits (``committing``) or closes
+        (``closing``, with the run's final ``status``) the recorders of every worker it reaches."""
+        out = copy.copy(self)
+        out.committing, out.closing, out.status = committing, closing, status
+        out._update, out._warned = {}, set()
+        return out
 
     def _recorder(self, dp_group):
         if not self.record_dir or self.closing:
@@ -367,7 +398,7 @@ class EntropyLensLoss:
                    "entropy_coeff": getattr(self.config, "entropy_coeff", None),
                    "ppo_epochs": getattr(self.config, "ppo_epochs", None)}
             rec = Recorder(self.record_dir, self.run, config=cfg, tau=self.tau, sample=self.sample,
-                           rank=rank, world_size=world)
+                           rank=rank, world_size=world, resume=self.resume)
             _RECORDERS[key] = rec
         return rec
 
@@ -494,6 +525,88 @@ class _Columns:
         return self._out.metrics
 
 
+# ----------------------------------------------------------------------------------- checkpoints
+CHECKPOINT_RECORD = "entropylens.json"  # in verl's global_step_N folder: the run that checkpoint belongs to
+
+
+def write_checkpoint_record(folder, *, record_dir: str, run: str, step: int, next_sample_id: int) -> str:
+    """Write ``<folder>/entropylens.json`` (atomically: a temporary file renamed into place): the
+    entropylens run a verl checkpoint belongs to, its last step (the checkpoint's global step) and the
+    next sample id (sample ids stay run-unique after a resume). Returns the file's path."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, CHECKPOINT_RECORD)
+    tmp = os.path.join(folder, f".{CHECKPOINT_RECORD}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"record_dir": str(record_dir), "run": run, "step": int(step),
+                   "next_sample_id": int(next_sample_id)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_checkpoint_record(folder) -> dict | None:
+    """The record :func:`write_checkpoint_record` left in a checkpoint folder; None where there is none
+    (a checkpoint saved without recording, or by another trainer)."""
+    path = os.path.join(folder, CHECKPOINT_RECORD)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        rec = json.load(f)
+    if not isinstance(rec, dict) or not {"run", "step", "next_sample_id"} <= set(rec):
+        raise ValueError(f"{path} is not an entropylens checkpoint record (needs run, step, next_sample_id)")
+    return rec
+
+
+def resumed_checkpoint_folder(trainer_config, global_steps: int) -> str | None:
+    """The global_step_N folder verl's ``_load_checkpoint`` resumed from (None when it started from
+    scratch: global_steps 0), found as verl finds it (trainer.resume_mode auto: default_local_dir;
+    resume_path: resume_from_path)."""
+    if not global_steps:
+        return None
+    tr = trainer_config
+    if tr.resume_mode == "resume_path":
+        folder = str(tr.resume_from_path)
+    else:
+        folder = os.path.join(str(tr.default_local_dir), f"global_step_{int(global_steps)}")
+    return os.path.abspath(folder)
+
+
+@dataclass
+class ResumePlan:
+    """What a (re)started verl job records into: ``run``, ``resume`` (the step it continues after, or
+    None for a new run) and the first sample id; ``note`` says why, for the log."""
+
+    run: str
+    resume: int | None
+    next_sample_id: int
+    note: str
+
+
+def resume_plan(folder: str | None, global_steps: int, run_given: str | None, new_run: str) -> ResumePlan:
+    """Where a verl job that loaded checkpoint ``folder`` (global step ``global_steps``; None / 0: from
+    scratch) records. The checkpoint's record names the run it belongs to: that run continues after the
+    checkpoint's step (the crashed job's later steps are recorded again), unless ``policy_loss.run``
+    (``run_given``) names another run, which then starts new. A checkpoint without a record (saved
+    without recording) starts ``run_given`` or ``new_run``."""
+    if folder is None or not global_steps:
+        return ResumePlan(run_given or new_run, None, 0, "from scratch")
+    rec = read_checkpoint_record(folder)
+    if rec is None:
+        run = run_given or new_run
+        return ResumePlan(run, None, 0, f"checkpoint {folder} carries no entropylens record (saved without "
+                                        f"recording): run {run!r} starts new at step {int(global_steps) + 1}")
+    if int(rec["step"]) != int(global_steps):
+        raise ValueError(f"{os.path.join(folder, CHECKPOINT_RECORD)} says step {rec['step']}, verl resumed from "
+                         f"global step {global_steps}: the record does not belong to this checkpoint")
+    if run_given and run_given != rec["run"]:
+        return ResumePlan(run_given, None, int(rec["next_sample_id"]),
+                          f"checkpoint {folder} belongs to run {rec['run']!r}; policy_loss.run={run_given!r} "
+                          f"starts that run new at step {int(global_steps) + 1}")
+    return ResumePlan(rec["run"], int(global_steps), int(rec["next_sample_id"]),
+                      f"run {rec['run']!r} continues after step {int(global_steps)} (checkpoint {folder})")
+
+
 # ----------------------------------------------------------------------------------- trainer
 def _trainer_class():
     """verl's sync v1 trainer + entropylens (``trainer.v1.trainer_mode=entropylens``)."""
@@ -514,21 +627,41 @@ def _trainer_class():
             if method_of(str(pl.loss_mode)) is None:
                 raise ValueError(f"trainer_mode=entropylens needs an entropylens loss_mode ({', '.join(registered_names())}), "
                                  f"got {pl.loss_mode!r}")
+            self._el_run_given = pl.get("run") or None
+            self._el_new_run = f"{method_of(str(pl.loss_mode))}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             with open_dict(config):
                 config.trainer.v1.trainer_mode = "sync"
                 config.actor_rollout_ref.actor.calculate_entropy = True  # H of the current policy reaches the loss
                 if pl.get("record_dir") and not pl.get("run"):
-                    pl.run = f"{method_of(str(pl.loss_mode))}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+                    pl.run = self._el_new_run
             super().__init__(config)
             self._el_next_id = 0
             self._el_old_entropy_checked = False
 
         def init(self):
-            super().init()
+            super().init()  # verl's _load_checkpoint ran: global_steps is the resumed checkpoint's step (0: none)
             actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)  # as the worker builds it
-            self._el_loss = EntropyLensLoss(actor_cfg)
+            run, resume = None, None
+            if _pl_get(actor_cfg, "record_dir"):
+                plan = resume_plan(resumed_checkpoint_folder(self.config.trainer, self.global_steps),
+                                   self.global_steps, self._el_run_given, self._el_new_run)
+                run, resume, self._el_next_id = plan.run, plan.resume, plan.next_sample_id
+                logger.info("entropylens: %s", plan.note)
+            self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume)
             self.actor_rollout_wg.set_loss_fn(self._el_loss)
             self._el_exact = bool(_pl_get(actor_cfg, "exact_logit_grad_norm", True))
+
+        def _save_checkpoint(self):
+            """Before verl saves checkpoint N: every worker commits its recorded steps (all <= N: whole
+            files on disk), then global_step_N/entropylens.json names the run, so a job resumed from this
+            checkpoint continues it after step N (:func:`resume_plan`)."""
+            loss = self._el_loss
+            if loss.record_dir:
+                self.actor_rollout_wg.set_loss_fn(loss.shipped(committing=True))
+                folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")
+                write_checkpoint_record(folder, record_dir=loss.record_dir, run=loss.run, step=self.global_steps,
+                                        next_sample_id=self._el_next_id)
+            return super()._save_checkpoint()
 
         def _el_ensure_old_entropy(self, batch):
             """v1 keeps the old-policy entropy in the batch as ``entropy`` (written by _compute_old_log_prob);
@@ -553,11 +686,15 @@ def _trainer_class():
                                 batch_size=len(batch.keys))
             return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
 
-        def _update_actor(self, batch, metrics):
-            n = len(batch.keys)
-            ids = torch.arange(self._el_next_id, self._el_next_id + n, dtype=torch.int64)  # run-unique sample ids
+        def _el_take_ids(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """(sample ids, steps), int64 [n] each: the next n run-unique sample ids (they go on after a
+            resume: the checkpoint record keeps the next one) and the current step."""
+            ids = torch.arange(self._el_next_id, self._el_next_id + n, dtype=torch.int64)
             self._el_next_id += n
-            steps = torch.full((n,), int(self.global_steps), dtype=torch.int64)
+            return ids, torch.full((n,), int(self.global_steps), dtype=torch.int64)
+
+        def _update_actor(self, batch, metrics):
+            ids, steps = self._el_take_ids(len(batch.keys))
             batch = self._el_ensure_old_entropy(batch)
             extra = dict(batch.extra_info)
             batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
@@ -577,9 +714,7 @@ def _trainer_class():
                 status = "finished"
                 return out
             finally:  # every worker closes its recorder: the last step's steps file is written
-                closing = EntropyLensLoss(self._el_loss.config, closing=True)
-                closing.status = status
-                self.actor_rollout_wg.set_loss_fn(closing)
+                self.actor_rollout_wg.set_loss_fn(self._el_loss.shipped(closing=True, status=status))
 
     return EntropyLensTrainer
 

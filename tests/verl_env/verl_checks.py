@@ -403,6 +403,82 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
 
 
 
+# ----------------------------------------------------------------------------------- checkpoints
+def _job(work, phase, *run):
+    """checkpoint_job.py in a process of its own: (return code, its JSON lines)."""
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, str(HERE / "checkpoint_job.py"), str(work), phase, *run],
+                       capture_output=True, text=True, timeout=600, env=env)
+    lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
+    return p.returncode, lines, p.stderr
+
+
+def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
+    """The verl trainer's own checkpoint save / load (verl's code; only its GPU workers stood in for,
+    checkpoint_job.py): at checkpoint 2 every recorded step is on disk and global_step_2 names the run;
+    the job is SIGKILLed in step 4; the restarted job (resume_mode=auto) loads global_step_2, continues
+    the same run after step 2 with the sample ids going on, records steps 3-5 again / anew; the run then
+    holds every step once, with the tokens and sample ids of the job that recorded it last."""
+    import json
+
+    from entropylens import query
+
+    rc, first, err = _job(tmp_path, "first")
+    assert rc == -9, err[-3000:]  # killed as planned, mid-step 4
+    head, steps_first = first[0], {d["step"]: d for d in first if "step" in d}
+    assert head["resume"] is None and head["global_steps"] == 0
+    run = head["run"]
+    assert [d for d in first if "checkpoint" in d] == [{"checkpoint": 2, "steps_on_disk": [1, 2]}]
+    record = json.loads((tmp_path / "checkpoints" / "global_step_2" / "entropylens.json").read_text())
+    assert record == {"record_dir": str(tmp_path / "runs"), "run": run, "step": 2, "next_sample_id": 12}
+    assert set(steps_first) == {1, 2, 3}  # step 4 never finished
+
+    rc, second, err = _job(tmp_path, "resumed")
+    assert rc == 0, err[-3000:]
+    head = second[0]
+    assert (head["run"], head["resume"], head["global_steps"], head["next_id"]) == (run, 2, 2, 12)
+    assert [d for d in second if "checkpoint" in d] == [{"checkpoint": 4, "steps_on_disk": [1, 2, 3, 4]}]
+    record = json.loads((tmp_path / "checkpoints" / "global_step_4" / "entropylens.json").read_text())
+    assert (record["run"], record["step"], record["next_sample_id"]) == (run, 4, 24)  # steps 3-4: ids 12-23
+    last = {1: steps_first[1], 2: steps_first[2], **{d["step"]: d for d in second if "step" in d}}
+    assert sorted(last) == [1, 2, 3, 4, 5]
+
+    con = query.connect(tmp_path / "runs" / run)
+    steps = dict(con.execute("select step, sum(n_tokens) from steps group by step").fetchall())
+    assert steps == {s: d["tokens"] for s, d in last.items()}
+    for s, d in last.items():
+        seqs = sorted({r[0] for r in con.execute(f"select seq from tokens where step = {s}").fetchall()})
+        assert seqs == sorted(d["ids"]), s
+    assert con.execute("select count(*) - count(distinct (step, seq, pos)) from tokens").fetchone()[0] == 0
+    info = json.loads((tmp_path / "runs" / run / "run.json").read_text())
+    assert info["status"] == "finished" and [r["after_step"] for r in info["resumed"]] == [2]
+    # (the killed job's step 3 reached the disk or not: its writer closes it as step 4 starts; either
+    # way the run holds the resumed job's step 3, whose rows and sample ids are checked above)
+
+
+def test_resume_plan_cases(tmp_path):
+    """Which run a restarted verl job records into (resume_plan): from scratch, the checkpoint's own run,
+    policy_loss.run naming another run (new, ids go on), a checkpoint saved without recording, and a
+    record whose step is not the checkpoint's (refused)."""
+    from entropylens.integrations.verl import resume_plan, write_checkpoint_record
+
+    ck = tmp_path / "global_step_6"
+    assert resume_plan(None, 0, None, "new").run == "new"
+    plan = resume_plan(str(ck), 6, "mine", "new")  # no record in the folder
+    assert (plan.run, plan.resume, plan.next_sample_id) == ("mine", None, 0) and "no entropylens record" in plan.note
+    write_checkpoint_record(ck, record_dir="/r", run="old", step=6, next_sample_id=96)
+    assert not [p for p in os.listdir(ck) if p.endswith(".tmp")]
+    for given in (None, "old"):
+        plan = resume_plan(str(ck), 6, given, "new")
+        assert (plan.run, plan.resume, plan.next_sample_id) == ("old", 6, 96)
+    plan = resume_plan(str(ck), 6, "other", "new")
+    assert (plan.run, plan.resume, plan.next_sample_id) == ("other", None, 96)
+    with pytest.raises(ValueError, match="says step 6, verl resumed from global step 8"):
+        resume_plan(str(ck), 8, None, "new")
+
+
 # ----------------------------------------------------------------------------------- docs stay true
 def _overrides(text: str) -> list[str]:
     """The hydra overrides of the first `python3 -m verl.trainer.main_ppo` command in ``text``
