@@ -2,6 +2,7 @@
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -201,14 +202,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_distributed_ranks_write_their_own_files(tmp_path):
+def _two_ranks(*args):
     port = _free_port()
     procs = []
     for rank in range(2):
         env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), "dist", str(tmp_path), "3"], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen([sys.executable, str(CHILD), *args], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def test_two_distributed_ranks_write_their_own_files(tmp_path):
+    procs = _two_ranks("dist", str(tmp_path), "3")
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=120)
@@ -229,3 +235,48 @@ def test_two_distributed_ranks_write_their_own_files(tmp_path):
     assert con.execute("SELECT world_size, status FROM runs").fetchall() == [(2, "finished")]
     seqs = con.execute("SELECT rank, min(seq), max(seq) FROM tokens GROUP BY rank ORDER BY rank").fetchall()
     assert seqs == [(0, 0, 3), (1, 100, 104)]
+
+
+def test_two_killed_ranks_resume_their_run_together(tmp_path):
+    # two gloo ranks commit each step (a checkpoint every step), both are killed after step 2's; the
+    # restarted pair resumes with resume=1 (an earlier checkpoint) and records steps 2-4: each rank's
+    # steps 0-1 kept as they were, its later files removed and recorded again, every (step, rank) once
+    import json
+
+    procs = _two_ranks("distcommit", str(tmp_path), "d")
+    for p in procs:
+        for line in p.stdout:
+            if line.strip() == "committed 2":
+                break
+    time.sleep(0.2)  # the ranks go on: step 3 committed or in progress
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.wait()
+        assert p.returncode == -signal.SIGKILL
+    con = connect(tmp_path)
+    kept = con.execute("SELECT step, rank, n_tokens FROM steps WHERE step <= 1 ORDER BY ALL").fetchall()
+    assert [(s, r) for s, r, _ in kept] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert con.execute("SELECT count(*) FROM steps WHERE step = 2").fetchone() == (2,)  # committed, then redone
+
+    procs = _two_ranks("distresume", str(tmp_path), "d", "1", "5")
+    recorded = {}
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert re.search(r"resume=1 removed \d+ complete step\(s\) of run 'd' \(rank " + str(rank), err), err
+        for line in out.splitlines():
+            kv = dict(x.split("=") for x in line.split())
+            recorded[(int(kv["step"]), rank)] = int(kv["tokens"])
+    assert sorted(recorded) == [(s, r) for s in (2, 3, 4) for r in (0, 1)]
+    con = connect(tmp_path)
+    rows = con.execute("SELECT step, rank, n_tokens FROM steps ORDER BY ALL").fetchall()
+    assert [r for r in rows if r[0] <= 1] == kept
+    assert {(s, r): n for s, r, n in rows if s >= 2} == recorded
+    tokens = dict(((s, r), n) for s, r, n in con.execute(
+        "SELECT step, rank, count(*) FROM tokens GROUP BY ALL").fetchall())
+    assert tokens == {(s, r): n for s, r, n in rows}  # every step's token rows whole, none of the killed job's
+    assert con.execute("SELECT world_size, status, resumes FROM runs").fetchall() == [(2, "finished", 1)]
+    info = json.loads((tmp_path / "d" / "run.json").read_text())
+    assert [r["after_step"] for r in info["resumed"]] == [1]
+    assert len(rows) == len({(s, r) for s, r, _ in rows})  # no (step, rank) twice

@@ -3,6 +3,10 @@
   python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
   python record_child.py commit ROOT RUN      record steps, commit() after each, print 'committed S'; until killed
   python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
+  python record_child.py distcommit ROOT RUN  one gloo rank of run RUN: steps committed one by one ('committed S')
+                                              until killed
+  python record_child.py distresume ROOT RUN K STEPS   one gloo rank resuming RUN after step K, recording
+                                              steps K+1..STEPS-1 (prints 'step=S tokens=N' per step)
 """
 
 import sys
@@ -75,6 +79,36 @@ def dist_mode(root, steps):
     dist.destroy_process_group()
 
 
+def dist_commit_mode(root, run):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(10 + rank)
+    rec = Recorder(root, run=run, config={"method": "grpo"})
+    step = 0
+    while True:
+        one_update(rec, step, 0, 4 + rank, 16, 30, gen, seq_offset=100 * rank)
+        assert rec.commit() == step
+        dist.barrier()  # the checkpoint: every rank committed the step
+        print(f"committed {step}", flush=True)
+        step += 1
+
+
+def dist_resume_mode(root, run, resume, steps):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(20 + rank)
+    with Recorder(root, run=run, resume=resume) as rec:
+        for step in range(resume + 1, steps):
+            print(f"step={step} tokens={one_update(rec, step, 0, 4 + rank, 16, 30, gen, seq_offset=100 * rank)}",
+                  flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode = sys.argv[1]
@@ -82,5 +116,9 @@ if __name__ == "__main__":
         kill_mode(sys.argv[2], sys.argv[3])
     elif mode == "commit":
         commit_mode(sys.argv[2], sys.argv[3])
+    elif mode == "distcommit":
+        dist_commit_mode(sys.argv[2], sys.argv[3])
+    elif mode == "distresume":
+        dist_resume_mode(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
         dist_mode(sys.argv[2], int(sys.argv[3]))
