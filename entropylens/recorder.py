@@ -506,6 +506,14 @@ class Recorder:
             self._probing = False
         return rows
 
+    def end_step(self, step: int | None = None) -> int:
+        """The step is over: hand every step up to ``step`` (default: every step recorded so far) to
+        the writer thread to write now, without waiting (:meth:`commit` waits). Otherwise a step's files
+        are written when a later step begins, so a job killed in between (during the next rollout)
+        lost the step it had finished. Those steps are closed: recording into them again raises.
+        Returns the last closed step (-1 when nothing was recorded)."""
+        return self._close_through(step, "end_step", wait=False)
+
     def commit(self, step: int | None = None) -> int:
         """Write every step up to ``step`` now (default: every step recorded so far, the one in
         progress included) and wait until their files are renamed into place (and on disk, with
@@ -514,11 +522,14 @@ class Recorder:
         step (-1 when nothing was recorded). For checkpoints: record the step, save the model, then
         ``commit()``: a job killed after it has lost none of the steps before the checkpoint. Costs a
         wait for the writer thread (its backlog, then the step's files), so call it at checkpoints,
-        not every step."""
+        not every step (:meth:`end_step` closes a step without the wait)."""
+        return self._close_through(step, "commit", wait=True)
+
+    def _close_through(self, step: int | None, what: str, wait: bool) -> int:
         self._check_alive()
         self._finalize_pending()
         if step is not None and int(step) < 0:
-            raise ValueError(f"commit: step must be >= 0, got {int(step)}")
+            raise ValueError(f"{what}: step must be >= 0, got {int(step)}")
         if step is not None and int(step) > self._last_step:
             raise ValueError(f"step {int(step)} has not been recorded (the last recorded step is {self._last_step})")
         upto = self._last_step if step is None else int(step)
@@ -527,7 +538,7 @@ class Recorder:
                 self._observe_alarms(upto)  # the others were observed as later steps closed them
             self._writer.close_steps(upto=upto)
             self._closed_upto = upto
-        if not self._disabled:
+        if wait and not self._disabled:
             self._writer.drain()
         self._check_alive()  # a write that failed meanwhile raises here
         return upto
@@ -629,7 +640,7 @@ class Recorder:
                                 if self._resumed_after is not None and step <= self._resumed_after else ""))
         if step <= self._closed_upto:
             raise ValueError(f"step {step} was already written (steps <= {self._closed_upto} are closed: by a later "
-                             "step, by commit() or by resume=); record into later steps")
+                             "step, by end_step(), commit() or resume=); record into later steps")
         same_step = self._step_updates if step == self._last_step else {}
         if update in same_step:
             raise ValueError(f"step {step} update {update} was already recorded")
@@ -657,7 +668,7 @@ class Recorder:
     def _refuse_closed(self, step: int, what: str) -> None:
         """A step already written (closed by a later step, commit() or resume=) takes nothing more."""
         if step <= self._closed_upto:
-            raise ValueError(f"step {step} was already written; {what} must come before later steps, commit() and resume=")
+            raise ValueError(f"step {step} was already written; {what} must come before later steps, end_step(), commit() and resume=")
 
     def _observe_alarms(self, step: int) -> None:
         """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule.

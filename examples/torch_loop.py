@@ -82,6 +82,7 @@ def train(a):
                 rec.record_step(step, update=u, grad_norm=gn, lr=3e-3)
             rec.record_sequences(step, seq_ids=torch.arange(len(seqs)), rewards=reward, advantages=adv,
                                  lengths=mask.sum(1), group_ids=torch.arange(len(seqs)) // G)
+            rec.end_step(step)  # the step is written now, not when the next one begins
             print(f"step {step:3d}  reward {reward.mean():.3f}  entropy {old_h.mean():.3f}")
     print(f"run: {rec.dir}")
     return rec.dir

@@ -641,7 +641,7 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
         (0, 2 * n), (1, 2 * n)]
     # the committed step is closed: its updates and scalars are refused, naming the reason
     with pytest.raises(ValueError, match=r"step 1 was already written \(steps <= 1 are closed: by a later step, "
-                                         r"by commit\(\) or by resume=\)"):
+                                         r"by end_step\(\), commit\(\) or resume=\)"):
         record_one(rec, 1, 2)
     with pytest.raises(ValueError, match="step 1 was already written"):
         rec.record_step(1, reward_mean=0.5)
@@ -660,6 +660,30 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
         (0, 2), (1, 2), (2, 1), (3, 2)]
     with pytest.raises(RecorderError, match="closed"):
         rec.commit()
+
+
+def test_end_step_closes_the_step_without_waiting(tmp_path):
+    # end_step hands the steps to the writer and returns; the files follow with no further call (here:
+    # drain, which only waits for the writer); the steps are closed like commit's
+    rec = Recorder(tmp_path, run="r", alarms={})
+    assert rec.end_step() == -1  # nothing recorded
+    record_one(rec, 0, 0, seed=1)
+    record_one(rec, 0, 1, seed=2)
+    assert rec.end_step() == 0
+    rec._writer.drain()  # no close_steps, no later step: end_step already asked for the files
+    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step').fetchall() == [(0, 2)]
+    with pytest.raises(ValueError, match=r"step 0 was already written \(steps <= 0 are closed: by a later step, "
+                                         r"by end_step\(\), commit\(\) or resume=\)"):
+        record_one(rec, 0, 2)
+    with pytest.raises(ValueError, match=r"step 3 has not been recorded \(the last recorded step is 0\)"):
+        rec.end_step(3)
+    with pytest.raises(ValueError, match=r"end_step: step must be >= 0, got -1"):
+        rec.end_step(-1)
+    record_one(rec, 1, 0, seed=3)  # later steps record as usual
+    assert rec.end_step(0) == 0  # already closed: nothing to do
+    rec.close()
+    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step ORDER BY step').fetchall() == [
+        (0, 2), (1, 1)]
 
 
 def test_a_config_method_other_than_the_loss_warns_once(tmp_path):

@@ -78,6 +78,29 @@ def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
             assert rows == (n_tokens,) and seqs == (16,)
 
 
+def test_a_step_ended_is_written_without_another_call_and_survives_a_kill(tmp_path):
+    # the child ends steps 0 and 1 (Recorder.end_step) and then only sleeps (the next step's rollout):
+    # without another recorder call both steps reach the disk, whole; killed then, it has lost neither
+    p = subprocess.Popen([sys.executable, str(CHILD), "endstep", str(tmp_path), "e"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    for line in p.stdout:
+        if line.strip() == "ended 1":
+            break
+    steps_file = tmp_path / "e" / "steps" / "step=1" / "rank=0" / "steps.parquet"
+    deadline = time.monotonic() + 30
+    while not steps_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert steps_file.exists(), "step 1 was ended but not written while the job slept"
+    con = connect(tmp_path)
+    steps = con.execute("SELECT step, count(*), sum(n_tokens) FROM steps GROUP BY step ORDER BY step").fetchall()
+    assert [(s, n) for s, n, _ in steps] == [(0, 2), (1, 2)]
+    for step, _, n_tokens in steps:
+        assert con.execute("SELECT count(*) FROM tokens WHERE step = ?", [step]).fetchone() == (n_tokens,)
+        assert con.execute("SELECT count(*) FROM sequences WHERE step = ?", [step]).fetchone() == (16,)
+
+
 def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     # the child commits each step and is killed; the "checkpoint" is step 1 (the writer may have committed
     # later steps, and left uncommitted files of the one in progress). Resuming with resume=1 keeps steps

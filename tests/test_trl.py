@@ -177,6 +177,26 @@ def test_trl_checkpoint_commits_the_recorded_steps(tmp_path, monkeypatch):
     assert seen == [(1, [0, 1], False), (2, [0, 1, 2], False)]
 
 
+def test_trl_each_step_is_written_when_it_ends(tmp_path):
+    # at on_step_end (a callback after ours) the step that just ended is on disk once the writer has
+    # caught up, before the next step's generation: a job killed during that generation keeps it
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class After(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            tr.recorder._writer.drain()  # only waits for the writer: no close, no commit
+            con = connect(tmp_path / "ends")
+            seen.append((state.global_step - 1, con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps")
+                         .fetchone()[0]))
+
+    tr = trl_tiny.trainer(tmp_path, "ends", max_steps=3, gradient_accumulation_steps=2)
+    tr.add_callback(After())
+    tr.train()
+    assert seen == [(0, [0]), (1, [0, 1]), (2, [0, 1, 2])]
+
+
 def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
     # 4 steps with checkpoints at 2 and 4, then a new trainer resumes from checkpoint-2 into the same run
     # (resume=<that checkpoint>: its steps 0-1) and trains to step 3: steps 0-2 once each, the first job's

@@ -529,6 +529,7 @@ def _trainer_class():
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
             # fsync included); answers are logged as they arrive, all of them by the last step
             self._el_summaries.append(self.recorder.step_summary_later(step, _SUMMARY_NAMES))
+            self.recorder.end_step(step)  # written now, not when the next step (after its generation) begins
             last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
             while self._el_summaries and (last or self._el_summaries[0].ready()):
                 self._el_log_summary(self._el_summaries.pop(0).result())

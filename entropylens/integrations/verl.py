@@ -280,6 +280,13 @@ def close_recorders(status: str = "finished") -> None:
         rec.close(status=status, _raise=False)
 
 
+def end_step_recorders() -> None:
+    """End the step in this process's recorders (:meth:`Recorder.end_step`): their files are written
+    now, in the background, not when the next step's first update arrives."""
+    for rec in _RECORDERS.values():
+        rec.end_step()
+
+
 def commit_recorders() -> None:
     """Commit this process's recorders (:meth:`Recorder.commit`): every step they recorded is in whole
     files on disk when this returns, so a job killed later has lost none of them."""
@@ -328,12 +335,13 @@ class EntropyLensLoss:
     checkpoint's global step; ``Recorder(resume=...)``: the run's steps after it are removed and
     recorded again). ``closing=True``: unpickling this object on a worker closes that worker's
     recorders (how the trainer flushes the last step on every rank); ``committing=True``: unpickling it
-    commits them (how the trainer commits every rank's steps at a checkpoint), and it is then the
-    worker's loss function as before.
+    commits them (how the trainer commits every rank's steps at a checkpoint), ``ending=True`` ends
+    their step (how the trainer has every rank write a step as soon as its actor update is done); the
+    object is then the worker's loss function as before.
     """
 
     def __init__(self, config, *, run: str | None = None, closing: bool = False, resume: int | None = None,
-                 committing: bool = False):
+                 committing: bool = False, ending: bool = False):
         self.config = config
         pl = config.policy_loss
         self.method = method_of(pl.loss_mode)
@@ -348,6 +356,7 @@ class EntropyLensLoss:
         self.tau = float(_pl_get(config, "tau", 0.5))
         self.closing = closing
         self.committing = committing
+        self.ending = ending
         self.resume = resume
         self._update: dict[int, int] = {}
         self._warned: set[str] = set()
@@ -362,13 +371,17 @@ class EntropyLensLoss:
             close_recorders(getattr(self, "status", "finished"))
         elif self.committing:
             commit_recorders()
-            self.committing = False
+        elif getattr(self, "ending", False):
+            end_step_recorders()
+        self.committing = self.ending = False
 
-    def shipped(self, *, committing: bool = False, closing: bool = False, status: str = "finished") -> "EntropyLensLoss":
-        """A copy of this loss function for ``set_loss_fn`` that commits (``committing``) or closes
-        (``closing``, with the run's final ``status``) the recorders of every worker it reaches."""
+    def shipped(self, *, committing: bool = False, ending: bool = False, closing: bool = False,
+                status: str = "finished") -> "EntropyLensLoss":
+        """A copy of this loss function for ``set_loss_fn`` that commits (``committing``), ends the step
+        in (``ending``) or closes (``closing``, with the run's final ``status``) the recorders of every
+        worker it reaches."""
         out = copy.copy(self)
-        out.committing, out.closing, out.status = committing, closing, status
+        out.committing, out.ending, out.closing, out.status = committing, ending, closing, status
         out._update, out._warned = {}, set()
         return out
 
@@ -693,6 +706,12 @@ def _trainer_class():
             self._el_next_id += n
             return ids, torch.full((n,), int(self.global_steps), dtype=torch.int64)
 
+        def _el_step_done(self) -> None:
+            """The actor update is done: every worker writes the step now (Recorder.end_step), not when
+            the next step's first update arrives, after its rollout (a kill there lost the step)."""
+            if self._el_loss.record_dir:
+                self.actor_rollout_wg.set_loss_fn(self._el_loss.shipped(ending=True))
+
         def _update_actor(self, batch, metrics):
             ids, steps = self._el_take_ids(len(batch.keys))
             batch = self._el_ensure_old_entropy(batch)
@@ -703,6 +722,7 @@ def _trainer_class():
             batch.extra_info["calculate_sum_pi_squared"] = self._el_exact
             own: dict = {}
             batch = super()._update_actor(batch, own)
+            self._el_step_done()
             for k, v in own.items():  # our aggregates as entropylens/..., verl's own keys unchanged
                 metrics[k.replace("actor/" + METRIC_PREFIX, METRIC_PREFIX, 1)] = v
             return batch

@@ -230,6 +230,8 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
     try:
         for step in range(cfg.steps):
             r_mean, h_mean = trainer.rl_step(step, rec)
+            if rec:
+                rec.end_step(step)  # written now: a kill during the next step loses none of it
             rewards_hist.append(r_mean)
             ent_hist.append(h_mean)
             if on_step:

@@ -2,6 +2,8 @@
 
   python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
   python record_child.py commit ROOT RUN      record steps, commit() after each, print 'committed S'; until killed
+  python record_child.py endstep ROOT RUN     record steps 0-1, end_step() after each ('ended S'), then
+                                              sleep (the next step's rollout) until killed
   python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
   python record_child.py distcommit ROOT RUN  one gloo rank of run RUN: steps committed one by one ('committed S')
                                               until killed
@@ -64,6 +66,21 @@ def commit_mode(root, run):
         step += 1
 
 
+def end_step_mode(root, run):
+    import time
+
+    gen = torch.Generator().manual_seed(7)
+    rec = Recorder(root, run=run, config={"method": "grpo"})
+    for step in range(2):
+        for u in range(2):
+            one_update(rec, step, u, 8, 64, 50, gen, seq_offset=8 * u)
+        rec.record_sequences(step, seq_ids=torch.arange(16), rewards=torch.rand(16, generator=gen),
+                             advantages=torch.randn(16, generator=gen), lengths=torch.full((16,), 64))
+        assert rec.end_step() == step
+        print(f"ended {step}", flush=True)
+    time.sleep(600)  # the next step's rollout: no recorder call
+
+
 def dist_mode(root, steps):
     import torch.distributed as dist
 
@@ -116,6 +133,8 @@ if __name__ == "__main__":
         kill_mode(sys.argv[2], sys.argv[3])
     elif mode == "commit":
         commit_mode(sys.argv[2], sys.argv[3])
+    elif mode == "endstep":
+        end_step_mode(sys.argv[2], sys.argv[3])
     elif mode == "distcommit":
         dist_commit_mode(sys.argv[2], sys.argv[3])
     elif mode == "distresume":

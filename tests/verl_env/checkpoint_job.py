@@ -3,7 +3,8 @@
   python checkpoint_job.py WORK PHASE [RUN]
 
 PHASE ``first``: a fresh EntropyLensTrainer (``trainer.save_freq=2``) records steps 1-4, saves
-checkpoint 2, and SIGKILLs itself in the middle of step 4. PHASE ``resumed``: a new process, the same
+checkpoint 2, waits (step 4's "rollout") until step 3 is on disk, and SIGKILLs itself in the middle
+of step 4. PHASE ``resumed``: a new process, the same
 command line (``trainer.resume_mode=auto``), resumes from checkpoint 2, records steps 3-5, saves
 checkpoint 4 and ends as ``fit`` ends (the closing copy of the loss). RUN: ``policy_loss.run`` (omit:
 the trainer names the run).
@@ -15,7 +16,7 @@ the loss object to the "worker" as Ray does, pickled and unpickled; ``save_check
 (``on_init_end``). Everything else is verl's own code: the trainer's ``__init__``,
 ``_load_checkpoint`` (finds global_step_N through latest_checkpointed_iteration.txt),
 ``_save_checkpoint`` (writes that tracker file), and ours on top (``init``, ``_save_checkpoint``,
-``_el_take_ids``, the loss function each micro-batch goes through, its Recorder).
+``_el_take_ids``, ``_el_step_done``, the loss function each micro-batch goes through, its Recorder).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import pickle
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -121,6 +123,19 @@ def record_step(t, model, step: int, *, kill_midway: bool = False) -> None:
     print(json.dumps({"step": step, "tokens": n_total, "ids": ids.tolist()}), flush=True)
 
 
+def steps_on_disk(work: Path) -> list[int]:
+    return sorted(int(p.parent.parent.name.split("=")[1])
+                  for p in (work / "runs").glob("*/steps/step=*/rank=0/steps.parquet"))
+
+
+def wait_on_disk(work: Path, step: int, timeout: float = 20.0) -> list[int]:
+    """The steps on disk once ``step`` is among them (or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while step not in steps_on_disk(work) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return steps_on_disk(work)
+
+
 def main() -> None:
     work, phase = Path(sys.argv[1]), sys.argv[2]
     run = sys.argv[3] if len(sys.argv) > 3 else None
@@ -132,12 +147,13 @@ def main() -> None:
     status = "failed"
     try:
         for step in steps:
+            if phase == "first" and step == 4:  # step 4's rollout: step 3 reaches the disk meanwhile, no call needed
+                print(json.dumps({"before_step": 4, "steps_on_disk": wait_on_disk(work, 3)}), flush=True)
             record_step(t, model, step, kill_midway=phase == "first" and step == 4)
+            t._el_step_done()  # as _update_actor ends
             if step % 2 == 0:
                 t._save_checkpoint()  # ours, then verl's
-                on_disk = sorted(int(p.parent.parent.name.split("=")[1])
-                                 for p in (work / "runs").glob("*/steps/step=*/rank=0/steps.parquet"))
-                print(json.dumps({"checkpoint": step, "steps_on_disk": on_disk}), flush=True)
+                print(json.dumps({"checkpoint": step, "steps_on_disk": steps_on_disk(work)}), flush=True)
         status = "finished"
     finally:  # as EntropyLensTrainer.fit ends
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True, status=status))

@@ -418,7 +418,8 @@ def _job(work, phase, *run):
 def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
     """The verl trainer's own checkpoint save / load (verl's code; only its GPU workers stood in for,
     checkpoint_job.py): at checkpoint 2 every recorded step is on disk and global_step_2 names the run;
-    the job is SIGKILLed in step 4; the restarted job (resume_mode=auto) loads global_step_2, continues
+    each step is written once its actor update is done (step 3 is on disk before step 4 records
+    anything); the job is SIGKILLed in step 4; the restarted job (resume_mode=auto) loads global_step_2, continues
     the same run after step 2 with the sample ids going on, records steps 3-5 again / anew; the run then
     holds every step once, with the tokens and sample ids of the job that recorded it last."""
     import json
@@ -434,6 +435,8 @@ def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
     record = json.loads((tmp_path / "checkpoints" / "global_step_2" / "entropylens.json").read_text())
     assert record == {"record_dir": str(tmp_path / "runs"), "run": run, "step": 2, "next_sample_id": 12}
     assert set(steps_first) == {1, 2, 3}  # step 4 never finished
+    # step 3 ended (every worker's Recorder.end_step): on disk during step 4's rollout, before any update of it
+    assert [d for d in first if "before_step" in d] == [{"before_step": 4, "steps_on_disk": [1, 2, 3]}]
 
     rc, second, err = _job(tmp_path, "resumed")
     assert rc == 0, err[-3000:]
@@ -454,8 +457,7 @@ def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
     assert con.execute("select count(*) - count(distinct (step, seq, pos)) from tokens").fetchone()[0] == 0
     info = json.loads((tmp_path / "runs" / run / "run.json").read_text())
     assert info["status"] == "finished" and [r["after_step"] for r in info["resumed"]] == [2]
-    # (the killed job's step 3 reached the disk or not: its writer closes it as step 4 starts; either
-    # way the run holds the resumed job's step 3, whose rows and sample ids are checked above)
+    assert "resume=2 removed 1 complete step(s)" in err  # the killed job's step 3: recorded again
 
 
 def test_resume_plan_cases(tmp_path):
