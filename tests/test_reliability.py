@@ -21,6 +21,16 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def _child_until(line: str, *args: str) -> subprocess.Popen:
+    """record_child.py with ``args``, once it has printed ``line`` (it goes on running)."""
+    p = subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env())
+    for out in p.stdout:
+        if out.strip() == line:
+            break
+    return p
+
+
 def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
     rng = random.Random(1234)
     kills = 10
@@ -81,11 +91,7 @@ def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
 def test_a_step_ended_is_written_without_another_call_and_survives_a_kill(tmp_path):
     # the child ends steps 0 and 1 (Recorder.end_step) and then only sleeps (the next step's rollout):
     # without another recorder call both steps reach the disk, whole; killed then, it has lost neither
-    p = subprocess.Popen([sys.executable, str(CHILD), "endstep", str(tmp_path), "e"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    for line in p.stdout:
-        if line.strip() == "ended 1":
-            break
+    p = _child_until("ended 1", "endstep", str(tmp_path), "e")
     steps_file = tmp_path / "e" / "steps" / "step=1" / "rank=0" / "steps.parquet"
     deadline = time.monotonic() + 30
     while not steps_file.exists() and time.monotonic() < deadline:
@@ -110,11 +116,7 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     from entropylens import Recorder
     from entropylens.run_claim import RunExistsError
 
-    p = subprocess.Popen([sys.executable, str(CHILD), "commit", str(tmp_path), "k"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-    for line in p.stdout:
-        if line.strip() == "committed 2":
-            break
+    p = _child_until("committed 2", "commit", str(tmp_path), "k")
     time.sleep(0.3)  # the child goes on: later steps committed, one in progress (files of it maybe on disk)
     p.send_signal(signal.SIGKILL)
     p.wait()
