@@ -203,8 +203,26 @@ def _connect(path: str, runs: list[str] | None = None):
         _fail(str(e))
 
 
-def _emit(df, fmt: Format, output: Path | None) -> None:
-    """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output)."""
+# --output's extension names its format when --format is not given
+_SUFFIX_FORMATS = {".csv": Format.csv, ".json": Format.json, ".parquet": Format.parquet, ".pq": Format.parquet}
+
+
+def _output_format(fmt: Format | None, output: Path | None) -> Format:
+    """--format, or else --output's extension (.csv, .json, .parquet / .pq), or else table; a --format that
+    an --output extension contradicts fails (a file named .csv holding a text table misleads its reader)."""
+    implied = _SUFFIX_FORMATS.get(output.suffix.lower()) if output is not None else None
+    if fmt is None:
+        return implied or Format.table
+    if implied is not None and implied != fmt:
+        _fail(f"--format {fmt.value} but --output {output.name} says {implied.value}: drop --format (the "
+              f"extension decides) or name the file for {fmt.value}")
+    return fmt
+
+
+def _emit(df, fmt: Format | None, output: Path | None) -> None:
+    """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output);
+    without --format, --output's extension decides (:func:`_output_format`)."""
+    fmt = _output_format(fmt, output)
     if output is not None and output.is_dir():
         _fail(f"--output {output} is a directory; give a file name")
     if output is not None and not output.parent.is_dir():
@@ -332,7 +350,8 @@ def query(
     sql: Annotated[str, typer.Argument(
         metavar="SQL", help="One read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, ...) over "
                             "the views runs, steps, sequences, tokens; `-` reads it from stdin.")],
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=(
+        "Output format (default: --output's extension, .csv .json .parquet, else table)."))] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
 ) -> None:
@@ -375,7 +394,8 @@ def analyze(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Analysis name (see `entropylens analyses`).")],
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="K=V", help="An analysis parameter, e.g. bins=5 (repeatable).")] = None,
-    fmt: Annotated[Format, typer.Option("--format", "-f", help="Output format.")] = Format.table,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=(
+        "Output format (default: --output's extension, .csv .json .parquet, else table)."))] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
     engine: EngineOpt = Engine.duckdb,
 ) -> None:

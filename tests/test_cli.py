@@ -57,6 +57,15 @@ def test_query_formats(runs, tmp_path):
     assert "wrote 2 rows" in ok("query", runs, sql, "--format", "parquet", "--output", out)
     assert pd.read_parquet(out)["n"].tolist() == [12, 4]
     assert ok("query", runs, sql, "--run", "b").split() == ["run", "n", "b", "4"]
+    # without --format the extension of --output decides (new-user trial: out.csv held a text table)
+    ok("query", runs, sql, "--output", tmp_path / "q.csv")
+    assert (tmp_path / "q.csv").read_text() == "run,n\na,12\nb,4\n"
+    ok("analyze", runs, "kl_by_step", "-o", tmp_path / "k.PQ")
+    assert pd.read_parquet(tmp_path / "k.PQ").columns.tolist() == ["run", "method", "step", "kl"]
+    ok("query", runs, sql, "-o", tmp_path / "q.json")
+    assert json.loads((tmp_path / "q.json").read_text()) == [{"run": "a", "n": 12}, {"run": "b", "n": 4}]
+    ok("query", runs, sql, "-o", tmp_path / "q.txt")
+    assert (tmp_path / "q.txt").read_text().split() == ["run", "n", "a", "12", "b", "4"]
 
 
 def test_analyses_and_analyze(runs):
@@ -94,6 +103,9 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "bad parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins")
     assert "unknown run" in err("query", runs, "SELECT 1", "--run", "zz")
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
+    assert ("--format csv but --output x.json says json: drop --format (the extension decides) or name the file "
+            "for csv") in err("query", runs, "SELECT 1", "--format", "csv", "--output", tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
     # --output to a missing directory or to a directory: one line, not a FileNotFoundError traceback
     for fmt in ("csv", "parquet"):
         assert "does not exist" in err("query", runs, "SELECT 1", "--format", fmt, "--output", tmp_path / "no" / "x")
