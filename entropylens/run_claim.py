@@ -96,8 +96,9 @@ def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
                  if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
     last = max([s for s in committed if s is not None] + [hi for _, hi in compacted], default=-1)
     if after > last:
-        raise ValueError(f"resume={after}: step {after} of rank {rank} was never committed in {run_dir} "
-                         f"(its last committed step is {last})")
+        raise ValueError(f"resume={after}: step {after} of rank {rank} is not on disk in {run_dir} (its last "
+                         f"written step is {last}); resume from a checkpoint at or before step {last}, and call "
+                         "commit() when saving one (then every step up to it is on disk)")
     for path, rel in mine:
         step = _step_of(rel)
         if step is not None and step > after and _owner(rel) == rank:

@@ -132,7 +132,9 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
         raise AssertionError("an existing run must be refused without resume")
     import pytest
 
-    with pytest.raises(ValueError, match=r"resume=100000: step 100000 of rank 0 was never committed"):
+    with pytest.raises(ValueError, match=r"resume=100000: step 100000 of rank 0 is not on disk in .* \(its last "
+                                         r"written step is \d+\); resume from a checkpoint at or before step \d+, "
+                                         r"and call commit\(\) when saving one"):
         Recorder(tmp_path, run="k", resume=100_000)
     with pytest.raises(ValueError, match="holds no run to resume"):
         Recorder(tmp_path, run="nothing-here", resume=3)

@@ -659,7 +659,8 @@ def _trainer_class():
                 plan = resume_plan(resumed_checkpoint_folder(self.config.trainer, self.global_steps),
                                    self.global_steps, self._el_run_given, self._el_new_run)
                 run, resume, self._el_next_id = plan.run, plan.resume, plan.next_sample_id
-                logger.info("entropylens: %s", plan.note)
+                if self.global_steps:  # a restarted job: say which run it records into, and why
+                    logger.warning("entropylens: %s", plan.note)
             self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume)
             self.actor_rollout_wg.set_loss_fn(self._el_loss)
             self._el_exact = bool(_pl_get(actor_cfg, "exact_logit_grad_norm", True))
