@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# GPU smoke check of the verl plug-in (one GPU, offline, ~5 min): 3 PPO steps of a tiny Qwen2 with
-# CE-GPPO + ERC + recording through verl 0.9.1's v1 trainer (FSDP engine, vLLM rollout), then checks
-# the recorded run and renders `entropylens report`. Exit 0 = every check passed.
+# GPU smoke check of the verl plug-in (one GPU, offline, ~8 min): 3 PPO steps of a tiny Qwen2 with
+# CE-GPPO + ERC + recording through verl 0.9.1's v1 trainer (FSDP engine, vLLM rollout), checkpoints
+# at steps 2 and 3; then a second job resumes from checkpoint 3 and trains step 4 into the same run.
+# Checks the recorded run (every step once, the resume in run.json) and renders `entropylens report`.
+# Exit 0 = every check passed.
 #
 #   pip install torch "verl==0.9.1" vllm -e .     # on the GPU machine
 #   bash examples/verl/gpu_check.sh [WORKDIR]
@@ -14,6 +16,7 @@ work="${1:-$(mktemp -d)}"
 python "$here/make_tiny.py" "$work"
 runs="$work/runs"
 
+train() {  # verl with the plug-in; extra overrides in "$@"
 python3 -m verl.trainer.main_ppo \
   algorithm.adv_estimator=grpo \
   data.train_files="$work/train.parquet" data.val_files="$work/test.parquet" \
@@ -34,11 +37,14 @@ python3 -m verl.trainer.main_ppo \
   actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
   actor_rollout_ref.rollout.enforce_eager=true \
   reward.custom_reward_function.path="$work/reward.py" \
-  trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.total_training_steps=3 trainer.val_before_train=false \
-  trainer.test_freq=-1 trainer.save_freq=-1 trainer.logger='["console"]' \
-  trainer.project_name=entropylens trainer.experiment_name=gpu_check 2>&1 | tee "$work/train.log"
+  trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.val_before_train=false \
+  trainer.test_freq=-1 trainer.save_freq=2 trainer.default_local_dir="$work/checkpoints" trainer.resume_mode=auto \
+  trainer.logger='["console"]' trainer.project_name=entropylens trainer.experiment_name=gpu_check "$@"
+}
 
+train trainer.total_training_steps=3 2>&1 | tee "$work/train.log"
 grep -q "entropylens/clipped_frac" "$work/train.log" || { echo "FAIL: no entropylens/ metrics in verl's log"; exit 1; }
+test -s "$work/checkpoints/global_step_3/entropylens.json" || { echo "FAIL: checkpoint 3 names no run"; exit 1; }
 python - "$runs/gpu-check" <<'PY'
 import sys
 from entropylens import query
@@ -52,6 +58,20 @@ assert lgn == n and rho == n, "every row needs logit_grad_norm and entropy_ratio
 erc = con.execute("select min(erc_drop_frac), max(erc_drop_frac) from steps").fetchone()
 assert erc[0] is not None, "ERC aggregates missing"
 print("erc_drop_frac range", erc)
+PY
+# a restarted job (here: one more step) resumes from checkpoint 3 and continues the same run
+train trainer.total_training_steps=4 2>&1 | tee "$work/train2.log"
+grep -q "entropylens: run 'gpu-check' continues after step 3" "$work/train2.log" \
+  || { echo "FAIL: the restarted job did not continue the run"; exit 1; }
+python - "$runs/gpu-check" <<'PY'
+import json, sys
+from entropylens import query
+con = query.connect(sys.argv[1])
+steps = [s for (s,) in con.execute("select distinct step from steps order by step").fetchall()]
+twice = con.execute("select count(*) - count(distinct (step, seq, pos)) from tokens").fetchone()[0]
+resumed = [r["after_step"] for r in json.load(open(sys.argv[1] + "/run.json"))["resumed"]]
+print(f"steps={steps} rows_twice={twice} resumed_after={resumed}")
+assert steps == [1, 2, 3, 4] and twice == 0 and resumed == [3], "expected steps 1-4 once, one resume after 3"
 PY
 entropylens report "$runs/gpu-check" --out "$work/report"
 test -s "$work/report/index.html"
