@@ -239,6 +239,7 @@ class Recorder:
         self._step_updates: dict[int, bool] = {}  # updates recorded in the current step -> had seq_ids
         self._closed_upto = -1  # steps <= this were handed to the writer for good
         self._alarms_seen = -1  # the live alarms have observed the steps <= this
+        self._alarm_replies: list = []  # (step, the writer's reply): summaries asked for by end_step
         self._probing = False  # probe(): its record_step may name an update without token rows
         self._step_scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
         self._warned_rescalar = False
@@ -511,7 +512,9 @@ class Recorder:
         the writer thread to write now, without waiting (:meth:`commit` waits). Otherwise a step's files
         are written when a later step begins, so a job killed in between (during the next rollout)
         lost the step it had finished. Those steps are closed: recording into them again raises.
-        Returns the last closed step (-1 when nothing was recorded)."""
+        Live alarms (``alarms=``) ask for the step's summary without waiting and warn once the writer
+        has answered (seen at the next recorder call, at the latest at close). Returns the last closed
+        step (-1 when nothing was recorded)."""
         return self._close_through(step, "end_step", wait=False)
 
     def commit(self, step: int | None = None) -> int:
@@ -534,8 +537,8 @@ class Recorder:
             raise ValueError(f"step {int(step)} has not been recorded (the last recorded step is {self._last_step})")
         upto = self._last_step if step is None else int(step)
         if upto > self._closed_upto and not self._disabled:
-            if upto == self._last_step:
-                self._observe_alarms(upto)  # the others were observed as later steps closed them
+            if upto == self._last_step:  # the others were observed as later steps closed them
+                self._observe_alarms(upto, wait=wait)
             self._writer.close_steps(upto=upto)
             self._closed_upto = upto
         if wait and not self._disabled:
@@ -559,6 +562,7 @@ class Recorder:
                 finally:
                     if self._last_step >= 0:
                         self._observe_alarms(self._last_step)
+                    self._observe_answered(wait=True)
                     self._writer.close_steps(upto=None)
         finally:
             self._remove_hook()
@@ -670,21 +674,33 @@ class Recorder:
         if step <= self._closed_upto:
             raise ValueError(f"step {step} was already written; {what} must come before later steps, end_step(), commit() and resume=")
 
-    def _observe_alarms(self, step: int) -> None:
+    def _observe_alarms(self, step: int, wait: bool = True) -> None:
         """Live alarms (``alarms=``): the closing step's summary through the rules; one warning per rule.
-        Each step is observed once (a step closed by :meth:`commit` is not observed again)."""
+        Each step is observed once (a step closed by :meth:`commit` is not observed again). With
+        ``wait=False`` (:meth:`end_step`) the summary is asked for now, before the step closes, and
+        observed once the writer has answered (:meth:`_observe_answered`)."""
         if self._alarm_thresholds is None or step <= self._alarms_seen:
             return
         self._alarms_seen = step
-        if self._alarms is None:
-            from .alarms import LiveAlarms
+        self._alarm_replies.append((step, self._writer.summary_request(step)))
+        self._observe_answered(wait=wait)
 
-            self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
-        self._alarms.observe(step, self._writer.summary(step))
+    def _observe_answered(self, wait: bool = False) -> None:
+        """Feed the live alarms the summaries the writer has answered, in step order (all of them,
+        waiting, with ``wait``)."""
+        while self._alarm_replies and (wait or self._alarm_replies[0][1].done()):
+            step, reply = self._alarm_replies.pop(0)
+            if self._alarms is None:
+                from .alarms import LiveAlarms
+
+                self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
+            self._alarms.observe(step, self._writer.answer(reply))
 
     def _advance_to(self, step: int) -> None:
         """A later step closes the earlier ones: their steps rows are written (after their tokens)."""
         if step > self._last_step:
+            if self._alarm_replies:
+                self._observe_answered()
             if self._last_step >= 0 and not self._disabled:
                 self._observe_alarms(self._last_step)
                 self._writer.close_steps(upto=step - 1)

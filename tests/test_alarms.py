@@ -107,7 +107,10 @@ def test_check_cli_lines_and_exit_codes(tmp_path):
     assert runner.invoke(app, ["check", str(tmp_path), "--window", "0"]).exit_code == 2
 
 
-def test_recorder_warns_live(tmp_path):
+@pytest.mark.parametrize("end_steps", [False, True])
+def test_recorder_warns_live(tmp_path, end_steps):
+    # with end_step after each step the steps close early; the alarms still see each step once (when the
+    # next step begins, or at close) and never make end_step wait for the writer's summary
     import torch
 
     from entropylens import Recorder
@@ -120,6 +123,11 @@ def test_recorder_warns_live(tmp_path):
                 rec.record_update(step, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
                                   logprobs=lp, old_logprobs=lp, entropy=torch.full((2, 3), h),
                                   old_entropy=torch.full((2, 3), h))
+                if end_steps:
+                    summaries = rec._writer.summary
+                    rec._writer.summary = None  # end_step must not ask the writer (it would wait)
+                    assert rec.end_step() == step
+                    rec._writer.summary = summaries
     alarms = [str(w.message) for w in caught if issubclass(w.category, EntropyAlarm)]
     assert alarms == ["entropylens alarm: run=live step=2 rule=collapse value=0.1 threshold=0.25"]
 
