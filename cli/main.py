@@ -214,8 +214,9 @@ def _output_format(fmt: Format | None, output: Path | None) -> Format:
     if fmt is None:
         return implied or Format.table
     if implied is not None and implied != fmt:
+        ext = {Format.table: ".txt"}.get(fmt, f".{fmt.value}")
         _fail(f"--format {fmt.value} but --output {output.name} says {implied.value}: drop --format (the "
-              f"extension decides) or name the file for {fmt.value}")
+              f"extension decides) or name the file {output.with_suffix(ext).name}")
     return fmt
 
 
@@ -239,7 +240,7 @@ def _emit(df, fmt: Format | None, output: Path | None) -> None:
     if fmt == Format.csv:
         text = df.to_csv(index=False)
     elif fmt == Format.json:
-        text = df.to_json(orient="records", indent=1) + "\n"
+        text = json_text(df)
     else:
         text = table_text(df)
     if output is not None:
@@ -250,6 +251,45 @@ def _emit(df, fmt: Format | None, output: Path | None) -> None:
         typer.echo(f"wrote {len(df)} rows to {output}")
     else:
         typer.echo(text, nl=False)
+
+
+def json_text(df) -> str:
+    """The rows as a JSON list of records, every number as precise as csv writes it (pandas' to_json
+    rounds floats to 10 decimals: 1e-12 became 0.0): float64 at full precision, float32 as float32
+    prints (7.9756603e-07); NaN, inf and missing values null; timestamps and dates ISO 8601; lists and
+    structs as JSON arrays and objects."""
+    import json
+    import math
+
+    import numpy as np
+
+    def plain(v):
+        if v is None or v is pd.NA or v is pd.NaT:
+            return None
+        if isinstance(v, (float, np.floating)):
+            if not math.isfinite(v):
+                return None
+            return float(str(v)) if isinstance(v, np.float32) else float(v)
+        if isinstance(v, np.integer):
+            return int(v)
+        if isinstance(v, np.bool_):
+            return bool(v)
+        if isinstance(v, (pd.Timestamp, np.datetime64)):
+            return pd.Timestamp(v).isoformat()
+        if isinstance(v, np.ndarray):
+            return [plain(x) for x in v.tolist()]
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        return v
+
+    import pandas as pd
+
+    columns = {c: [plain(np.float32(v) if df[c].dtype == np.float32 else v) for v in df[c].tolist()]
+               for c in df.columns}
+    rows = [dict(zip(columns, r)) for r in zip(*columns.values())] if len(df.columns) else [{} for _ in range(len(df))]
+    return json.dumps(rows, indent=1, ensure_ascii=False, default=str) + "\n"
 
 
 FOLD = 60  # characters: wider text cells (config JSON) are folded in tables; csv / json keep them whole

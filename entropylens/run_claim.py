@@ -77,16 +77,20 @@ def _step_of(rel: str) -> int | None:
 def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
     """Continue the run in ``run_dir`` after step ``after`` (>= 0). This rank's files of later steps
     are removed: a killed job's uncommitted leftovers, and the steps after a checkpoint that the
-    resumed job records again. Returns the committed steps removed. Compacted steps (entropylens
-    compact, whose parts span steps and ranks) must all lie at or before ``after``: they stay as they
-    are. Refused with one line: no run there, compacted steps after ``after``, or ``after`` beyond the
-    last committed step."""
+    resumed job records again. Returns the committed steps removed. A job resumed on fewer ranks:
+    rank 0 also removes the later steps of the ranks it no longer has (their steps up to ``after``
+    stay); on more ranks, a new rank has nothing to remove. Compacted steps (entropylens compact,
+    whose parts span steps and ranks) must all lie at or before ``after``: they stay as they are.
+    Refused with one line: no run there, compacted steps after ``after``, or ``after`` beyond this
+    rank's last committed step."""
     listing = sorted(run_dir.files())
     mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size, listing)]
     compacted = [(int(m.group(1)), int(m.group(2))) for p in listing
                  if (m := _COMPACTED_COMMIT.match(posixpath.relpath(p, run_dir.path)))]
-    if not mine and not compacted:
-        raise ValueError(f"resume: {run_dir} holds no run to resume (no files of rank {rank})")
+    if not listing:
+        raise ValueError(f"resume: {run_dir} holds no run to resume")
+    if not any(_owner(rel) == rank for _, rel in mine) and rank > 0 and not compacted:
+        return []  # a rank the earlier job did not have (the job resumed on more ranks): nothing to remove
     if compacted and max(hi for _, hi in compacted) > after:
         lo, hi = max(compacted, key=lambda r: r[1])
         raise ValueError(f"resume={after}: steps {lo}-{hi} of {run_dir} were compacted (entropylens compact) and "
@@ -95,15 +99,26 @@ def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
     committed = [_step_of(rel) for _, rel in mine
                  if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
     last = max([s for s in committed if s is not None] + [hi for _, hi in compacted], default=-1)
-    if after > last:
+    if after > last and rank > 0:  # rank 0's check guards K; this rank missed steps (absent, or killed first)
+        import warnings
+
+        warnings.warn(f"entropylens: resume={after}: rank {rank} has no steps {last + 1}-{after} on disk in {run_dir} "
+                      "(the rank did not take part in them, or its job was killed before writing them); the run "
+                      "has none of them for this rank", stacklevel=3)
+    elif after > last:
         raise ValueError(f"resume={after}: step {after} of rank {rank} is not on disk in {run_dir} (its last "
                          f"written step is {last}); resume from a checkpoint at or before step {last}, and call "
                          "commit() when saving one (then every step up to it is on disk)")
+    gone = {o for _, rel in mine if (o := _owner(rel)) is not None and o >= world_size}  # rank 0: ranks the
+    # earlier job had and this one has not (resumed on fewer ranks): their later steps go too
     for path, rel in mine:
         step = _step_of(rel)
-        if step is not None and step > after and _owner(rel) == rank:
+        if step is not None and step > after and (_owner(rel) == rank or _owner(rel) in gone):
             run_dir.at(path).remove()
-    _remove_leftovers(run_dir, rank, after)
+        elif step is None and _owner(rel) in gone and rel.startswith("ranks/"):
+            run_dir.at(path).remove()  # its status file: a rank that is gone is not running (or failed) any more
+    for r in (rank, *sorted(gone)):
+        _remove_leftovers(run_dir, r, after)
     return sorted(s for s in committed if s is not None and s > after)
 
 

@@ -64,6 +64,13 @@ def test_query_formats(runs, tmp_path):
     assert pd.read_parquet(tmp_path / "k.PQ").columns.tolist() == ["run", "method", "step", "kl"]
     ok("query", runs, sql, "-o", tmp_path / "q.json")
     assert json.loads((tmp_path / "q.json").read_text()) == [{"run": "a", "n": 12}, {"run": "b", "n": 4}]
+    # json keeps every digit csv keeps (pandas' to_json rounded to 10 decimals: 1e-12 became 0.0); NaN and
+    # inf null, timestamps ISO 8601, float32 as float32 prints, lists as arrays
+    got = json.loads(ok("query", runs, "SELECT 1e-12::DOUBLE AS z, 1.0::DOUBLE / 3 AS x, 7.9756603e-07::FLOAT AS f, "
+                                       "'nan'::DOUBLE AS n, 'inf'::DOUBLE AS i, NULL::INT AS m, [1, 2] AS l, "
+                                       "TIMESTAMP '2026-01-01 03:04:05' AS t", "--format", "json"))
+    assert got == [{"z": 1e-12, "x": 1 / 3, "f": 7.9756603e-07, "n": None, "i": None, "m": None, "l": [1, 2],
+                    "t": "2026-01-01T03:04:05"}]
     ok("query", runs, sql, "-o", tmp_path / "q.txt")
     assert (tmp_path / "q.txt").read_text().split() == ["run", "n", "a", "12", "b", "4"]
 
@@ -104,7 +111,8 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "unknown run" in err("query", runs, "SELECT 1", "--run", "zz")
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
     assert ("--format csv but --output x.json says json: drop --format (the extension decides) or name the file "
-            "for csv") in err("query", runs, "SELECT 1", "--format", "csv", "--output", tmp_path / "x.json")
+            "x.csv") in err("query", runs, "SELECT 1", "--format", "csv", "--output", tmp_path / "x.json")
+    assert "or name the file x.txt" in err("query", runs, "SELECT 1", "-f", "table", "-o", tmp_path / "x.parquet")
     assert not (tmp_path / "x.json").exists()
     # --output to a missing directory or to a directory: one line, not a FileNotFoundError traceback
     for fmt in ("csv", "parquet"):

@@ -307,3 +307,51 @@ def test_two_killed_ranks_resume_their_run_together(tmp_path):
     info = json.loads((tmp_path / "d" / "run.json").read_text())
     assert [r["after_step"] for r in info["resumed"]] == [1]
     assert len(rows) == len({(s, r) for s, r, _ in rows})  # no (step, rank) twice
+
+
+def test_a_run_resumes_on_fewer_or_more_ranks(tmp_path):
+    # a job of 3 ranks commits steps 0-3 and fails; it resumes on 2 ranks after step 1: rank 0 removes
+    # the later steps of rank 2 too (and its status file), whose steps 0-1 stay; then on 4 ranks after
+    # step 2: rank 3 is new (nothing to remove), rank 2 sat out step 2 (a warning says so, no refusal).
+    # Every (step, rank) once; the run ends finished
+    import pytest
+
+    sys.path.insert(0, str(CHILD.parent))
+    import torch
+    from record_child import one_update
+
+    from entropylens import Recorder
+
+    gen = torch.Generator().manual_seed(3)
+
+    def job(world, steps, resume=None):
+        recs = [Recorder(tmp_path, run="w", rank=r, world_size=world, resume=resume,
+                         config=None if resume is not None else {"method": "grpo"}) for r in range(world)]
+        for step in steps:
+            for r, rec in enumerate(recs):
+                one_update(rec, step, 0, 2 + r, 8, 20, gen, seq_offset=100 * r)
+                rec.commit()
+        return recs
+
+    for rec in job(3, range(4)):
+        rec.close(status="failed")
+    assert (tmp_path / "w" / "ranks" / "rank-2.json").exists()
+    for rec in job(2, range(2, 4), resume=1):
+        rec.close()
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, rank FROM steps ORDER BY ALL").fetchall() == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (3, 0), (3, 1)]
+    assert not (tmp_path / "w" / "ranks" / "rank-2.json").exists()
+    assert con.execute("SELECT status, resumes FROM runs").fetchall() == [("finished", 1)]
+    with pytest.warns(UserWarning, match=r"resume=2: rank 2 has no steps 2-2 on disk .* did not take part"):
+        recs = job(4, range(3, 5), resume=2)  # rank 2 sat out the 2-rank job; rank 3 is new
+    for rec in recs:
+        rec.close()
+    con = connect(tmp_path)
+    rows = con.execute("SELECT step, rank FROM steps ORDER BY ALL").fetchall()
+    assert rows == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)] + [
+        (s, r) for s in (3, 4) for r in range(4)]
+    tokens = con.execute("SELECT step, rank, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall()
+    n_tokens = con.execute("SELECT step, rank, n_tokens FROM steps ORDER BY ALL").fetchall()
+    assert tokens == n_tokens  # every step's rows whole, none left of a removed step
+    assert con.execute("SELECT world_size, status, resumes FROM runs").fetchall() == [(4, "finished", 2)]
