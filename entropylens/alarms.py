@@ -181,7 +181,10 @@ class LiveAlarms:
             self.findings.append(f)
             if f.rule not in self.warned:
                 self.warned.add(f.rule)
-                warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=4)
+                from .writer_thread import caller_stacklevel
+
+                # the user's line that led here (record_update, end_step, close, ...), not ours
+                warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=caller_stacklevel())
 
 
 __all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "check", "LiveAlarms", "EntropyAlarm"]

@@ -130,6 +130,8 @@ def test_recorder_warns_live(tmp_path, end_steps):
                     rec._writer.summary = summaries
     alarms = [str(w.message) for w in caught if issubclass(w.category, EntropyAlarm)]
     assert alarms == ["entropylens alarm: run=live step=2 rule=collapse value=0.1 threshold=0.25"]
+    where = [w.filename for w in caught if issubclass(w.category, EntropyAlarm)]
+    assert where == [__file__]  # the warning names the user's line (new-user trial: it named recorder.py)
 
 
 @pytest.mark.slow
