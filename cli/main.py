@@ -262,6 +262,7 @@ def json_text(df) -> str:
     import math
 
     import numpy as np
+    import pandas as pd
 
     def plain(v):
         if v is None or v is pd.NA or v is pd.NaT:
@@ -283,8 +284,6 @@ def json_text(df) -> str:
         if isinstance(v, dict):
             return {str(k): plain(x) for k, x in v.items()}
         return v
-
-    import pandas as pd
 
     columns = {c: [plain(np.float32(v) if df[c].dtype == np.float32 else v) for v in df[c].tolist()]
                for c in df.columns}
