@@ -285,8 +285,8 @@ def json_text(df) -> str:
             return {str(k): plain(x) for k, x in v.items()}
         return v
 
-    columns = {c: [plain(np.float32(v) if df[c].dtype == np.float32 else v) for v in df[c].tolist()]
-               for c in df.columns}
+    columns = {c: [plain(v) for v in (df[c].to_numpy() if df[c].dtype == np.float32 else df[c].tolist())]
+               for c in df.columns}  # float32 values stay np.float32: plain() prints them as float32
     rows = [dict(zip(columns, r)) for r in zip(*columns.values())] if len(df.columns) else [{} for _ in range(len(df))]
     return json.dumps(rows, indent=1, ensure_ascii=False, default=str) + "\n"
 

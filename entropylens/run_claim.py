@@ -117,14 +117,13 @@ def resume(run_dir, rank: int, world_size: int, after: int) -> list[int]:
             run_dir.at(path).remove()
         elif step is None and _owner(rel) in gone and rel.startswith("ranks/"):
             run_dir.at(path).remove()  # its status file: a rank that is gone is not running (or failed) any more
-    for r in (rank, *sorted(gone)):
-        _remove_leftovers(run_dir, r, after)
+    _remove_leftovers(run_dir, {rank} | gone, after)
     return sorted(s for s in committed if s is not None and s > after)
 
 
-def _remove_leftovers(run_dir, rank: int, after: int) -> None:
-    """Local runs: the killed job's hidden temporaries of this rank (a file it was writing when killed:
-    ``.NAME.PID.TID.tmp``, never read) and this rank's directories of steps > ``after`` left empty.
+def _remove_leftovers(run_dir, ranks: set[int], after: int) -> None:
+    """Local runs: the killed job's hidden temporaries of these ranks (a file it was writing when killed:
+    ``.NAME.PID.TID.tmp``, never read) and their directories of steps > ``after`` left empty (one walk).
     Object stores have neither (a file appears whole in one PUT; no directories)."""
     if run_dir.remote:
         return
@@ -132,7 +131,8 @@ def _remove_leftovers(run_dir, rank: int, after: int) -> None:
 
     for dirpath, dirnames, filenames in os.walk(run_dir.path, topdown=False):
         rel = posixpath.relpath(dirpath.replace(os.sep, "/"), run_dir.path.replace(os.sep, "/"))
-        if _owner(rel) != rank:
+        owner = _owner(rel)
+        if owner not in ranks:
             continue
         for f in filenames:
             if f.startswith(".") and f.endswith(".tmp"):
@@ -141,7 +141,7 @@ def _remove_leftovers(run_dir, rank: int, after: int) -> None:
                 except FileNotFoundError:
                     pass
         step = _step_of(rel)
-        if step is not None and step > after and rel.split("/")[-1] == f"rank={rank}":
+        if step is not None and step > after and rel.split("/")[-1] == f"rank={owner}":
             try:
                 os.rmdir(dirpath)  # only if empty
             except OSError:

@@ -371,7 +371,7 @@ class EntropyLensLoss:
             close_recorders(getattr(self, "status", "finished"))
         elif self.committing:
             commit_recorders()
-        elif getattr(self, "ending", False):
+        elif self.ending:
             end_step_recorders()
         self.committing = self.ending = False
 
