@@ -24,6 +24,7 @@ ratio_vs_trl=<no-grad time ratio at [8192,32000] fp32> extra_gb=<its extra memor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -63,6 +64,7 @@ except Exception:  # pragma: no cover - reproduced faithfully (TRL 0.2x / 1.x, t
         return torch.cat(ents).reshape(logits.shape[:-1])
 
 
+from entropylens import native  # noqa: E402
 from entropylens.stats import logprobs_and_entropy  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -186,13 +188,17 @@ def paired(fn, repeats: int) -> tuple[float, float, float]:
 
 def sensitivity_section(shapes, repeats: int) -> float:
     """Section 5: the fused pass with and without the entropy sensitivity (two more reductions per
-    chunk), no grad, and the training pass (forward + custom backward) with and without it; then the
+    row), no grad, and the training pass (forward + custom backward) with and without it; then the
     recorder's training pass with attribution (s_t and d_t from the same sums, the logit-gradient norm
     in closed form) against the same pass before it (no s_t, a hook reading the gradient's row
-    norms); medians of the per-pair time ratios over ``repeats`` alternating pairs. Returns the
-    no-grad ratio at the first shape."""
-    print(f"\n5. entropy sensitivity (two more reductions per chunk): fp32, medians over {repeats} alternating pairs")
-    print(f"{'shape':>16} {'pass':>14} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
+    norms); medians of the per-pair time ratios over ``repeats`` alternating pairs. Each under the
+    CPU row pass that runs by default (native: entropylens/native.py, when it builds) and under the
+    eager chunked pass (ENTROPYLENS_NATIVE=0), then the native pass with the sensitivity against the
+    eager pass without it. Returns the no-grad ratio at the first shape under the default pass."""
+    passes = ["native", "eager"] if native.status() == "native" else ["eager"]
+    print(f"\n5. entropy sensitivity (two more reductions per row): fp32, medians over {repeats} alternating pairs; "
+          f"CPU row pass: {native.status()}")
+    print(f"{'shape':>16} {'pass':>22} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
     first = None
     for n, v in shapes:
         logits, tokens = make(n, v, torch.float32)
@@ -223,13 +229,38 @@ def sensitivity_section(shapes, repeats: int) -> float:
                 norms.clear()
             train_z.grad = None
 
+        def native_vs_eager(native_on):
+            """the no-grad pass: eager without the sensitivity (False) against native with it (True)"""
+            with _row_pass("native" if native_on else "eager"):
+                return fwd(native_on)
+
         norms = []
-        for label, fn in (("no grad", fwd), ("fwd + bwd", train), ("recorder's", recorded)):
-            without, with_, r = paired(fn, repeats)
-            print(f"{str([n, v]):>16} {label:>14} {without:11.1f} {with_:9.1f} {r:6.2f}")
-            first = first or r
+        for row_pass in passes:
+            with _row_pass(row_pass):
+                for label, fn in (("no grad", fwd), ("fwd + bwd", train), ("recorder's", recorded)):
+                    without, with_, r = paired(fn, repeats)
+                    print(f"{str([n, v]):>16} {row_pass + ' ' + label:>22} {without:11.1f} {with_:9.1f} {r:6.2f}")
+                    first = first or r
+        if len(passes) == 2:
+            without, with_, r = paired(native_vs_eager, repeats)
+            print(f"{str([n, v]):>16} {'no grad: eager -> native':>22} {without:11.1f} {with_:9.1f} {r:6.2f}"
+                  "  (eager without s, native with it)")
         del logits, tokens, train_z
     return first
+
+
+@contextlib.contextmanager
+def _row_pass(name: str):
+    """ENTROPYLENS_NATIVE set for the block: "eager" switches the native row pass off."""
+    before = os.environ.get("ENTROPYLENS_NATIVE")
+    os.environ["ENTROPYLENS_NATIVE"] = "0" if name == "eager" else "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ENTROPYLENS_NATIVE")
+        else:
+            os.environ["ENTROPYLENS_NATIVE"] = before
 
 
 def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, NA_HP, NA_LP, PA_HP, PA_LP, ZA
 
 # Bytes of one float32 [chunk, V] buffer (two are live). On CPU a chunk that fits in L2 keeps the
@@ -103,10 +104,42 @@ class _ChunkBuffers:
         return u, m, u_a
 
 
+def _chunk_sums(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int,
+                sums: torch.Tensor, want_entropy: bool, split: bool, want_sens: bool) -> None:
+    """The eager pass of :func:`_forward`: the per-row sums (``sums`` rows m, u_a, S, dot, e_a, R, Q)
+    one [rows, V] float32 chunk at a time, each a handful of vectorised torch ops."""
+    n, v = flat.shape
+    m_all, ua_all, s_all, dot_all = sums[0], sums[1], sums[2], sums[3]
+    buf = _ChunkBuffers(min(rows, n), v, flat.device, products=want_sens)
+    for s in range(0, n, rows):
+        e_ = min(s + rows, n)
+        tok = None if flat_tok is None else flat_tok[s:e_]
+        u, _, _ = buf.load(flat[s:e_], temperature, tok, m_all[s:e_], ua_all[s:e_])  # u: [c, V]
+        ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
+        if split:
+            idx = tok.unsqueeze(1)  # [c, 1]
+            torch.gather(ex, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # e_a
+            ex.scatter_(1, idx, 0.0)  # e_j for j != a
+            torch.sum(ex, dim=-1, out=s_all[s:e_])  # S_rest
+            if not want_sens:
+                torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # dot_rest
+                continue
+            prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
+            torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
+            torch.sum(prod.mul_(ex), dim=-1, out=sums[5, s:e_])  # R_rest   (reduction 1)
+            torch.sum(ex.mul_(ex), dim=-1, out=sums[6, s:e_])  # Q_rest   (reduction 2)
+            continue
+        torch.sum(ex, dim=-1, out=s_all[s:e_])  # S
+        if want_entropy:
+            torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # sum_j e_j u_j
+
+
 def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
              sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None,
              lse_lo_out: torch.Tensor | None = None, split: bool = False):
-    """One pass per chunk. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
+    """One pass over the logits. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
+    The per-row sums come from the native row pass on CPU (:mod:`entropylens.native`: float32 /
+    bfloat16 logits, one vectorised loop per row) or else from :func:`_chunk_sums` (eager, per chunk).
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
     sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
     ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_sensitivity_from_sums`).
@@ -134,28 +167,10 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     # R_rest = sum_{j != a} e_j^2 u_j and Q_rest = sum_{j != a} e_j^2
     sums = torch.empty(7 if want_sens else 5 if split else 4, n, dtype=torch.float32, device=dev)
     m_all, ua_all, s_all, dot_all = sums[0], sums[1], sums[2], sums[3]
-    buf = _ChunkBuffers(min(rows, n), v, dev, products=want_sens)
-    for s in range(0, n, rows):
-        e_ = min(s + rows, n)
-        tok = None if flat_tok is None else flat_tok[s:e_]
-        u, _, _ = buf.load(flat[s:e_], temperature, tok, m_all[s:e_], ua_all[s:e_])  # u: [c, V]
-        ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
-        if split:
-            idx = tok.unsqueeze(1)  # [c, 1]
-            torch.gather(ex, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # e_a
-            ex.scatter_(1, idx, 0.0)  # e_j for j != a
-            torch.sum(ex, dim=-1, out=s_all[s:e_])  # S_rest
-            if not want_sens:
-                torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # dot_rest
-                continue
-            prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
-            torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
-            torch.sum(prod.mul_(ex), dim=-1, out=sums[5, s:e_])  # R_rest   (reduction 1)
-            torch.sum(ex.mul_(ex), dim=-1, out=sums[6, s:e_])  # Q_rest   (reduction 2)
-            continue
-        torch.sum(ex, dim=-1, out=s_all[s:e_])  # S
-        if want_entropy:
-            torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # sum_j e_j u_j
+    if native.usable(flat):  # CPU: the same sums from one vectorised loop per row (entropylens/native.py)
+        native.row_sums(flat, flat_tok, temperature, sums, want_dot=want_dot or split, split=split, want_sens=want_sens)
+    else:
+        _chunk_sums(flat, flat_tok, temperature, rows, sums, want_entropy, split, want_sens)
     if flat_tok is not None:
         ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
     if split:

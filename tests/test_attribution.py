@@ -8,6 +8,9 @@ import torch
 
 from entropylens import stats
 
+# every test runs under both CPU row passes: the native C loop and the eager torch chunks
+pytestmark = pytest.mark.usefixtures("row_pass")
+
 
 def _logits_with_pa(v: int, p_a: float, temperature: float, a: int, seed: int) -> torch.Tensor:
     """float64 logits [V] whose tempered softmax gives the sampled token a probability p_a exactly:
@@ -422,7 +425,7 @@ def _far_tail_logits(temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
-def test_far_tail_logits_against_float64(temperature):
+def test_far_tail_logits_against_float64(temperature, row_pass):
     """Logits far below the max (a wide distribution at a low temperature, -inf padding): every
     vocabulary-wide exp takes a floored argument (torch's CPU exp is 5-25x slower below -87.3), and the
     values still equal float64 autograd's: log p of a token in the tail exactly, H, s, d_t, sum p^2, and
@@ -435,7 +438,10 @@ def test_far_tail_logits_against_float64(temperature):
         lp, h, s, d = stats.logprobs_and_entropy(x, tok, temperature=temperature, entropy_grad=True,
                                                  sensitivity=True, one_hot_distance=True, chunk_size=3)
         (lp * torch.tensor([0.5, -1.0, 2.0, 0.25])).sum().add(h.sum() * 0.7).backward()
-    assert spy.mins and min(spy.mins) >= -87.0  # forward, sensitivity and backward
+    if row_pass == "eager":
+        assert spy.mins and min(spy.mins) >= -87.0  # forward, sensitivity and backward
+    else:  # the forward's exps run in the C loop (floored there: the values below test it); no torch exp
+        assert spy.mins == [] or min(spy.mins) >= -87.0
     # float64 reference on the float32 logits
     zd = zf.double().requires_grad_(True)
     la = torch.log_softmax(zd / temperature, -1)

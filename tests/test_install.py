@@ -20,6 +20,7 @@ for name in ("entropylens", "entropylens.cli", "entropylens.cli.main", "entropyl
     out[name] = spec.origin if spec else None
 import importlib.resources as r
 out["sql"] = sorted(p.name for p in r.files("entropylens.analyses").iterdir() if p.name.endswith(".sql"))
+out["native_src"] = r.files("entropylens").joinpath("_row_sums.c").is_file()
 sp = site.getsitepackages()[0]
 out["site"] = sorted(os.listdir(sp))
 print(json.dumps(out))
@@ -44,6 +45,7 @@ def test_install_layout(tmp_path, editable):
     assert "cli" not in out["site"] and "analyses" not in out["site"]
     sql = sorted(p.name for p in (ROOT / "analyses").glob("*.sql"))
     assert out["sql"] == sql
+    assert out["native_src"]  # the native row pass's C source ships with the package
     if not editable:
         assert "/site-packages/entropylens/cli/" in out["entropylens.cli"]
 

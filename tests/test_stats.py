@@ -8,6 +8,9 @@ import torch
 from entropylens import stats
 from entropylens.schema import NA_HP, NA_LP, PA_HP, PA_LP, ZA
 
+# every test runs under both CPU row passes: the native C loop and the eager torch chunks
+pytestmark = pytest.mark.usefixtures("row_pass")
+
 
 def ref_logp_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0):
     z = logits.double() / temperature

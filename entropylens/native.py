@@ -1,0 +1,140 @@
+"""The native row pass of :func:`entropylens.stats._forward` on CPU (``_row_sums.c``).
+
+The eager pass makes ~13 passes over each float32 [chunk, V] buffer for the log-probabilities and
+entropies, and ~10 more for the entropy sensitivity's two extra reductions. The C loop reads each row
+twice (its max, then one streaming loop of exp and four sums), vectorised, so the sensitivity costs a
+few multiply-adds per element beside the exp (benchmarks/entropy.py section 5).
+
+Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers: ~0.3 s)
+into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``), keyed by the source, the flags
+and the CPU, and loaded with ctypes (which releases the GIL during the call). Without a compiler, or
+with ``ENTROPYLENS_NATIVE=0``, the eager pass runs (same values to float32 rounding). Only CPU float32
+and bfloat16 logits with contiguous rows use it; accelerators keep the eager pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("entropylens")
+
+_SOURCE = Path(__file__).with_name("_row_sums.c")
+# -fno-trapping-math: lets the compiler vectorise the floor's compare-and-select (no value changes);
+# -fopenmp-simd: the `omp simd` reductions only (no OpenMP runtime is linked).
+_FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared"]
+_ARCH_FLAGS = (["-march=native"], [])  # the second: a compiler without -march=native
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_PARALLEL_MIN = 1 << 16  # elements: below, one thread (a thread start costs ~20-50 us)
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_why_not = ""
+
+
+def enabled() -> bool:
+    """False when ``ENTROPYLENS_NATIVE=0`` (read at every call, so tests and users can switch)."""
+    return os.environ.get("ENTROPYLENS_NATIVE", "1") != "0"
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "entropylens" / "native"
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC", "cc")
+    src = _SOURCE.read_bytes()
+    errors = []
+    for arch in _ARCH_FLAGS:
+        flags = _FLAGS + arch
+        key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
+        out = _cache_dir() / f"row_sums-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            try:
+                proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
+                                      capture_output=True, text=True, timeout=120)
+                if proc.returncode != 0:
+                    errors.append(f"{cc} {' '.join(arch) or '(no -march)'}: {proc.stderr.strip()[-300:]}")
+                    continue
+                os.replace(tmp, out)  # atomic: ranks building at once each install a whole file
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        lib = ctypes.CDLL(str(out))
+        fn = lib.el_row_sums
+        p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+        fn.argtypes = [p, i, n, n, n, p, ctypes.c_float, i, i, i, p, p, p, p, p, p, p, i]
+        fn.restype = ctypes.c_int
+        return lib
+    raise RuntimeError("; ".join(errors))
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on first use; None (once logged) when it cannot be built."""
+    global _lib, _tried, _why_not
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _build()
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                _why_not = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                log.info("entropylens: the native row pass is unavailable (%s); using the eager pass", _why_not)
+            _tried = True
+    return _lib
+
+
+def status() -> str:
+    """One line for benchmarks and bug reports: which pass runs on CPU, and why."""
+    if not enabled():
+        return "eager (ENTROPYLENS_NATIVE=0)"
+    return "native" if library() is not None else f"eager (native unavailable: {_why_not})"
+
+
+def usable(flat: torch.Tensor) -> bool:
+    """Whether :func:`row_sums` takes these [N, V] logits: CPU, float32 / bfloat16, contiguous rows."""
+    return (flat.device.type == "cpu" and flat.dtype in _DTYPES and flat.dim() == 2
+            and (flat.stride(1) == 1 or flat.shape[1] == 1) and enabled() and library() is not None)
+
+
+def row_sums(flat: torch.Tensor, tokens: torch.Tensor | None, temperature: float, sums: torch.Tensor, *,
+             want_dot: bool, split: bool, want_sens: bool) -> None:
+    """Fill ``sums`` ([4 | 5 | 7, N] float32, rows as in ``stats._forward``: m, u_a, S, D, e_a, R, Q)
+    from logits ``flat`` [N, V] (see :func:`usable`) and ``tokens`` [N] int64 or None. With ``split``
+    the sums run over j != a and e_a = exp(max(u_a, floor)) is row 4; with ``want_sens`` rows 5-6 are
+    R = sum e_j^2 u_j and Q = sum e_j^2."""
+    n, v = flat.shape
+    if n == 0:
+        return
+    tok = None if tokens is None else tokens.contiguous()
+    rows = [sums[k].data_ptr() for k in range(sums.shape[0])] + [None] * (7 - sums.shape[0])
+    threads = torch.get_num_threads() if n * v >= _PARALLEL_MIN else 1
+    rc = library().el_row_sums(
+        flat.data_ptr(), _DTYPES[flat.dtype], n, v, flat.stride(0), None if tok is None else tok.data_ptr(),
+        float(temperature), int(want_dot), int(split), int(want_sens), *rows, threads)
+    if rc != 0:
+        log.debug("entropylens: a native row-pass thread did not start; its rows ran on the calling thread")
