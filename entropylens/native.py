@@ -34,7 +34,7 @@ _SOURCE = Path(__file__).with_name("_row_sums.c")
 _FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared"]
 _ARCH_FLAGS = (["-march=native"], [])  # the second: a compiler without -march=native
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_PARALLEL_MIN = 1 << 16  # elements: below, one thread (a thread start costs ~20-50 us)
+_PARALLEL_MIN = 1 << 16  # elements per thread at least (a thread start costs ~20-50 us; 64k elements ~30 us)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -61,7 +61,7 @@ def _cache_dir() -> Path:
     return Path(base) / "entropylens" / "native"
 
 
-def _build() -> ctypes.CDLL:
+def _build(retry: bool = True) -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
     src = _SOURCE.read_bytes()
     errors = []
@@ -83,7 +83,13 @@ def _build() -> ctypes.CDLL:
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
-        lib = ctypes.CDLL(str(out))
+        try:
+            lib = ctypes.CDLL(str(out))
+        except OSError:  # a damaged file in the cache (a full disk): build it anew, once (noexec: eager)
+            if not retry:
+                raise
+            out.unlink(missing_ok=True)
+            return _build(retry=False)
         fn = lib.el_row_sums
         p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [p, i, n, n, n, p, ctypes.c_float, i, i, i, p, p, p, p, p, p, p, i]
@@ -132,7 +138,7 @@ def row_sums(flat: torch.Tensor, tokens: torch.Tensor | None, temperature: float
         return
     tok = None if tokens is None else tokens.contiguous()
     rows = [sums[k].data_ptr() for k in range(sums.shape[0])] + [None] * (7 - sums.shape[0])
-    threads = torch.get_num_threads() if n * v >= _PARALLEL_MIN else 1
+    threads = max(1, min(torch.get_num_threads(), n * v // _PARALLEL_MIN))  # >= 64k elements per thread
     rc = library().el_row_sums(
         flat.data_ptr(), _DTYPES[flat.dtype], n, v, flat.stride(0), None if tok is None else tok.data_ptr(),
         float(temperature), int(want_dot), int(split), int(want_sens), *rows, threads)

@@ -169,3 +169,25 @@ def test_build_lands_in_the_cache_once(monkeypatch, tmp_path):
     assert native.library() is not None
     assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     assert list((tmp_path / "entropylens" / "native").iterdir()) == built  # no temporary left
+
+
+def test_a_damaged_cached_library_is_built_anew(monkeypatch, tmp_path):
+    """A damaged file under the cache's name (what a full disk could leave) is built anew, in a fresh
+    process (this one has the library loaded already: dlopen would hand back the loaded one)."""
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is not None
+    (built,) = (tmp_path / "entropylens" / "native").glob("row_sums-*.so")
+    built.unlink()  # (a new file: overwriting the loaded one in place would fault this process)
+    built.write_bytes(b"\x7fELF truncated")
+    probe = ("import torch; from entropylens import native, stats; z = torch.randn(2, 700); "
+             "print(native.status(), float((stats.logsumexp_f32(z) - torch.logsumexp(z, -1)).abs().max()))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}).stdout.split()
+    assert out[0] == "native" and float(out[1]) < 1e-5
+    assert built.stat().st_size > 1000  # the rebuilt library
