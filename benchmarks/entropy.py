@@ -8,9 +8,10 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
 2. with grad (the training pass): forward + backward peak memory of our logprobs against
    log_softmax + gather, beyond the [N, V] gradient both must produce.
 3. float64 error at V = 151936 with logit offsets 0..40.
-5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per chunk,
+5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per row,
    logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x), with no
-   grad and in the training pass (forward + backward: where the recorder's s_t is computed), and the
+   grad and in the training pass (forward + backward: where the recorder's s_t is computed), under the
+   native CPU row pass (entropylens/native.py) and the eager chunks (ENTROPYLENS_NATIVE=0), and the
    recorder's whole training pass with attribution (s_t, and the logit-gradient norm from the same
    sums) against the pass before attribution (a hook reading the gradient's row norms); 5b. the same
    in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
