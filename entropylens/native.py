@@ -5,11 +5,12 @@ entropies, and ~10 more for the entropy sensitivity's two extra reductions. The 
 twice (its max, then one streaming loop of exp and four sums), vectorised, so the sensitivity costs a
 few multiply-adds per element beside the exp (benchmarks/entropy.py section 5).
 
-Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers: ~0.3 s)
-into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``), keyed by the source, the flags
-and the CPU, and loaded with ctypes (which releases the GIL during the call). Without a compiler, or
-with ``ENTROPYLENS_NATIVE=0``, the eager pass runs (same values to float32 rounding). Only CPU float32
-and bfloat16 logits with contiguous rows use it; accelerators keep the eager pass.
+Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers: ~0.4 s)
+into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``; where that cannot be written or
+run from, a private folder under the temporary directory), keyed by the source, the flags and the
+CPU, and loaded with ctypes (which releases the GIL during the call). Without a compiler, or with
+``ENTROPYLENS_NATIVE=0``, the eager pass runs (same values to float32 rounding). Only CPU float32 and
+bfloat16 logits with contiguous rows use it; accelerators keep the eager pass.
 """
 
 from __future__ import annotations
@@ -56,46 +57,78 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the built library goes: the user's cache, else (read-only or noexec home) a private
+    folder under the temporary directory."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "entropylens" / "native"
+    uid = os.getuid() if hasattr(os, "getuid") else "user"
+    return [Path(base) / "entropylens" / "native", Path(tempfile.gettempdir()) / f"entropylens-native-{uid}"]
 
 
-def _build(retry: bool = True) -> ctypes.CDLL:
+def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+    """Compile the source to ``out`` (atomically: concurrent ranks each install a whole file);
+    returns the compiler's complaint, or None when built."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            return proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
+        os.replace(tmp, out)
+        return None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(out: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(out))
+    fn = lib.el_row_sums
+    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, i, n, n, n, p, ctypes.c_float, i, i, i, p, p, p, p, p, p, p, i]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def _build() -> ctypes.CDLL:
+    """Load the cached library or build it: ``-march=native`` first, then without it (a compiler
+    that lacks it); in the user's cache, then the temporary directory (an unwritable or noexec
+    cache). A file that will not load (damaged) is built anew once."""
     cc = os.environ.get("CC", "cc")
     src = _SOURCE.read_bytes()
-    errors = []
-    for arch in _ARCH_FLAGS:
-        flags = _FLAGS + arch
-        key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
-        out = _cache_dir() / f"row_sums-{key}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
+    complaints: list[str] = []
+    failure: OSError | None = None
+    for folder in _cache_dirs():
+        for arch in _ARCH_FLAGS:
+            flags = _FLAGS + arch
+            key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
+            out = folder / f"row_sums-{key}.so"
             try:
-                proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
-                                      capture_output=True, text=True, timeout=120)
-                if proc.returncode != 0:
-                    errors.append(f"{cc} {' '.join(arch) or '(no -march)'}: {proc.stderr.strip()[-300:]}")
-                    continue
-                os.replace(tmp, out)  # atomic: ranks building at once each install a whole file
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        try:
-            lib = ctypes.CDLL(str(out))
-        except OSError:  # a damaged file in the cache (a full disk): build it anew, once (noexec: eager)
-            if not retry:
-                raise
-            out.unlink(missing_ok=True)
-            return _build(retry=False)
-        fn = lib.el_row_sums
-        p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [p, i, n, n, n, p, ctypes.c_float, i, i, i, p, p, p, p, p, p, p, i]
-        fn.restype = ctypes.c_int
-        return lib
-    raise RuntimeError("; ".join(errors))
+                for attempt in (0, 1):
+                    if not out.exists():
+                        complaint = _compile(cc, flags, out)
+                        if complaint is not None:
+                            complaints.append(f"{cc} {' '.join(arch) or '(no -march)'}: {complaint}")
+                            break
+                    try:
+                        return _load(out)
+                    except OSError:
+                        if attempt:
+                            raise
+                        out.unlink(missing_ok=True)  # damaged (a full disk): build it anew
+            except FileNotFoundError as exc:
+                if exc.filename == cc:
+                    raise  # no compiler: no folder will help
+                failure = exc
+                break
+            except (OSError, subprocess.SubprocessError) as exc:  # unwritable, noexec: the next folder
+                failure = exc
+                break
+    if complaints:
+        raise RuntimeError("; ".join(complaints))
+    raise failure or RuntimeError("no folder to build in")
 
 
 def library() -> ctypes.CDLL | None:

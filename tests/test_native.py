@@ -191,3 +191,17 @@ def test_a_damaged_cached_library_is_built_anew(monkeypatch, tmp_path):
                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}).stdout.split()
     assert out[0] == "native" and float(out[1]) < 1e-5
     assert built.stat().st_size > 1000  # the rebuilt library
+
+
+def test_an_unwritable_cache_builds_under_the_temporary_directory(monkeypatch, tmp_path):
+    import tempfile
+
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # mkdir under a file: NotADirectoryError
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is not None
+    assert len(list((tmp_path / "tmp").glob("entropylens-native-*/row_sums-*.so"))) == 1
