@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import subprocess
 import tempfile
 import threading
@@ -65,14 +66,14 @@ def _cache_dirs() -> list[Path]:
     return [Path(base) / "entropylens" / "native", Path(tempfile.gettempdir()) / f"entropylens-native-{uid}"]
 
 
-def _compile(cc: str, flags: list[str], out: Path) -> str | None:
+def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
     """Compile the source to ``out`` (atomically: concurrent ranks each install a whole file);
     returns the compiler's complaint, or None when built."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
+        proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             return proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
@@ -95,39 +96,39 @@ def _load(out: Path) -> ctypes.CDLL:
 def _build() -> ctypes.CDLL:
     """Load the cached library or build it: ``-march=native`` first, then without it (a compiler
     that lacks it); in the user's cache, then the temporary directory (an unwritable or noexec
-    cache). A file that will not load (damaged) is built anew once."""
-    cc = os.environ.get("CC", "cc")
+    cache). A file that will not load (damaged) is built anew once. ``$CC`` may carry arguments
+    (``ccache gcc``)."""
+    cc = shlex.split(os.environ.get("CC") or "cc")
     src = _SOURCE.read_bytes()
-    complaints: list[str] = []
     failure: OSError | None = None
     for folder in _cache_dirs():
-        for arch in _ARCH_FLAGS:
-            flags = _FLAGS + arch
-            key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
-            out = folder / f"row_sums-{key}.so"
-            try:
-                for attempt in (0, 1):
-                    if not out.exists():
-                        complaint = _compile(cc, flags, out)
-                        if complaint is not None:
-                            complaints.append(f"{cc} {' '.join(arch) or '(no -march)'}: {complaint}")
-                            break
-                    try:
+        complaints: list[str] = []
+        try:
+            for arch in _ARCH_FLAGS:
+                flags = _FLAGS + arch
+                key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
+                out = folder / f"row_sums-{key}.so"
+                if not out.exists():
+                    complaint = _compile(cc, flags, out)
+                    if complaint is not None:
+                        complaints.append(f"{' '.join(cc)} {' '.join(arch) or '(no -march)'}: {complaint}")
+                        continue
+                try:
+                    return _load(out)
+                except OSError:  # damaged (a full disk): built anew once; noexec fails again -> next folder
+                    out.unlink(missing_ok=True)
+                    if _compile(cc, flags, out) is None:
                         return _load(out)
-                    except OSError:
-                        if attempt:
-                            raise
-                        out.unlink(missing_ok=True)  # damaged (a full disk): build it anew
-            except FileNotFoundError as exc:
-                if exc.filename == cc:
-                    raise  # no compiler: no folder will help
-                failure = exc
-                break
-            except (OSError, subprocess.SubprocessError) as exc:  # unwritable, noexec: the next folder
-                failure = exc
-                break
-    if complaints:
-        raise RuntimeError("; ".join(complaints))
+                    raise
+        except FileNotFoundError as exc:
+            if exc.filename == cc[0]:
+                raise  # no compiler: no folder will help
+            failure = exc
+            continue
+        except (OSError, subprocess.SubprocessError) as exc:  # unwritable, noexec: the next folder
+            failure = exc
+            continue
+        raise RuntimeError("; ".join(complaints))  # the compiler refused the source: another folder won't help
     raise failure or RuntimeError("no folder to build in")
 
 

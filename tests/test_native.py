@@ -205,3 +205,15 @@ def test_an_unwritable_cache_builds_under_the_temporary_directory(monkeypatch, t
     monkeypatch.setattr(native, "_tried", False)
     assert native.library() is not None
     assert len(list((tmp_path / "tmp").glob("entropylens-native-*/row_sums-*.so"))) == 1
+
+
+def test_cc_with_arguments_and_a_refusing_compiler(monkeypatch, tmp_path):
+    """$CC may carry arguments (ccache gcc, gcc -O2); a compiler that refuses says so once per flag set."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    for n, (value, ok) in enumerate([(f"{cc} -O2", True), ("false", False)]):
+        monkeypatch.setenv("CC", value)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / str(n)))
+        monkeypatch.setattr(native, "_lib", None)
+        monkeypatch.setattr(native, "_tried", False)
+        assert (native.library() is not None) == ok
+    assert native.status().count("false") == 2  # -march=native, then without it; no second folder
