@@ -155,10 +155,19 @@ def status() -> str:
     return "native" if library() is not None else f"eager (native unavailable: {_why_not})"
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor with its own memory: not a subclass (FakeTensor while torch.compile traces, DTensor)
+    nor a functorch wrapper (vmap / grad transforms), whose data pointer C cannot read."""
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return type(t) is torch.Tensor and not (wrapped is not None and wrapped(t))
+
+
 def usable(flat: torch.Tensor) -> bool:
-    """Whether :func:`row_sums` takes these [N, V] logits: CPU, float32 / bfloat16, contiguous rows."""
+    """Whether :func:`row_sums` takes these [N, V] logits: a plain CPU tensor, float32 / bfloat16,
+    contiguous rows."""
     return (flat.device.type == "cpu" and flat.dtype in _DTYPES and flat.dim() == 2
-            and (flat.stride(1) == 1 or flat.shape[1] == 1) and enabled() and library() is not None)
+            and (flat.stride(1) == 1 or flat.shape[1] == 1) and _plain(flat) and enabled()
+            and library() is not None)
 
 
 def row_sums(flat: torch.Tensor, tokens: torch.Tensor | None, temperature: float, sums: torch.Tensor, *,

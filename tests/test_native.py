@@ -217,3 +217,16 @@ def test_cc_with_arguments_and_a_refusing_compiler(monkeypatch, tmp_path):
         monkeypatch.setattr(native, "_tried", False)
         assert (native.library() is not None) == ok
     assert native.status().count("false") == 2  # -march=native, then without it; no second folder
+
+
+def test_tensor_subclasses_take_the_eager_pass():
+    """A FakeTensor (torch.compile's tracing) has no memory for C to read: the eager pass traces."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    z = torch.randn(3, 700)
+    assert native.usable(z)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(z)
+        assert not native.usable(fake)
+        h = stats.entropy_from_logits(fake)  # (no tokens: their range check would read values)
+        assert h.shape == (3,)
