@@ -66,10 +66,19 @@ def _cache_dirs() -> list[Path]:
     return [Path(base) / "entropylens" / "native", Path(tempfile.gettempdir()) / f"entropylens-native-{uid}"]
 
 
+def _private_folder(folder: Path) -> None:
+    """Create ``folder`` (0700) and refuse one that another user owns or may write to: code loaded
+    from it runs in this process (the temporary directory is shared)."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = folder.stat()
+    if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
+        raise PermissionError(f"{folder} is not private to this user: not building there")
+
+
 def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
     """Compile the source to ``out`` (atomically: concurrent ranks each install a whole file);
     returns the compiler's complaint, or None when built."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _private_folder(out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -98,7 +107,7 @@ def _build() -> ctypes.CDLL:
     that lacks it); in the user's cache, then the temporary directory (an unwritable or noexec
     cache). A file that will not load (damaged) is built anew once. ``$CC`` may carry arguments
     (``ccache gcc``)."""
-    cc = shlex.split(os.environ.get("CC") or "cc")
+    cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
     src = _SOURCE.read_bytes()
     failure: OSError | None = None
     for folder in _cache_dirs():
@@ -108,6 +117,7 @@ def _build() -> ctypes.CDLL:
                 flags = _FLAGS + arch
                 key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
                 out = folder / f"row_sums-{key}.so"
+                _private_folder(folder)
                 if not out.exists():
                     complaint = _compile(cc, flags, out)
                     if complaint is not None:

@@ -230,3 +230,16 @@ def test_tensor_subclasses_take_the_eager_pass():
         assert not native.usable(fake)
         h = stats.entropy_from_logits(fake)  # (no tokens: their range check would read values)
         assert h.shape == (3,)
+
+
+def test_a_folder_others_may_write_is_refused(monkeypatch, tmp_path):
+    """Code loaded from the build folder runs in this process: a folder others may write to (the
+    shared temporary directory, say) is not built in."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(native, "_cache_dirs", lambda: [shared])
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", False)
+    assert native.library() is None and "not private" in native.status()
+    assert list(shared.iterdir()) == []
