@@ -13,7 +13,8 @@
  * whatever the thread count, so results do not depend on it). A row with a NaN or an infinite max
  * gets NaN everywhere, as the eager pass gives.
  *
- * Built at first use by entropylens/native.py: cc -O3 -march=native -fopenmp-simd -shared -fPIC.
+ * Built at first use by entropylens/native.py (_FLAGS there: -O3 -fopenmp-simd -fno-trapping-math, and
+ * -march=native where the compiler has it).
  */
 #include <math.h>
 #include <pthread.h>

@@ -165,11 +165,13 @@ def status() -> str:
     return "native" if library() is not None else f"eager (native unavailable: {_why_not})"
 
 
+_FUNCTORCH_WRAPPED = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
 def _plain(t: torch.Tensor) -> bool:
     """A tensor with its own memory: not a subclass (FakeTensor while torch.compile traces, DTensor)
     nor a functorch wrapper (vmap / grad transforms), whose data pointer C cannot read."""
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    return type(t) is torch.Tensor and not (wrapped is not None and wrapped(t))
+    return type(t) is torch.Tensor and not (_FUNCTORCH_WRAPPED is not None and _FUNCTORCH_WRAPPED(t))
 
 
 def usable(flat: torch.Tensor) -> bool:

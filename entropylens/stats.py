@@ -141,7 +141,7 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     The per-row sums come from the native row pass on CPU (:mod:`entropylens.native`: float32 /
     bfloat16 logits, one vectorised loop per row) or else from :func:`_chunk_sums` (eager, per chunk).
     With ``sens_out`` ([N] float32, needs tokens) the same pass also fills the entropy
-    sensitivity s (see :func:`entropy_sensitivity`; two more reductions per chunk), and with
+    sensitivity s (see :func:`entropy_sensitivity`; two more reductions per row), and with
     ``dist_out`` too ([N]) ||e_a - p||_2 from the same sums (see :func:`_sensitivity_from_sums`).
     ``lse_lo_out`` ([N] float32) receives lse's float32 rounding residual (:func:`_lse_residual`).
     ``split`` (needs tokens; implied by ``sens_out``): S and sum_j e_j u_j are summed with the sampled
