@@ -1,7 +1,7 @@
 """What background work costs the toy's training step, by kind: the question behind the recorder's
 writer (a thread today; would a writer process help?). Asserts nothing about time.
 
-A background thread at the writer's nice value burns a fixed CPU budget during each step, in one of two
+A background thread at the writer's priority (SCHED_IDLE, or its nice value) burns a fixed CPU budget during each step, in one of two
 kinds of work:
   python   pure-Python arithmetic: holds the GIL, as the writer's bookkeeping does (a writer process
            would not compete for this process's GIL);
@@ -31,7 +31,7 @@ from overhead import median_ci  # noqa: E402
 
 from entropylens.toy import config_for  # noqa: E402
 from entropylens.toy.train import ToyTrainer  # noqa: E402
-from entropylens.writer_thread import WRITER_NICE, lower_priority  # noqa: E402
+from entropylens.writer_thread import WRITER_IDLE, WRITER_NICE, lower_priority  # noqa: E402
 
 _BUFFER = os.urandom(1 << 20)
 
@@ -58,7 +58,7 @@ class Burner:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        lower_priority(WRITER_NICE)
+        lower_priority(WRITER_NICE, idle=WRITER_IDLE)  # as the writer thread
         while True:
             self._go.wait()
             self._go.clear()
@@ -104,7 +104,7 @@ def main() -> None:
             if i >= 2:
                 wall[m].append(t1 - t0)
     print(f"toy step, recorder off, {a.steps} steps per mode from the same states, torch threads {a.threads}; "
-          f"background thread at nice {WRITER_NICE} burning {a.burn_ms:g} ms CPU per step; load average "
+          f"background thread at {'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'} burning {a.burn_ms:g} ms CPU per step; load average "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'background':<10} {'wall ms':>9} {'paired ratio':>13} {'95% interval':>15}")
     for m in names:

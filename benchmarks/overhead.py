@@ -12,7 +12,7 @@ with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than
 thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
 file of one toy step written with and without fsync (file + directory), alternating.
 
-  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full]   (ENTROPYLENS_WRITER_NICE=0: writer at normal priority)
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full]   (ENTROPYLENS_WRITER_IDLE=0: writer at nice 19, not SCHED_IDLE; ENTROPYLENS_WRITER_NICE=0: normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
 Every mode runs each step from the same saved state (weights, Adam state, sampling generator), so
@@ -37,7 +37,7 @@ from entropylens import Recorder
 from entropylens.toy import config_for
 from entropylens.toy.train import ToyTrainer
 from entropylens.writer import write_tokens
-from entropylens.writer_thread import WRITER_NICE
+from entropylens.writer_thread import WRITER_IDLE, WRITER_NICE
 
 
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:
@@ -127,12 +127,15 @@ def main() -> None:
                     drain[m].append(time.perf_counter() - t1)
                     writer_cpu[m].append((rec._writer.cpu_seconds - w0) if rec else 0.0)
             diverged += any(f != after[0] for f in after)
+        rescued = [m for m, r in modes.items() if r and r._writer.rescued]  # starved and handed to a nice thread
         for rec in modes.values():
             if rec:
                 rec.close()
     base_wall, base_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
     print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
-          f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread nice {WRITER_NICE}, "
+          f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread "
+          f"{'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'}"
+          f"{' (rescued in: ' + ', '.join(rescued) + ')' if rescued else ''}, "
           f"load average {os.getloadavg()[0]:.1f} at the end")
     print(f"every mode trained each step from the same state: {a.steps + 2 - diverged} of {a.steps + 2} steps "
           f"({a.steps} measured, 2 warm-up rounds) ended with identical weights in all modes")

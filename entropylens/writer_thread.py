@@ -20,6 +20,7 @@ rank also writes ranks/rank-R.json (its own status and heartbeat).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import sys
@@ -40,25 +41,68 @@ from .threads import serial_torch_ops
 from .token_buffer import TokenBuffer
 
 _STOP = object()
-# The writer thread's nice value (Linux: a thread is a task with its own nice value). Its work can wait;
-# the training step's threads cannot: at 19 the scheduler gives the writer a core only when training
-# leaves one free (a full queue still blocks the trainer: back-pressure, never a drop). 0 disables.
+# The writer thread's priority (Linux: a thread is a task with its own scheduling policy and nice
+# value). Its work can wait; the training step's threads cannot. By default it runs under SCHED_IDLE:
+# the scheduler gives it a core only when no other task wants one, and a waking training thread (an
+# OpenMP worker of the trainer's team) takes the core back at once, where a nice-19 thread keeps it
+# until its slice ends (the toy's full recording against the recorder off: 1.008x at SCHED_IDLE,
+# 1.045x at nice 19, 120 paired steps in one process; docs/performance.md). A SCHED_IDLE writer that
+# other busy tasks starve is rescued (WriterThread._rescue): a thread at nice WRITER_NICE takes over.
+# ENTROPYLENS_WRITER_IDLE=0: nice only; ENTROPYLENS_WRITER_NICE=0: normal priority (neither).
 WRITER_NICE = int(os.environ.get("ENTROPYLENS_WRITER_NICE", "19"))
+WRITER_IDLE = WRITER_NICE > 0 and os.environ.get("ENTROPYLENS_WRITER_IDLE", "1") != "0"
 BACKPRESSURE_WARN_S = 5.0  # one warning per run once a hand-over has waited this long for room in the queue
 OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
+# a caller that has waited this long for the writer checks whether the scheduler starves a SCHED_IDLE
+# writer (runnable, but it ran under STARVED_SHARE of the time): then the rescue thread takes over
+RESCUE_CHECK_S = 0.25
+STARVED_SHARE = 0.25
 
 
-def lower_priority(nice: int) -> bool:
+def lower_priority(nice: int, idle: bool = False) -> bool:
     """Raise the calling thread's nice value to ``nice`` (only this thread: Linux keeps one per thread;
-    never lowered). False where the platform has no per-thread priority or refuses."""
+    never lowered); ``idle``: also move it to SCHED_IDLE (it then runs only on cores no other task
+    wants). False where the platform has no per-thread priority or refuses (``idle`` refused: the
+    nice value alone applies)."""
     if nice <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
         return False
     try:
         tid = threading.get_native_id()
         if os.getpriority(os.PRIO_PROCESS, tid) < nice:
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-        return True
     except OSError:
+        return False
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):
+            return False
+    return True
+
+
+def idle_policy(tid: int) -> bool:
+    """True when thread ``tid`` runs under SCHED_IDLE."""
+    try:
+        return os.sched_getscheduler(tid) == os.SCHED_IDLE
+    except (AttributeError, OSError):
+        return False
+
+
+def thread_cpu(thread: threading.Thread) -> float:
+    """The CPU seconds ``thread`` has used (Linux: its thread clock); 0.0 where unknown."""
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (AttributeError, OSError, TypeError):
+        return 0.0
+
+
+def runnable(thread: threading.Thread) -> bool:
+    """True when the kernel lists ``thread`` as running or waiting for a core (state R), i.e. it has
+    work and is not blocked on I/O or a lock. False where unknown."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "R"
+    except (OSError, IndexError, TypeError):
         return False
 
 
@@ -135,10 +179,13 @@ class _Reply:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def wait(self, thread: threading.Thread) -> Any:
-        while not self._done.wait(0.5):
-            if not thread.is_alive():
+    def wait(self, writer: "WriterThread") -> Any:
+        """The value, once set (None if the writer has died). While waiting, checks every
+        RESCUE_CHECK_S whether the scheduler starves the writer (:meth:`WriterThread.check_starved`)."""
+        while not self._done.wait(RESCUE_CHECK_S):
+            if not writer.alive:
                 return None
+            writer.check_starved()
         return self.value
 
 
@@ -160,9 +207,14 @@ class WriterThread:
         # waking the thread per update costs a thread switch (and the GIL) on the training thread
         self._outbox: list[tuple] = []
         self._warned_wait = False  # the back-pressure warning (once per run)
-        self._cpu_at_exit: float | None = None  # the thread's CPU time, set as it stops
+        self._batch: list[tuple] = []  # the messages of the hand-over being handled, in order (a rescue goes on here)
+        self._stopped = False  # the thread has taken the stop message
+        self._cpu_done = 0.0  # CPU seconds of the writer threads that have ended (the idle one after a rescue)
+        self.rescued = False  # a rescue thread has taken the work over from a starved SCHED_IDLE thread
+        self._last_check: tuple[float, float] | None = None  # (monotonic, writer CPU) at the last starvation check
         self.write_run_json()
-        self._thread = threading.Thread(target=self._loop, name=f"entropylens-writer-{info.run}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, args=(WRITER_IDLE,), name=f"entropylens-writer-{info.run}",
+                                        daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ caller side
@@ -183,22 +235,29 @@ class WriterThread:
         if not self._outbox:
             return
         item, self._outbox = ("batch", self._outbox), []
+        self._put(item)
+
+    def _put(self, item: Any, after_error: bool = False) -> None:
+        """Into the queue, waiting for room (checking for a starved writer while it waits). Gives up
+        once the thread has died, or has failed unless ``after_error`` (a failed thread still drains)."""
         waited = 0.0
         while True:
             try:
-                self._queue.put(item, timeout=0.5)
+                self._queue.put(item, timeout=RESCUE_CHECK_S)
                 return
             except queue.Full:
-                if self.error is not None or not self._thread.is_alive():
+                if (self.error is not None and not after_error) or not self._thread.is_alive():
                     return
-                waited += 0.5
+                self.check_starved()
+                waited += RESCUE_CHECK_S
                 if waited >= BACKPRESSURE_WARN_S and not self._warned_wait:
                     self._warned_wait = True
                     warnings.warn(
                         f"entropylens: the training loop has waited {waited:.1f} s for the writer thread (its queue "
                         f"of {self._queue.maxsize} hand-overs is full). If the machine's cores are busy with other "
-                        f"work, the writer (nice {WRITER_NICE}) gets little CPU: ENTROPYLENS_WRITER_NICE=0 gives it "
-                        "a fair share; a larger queue_size or sample < 1 lowers its load", stacklevel=caller_stacklevel())
+                        f"work, the writer (SCHED_IDLE, then nice {WRITER_NICE}) gets little CPU: "
+                        "ENTROPYLENS_WRITER_NICE=0 gives it a fair share; a larger queue_size or sample < 1 lowers "
+                        "its load", stacklevel=caller_stacklevel())
 
     def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         self.put(("update", step, update, copy))
@@ -232,7 +291,7 @@ class WriterThread:
 
     def answer(self, reply: _Reply) -> dict[str, float]:
         """The reply's summary, waiting for it ({} if the thread has died)."""
-        return reply.wait(self._thread) or {}
+        return reply.wait(self) or {}
 
     def summary_request(self, step: int, names: "tuple[str, ...] | None" = None) -> _Reply:
         """Ask for ``step``'s summary without waiting: the reply is set once the thread has handled
@@ -246,27 +305,64 @@ class WriterThread:
         handed over: what waits there stays for the next hand-over). For benchmarks: one recorder's
         writer work must not run into another's measurement."""
         reply = _Reply()
-        self._queue.put(("batch", [("summary", -1, reply)]))
-        reply.wait(self._thread)
+        self._put(("batch", [("summary", -1, reply)]))
+        reply.wait(self)
 
     @property
     def cpu_seconds(self) -> float:
         """CPU time the writer thread has used so far (Linux: its thread clock; else 0); after it has
         stopped, its total."""
-        if self._cpu_at_exit is not None:
-            return self._cpu_at_exit
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._thread.ident))
-        except (AttributeError, OSError, TypeError):
-            return 0.0
+        done = self._cpu_done
+        return done if not self._thread.is_alive() else done + thread_cpu(self._thread)
 
     def take_rejected(self) -> ValueError | None:
         return self._rejected.pop(0) if self._rejected else None
 
     def stop(self) -> None:
         self.flush()
-        self._queue.put(_STOP)
-        self._thread.join()
+        self._put(_STOP, after_error=True)
+        while True:  # the thread that takes the stop message ends; after a rescue, the rescue thread
+            thread = self._thread
+            thread.join(RESCUE_CHECK_S)
+            if thread.is_alive():
+                self.check_starved()
+            elif thread is self._thread:
+                return
+
+    def check_starved(self) -> None:
+        """Called by a caller that waits for the writer (a full queue, a summary, a commit), every
+        RESCUE_CHECK_S: when the SCHED_IDLE writer thread is runnable yet ran under STARVED_SHARE of
+        the time since the last check, other tasks keep every core busy and the scheduler starves
+        it. Then :meth:`_rescue`. A writer blocked on I/O (fsync, an upload) is not runnable, one
+        that works runs: neither is rescued."""
+        if self.rescued or not idle_policy(self._thread.native_id or 0):
+            return
+        now, cpu = time.monotonic(), thread_cpu(self._thread)
+        last, self._last_check = self._last_check, (now, cpu)
+        if last is None or now - last[0] > 2 * RESCUE_CHECK_S:
+            return  # no recent sample: this one starts the window
+        if cpu - last[1] < STARVED_SHARE * (now - last[0]) and runnable(self._thread):
+            self._rescue()
+
+    def _rescue(self) -> None:
+        """A thread at nice WRITER_NICE (SCHED_OTHER: a waiting caller's core goes to it even while
+        other processes keep the cores busy) takes the work over: the SCHED_IDLE thread stops after
+        the message it is handling, and the new one goes on from the next message, in order. For the
+        rest of the run the writer runs at nice WRITER_NICE."""
+        self.rescued = True
+        starved = self._thread
+        logging.getLogger("entropylens").info(
+            "entropylens: the writer thread (SCHED_IDLE) was starved by other busy tasks; a nice-%d thread takes "
+            "its work over", WRITER_NICE)
+
+        def take_over() -> None:
+            starved.join()  # it ends after its current message (_loop checks ``rescued``)
+            if not self._stopped:
+                self._loop(False)
+
+        # created by the caller's thread, it starts with the caller's policy (not SCHED_IDLE)
+        self._thread = threading.Thread(target=take_over, name=starved.name + "-rescue", daemon=True)
+        self._thread.start()
 
     def write_run_json(self, fsync: bool = False) -> None:
         """``fsync``: the final status (close) reaches the disk; heartbeats need not. With several
@@ -282,8 +378,11 @@ class WriterThread:
             atomic_write_text(self.run_dir / "run.json", text, fsync=fsync and self.fsync)
 
     # ------------------------------------------------------------ thread side
-    def _loop(self) -> None:
-        lower_priority(WRITER_NICE)
+    def _loop(self, idle: bool) -> None:
+        """Handles the messages in queue order until the stop message; ``idle``: at SCHED_IDLE, and
+        returns (without losing a message: the rest of the hand-over stays in ``_batch``) once a
+        rescue thread takes over."""
+        lower_priority(WRITER_NICE, idle=idle)
         if os.environ.get("ENTROPYLENS_WRITER_OMP", "1") != "0":  # (0: the old behaviour, for benchmarks)
             serial_torch_ops()  # never an OpenMP team of its own (entropylens/threads.py)
         handlers = {
@@ -293,28 +392,32 @@ class WriterThread:
             "probes": lambda step, update, rows: parquet.write_probes(self.run_dir, step, self.rank, update, rows,
                                                                        fsync=self.fsync),
         }
-        while True:
-            try:  # a quiet queue (a long step) still beats: a live run never looks stale
-                item = self._queue.get(timeout=self._heartbeat_s)
-            except queue.Empty:
-                item = ("heartbeat",)
-            if item is _STOP:
-                self._cpu_at_exit = time.thread_time()
-                return
-            messages = item[1] if item[0] == "batch" else [item]
-            if self.error is None:
-                try:  # the hand-over's CPU updates, built together (one set of ops per same-shaped group)
-                    build_blocks([m[3] for m in messages if m[0] == "update"])
-                except Exception:  # noqa: BLE001 - each update then builds alone and its handler surfaces the error
-                    pass
-            for message in messages:
-                kind, args = message[0], message[1:]
-                if self.error is not None and kind != "summary":
-                    continue  # drain after a failure; the caller sees the error at its next call
-                try:
-                    handlers[kind](*args)
-                except BaseException as e:  # surfaced in the caller, never swallowed
-                    self.error = e
+        while not (idle and self.rescued):
+            if not self._batch:
+                try:  # a quiet queue (a long step) still beats: a live run never looks stale
+                    item = self._queue.get(timeout=self._heartbeat_s)
+                except queue.Empty:
+                    item = ("heartbeat",)
+                if item is _STOP:
+                    self._stopped = True
+                    break
+                self._batch = list(item[1]) if item[0] == "batch" else [item]
+                if idle and self.rescued:
+                    break  # the rescue thread handles this hand-over
+                if self.error is None:
+                    try:  # the hand-over's CPU updates, built together (one set of ops per same-shaped group)
+                        build_blocks([m[3] for m in self._batch if m[0] == "update"])
+                    except Exception:  # noqa: BLE001 - each update then builds alone and its handler surfaces the error
+                        pass
+            message = self._batch.pop(0)
+            kind, args = message[0], message[1:]
+            if self.error is not None and kind != "summary":
+                continue  # drain after a failure; the caller sees the error at its next call
+            try:
+                handlers[kind](*args)
+            except BaseException as e:  # surfaced in the caller, never swallowed
+                self.error = e
+        self._cpu_done += time.thread_time()
 
     def _on_update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         block = copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
