@@ -2,13 +2,15 @@
 -- columns: run, method, status, steps, tokens, final_entropy, min_entropy, final_reward, clip_low_frac, clip_high_frac, erc_drop_frac, eps_low, eps_high, config
 -- figure: the report's summary table
 -- params: none
--- steps: recorded steps (a run that logs only scalars counts its steps too); final_*: the last recorded step; clip fractions are token-weighted over the whole run (exact, from steps).
+-- steps: recorded steps (a run that logs only scalars counts its steps too); final_*: the last recorded step;
+-- final_entropy, min_entropy: token-weighted mean old_entropy of a step (entropy where a run recorded only that); clip fractions are token-weighted over the whole run (exact, from steps).
 -- final_reward: mean reward over the last step's sequences, all ranks (steps' reward_mean for runs without sequences).
 WITH per_step AS (
     SELECT
         run,
         step,
-        sum(old_entropy_mean * n_tokens) / nullif(sum(n_tokens), 0) AS entropy,
+        -- the sampling policy's entropy (old_entropy); the current policy's where only that was recorded
+        sum(coalesce(old_entropy_mean, entropy_mean) * n_tokens) / nullif(sum(n_tokens), 0) AS entropy,
         sum(n_tokens) AS tokens,
         sum(clip_low_frac * n_tokens) AS clip_low,
         sum(clip_high_frac * n_tokens) AS clip_high,

@@ -359,7 +359,7 @@ def schema(
 
 @app.command()
 def runs(path: PathArg) -> None:
-    """One line per run: method, steps, tokens, final entropy, final reward, status."""
+    """One line per run: method, steps, tokens, final entropy (old_entropy; entropy where only that was recorded), final reward, status."""
     from entropylens.query import run_analysis
 
     con = _connect(path)

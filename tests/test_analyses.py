@@ -182,6 +182,28 @@ def test_run_summary_counts_scalar_only_steps(tmp_path):
     assert one(df, "final_reward", run="s") == pytest.approx(2.5)
 
 
+def test_run_summary_entropy_falls_back_to_the_current_policy_entropy(tmp_path):
+    """A run that records only entropy= (no old_entropy) still has a final and minimum entropy: the
+    token-weighted mean of the last step (0.8) and of the lowest step (0.5); a run with both uses old_entropy."""
+    import torch
+
+    from entropylens import Recorder
+    from entropylens.query import connect
+
+    lp = torch.full((2, 3), -1.0)
+    kw = dict(mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]), logprobs=lp,
+              old_logprobs=lp)
+    with Recorder(tmp_path, run="cur") as rec:
+        for step, h in enumerate((0.5, 0.8)):
+            rec.record_update(step, 0, entropy=torch.full((2, 3), h), **kw)
+    with Recorder(tmp_path, run="both") as rec:
+        rec.record_update(0, 0, entropy=torch.full((2, 3), 0.9), old_entropy=torch.full((2, 3), 0.3), **kw)
+    df = run_analysis(connect(tmp_path), "run_summary")
+    assert one(df, "final_entropy", run="cur") == pytest.approx(0.8)
+    assert one(df, "min_entropy", run="cur") == pytest.approx(0.5)
+    assert one(df, "final_entropy", run="both") == pytest.approx(0.3)
+
+
 def test_errors(con, tmp_path):
     with pytest.raises(QueryError, match="unknown analysis 'nope'"):
         run_analysis(con, "nope")
