@@ -1,23 +1,47 @@
--- title: Entropy ratio H(pi_theta)/H(pi_old) per step: quantiles and share outside the ERC band
--- columns: run, method, step, p05, p50, p95, outside_band, tokens
+-- title: Entropy ratio H(pi_theta)/H(pi_old) per step: quantiles and share outside each run's band
+-- columns: run, method, step, p05, p50, p95, outside_band, tokens, band_low, band_high, erc
 -- figure: ERC Fig. 1 / Sec. 3 (the entropy ratio as a global trust region)
 -- params: band_low=0.95, band_high=1.05
--- outside_band: share of tokens with rho <= band_low or rho >= band_high (ERC keeps low < rho < high).
+-- The band of a run is its own ERC band (steps.erc_low / erc_high, the widest the run used; erc = true);
+-- a run without ERC is measured against band_low / band_high (default: the ERC paper's (0.95, 1.05);
+-- erc = false). outside_band: share of tokens with rho <= band_low or rho >= band_high (ERC keeps
+-- low < rho < high).
 -- p05 / p50 / p95 are exact quantiles over the step's tokens, interpolated linearly between the order
 -- statistics at rank q * (n - 1) (DuckDB quantile_cont / median; on Spark percentile / median, which
 -- entropylens.portable writes for them). Exact sorting costs less CPU than DuckDB's t-digest
 -- (approx_quantile), used here before.
+WITH bands AS (
+    SELECT
+        run,
+        min(erc_low) AS erc_low,
+        max(erc_high) AS erc_high
+    FROM steps
+    GROUP BY run
+),
+run_band AS (
+    SELECT
+        r.run,
+        r.method,
+        coalesce(b.erc_low, $band_low) AS band_low,
+        coalesce(b.erc_high, $band_high) AS band_high,
+        b.erc_low IS NOT NULL AS erc
+    FROM runs AS r
+    LEFT JOIN bands AS b ON r.run = b.run
+)
 SELECT
     t.run,
-    r.method,
+    rb.method,
     t.step,
     quantile_cont(t.entropy_ratio, 0.05) AS p05,
     median(t.entropy_ratio) AS p50,
     quantile_cont(t.entropy_ratio, 0.95) AS p95,
-    avg((t.entropy_ratio <= $band_low OR t.entropy_ratio >= $band_high)::INTEGER) AS outside_band,
-    count(*) AS tokens
+    avg((t.entropy_ratio <= rb.band_low OR t.entropy_ratio >= rb.band_high)::INTEGER) AS outside_band,
+    count(*) AS tokens,
+    rb.band_low,
+    rb.band_high,
+    rb.erc
 FROM tokens AS t
-JOIN runs AS r USING (run)
+JOIN run_band AS rb ON t.run = rb.run
 WHERE t.entropy_ratio IS NOT NULL
-GROUP BY t.run, r.method, t.step
+GROUP BY t.run, rb.method, t.step, rb.band_low, rb.band_high, rb.erc
 ORDER BY t.run, t.step

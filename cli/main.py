@@ -117,6 +117,11 @@ class Engine(str, Enum):
     spark = "spark"
 
 
+class Band(str, Enum):
+    minmax = "minmax"
+    sd = "sd"
+
+
 EngineOpt = Annotated[Engine, typer.Option(
     "--engine", help="duckdb (canonical, local) or spark (the same SQL on pyspark; see docs/spark.md).")]
 
@@ -203,16 +208,33 @@ def _connect(path: str, runs: list[str] | None = None):
         _fail(str(e))
 
 
-# --output's extension names its format when --format is not given
+# --output's extension names its format when --format is not given. A text name (.txt, or no extension)
+# holds a table by default and any text format with --format; any other extension is refused (#27: an
+# .xlsx file received a text table): the file would not be what its name says.
 _SUFFIX_FORMATS = {".csv": Format.csv, ".json": Format.json, ".parquet": Format.parquet, ".pq": Format.parquet}
+_TEXT_SUFFIXES = (".txt", "")
+_FORMAT_HELP = "Output format (default: --output's extension; table for .txt, no extension or no --output)."
+_OUTPUT_HELP = "Write to this file. Its extension names the format: .csv .json .parquet .pq .txt or none; any other is refused."
 
 
 def _output_format(fmt: Format | None, output: Path | None) -> Format:
-    """--format, or else --output's extension (.csv, .json, .parquet / .pq), or else table; a --format that
-    an --output extension contradicts fails (a file named .csv holding a text table misleads its reader)."""
-    implied = _SUFFIX_FORMATS.get(output.suffix.lower()) if output is not None else None
+    """--format, or else --output's extension (.csv, .json, .parquet / .pq; .txt or none: table), or else
+    table. An extension that is none of these fails, and so does a --format that the extension
+    contradicts (a file named .csv holding a text table misleads its reader); a file without an extension
+    takes any --format."""
+    if output is None:
+        return fmt or Format.table
+    suffix = output.suffix.lower()
+    if suffix not in _SUFFIX_FORMATS and suffix not in _TEXT_SUFFIXES:
+        want = {Format.table: ".txt", Format.json: ".json", Format.parquet: ".parquet"}.get(fmt, ".csv")
+        _fail(f"--output {output.name}: unknown extension {output.suffix}; entropylens writes .csv, .json, "
+              f".parquet (.pq) or .txt (a text table): name the file {output.with_suffix(want).name}, or leave "
+              "the extension out and pick the format with --format")
+    implied = _SUFFIX_FORMATS.get(suffix) or (Format.table if suffix else None)
     if fmt is None:
         return implied or Format.table
+    if suffix in _TEXT_SUFFIXES and fmt != Format.parquet:
+        return fmt  # csv and json are text too
     if implied is not None and implied != fmt:
         ext = {Format.table: ".txt"}.get(fmt, f".{fmt.value}")
         _fail(f"--format {fmt.value} but --output {output.name} says {implied.value}: drop --format (the "
@@ -220,17 +242,24 @@ def _output_format(fmt: Format | None, output: Path | None) -> Format:
     return fmt
 
 
-def _emit(df, fmt: Format | None, output: Path | None) -> None:
-    """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output);
-    without --format, --output's extension decides (:func:`_output_format`)."""
+def _check_output(fmt: Format | None, output: Path | None) -> Format:
+    """Everything about --format / --output that can fail, checked before the query runs: the format
+    (:func:`_output_format`), parquet without a file, a directory or a missing parent as the file."""
     fmt = _output_format(fmt, output)
+    if fmt == Format.parquet and output is None:
+        _fail("--format parquet needs --output FILE")
     if output is not None and output.is_dir():
         _fail(f"--output {output} is a directory; give a file name")
     if output is not None and not output.parent.is_dir():
         _fail(f"--output {output}: the directory {output.parent} does not exist")
+    return fmt
+
+
+def _emit(df, fmt: Format | None, output: Path | None) -> None:
+    """Print or write a DataFrame: table (aligned text), csv, json (records) or parquet (needs --output);
+    without --format, --output's extension decides (:func:`_output_format`); an unknown one fails."""
+    fmt = _check_output(fmt, output)
     if fmt == Format.parquet:
-        if output is None:
-            _fail("--format parquet needs --output FILE")
         try:
             df.to_parquet(output, index=False)
         except OSError as e:
@@ -359,7 +388,12 @@ def schema(
 
 @app.command()
 def runs(path: PathArg) -> None:
-    """One line per run: method, steps, tokens, final entropy (old_entropy; entropy where only that was recorded), final reward, status."""
+    """One line per run: method, steps, tokens, final entropy (old_entropy; entropy where only that was recorded), final reward, status.
+
+    A run is a folder holding run.json: PATH itself, or a folder below it.
+
+    Not searched, as they cannot hold a run: the folders of a run (nothing below a run), hidden folders (.git, .venv, .cache, ...), __pycache__, node_modules, site-packages, dist-packages, virtual environments (pyvenv.cfg), and folders that cannot be read (skipped silently). Symbolic links to folders are not followed. Warnings name files of runs only.
+    """
     from entropylens.query import run_analysis
 
     con = _connect(path)
@@ -389,9 +423,8 @@ def query(
     sql: Annotated[str, typer.Argument(
         metavar="SQL", help="One read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, ...) over "
                             "the views runs, steps, sequences, tokens; `-` reads it from stdin.")],
-    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=(
-        "Output format (default: --output's extension, .csv .json .parquet, else table)."))] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=_FORMAT_HELP)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help=_OUTPUT_HELP)] = None,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
 ) -> None:
     """Run one read-only SQL statement (DuckDB) over the runs under PATH.
@@ -403,6 +436,7 @@ def query(
     from entropylens.cli.sql_guard import NotReadOnly, check_read_only
     from entropylens.query import QueryError, run_sql
 
+    _check_output(fmt, output)  # a bad --output fails before the query runs
     if sql == "-":
         sql = sys.stdin.read()
     try:
@@ -433,9 +467,8 @@ def analyze(
     name: Annotated[str, typer.Argument(metavar="NAME", help="Analysis name (see `entropylens analyses`).")],
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="K=V", help="An analysis parameter, e.g. bins=5 (repeatable).")] = None,
-    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=(
-        "Output format (default: --output's extension, .csv .json .parquet, else table)."))] = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help="Write to this file.")] = None,
+    fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=_FORMAT_HELP)] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help=_OUTPUT_HELP)] = None,
     engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Run a named analysis over the runs under PATH."""
@@ -447,6 +480,7 @@ def analyze(
         if not sep or not k:
             _fail(f"bad parameter {p!r}: use --param name=value")
         params[k.strip()] = v.strip()
+    _check_output(fmt, output)  # a bad --output fails before the analysis runs
     try:
         render_analysis(name, **params)  # unknown analysis / bad parameter before touching the data
     except QueryError as e:
@@ -470,15 +504,28 @@ def report(
     run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
     out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Output directory.")] = Path("entropylens-report"),
     engine: EngineOpt = Engine.duckdb,
+    group_by: Annotated[Optional[str], typer.Option(
+        "--group-by", metavar="method|config|KEY",
+        help="Draw runs that share this as one series: their mean with a band over the runs. 'method'; "
+             "'config' (runs whose configs differ only in the seed); or a config key such as lr or seed. "
+             "Default: one line, bar or panel per run.")] = None,
+    band: Annotated[Band, typer.Option(
+        "--band", help="The band of a grouped series: minmax (min to max over its runs) or sd (mean +- 1 sd).")]
+    = Band.minmax,
 ) -> None:
-    """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH."""
+    """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH.
+
+    Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own.
+
+    Verdicts against the papers only where the runs differ in the method alone; else captions name what differs."""
     from entropylens.report import write_report
 
     _connect(path, run)  # path errors first, as one line
     _check_out_dir(out)
     try:
         with _FileWarnings():
-            index = write_report(path, out, runs=run or None, engine=engine.value)
+            index = write_report(path, out, runs=run or None, engine=engine.value, group_by=group_by,
+                                 band=band.value)
     except _user_errors() as e:
         _fail(_os_error_line(e) if isinstance(e, OSError) else str(e))
     except BrokenPipeError:
@@ -497,30 +544,63 @@ def check(
     explosion: Annotated[float, typer.Option(
         "--explosion", help="explosion: entropy above this multiple of its initial value.")] = 2.0,
     budget_steps: Annotated[int, typer.Option(
-        "--budget-steps", help="negative_budget: entropy budget below 0 for this many steps in a row.")] = 10,
+        "--budget-steps", help="negative_budget: entropy budget below 0 for this many steps in a row ...")] = 10,
+    budget_entropy: Annotated[float, typer.Option(
+        "--budget-entropy", help="negative_budget: ... while entropy is below this fraction of its initial value.")] = 0.5,
     clip_spike: Annotated[float, typer.Option(
-        "--clip-spike", help="clip_spike: clipped fraction above this multiple of the rolling median.")] = 3.0,
+        "--clip-spike", help="clip_spike: clipped fraction above this multiple of its rolling median.")] = 3.0,
     kl_spike: Annotated[float, typer.Option(
-        "--kl-spike", help="kl_spike: KL above this multiple of the rolling median.")] = 5.0,
+        "--kl-spike", help="kl_spike: KL above this multiple of its rolling median.")] = 5.0,
     grad_norm_spike: Annotated[float, typer.Option(
-        "--grad-norm-spike", help="grad_norm_spike: grad norm above this multiple of the rolling median.")] = 3.0,
+        "--grad-norm-spike", help="grad_norm_spike: grad norm above this multiple of its rolling median.")] = 3.0,
     erc_drop_min: Annotated[float, typer.Option(
-        "--erc-drop-min", help="erc_drop_rate: ERC drop fraction below this.")] = 0.001,
+        "--erc-drop-min", help="erc_drop_rate: ERC drop fraction below this while the step's entropy ratios "
+                               "(p05 / p95) leave the ERC band.")] = 0.001,
     erc_drop_max: Annotated[float, typer.Option(
         "--erc-drop-max", help="erc_drop_rate: ERC drop fraction above this.")] = 0.5,
-    window: Annotated[int, typer.Option("--window", help="Steps in the rolling median of the spike rules.")] = 20,
+    no_signal_share: Annotated[float, typer.Option(
+        "--no-signal-share", help="no_signal: a step is signal-free when at least this share of its tokens has "
+                                  "advantage 0, or of its updates grad norm 0.")] = 0.5,
+    no_signal_steps: Annotated[int, typer.Option(
+        "--no-signal-steps", help="no_signal: this many signal-free steps in a row, or at least this many making "
+                                  "up --no-signal-share of the last --window steps.")] = 3,
+    window: Annotated[int, typer.Option(
+        "--window", help="The previous steps in the spike rules' rolling median; the last steps in "
+                         "no_signal's share.")] = 20,
     baseline: Annotated[int, typer.Option(
         "--baseline", help="First steps whose mean entropy is the initial entropy.")] = 3,
 ) -> None:
-    """Alarms over the runs' step aggregates: one line per finding (run, step, rule, value, threshold);
-    exit 1 when any rule fires, 0 when none (a CI gate for training runs)."""
+    """Alarms over the runs' step aggregates: one line per finding (run, step, rule, value, threshold[,
+    signal]), at the step where a rule starts firing (once per episode); exit 1 when any rule fires, 0
+    when none (a CI gate for training runs). H0: the mean entropy of the first --baseline steps.
+
+    nonfinite (always on): loss, grad norm, lr, KL or entropy is NaN or inf (signal names it), or tokens'
+    ratio overflowed (n_nonfinite_ratio > 0).
+
+    collapse / explosion: entropy below --collapse x H0 / above --explosion x H0.
+
+    negative_budget: the entropy budget below 0 for --budget-steps steps in a row while entropy is below
+    --budget-entropy x H0 (entropy already fell that far and the updates still push it down).
+
+    clip_spike / kl_spike / grad_norm_spike: clipped fraction / KL / grad norm above --clip-spike /
+    --kl-spike / --grad-norm-spike x its median over the previous --window steps (needs 5 of them; a
+    median of 0 never fires).
+
+    erc_drop_rate: ERC drop fraction above --erc-drop-max, or below --erc-drop-min while the step's entropy
+    ratios leave its ERC band (dropping nothing inside the band is healthy).
+
+    no_signal: a step is signal-free when at least --no-signal-share of its tokens have advantage 0, or of
+    its updates grad norm 0; fires at --no-signal-steps such steps in a row, or when they are at least
+    that many and at least --no-signal-share of the last --window steps."""
     from entropylens.alarms import Thresholds
     from entropylens.alarms import check as run_check
 
     try:
-        t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps, clip_spike=clip_spike,
-                       kl_spike=kl_spike, grad_norm_spike=grad_norm_spike, erc_drop_min=erc_drop_min,
-                       erc_drop_max=erc_drop_max, window=window, baseline=baseline)
+        t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps,
+                       budget_entropy=budget_entropy, clip_spike=clip_spike, kl_spike=kl_spike,
+                       grad_norm_spike=grad_norm_spike, erc_drop_min=erc_drop_min, erc_drop_max=erc_drop_max,
+                       no_signal_share=no_signal_share, no_signal_steps=no_signal_steps, window=window,
+                       baseline=baseline)
     except ValueError as e:
         _fail(str(e))
     _connect(path, run)  # path errors first, as one line

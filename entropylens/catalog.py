@@ -2,8 +2,9 @@
 
 Rules (docs/design.md, "Reading"):
 
-1. **Runs** are the directories holding a ``run.json``. An unreadable run.json skips that run (it is
-   reported as a bad file); the other runs are read.
+1. **Runs** are the directories holding a ``run.json``, found by :func:`find_runs`'s walk (which
+   folders it leaves out: its docstring). An unreadable run.json skips that run (it is reported as a
+   bad file); the other runs are read.
 2. **Bad files** (empty, truncated, not Parquet: no ``PAR1`` magic at the end) are skipped and
    reported; everything else stays queryable. ``check="full"`` (``entropylens verify``) also parses
    each file's footer and reads its pages.
@@ -22,6 +23,7 @@ Rules (docs/design.md, "Reading"):
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -75,12 +77,86 @@ def run_ids(dirs: list[Location], base: Location) -> list[str]:
     return [d.name if names.count(d.name) == 1 or d == base else base.relative(d) for d in dirs]
 
 
+# folders that never hold a run: not walked (besides hidden ones, ``.*``, and virtual environments)
+SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
+RUN_FILE = "run.json"
+_VENV_FILE = "pyvenv.cfg"  # marks a Python virtual environment, whatever its name (venv/, env/, ...)
+
+
 def find_runs(path, runs: list[str] | None = None, storage_options: dict | None = None) -> list[Location]:
     """Run directories at or under ``path`` (a directory holding run.json), sorted by path.
-    ``runs`` selects by run id (see :func:`run_ids`) or directory name."""
+    ``runs`` selects by run id (see :func:`run_ids`) or directory name.
+
+    Which folders are searched: ``path`` itself, if it holds run.json, is the one run. Otherwise every
+    folder below it, except the folders that cannot hold a run:
+
+    - a run's own folders: a folder holding run.json is a run, and nothing below it (steps/, tokens/,
+      sequences/, probes/, compacted/, ranks/, ...) is searched for further runs;
+    - hidden folders (``.git``, ``.venv``, ``.cache``, ...), ``__pycache__``, ``node_modules``,
+      ``site-packages``, ``dist-packages``, and Python virtual environments (a folder holding
+      ``pyvenv.cfg``);
+    - folders that cannot be read (no permission, removed meanwhile): skipped silently; only the files
+      of runs are reported (an unreadable run.json is, by :func:`scan`).
+
+    Symbolic links to folders are not followed (no loops, no second copy of a run). On object
+    storage the same rules apply to one listing of the prefix."""
     root = location(path, storage_options)
     found, _ = _discover(root, runs)
     return found
+
+
+def _skipped(name: str) -> bool:
+    return name.startswith(".") or name in SKIP_DIRS
+
+
+def _walk_local(top: str) -> list[str]:
+    """The run directories below local ``top`` (:func:`find_runs`' rules): one scandir per folder
+    searched, no stat of any file, nothing below a run."""
+    found, todo = [], [top]
+    while todo:
+        d = todo.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:  # unreadable or gone: not a run's file, so nothing to report
+            continue
+        subdirs = []
+        is_run = is_venv = False
+        for e in entries:
+            try:
+                if e.name == RUN_FILE and d != top and e.is_file():
+                    is_run = True
+                elif e.name == _VENV_FILE and d != top and e.is_file():
+                    is_venv = True
+                elif not _skipped(e.name) and e.is_dir(follow_symlinks=False):
+                    subdirs.append(e.path)
+            except OSError:
+                continue
+        if is_run:
+            found.append(d)
+        elif not is_venv:
+            todo.extend(subdirs)
+    return found
+
+
+def _filter_listing(root: Location, files) -> list[str]:
+    """The run directories in a listing of every file under ``root`` (object storage), by the same
+    rules as the local walk: the shallowest run.json on each path, none below a skipped folder.
+    Returned as paths under ``root.path`` (fsspec's memory filesystem lists '/bucket/...')."""
+    base = root.path.strip("/")
+    dirs = sorted(p.rsplit("/", 1)[0] for p in files if p.endswith("/" + RUN_FILE))
+    venvs = {p.strip("/").rsplit("/", 1)[0] + "/" for p in files if p.endswith("/" + _VENV_FILE)}
+    found: dict[str, str] = {}  # "dir/" (no leading '/') -> the run's path under root.path, in order
+    for d in dirs:
+        key = d.strip("/")
+        rel = key[len(base):].strip("/").split("/") if key.startswith(base + "/") else []
+        if not rel or any(_skipped(part) for part in rel):
+            continue
+        parents = [base + "/" + "/".join(rel[:i]) + "/" for i in range(1, len(rel))]
+        if any(p in venvs or p in found for p in parents):  # inside a virtual environment or another run
+            continue
+        found[key + "/"] = root.path.rstrip("/") + "/" + "/".join(rel)
+    return list(found.values())
 
 
 def _discover(root: Location, runs: list[str] | None) -> tuple[list[Location], list[str]]:
@@ -92,11 +168,11 @@ def _discover(root: Location, runs: list[str] | None) -> tuple[list[Location], l
         raise QueryError(f"path does not exist: {root}")
     if not root.isdir():
         raise QueryError(f"not a directory: {root}")
-    if (root / "run.json").isfile():
+    if (root / RUN_FILE).isfile():
         found = [root]
     else:
-        found = sorted({root.at(p.rsplit("/", 1)[0]) for p in root.files() if p.endswith("/run.json")},
-                       key=lambda d: d.path)
+        dirs = _walk_local(root.path) if not root.remote else _filter_listing(root, root.files())
+        found = sorted({root.at(p) for p in dirs}, key=lambda d: d.path)
     if not found:
         raise QueryError(f"no entropylens run under {root} (no run.json found)")
     ids = run_ids(found, root)

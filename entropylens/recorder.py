@@ -236,7 +236,7 @@ class Recorder:
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
-        self._step_updates: dict[int, bool] = {}  # updates recorded in the current step -> had seq_ids
+        self._step_updates: dict = {}  # updates recorded in the current step -> (had seq_ids, selects a token)
         self._closed_upto = -1  # steps <= this were handed to the writer for good
         self._alarms_seen = -1  # the live alarms have observed the steps <= this
         self._alarm_replies: list = []  # (step, the writer's reply): summaries asked for by end_step
@@ -314,9 +314,12 @@ class Recorder:
         columns are stored as they are. ``entropy_sensitivity`` [B, T] (stats.entropy_sensitivity, or
         ``logprobs_and_entropy(..., sensitivity=True)``) with the sampling ``temperature`` adds the
         entropy attribution: tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums. ``seq_ids`` (unique within the step, the same id for the
-        same sequence in every update) may be left out only when the step has one update: then the
-        sequences are 0..B-1. No host sync happens here (on CUDA, NaN/Inf in the inputs is reported
-        at the next call)."""
+        same sequence in every update) may be left out only when the step has one update with tokens:
+        then the sequences are 0..B-1. A mask that selects no token is a legitimate update (TRL and verl hand
+        over such micro-batches: all completions truncated or tool output): it makes no token rows,
+        only a steps row with n_tokens 0, and needs no seq_ids. No host sync happens here (on CUDA,
+        NaN/Inf in the inputs is reported at the next call; only a step of several updates, some
+        without seq_ids, reads their "any token?" flags)."""
         self._check_alive()
         step, update = int(step), int(update)
         self._finalize_pending()
@@ -330,10 +333,12 @@ class Recorder:
         if self._disabled:
             return
         self._advance_to(step)
-        self._step_updates[update] = seq_ids is not None
         m = mask.bool()
         b, _ = m.shape
         dev = m.device
+        # (had seq_ids, its mask selects a token): the flag stays on the device, read only where a step's
+        # updates come without seq_ids (_validate_update)
+        self._step_updates[update] = (seq_ids is not None, m.any())
         settings = getattr(loss, "config", {}) or {}
         if settings and self._info.loss is None:  # the run-level settings (method, eps, ...), once, into run.json
             self._info.loss = {k: settings[k] for k in RUN_SETTINGS if k in settings}
@@ -385,7 +390,12 @@ class Recorder:
     def record_step(self, step: int, *, update: int | None = None, grad_norm=None, lr=None, **metrics) -> None:
         """Scalars of a step (update=None: the whole step, e.g. reward mean) or of one update
         (its own optimizer step: grad norm before clipping, lr). Values may be tensors (CUDA tensors
-        are not read here, which would synchronise: one non-blocking copy, read by the writer thread)."""
+        are not read here, which would synchronise: one non-blocking copy, read by the writer thread).
+        NaN and +-inf are stored as they are (a NaN grad norm is a blow-up, never a missing value: the
+        alarm rule ``nonfinite``); the first one of a run warns (``alarms.NonFiniteWarning``, naming the
+        step and the value; a CUDA value once its copy has landed, at a later record_step). ``lr`` must
+        be a finite number >= 0 (NaN, inf or a negative lr is refused: a broken schedule, not a
+        measurement); a CUDA tensor lr is not read here and is only warned about when not finite."""
         self._check_alive()
         step = int(step)
         self._finalize_pending()
@@ -417,6 +427,7 @@ class Recorder:
             size = v.size if isinstance(v, np.ndarray) else v.numel() if isinstance(v, torch.Tensor) else 1
             if size != 1:
                 raise ValueError(f"metric {columns[k]!r}: expected one number, got a tensor of shape {tuple(v.shape)}")
+        _check_lr(step, values.get("lr"))
         self._advance_to(step)
         if update is None:
             self._warn_replaced_step_scalars(step, set(values))
@@ -424,11 +435,28 @@ class Recorder:
         # thread waits for (no synchronising .item() on this thread); everything else becomes a float now
         on_device = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type in _DEFERRED_DEVICES]
         values = {k: v if k in on_device else _scalar(v) for k, v in values.items()}
+        host, device = values, None
         if on_device:
             stacked = torch.stack([values.pop(k).detach().reshape(()).float() for k in on_device]).double()  # [k]
-            values = (values, tuple(on_device), HostCopy(stacked))
+            device = (tuple(on_device), HostCopy(stacked))
+            values = (values, *device)
         if not self._disabled:
+            self._scalar_log().add(step, None if update is None else int(update), host, device)
             self._writer.scalars(step, None if update is None else int(update), values)
+
+    def _scalar_log(self):
+        """record_step's values on the host side (alarms.ScalarLog: the run's one non-finite warning, and
+        the live alarms' grad_norm / lr), made at the first record_step."""
+        log = self.__dict__.get("_scalars")
+        if log is None:
+            from .alarms import LiveAlarms, ScalarLog
+
+            log = self._scalars = ScalarLog(self.run, keep=self._alarm_thresholds is not None)
+            if self._alarm_thresholds is not None:
+                if self._alarms is None:
+                    self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
+                self._alarms.scalar_log = log
+        return log
 
     def _warn_replaced_step_scalars(self, step: int, names: set[str]) -> None:
         """Warn (once per run) when a whole-step scalar is set twice for one step: the later value replaces
@@ -660,14 +688,32 @@ class Recorder:
         for name, x in (("seq_ids", seq_ids), ("group_ids", group_ids)):
             if x is not None and tuple(x.shape) != (shape[0],):
                 raise ValueError(f"{name} must be [B] = ({shape[0]},), got {tuple(x.shape)}")
-        if same_step and (seq_ids is None or not all(same_step.values())):
-            raise ValueError(
-                f"seq_ids: step {step} has more than one update; pass seq_ids [B] to every update of such a "
-                "step (unique within the step, the same id for the same sequence), or rows of different "
-                "mini-batches would share ids 0..B-1")
+        if same_step and (seq_ids is None or not all(had for had, _ in same_step.values())):
+            # rows without seq_ids are numbered 0..B-1: they collide with another update's rows. An update
+            # whose mask selects no token (a micro-batch of truncated or tool-only completions: TRL and
+            # verl hand those over as any other) makes no rows, so it needs no ids and collides with none
+            with_rows = [u for u in sorted(same_step) if self._selects_a_token(u)]
+            if bool(mask.bool().any()):  # host syncs, only on this path
+                with_rows.append(update)
+            unnamed = [u for u in with_rows if not (same_step[u][0] if u in same_step else seq_ids is not None)]
+            if unnamed and len(with_rows) > 1:
+                raise ValueError(
+                    f"seq_ids: step {step} has more than one update with tokens and update{'s' * (len(unnamed) > 1)} "
+                    f"{', '.join(map(str, unnamed))} came without seq_ids; pass seq_ids [B] to every update of such "
+                    "a step (unique within the step, the same id for the same sequence), or rows of different "
+                    "mini-batches would share ids 0..B-1")
         watch = self._watch
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
+
+    def _selects_a_token(self, update: int) -> bool:
+        """Whether update ``update`` of the current step has a masked-in token (its device flag is read
+        once, then kept as a bool)."""
+        had_ids, selects = self._step_updates[update]
+        if isinstance(selects, torch.Tensor):
+            selects = bool(selects)
+            self._step_updates[update] = (had_ids, selects)
+        return selects
 
     def _refuse_closed(self, step: int, what: str) -> None:
         """A step already written (closed by a later step, commit() or resume=) takes nothing more."""
@@ -767,6 +813,15 @@ _PLAIN_NAMES = frozenset(("grad_norm", "lr"))
 # settings are the caller's to give)
 _RECORDER_COLUMNS = frozenset(tokenbatch.AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
+
+
+def _check_lr(step: int, lr) -> None:
+    """record_step's lr: a finite number >= 0 (a CUDA tensor is not read: that would synchronise)."""
+    if lr is None or (isinstance(lr, torch.Tensor) and lr.device.type in _DEFERRED_DEVICES):
+        return
+    x = _scalar(lr)
+    if not (np.isfinite(x) and x >= 0):
+        raise ValueError(f"record_step({step}): lr must be a finite number >= 0, got {x}")
 
 
 def _scalar(v) -> float:

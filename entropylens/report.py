@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import plots
-from .captions import TAU, observed
+from . import plots, runset
+from .captions import observed
 from .query import connect, run_analysis
 
 
@@ -36,8 +36,10 @@ FIGURES: tuple[Figure, ...] = (
            "Share of tokens in each quadrant (advantage sign x sampling probability) per step. "
            "Mirrors CE-GPPO Fig. 1 (the four token types)."),
     Figure("clip_by_quadrant", "clip_by_quadrant", "clip_by_quadrant", "Clip fractions by side and quadrant",
-           "Share of each quadrant's tokens whose gradient PPO-clip removes, low and high side. "
-           "Mirrors CE-GPPO Sec. 3 / Fig. 1: the dropped gradients are mostly those of low-probability tokens."),
+           "Share of each quadrant's tokens whose gradient PPO-clip removes. The low side (r < 1 - eps_low) "
+           "removes it only where A < 0, so it shows NA&HP and NA&LP; the high side (r > 1 + eps_high) only "
+           "where A > 0: PA&HP and PA&LP. Mirrors CE-GPPO Sec. 3 / Fig. 1: the dropped gradients are mostly "
+           "those of low-probability tokens."),
     Figure("ratio_vs_prob", "ratio_vs_prob", "ratio_vs_prob", "Importance ratio vs probability",
            "Importance ratio against sampling probability, coloured by quadrant, with the clip interval "
            "[1 - eps_low, 1 + eps_high] shaded (a bounded sample). Mirrors CE-GPPO Fig. 1 left: the tokens "
@@ -50,9 +52,10 @@ FIGURES: tuple[Figure, ...] = (
            "Each quadrant's share of the squared logit-gradient norm per step; dotted: the part carried by "
            "tokens PPO-clip would drop. Mirrors CE-GPPO Sec. 3 (gradient of clipped tokens)."),
     Figure("entropy_ratio", "entropy_ratio_by_step", "entropy_ratio_band", "Entropy-ratio band",
-           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old) per step, one panel per method, "
-           "with ERC's (0.95, 1.05) band. Mirrors ERC Sec. 3: the entropy ratio is a global trust region, and "
-           "ERC keeps more tokens inside the band."),
+           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old) per step, one panel per run (or "
+           "group), each with its own ERC band dashed; a run without ERC shows a reference band, named below. "
+           "Mirrors ERC Sec. 3: the entropy ratio is a global trust region, and ERC keeps more tokens inside "
+           "the band."),
     Figure("drift_by_prob", "drift_by_prob_bin", "drift_by_prob", "Drift by probability bin",
            "Mean |log entropy ratio| by sampling-probability bin. The ERC paper reports drift strongest "
            "for tokens below 0.2 and above 0.6 (dotted lines)."),
@@ -61,9 +64,13 @@ FIGURES: tuple[Figure, ...] = (
     Figure("kl", "kl_by_step", "kl_vs_step", "KL vs step",
            "KL(pi_old || pi_theta), k3 estimator, token mean per step. Mirrors CE-GPPO Fig. 4 left."),
     Figure("entropy_budget", "entropy_budget_by_step", "entropy_budget", "Entropy budget per step",
-           "First-order entropy effect of each quadrant's token gradients per step (sum of g s / T^2: the "
-           "entropy change per unit logit step, exact per token), stacked; black: the step's total. The "
-           "covariance law (CE-GPPO Sec. 3) says PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it."),
+           "How much each quadrant's gradients push the entropy up (above 0) or down (below 0) per step, "
+           "stacked; black: the step's total. Exactly: the sum over the quadrant's tokens of "
+           "entropy_effect = g_t s_t / T^2, with g_t = dLoss/dlogp_t (grad_coef), "
+           "s_t = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) and T the sampling temperature: the first-order "
+           "change of the token's own position's entropy for a unit step along its logit gradient "
+           "(dH_t = eta g_t s_t / T^2 at step size eta). The covariance law (CE-GPPO Sec. 3) says PA&HP and "
+           "NA&LP lower entropy, PA&LP and NA&HP raise it."),
     Figure("clipping_removed", "entropy_budget_by_step", "clipping_removed", "What clipping removed",
            "The entropy effect that clipping, CE-GPPO's beta scaling, ERC or dual-clip took away, by quadrant, "
            "beside the effect kept. CE-GPPO argues PPO-clip drops mostly PA&LP (high side, raising entropy) "
@@ -107,10 +114,14 @@ def _hyper(row) -> str:
     return ", ".join(parts)
 
 
-def summary_table(con):
+def summary_table(con, rs: runset.RunSet | None = None):
     df = run_analysis(con, "run_summary")
     df["hyperparameters"] = [_hyper(r) for r in df.to_dict("records")]
-    return df[list(SUMMARY_COLUMNS)]
+    cols = list(SUMMARY_COLUMNS)
+    if rs is not None and rs.grouped:  # which series each run is drawn in
+        df.insert(1, "series", df["run"].astype(str).map(lambda r: rs.series.get(r, r)))
+        cols.insert(1, "series")
+    return df[cols]
 
 
 def _fmt(v) -> str:
@@ -135,34 +146,36 @@ def _connect(path, runs, engine: str):
     raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
 
 
-def _render(con, out: Path, f: Figure) -> tuple[str | None, str]:
+ANALYSIS_PARAMS = {"entropy_ratio": lambda rs: dict(zip(("band_low", "band_high"), rs.reference_band()[0]))}
+
+
+def _frame(con, f: Figure, rs: runset.RunSet):
+    """The figure's analysis with the report's columns added: ``series`` (the line / bar / panel a row
+    belongs to) and the run's own ``tau`` (the HP / LP split some figures draw)."""
+    params = ANALYSIS_PARAMS[f.name](rs) if f.name in ANALYSIS_PARAMS else {}
+    df = run_analysis(con, f.analysis, **params)
+    if "run" in df:
+        runs = df["run"].astype(str)
+        df["series"] = runs.map(lambda r: rs.series.get(r, r))
+        if "tau" not in df:
+            df["tau"] = runs.map(lambda r: rs.setting(r, "tau")[0])
+    return df
+
+
+def _render(con, out: Path, f: Figure, rs: runset.RunSet) -> tuple[str | None, str]:
     """One figure: its analysis, its PNG in ``out`` -> (png file name, measured caption); (None, '')
     for an opt-in figure whose analysis has no rows."""
     import matplotlib.pyplot as plt
 
-    df = run_analysis(con, f.analysis)
+    df = _frame(con, f, rs)
     if f.optional and df.empty:
         return None, ""
-    taus = _taus(con) if f.name in TAU else None  # the runs' HP / LP threshold, stated in the caption
-    fig = getattr(plots, f.plot)(df, **_tau_arg(f.plot, taus))
+    title = "run" if rs.group_by in (None, "run") else ("config" if rs.group_by == "config" else rs.group_by)
+    fig = getattr(plots, f.plot)(df, band=rs.band, legend_title=title)
     png = f"{f.name}.png"
     fig.savefig(out / png, dpi=110)
     plt.close(fig)
-    return png, observed(f.name, df, taus)
-
-
-def _taus(con) -> dict:
-    """{run: tau} of the runs on ``con`` ({} where the engine cannot say)."""
-    try:
-        return {r: t for r, t in con.execute("SELECT run, tau FROM runs").fetchall()}
-    except Exception:  # noqa: BLE001 - a caption detail never fails the report
-        return {}
-
-
-def _tau_arg(plot: str, taus: dict | None) -> dict:
-    """The clipped-token histogram draws tau: the runs' own value where they share one."""
-    vals = {float(v) for v in (taus or {}).values() if v is not None and v == v}
-    return {"tau": vals.pop()} if plot == "clipped_prob" and len(vals) == 1 else {}
+    return png, observed(f.name, df, rs)
 
 
 def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):
@@ -170,37 +183,48 @@ def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):
     return _connect(path, runs, engine)
 
 
-def render_figure(con, out_dir, name: str) -> tuple[str | None, str]:
+def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band: str = "minmax",
+                  rs: runset.RunSet | None = None) -> tuple[str | None, str]:
     """Figure ``name`` on an open connection (:func:`open_report`) into ``out_dir`` -> (png or None,
     caption), for :func:`write_report`'s ``done`` (a demo worker draws several on one connection)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return _render(con, out, next(f for f in FIGURES if f.name == name))
+    rs = rs or runset.from_connection(con, group_by=group_by, band=band)
+    return _render(con, out, next(f for f in FIGURES if f.name == name), rs)
 
 
-def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb") -> dict:
+def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb",
+                   group_by: str | None = None, band: str = "minmax") -> dict:
     """The figures ``names`` only (a part of a report drawn in another process, e.g. by a demo worker):
     {name: (png or None, caption)}, for :func:`write_report`'s ``elsewhere`` / ``done``."""
     con = _connect(path, runs, engine)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return {f.name: _render(con, out, f) for f in FIGURES if f.name in set(names)}
+    rs = runset.from_connection(con, group_by=group_by, band=band)
+    return {f.name: _render(con, out, f, rs) for f in FIGURES if f.name in set(names)}
 
 
 def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb",
+                 group_by: str | None = None, band: str = "minmax",
                  elsewhere: tuple[str, ...] = (), done=None, on_summary=None) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
-    one PNG per figure into ``out_dir``. Returns the path of index.html. ``elsewhere``: names of
-    figures drawn into ``out_dir`` by another process (:func:`render_figures`); ``done`` gives their
+    one PNG per figure into ``out_dir``. Returns the path of index.html.
+
+    Figures, legends and captions are per run; ``group_by`` ("method", "config": seeds of one config,
+    or a config key such as "lr" or "seed") draws the runs that share its value as one series: their
+    mean, with a ``band`` over the runs ("minmax" or "sd": +-1 sd). Every threshold a figure or caption
+    uses is each run's own (runset.py). ``elsewhere``: names of figures drawn into ``out_dir`` by
+    another process (:func:`render_figures`, with the same group_by / band); ``done`` gives their
     {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here.
     ``on_summary``: called with the run table (:func:`summary_table`), e.g. to print it too."""
     con = _connect(path, runs, engine)
+    rs = runset.from_connection(con, group_by=group_by, band=band)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summary_table(con)
+    summary = summary_table(con, rs)
     if on_summary is not None:
         on_summary(summary)
-    drawn = {f.name: _render(con, out, f) for f in FIGURES if f.name not in set(elsewhere)}
+    drawn = {f.name: _render(con, out, f, rs) for f in FIGURES if f.name not in set(elsewhere)}
     if elsewhere:
         drawn.update(done() if callable(done) else done)
     rendered, not_shown = [], []
@@ -210,10 +234,30 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
             not_shown.append(f)
         else:
             rendered.append((f, png, caption))
-    _write_markdown(out / "report.md", summary, rendered, not_shown)
+    about = comparison_text(rs)
+    _write_markdown(out / "report.md", summary, rendered, not_shown, about)
     index = out / "index.html"
-    index.write_text(_html(summary, rendered, not_shown))
+    index.write_text(_html(summary, rendered, not_shown, about))
     return index
+
+
+def comparison_text(rs: runset.RunSet) -> str:
+    """One paragraph above the figures: how many runs, what differs between them, how they are drawn."""
+    n = len(rs.method)
+    key = rs.controlled_in()
+    if n == 1:
+        text = "One run."
+    elif key is not None:
+        vals = rs.factors()[key]
+        text = (f"{n} runs, a controlled comparison in {key} ({', '.join(runset.fmt(v) for v in vals)}): every other "
+                "recorded setting is the same" + (" (seeds aside)." if "seed" in rs.factors() else "."))
+    else:
+        text = f"{n} runs. " + rs.differs_text()
+    if rs.grouped:
+        text += " " + rs.band_text()
+    else:
+        text += " One line, bar or panel per run."
+    return text
 
 
 def _not_shown_text(not_shown) -> str:
@@ -230,12 +274,13 @@ def when_empty(analysis: str) -> str:
     return next((f.when_empty for f in FIGURES if f.analysis == analysis and f.when_empty), "")
 
 
-def _write_markdown(path: Path, summary, rendered, not_shown=()) -> None:
-    lines = ["# entropylens report", "", "## Runs", ""]
-    lines.append("| " + " | ".join(SUMMARY_COLUMNS) + " |")
-    lines.append("|" + "---|" * len(SUMMARY_COLUMNS))
+def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = "") -> None:
+    cols = list(summary.columns)
+    lines = ["# entropylens report", "", "## Runs", ""] + ([about, ""] if about else [])
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "---|" * len(cols))
     for row in summary.to_dict("records"):
-        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in SUMMARY_COLUMNS) + " |")
+        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in cols) + " |")
     lines.append("")
     for f, png, seen in rendered:
         lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
@@ -245,11 +290,12 @@ def _write_markdown(path: Path, summary, rendered, not_shown=()) -> None:
     path.write_text("\n".join(lines))
 
 
-def _html(summary, rendered, not_shown=()) -> str:
+def _html(summary, rendered, not_shown=(), about: str = "") -> str:
     e = html.escape
-    head = "".join(f"<th>{e(c)}</th>" for c in SUMMARY_COLUMNS)
+    cols = list(summary.columns)
+    head = "".join(f"<th>{e(c)}</th>" for c in cols)
     rows = "".join(
-        "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in SUMMARY_COLUMNS) + "</tr>"
+        "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in cols) + "</tr>"
         for r in summary.to_dict("records")
     )
     figs = "".join(
@@ -271,7 +317,7 @@ figcaption {{ color: #444; font-size: 14px; }} nav {{ font-size: 13px; margin: 1
 </style></head>
 <body><h1>entropylens report</h1>
 <nav>{toc}</nav>
-<h2>Runs</h2><table><tr>{head}</tr>{rows}</table>
+<h2>Runs</h2><p id="comparison">{e(about)}</p><table><tr>{head}</tr>{rows}</table>
 {figs}
 </body></html>
 """

@@ -150,10 +150,27 @@ def _step_types() -> dict:
     return _STEP_TYPES
 
 
-def _steps_column(vals: list, typ) -> pa.Array:
-    """One steps column from Python values, value by value: None and NaN become nulls, integer
-    columns round (the reference the column-wise :func:`steps_table` equals)."""
-    vals = [None if (v is None or (isinstance(v, float) and v != v)) else v for v in vals]
+def nan_is_null(name: str) -> bool:
+    """Whether a NaN in the steps column ``name`` means "not measured" (stored as null): the recorder's
+    own aggregates (schema.STEP_METRICS and the entropy budget sums, e.g. a mean over zero tokens, or a
+    column whose input was not given). Every other column holds what the caller gave (grad_norm, lr,
+    reward_mean, the loss settings, extra metrics): its NaN is a value and stays NaN (+-inf stay in every
+    column): a NaN grad norm is the first sign of a blow-up, not a missing one."""
+    global _AGGREGATES
+    if _AGGREGATES is None:
+        from .schema import STEP_METRICS, STEPS
+
+        _AGGREGATES = frozenset(STEP_METRICS) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
+    return name in _AGGREGATES
+
+
+_AGGREGATES: frozenset | None = None
+
+
+def _steps_column(vals: list, typ, keep_nan: bool = False) -> pa.Array:
+    """One steps column from Python values, value by value: None becomes null, and so does NaN unless
+    ``keep_nan``; integer columns round (the reference the column-wise :func:`steps_table` equals)."""
+    vals = [None if (v is None or (not keep_nan and isinstance(v, float) and v != v)) else v for v in vals]
     if pa.types.is_integer(typ):
         vals = [None if v is None else int(round(v)) for v in vals]
     return pa.array(vals, typ)
@@ -161,7 +178,8 @@ def _steps_column(vals: list, typ) -> pa.Array:
 
 def steps_table(rows: list[dict]) -> pa.Table:
     """The steps rows as a table: the schema's columns (its dtypes) in schema order, then the extra
-    metrics (float64) in name order; None and NaN (an aggregate not measured) become nulls, integer
+    metrics (float64) in name order; None becomes null, and so does NaN in the recorder's aggregates
+    (not measured, :func:`nan_is_null`); NaN in the caller's scalars stays NaN; integer
     columns round half to even. Column-wise: the rows go into one float64 matrix [rows, columns]
     (None -> NaN) and each column is one numpy slice, when every value is a Python float, None, or
     (integer columns only) a Python int; other values (numpy scalars, bools, strings) take the
@@ -175,6 +193,9 @@ def steps_table(rows: list[dict]) -> pa.Table:
         return steps_table_by_values(rows)
     m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
     null = np.isnan(m)
+    for j in np.flatnonzero(null.any(axis=1)):  # a caller's NaN is a value: only its None is null
+        if not nan_is_null(names[j]):
+            null[j] = [r.get(names[j]) is None for r in rows]
     n = len(rows)
     cols: list = [None] * len(names)
     # columns of one arrow type become one array (one conversion), cut into per-column slices
@@ -206,13 +227,15 @@ def steps_table_by_values(rows: list[dict]) -> pa.Table:
     column-wise one does not take, and the reference it equals."""
     known = _step_types()
     names = list(known) + sorted({k for r in rows for k in r} - known.keys())
-    return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()))
+    return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()),
+                                               keep_nan=not nan_is_null(n))
                                  for n in names], names=names)
 
 
 def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
     """One file per (step, rank): a row per update (:func:`steps_table`). Known columns get the
-    schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls."""
+    schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls, the caller's
+    NaN and inf scalars are stored as they are."""
     path = run_dir / "steps" / f"step={step}" / f"rank={rank}" / "steps.parquet"
     write_parquet_atomic(steps_table(rows), path, fsync=fsync, small_bytes=SMALL_BYTES)
     return path

@@ -1,6 +1,7 @@
 """Alarms (entropylens.alarms, `entropylens check`): each rule on hand-built step sequences, the CLI's
 lines and exit codes, the Recorder's live warning, and GRPO's collapse on a real short toy run."""
 
+import math
 import warnings
 
 import pandas as pd
@@ -31,11 +32,52 @@ def test_collapse_and_explosion_against_the_initial_entropy():
     assert _feed([{"entropy": x} for x in (1.0, 0.1, 1.0, 0.9)]) == []
 
 
-def test_negative_budget_needs_a_sustained_run():
+def test_negative_budget_needs_a_sustained_run_and_a_fallen_entropy():
+    # budget < 0 for 3 steps in a row AND entropy < 0.5 x initial (1.0): steps 3, 4, 5 are negative but
+    # entropy is 0.9 there (a falling entropy with a negative budget is normal RL); at step 6 it is 0.4
     t = Thresholds(budget_steps=3)
     b = [-1, -1, 0.5, -1, -1, -1, -2, 1, -1]
-    found = _feed([{"entropy_effect": x} for x in b], t)
-    assert [(f.step, f.rule, f.value) for f in found] == [(5, "negative_budget", -1)]  # steps 3, 4, 5
+    h = [1.0, 1.0, 1.0, 0.9, 0.9, 0.9, 0.4, 0.4, 0.4]
+    found = _feed([{"entropy_effect": x, "old_entropy": y} for x, y in zip(b, h)], t)
+    assert [(f.step, f.rule, f.value) for f in found] == [(6, "negative_budget", -2)]
+    # without an entropy the rule cannot judge: quiet
+    assert _feed([{"entropy_effect": x} for x in b], t) == []
+    # --budget-entropy 0.3: 0.4 is not low enough
+    assert _feed([{"entropy_effect": x, "old_entropy": y} for x, y in zip(b, h)],
+                 Thresholds(budget_steps=3, budget_entropy=0.3)) == []
+
+
+def test_nonfinite_fires_at_the_first_nan_or_inf_and_is_left_out_elsewhere():
+    nan, inf = float("nan"), float("inf")
+    rows = [{"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3}] * 6
+    rows += [{"grad_norm": nan, "old_entropy": 1.0, "kl": 1e-3}, {"grad_norm": inf, "old_entropy": 1.0, "kl": 1e-3},
+             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3}, {"grad_norm": 1.0, "old_entropy": 1.0, "kl": -inf},
+             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 0},
+             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 2}]
+    found = _feed(rows)
+    # one episode for steps 6-7 (NaN then inf), a new one at step 9 (KL), another at 11 (overflowed ratios)
+    assert [(f.step, f.rule, f.signal) for f in found] == [(6, "nonfinite", "grad_norm"), (9, "nonfinite", "kl"),
+                                                           (11, "nonfinite", "n_nonfinite_ratio")]
+    assert math.isnan(found[0].value) and found[0].threshold == math.inf and found[2].value == 2
+    assert found[0].line() == "run=r step=6 rule=nonfinite value=nan threshold=inf signal=grad_norm"
+    # an inf grad norm is not also a grad_norm_spike, and a NaN entropy never enters the baseline
+    assert not [f for f in found if f.rule != "nonfinite"]
+    h = _feed([{"old_entropy": x} for x in (nan, 1.0, 1.0, 1.0, 0.2)])
+    assert [(f.step, f.rule) for f in h] == [(0, "nonfinite"), (4, "collapse")]
+    assert h[1].threshold == pytest.approx(0.25)
+
+
+def test_no_signal_in_a_row_or_half_of_the_window():
+    # zero-advantage share >= 0.5 for 3 steps in a row (steps 2, 3, 4)
+    za = [0.1, 0.6, 0.5, 0.9, 0.7, 0.0]
+    found = _feed([{"za_frac": x} for x in za])
+    assert [(f.step, f.rule, f.value, f.threshold, f.signal) for f in found] == [(3, "no_signal", 3, 3, "za_frac")]
+    # grad norm exactly 0 at every other step: signal-free 1, 3, 5 -> at step 5, 3 of 6 steps = 0.5
+    g = _feed([{"zero_grad_frac": 1.0 if s % 2 else 0.0} for s in range(10)])
+    assert [(f.step, f.rule, f.value, f.signal) for f in g] == [(5, "no_signal", 0.5, "zero_grad_frac")]
+    # one signal-free step in three: 1/3 < 0.5, quiet; no input: quiet
+    assert _feed([{"zero_grad_frac": 1.0 if s % 3 == 0 else 0.0} for s in range(30)]) == []
+    assert _feed([{"grad_norm": 1.0}] * 10) == []
 
 
 def test_spikes_against_the_rolling_median():
@@ -52,17 +94,25 @@ def test_spikes_against_the_rolling_median():
 
 
 def test_erc_drop_rate_range_and_one_line_per_finding():
-    found = _feed([{"erc_drop_frac": x} for x in (0.2, 0.6, 0.7, 0.2, 0.0)])
+    band = {"erc_low": 0.95, "erc_high": 1.05}
+    found = _feed([{"erc_drop_frac": x, **band, "entropy_ratio_p05": 0.9, "entropy_ratio_p95": 1.1}
+                   for x in (0.2, 0.6, 0.7, 0.2, 0.0)])
     assert [(f.step, f.rule, f.threshold) for f in found] == [(1, "erc_drop_rate", 0.5), (4, "erc_drop_rate", 0.001)]
-    # nothing dropped in the first 3 (baseline) steps is the run starting on its rollout policy, not an alarm;
-    # from the 4th step on it is (a band so wide that ERC does nothing)
-    early = _feed([{"erc_drop_frac": x} for x in (0.0, 0.0, 0.0, 0.05, 0.0)])
-    assert [(f.step, f.rule, f.value) for f in early] == [(4, "erc_drop_rate", 0.0)]
     assert found[0].line() == "run=r step=1 rule=erc_drop_rate value=0.6 threshold=0.5"
+    # nothing dropped while every entropy ratio stays inside the band: healthy (was an alarm before #27)
+    inside = _feed([{"erc_drop_frac": 0.0, **band, "entropy_ratio_p05": 0.97, "entropy_ratio_p95": 1.03}] * 10)
+    assert inside == []
+    # nothing dropped although ratios leave the band (p95 1.2 > 1.05): ERC is not applied as configured
+    out = _feed([{"erc_drop_frac": 0.0, **band, "entropy_ratio_p05": 0.97, "entropy_ratio_p95": 1.2}])
+    assert [(f.step, f.value, f.threshold) for f in out] == [(0, 0.0, 0.001)]
+    # without the band (or the quantiles) the low side cannot judge
+    assert _feed([{"erc_drop_frac": 0.0, "entropy_ratio_p95": 1.2}]) == []
     df = pd.DataFrame({"run": ["b", "a", "a"], "step": [0, 1, 0], "erc_drop_frac": [0.9, 0.9, 0.2]})
     assert [(f.run, f.step) for f in evaluate(df)] == [("a", 1), ("b", 0)]
     with pytest.raises(ValueError, match="collapse"):
         Thresholds(collapse=-1)
+    with pytest.raises(ValueError, match="no_signal_share is a share"):
+        Thresholds(no_signal_share=2)
 
 
 def test_live_alarms_warn_once_per_rule():
@@ -100,11 +150,19 @@ def test_check_cli_lines_and_exit_codes(tmp_path):
     assert bad.output.splitlines() == ["run=g step=5 rule=collapse value=0.2 threshold=0.275"]
     ok = runner.invoke(app, ["check", str(tmp_path), "--collapse", "0.05"])
     assert ok.exit_code == 0 and "no alarm" in ok.output
+    # 5 negative budgets in a row at step 4, where entropy 0.5 is below 0.5 x 1.1 = 0.55
     budget = runner.invoke(app, ["check", str(tmp_path), "--collapse", "0.05", "--budget-steps", "4"])
-    assert budget.output.splitlines() == ["run=g step=3 rule=negative_budget value=-0.01 threshold=0"]
+    assert budget.output.splitlines() == ["run=g step=4 rule=negative_budget value=-0.01 threshold=0"]
+    quiet = runner.invoke(app, ["check", str(tmp_path), "--collapse", "0.05", "--budget-steps", "4",
+                                "--budget-entropy", "0.05"])
+    assert quiet.exit_code == 0, quiet.output
     err = runner.invoke(app, ["check", str(tmp_path / "nope")])
     assert err.exit_code == 2 and err.output.startswith("error:") and "Traceback" not in err.output
-    assert runner.invoke(app, ["check", str(tmp_path), "--window", "0"]).exit_code == 2
+    for flags in (["--window", "0"], ["--no-signal-steps", "0"], ["--no-signal-share", "1.5"],
+                  ["--budget-entropy", "-1"], ["--erc-drop-min", "0.9"]):
+        res = runner.invoke(app, ["check", str(tmp_path), *flags])
+        assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, (flags, res.output)
+        assert res.output.startswith("error:") and "Traceback" not in res.output
 
 
 @pytest.mark.parametrize("end_steps", [False, True])
@@ -147,3 +205,26 @@ def test_grpo_collapse_fires_on_a_real_toy_run(tmp_path):
     assert found[0].value < found[0].threshold
     res = runner.invoke(app, ["check", str(tmp_path)])
     assert res.exit_code == 1 and "rule=collapse" in res.output
+
+
+def test_one_definition_documented_everywhere():
+    """Every rule is in alarms.py's docstring, `check --help` and docs/alarms.md; every threshold has a
+    `check` flag whose default is the Thresholds default, and docs/alarms.md names the flag."""
+    from dataclasses import fields
+    from pathlib import Path
+
+    import typer.main
+
+    from entropylens import alarms
+    from entropylens.alarms import RULES
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "alarms.md").read_text()
+    cmd = typer.main.get_command(app).commands["check"]
+    help_text = runner.invoke(app, ["check", "--help"], terminal_width=200).output
+    for rule in RULES:
+        assert rule in alarms.__doc__ and f"`{rule}`" in docs and rule in help_text, rule
+    defaults = {p.name: p.default for p in cmd.params}
+    for f in fields(Thresholds):
+        flag = "--" + f.name.replace("_", "-")
+        assert defaults[f.name] == getattr(Thresholds(), f.name), f.name
+        assert flag in help_text and f"`{flag}`" in docs, flag

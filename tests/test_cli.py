@@ -298,3 +298,34 @@ def test_table_format_prints_missing_values_as_null():
                        "run": ["r", None], "step": [0, 1]})
     assert [line.split() for line in table_text(df).splitlines()] == [
         ["grad_norm", "n_tokens", "run", "step"], ["0.5", "43", "r", "0"], ["NULL", "NULL", "NULL", "1"]]
+
+
+def test_output_extension_decides_or_is_refused(runs, tmp_path):
+    """#27: `--output x.xlsx` wrote a text table into an .xlsx file. An extension entropylens does not write
+    is one line, exit 2, before the query runs and without a file; .txt and no extension are text names."""
+    sql = "SELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
+    line = err("query", runs, sql, "--output", tmp_path / "x.xlsx")
+    assert line == ("error: --output x.xlsx: unknown extension .xlsx; entropylens writes .csv, .json, .parquet (.pq) "
+                    "or .txt (a text table): name the file x.csv, or leave the extension out and pick the format "
+                    "with --format")
+    assert "name the file x.json" in err("analyze", runs, "run_summary", "-f", "json", "-o", tmp_path / "x.XLSX")
+    assert "unknown extension .gz" in err("query", runs, sql, "-f", "csv", "-o", tmp_path / "x.csv.gz")
+    # refused before the data is touched: a path that is no run still gets the --output error
+    assert "unknown extension .xlsx" in err("query", tmp_path / "missing", sql, "-o", tmp_path / "x.xlsx")
+    assert not list(tmp_path.iterdir())
+    # .txt: a table, or csv / json with --format; never parquet
+    ok("query", runs, sql, "-o", tmp_path / "t.TXT")
+    assert (tmp_path / "t.TXT").read_text().split() == ["run", "n", "a", "12", "b", "4"]
+    ok("query", runs, sql, "-f", "csv", "-o", tmp_path / "c.txt")
+    assert (tmp_path / "c.txt").read_text() == "run,n\na,12\nb,4\n"
+    assert "or name the file p.parquet" in err("query", runs, sql, "-f", "parquet", "-o", tmp_path / "p.txt")
+    # no extension: a table, or any --format (parquet included)
+    ok("query", runs, sql, "-o", tmp_path / "plain")
+    assert (tmp_path / "plain").read_text().split() == ["run", "n", "a", "12", "b", "4"]
+    ok("query", runs, sql, "-f", "json", "-o", tmp_path / "j")
+    assert json.loads((tmp_path / "j").read_text()) == [{"run": "a", "n": 12}, {"run": "b", "n": 4}]
+    ok("analyze", runs, "kl_by_step", "-f", "parquet", "-o", tmp_path / "pq")
+    assert pd.read_parquet(tmp_path / "pq").columns.tolist() == ["run", "method", "step", "kl"]
+    for cmd in ("query", "analyze"):  # and --help says so
+        words = " ".join(w for w in ok(cmd, "--help").split() if w not in "│╭╮╰╯─")
+        assert "Its extension names the format: .csv .json .parquet .pq .txt or none; any other is refused." in words

@@ -707,3 +707,28 @@ def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
         warnings.simplefilter("error")  # the same method: no warning
         with Recorder(tmp_path, run="s", config={"method": "ce_gppo"}) as rec:
             policy_update(rec, 0, 0, x.float(), tokens, mask, adv.float(), old_lp, method="ce_gppo")
+
+
+def test_all_masked_update_needs_no_seq_ids(tmp_path):
+    """#27: an update whose mask selects no token (TRL / verl hand over such micro-batches) makes no rows,
+    so it needs no seq_ids and its ids collide with none; rows without ids still may not share a step."""
+    lp = torch.zeros(2, 3)
+    m, empty = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.bool)
+    kw = dict(advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
+    with Recorder(tmp_path, run="r") as rec:
+        rec.record_update(0, 0, mask=m, seq_ids=torch.arange(2), **kw)
+        rec.record_update(0, 1, mask=empty, **kw)  # was: "seq_ids: step 0 has more than one update"
+        rec.record_update(0, 2, mask=m, seq_ids=torch.arange(2) + 2, **kw)
+        rec.record_update(1, 0, mask=m, **kw)  # a plain loop without ids, and an empty second update
+        rec.record_update(1, 1, mask=empty, **kw)
+        with pytest.raises(ValueError) as e:
+            rec.record_update(1, 2, mask=m, seq_ids=torch.arange(2) + 2, **kw)
+        assert str(e.value).startswith("seq_ids: step 1 has more than one update with tokens and update 0 came "
+                                       "without seq_ids") and "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="and updates 0, 2 came without seq_ids"):
+            rec.record_update(1, 2, mask=m, **kw)
+    con = connect(tmp_path)
+    assert con.execute("SELECT step, update, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall() == [
+        (0, 0, 6), (0, 2, 6), (1, 0, 6)]
+    assert con.execute("SELECT step, update, n_tokens FROM steps ORDER BY ALL").fetchall() == [
+        (0, 0, 6), (0, 1, 0), (0, 2, 6), (1, 0, 6), (1, 1, 0)]
