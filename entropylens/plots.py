@@ -1,17 +1,37 @@
 """One function per paper figure: a DataFrame from an analysis in, a matplotlib Figure out. No I/O.
 
-Runs are overlaid and coloured by method (seeds of one method share a colour). Each function's
-docstring names the analysis it takes and the figure it mirrors; report.py writes the files.
+Lines, bars and panels are drawn per *series*: the frame's string column ``series`` (report.py sets
+one label per run, or one per group with ``entropylens report --group-by KEY``); without it, per run
+(labelled by :func:`_label`). Colours follow the sorted series names. Where several runs share a
+series, a line is the mean over those runs per step with the runs' spread shaded (``band="minmax"``:
+min..max, the default; ``band="sd"``: mean +- 1 sd), a bar is the mean with an error bar of the same
+kind, and a per-run panel pools the runs. Long runs: step lines draw the raw per-step value faint and a
+centred rolling mean of :func:`smooth_window` steps bold. Every threshold drawn comes from the
+runs' own rows (eps, tau, the ERC band); the papers' numbers are drawn only as labelled references.
+
+Every plot function takes the keyword-only ``band`` and ``legend_title`` (the legend's heading, e.g.
+"run" or "lr"). Each function's docstring names the analysis it takes and the figure it mirrors;
+report.py writes the files.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 
 QUAD_ORDER = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")
 QUAD_COLORS = {"PA&HP": "#1f77b4", "PA&LP": "#2ca02c", "NA&HP": "#ff7f0e", "NA&LP": "#d62728", "ZA": "#7f7f7f"}
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
             "#bcbd22", "#7f7f7f")
+MAX_LEGEND = 12  # series entries in a legend; more are summed up in one "... and N more" entry
+MAX_PANELS = 6  # panels of a one-panel-per-series figure; the figure says how many are not shown
+ERC_PAPER_BAND = (0.95, 1.05)  # the ERC paper's scripts: drawn, as a reference, only for runs without ERC
+ERC_PAPER_DRIFT = (0.2, 0.6)  # the ERC paper: global drift strongest below 0.2 and above 0.6
+DEFAULT_TAU = 0.5  # entropylens' default HP / LP threshold (the papers give none): only where no run says
+# the low side can only clip A < 0 tokens, the high side only A > 0 ones (the advantage-gated definition)
+LOW_SIDE = ("NA&HP", "NA&LP")
+HIGH_SIDE = ("PA&HP", "PA&LP")
+_BANDS = ("minmax", "sd")
 
 
 def _plt():
@@ -25,126 +45,655 @@ def _plt():
     return plt
 
 
-def method_colors(df) -> dict[str, str]:
-    methods = sorted(df["method"].fillna("?").unique()) if "method" in df else []
-    return {m: _PALETTE[i % len(_PALETTE)] for i, m in enumerate(methods)}
-
-
+# ------------------------------------------------------------------ series, colours, legends
 def _label(run: str, method: str) -> str:
     return run if run.startswith(str(method)) else f"{run} ({method})"
 
 
-def _lines(ax, df, x: str, y: str, colors, *, logy=False, alpha=0.9):
-    seen = set()
-    for run, g in df.sort_values(x).groupby("run", sort=True):
-        method = str(g["method"].iloc[0])
-        label = method if method not in seen else None
-        seen.add(method)
-        ax.plot(g[x], g[y], color=colors.get(method, "k"), lw=1.4, alpha=alpha, label=label,
-                marker="o" if len(g) < 3 else None, ms=4)  # a short run shows as points, not nothing
-    if logy:
-        ax.set_yscale("log")
-    if seen:
-        ax.legend(title="method", fontsize=8, title_fontsize=8)
+def _run_labels(df):
+    """Each row's run, labelled as a legend says it (:func:`_label`): the fallback series."""
+    import pandas as pd
+
+    if "run" not in df:
+        return (df["method"].fillna("?").astype(str) if "method" in df
+                else pd.Series("all", index=df.index, dtype=object))
+    runs = df["run"].astype(str)
+    if "method" not in df:
+        return runs
+    first = df.assign(_run=runs, _m=df["method"].fillna("?").astype(str)).groupby("_run", sort=False)["_m"].first()
+    return runs.map({r: _label(r, m) for r, m in first.items()})
+
+
+def _prep(df):
+    """A copy of ``df`` with ``_s`` (the series label) and ``_r`` (the run id) columns."""
+    labels = _run_labels(df)
+    if "series" in df and df["series"].notna().any():
+        s = df["series"].astype(object)
+        labels = s.where(s.notna(), labels).astype(str)
+    runs = df["run"].astype(str) if "run" in df else labels
+    return df.assign(_s=labels.astype(str), _r=runs)
+
+
+def series_names(df) -> list[str]:
+    """The series of ``df`` in drawing order (sorted): the ``series`` column, else the runs' labels."""
+    return sorted(_prep(df)["_s"].unique()) if len(df) else []
+
+
+def _big_palette(n: int) -> list[str]:
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    # dark shades of every hue first, then the lighter ones: neighbours in sorted order differ in hue
+    out = [to_hex(c) for c in colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2]]
+    if n > 20:
+        for shade in range(4):
+            out += [to_hex(c) for m in ("tab20b", "tab20c") for c in colormaps[m].colors[shade::4]]
+    return out
+
+
+def series_colors(names) -> dict[str, str]:
+    """{series: colour} in sorted order: the 10-colour palette, a 20- or 60-colour one beyond 10 series."""
+    names = sorted({str(n) for n in names})
+    pal = _PALETTE if len(names) <= len(_PALETTE) else _big_palette(len(names))
+    return {n: pal[i % len(pal)] for i, n in enumerate(names)}
+
+
+def method_colors(df) -> dict[str, str]:
+    """{method: colour} (kept for callers that colour by method)."""
+    return series_colors(df["method"].fillna("?").unique()) if "method" in df else {}
+
+
+def _series_handles(colors: dict, names=None, *, kind: str = "line") -> list:
+    """Legend handles for the series (at most MAX_LEGEND, then one '... and N more')."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    if names is None:
+        names = list(colors)
+    else:
+        wanted = set(names)
+        names = [n for n in colors if n in wanted]
+    shown = names if len(names) <= MAX_LEGEND + 1 else names[:MAX_LEGEND]
+    if kind == "bar":
+        handles = [Patch(color=colors[n], label=n) for n in shown]
+    elif kind == "point":
+        handles = [Line2D([], [], ls="", marker="o", color=colors[n], label=n) for n in shown]
+    else:
+        handles = [Line2D([], [], color=colors[n], lw=1.8, label=n) for n in shown]
+    if len(shown) < len(names):
+        handles.append(Line2D([], [], ls="", label=f"... and {len(names) - len(shown)} more"))
+    return handles
+
+
+def _check_band(band):
+    if band is not None and band not in _BANDS:
+        raise ValueError(f"band={band!r}: None, 'minmax' or 'sd' (how the runs of a series spread); an ERC band "
+                         "comes from the frame's band_low / band_high columns")
+    return band or "minmax"
+
+
+def _spread_text(band: str) -> str:
+    return "mean +- 1 sd" if band == "sd" else "min..max"
+
+
+def _notes(window: int, shared: bool, band: str, *, bars: bool = False) -> str:
+    """What the lines / bars are, for a title: rolling mean, and the spread over the runs of a series."""
+    parts = []
+    if window > 1:
+        parts.append(f"bold: rolling mean of {window} steps, faint: per step")
+    if shared:
+        parts.append((f"bars: mean over a series' runs, error bars: {_spread_text(band)}" if bars else
+                      f"line: mean over a series' runs, shaded: {_spread_text(band)}"))
+    return "; ".join(parts)
+
+
+def _legend_right(fig, handles, title, *, fontsize: int = 8) -> None:
+    """One legend right of the axes, outside the data: the figure grows by the legend's width."""
+    if not handles:
+        fig.tight_layout()
+        return
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legend(handles=handles, title=title, loc="upper left", fontsize=fontsize, title_fontsize=fontsize,
+                        frameon=False, borderaxespad=0.2)
+    width_in = legend.get_window_extent(renderer).width / fig.dpi + 0.15
+    base = fig.get_figwidth()
+    fig.set_figwidth(base + width_in)
+    right = base / (base + width_in)
+    fig.tight_layout(rect=(0, 0, right, 1))
+    top = max(ax.get_position().y1 for ax in fig.axes if ax.get_visible())
+    legend.set_bbox_to_anchor((right, top), transform=fig.transFigure)
+
+
+def _legend_top(fig, handles, *, panels_height: float, title: str | None = None, header: str | None = None,
+                fontsize: int = 8) -> None:
+    """A header line (``header``, the figure's title) and one legend above the panels, in as many columns
+    as fit the figure's width; the figure grows by their height, the panels stay below them."""
+    renderer = fig.canvas.get_renderer()
+    width = fig.get_figwidth() * fig.dpi
+    head_in, st = 0.0, None
+    if header:
+        header = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * 13)) for line in header.split("\n"))
+        # fig.text, not suptitle: tight_layout would reserve the suptitle's height a second time
+        st = fig.text(0.5, 1.0, header, fontsize=fontsize + 2, ha="center", va="top")
+        head_in = st.get_window_extent(renderer).height / fig.dpi + 0.08
+    legend, leg_in = None, 0.0
+    if handles:
+        kw = dict(loc="upper center", fontsize=fontsize, frameon=False, title=title, title_fontsize=fontsize,
+                  borderaxespad=0.1)
+        # one column's width (the widest entry) says how many columns fit: two legends drawn, not one per ncol
+        one = fig.legend(handles=handles, ncol=1, **kw)
+        col_px = one.get_window_extent(renderer).width
+        one.remove()
+        gap = 2.0 * fontsize * fig.dpi / 72  # matplotlib's columnspacing, 2 font sizes
+        ncol = max(1, min(len(handles), int((0.98 * width + gap) // (col_px + gap))))
+        while True:  # the estimate fits (its columns are as wide as the widest entry): narrower ones may too
+            legend = fig.legend(handles=handles, ncol=ncol, **kw)
+            box = legend.get_window_extent(renderer)
+            if box.width <= 0.98 * width or ncol == 1:
+                break
+            legend.remove()
+            ncol -= 1
+        tried = ncol
+        while tried < len(handles):  # keep the fewest rows that fit the width
+            tried += 1
+            wider = fig.legend(handles=handles, ncol=tried, **kw)
+            wbox = wider.get_window_extent(renderer)
+            if wbox.width > 0.98 * width:
+                wider.remove()
+                break
+            if wbox.height < box.height - 1:
+                legend.remove()
+                legend, box = wider, wbox
+            else:
+                wider.remove()
+        leg_in = box.height / fig.dpi + 0.08
+    height = panels_height + head_in + leg_in + 0.06
+    fig.set_figheight(height)
+    if st is not None:
+        st.set_y(1 - 0.04 / height)
+    if legend is not None:
+        legend.set_bbox_to_anchor((0.5, 1 - (0.04 + head_in) / height), transform=fig.transFigure)
+    fig.tight_layout(rect=(0, 0, 1, 1 - (head_in + leg_in + 0.06) / height))
+
+
+def _top_legend(fig, handles, *, panels_height: float, fontsize: int = 8) -> None:
+    """One legend above the panels (kept for callers of the old helper)."""
+    _legend_top(fig, handles, panels_height=panels_height, fontsize=fontsize)
 
 
 def _empty(fig, msg="no data in these runs"):
+    for ax in fig.axes:
+        ax.set_visible(False)
     fig.text(0.5, 0.5, msg, ha="center", va="center", color="0.4")
     return fig
 
 
-def _step_figure(df, y: str, ylabel: str, title: str, *, logy=False):
+# ------------------------------------------------------------------ smoothing and aggregation
+def smooth_window(n_steps: int) -> int:
+    """The rolling-mean window (in steps) of a step-line figure: 1 (no smoothing) below 200 steps, else the
+    odd number n_steps // 50 or the one above it (200 -> 5, 1000 -> 21, 5000 -> 101).
+
+    ``n_steps`` is :func:`steps_per_series` of the figure's DataFrame: the number of distinct ``step``
+    values of the series that holds the most, counted over every row the figure receives (NaN values
+    and all quadrants included). A caption that states the window calls
+    ``smooth_window(steps_per_series(df))`` on the same frame."""
+    n = int(n_steps)
+    if n < 200:
+        return 1
+    w = max(3, n // 50)
+    return w if w % 2 else w + 1
+
+
+def steps_per_series(df) -> int:
+    """The number of distinct ``step`` values in the series of ``df`` that holds the most (0 when empty)."""
+    if df is None or len(df) == 0 or "step" not in df:
+        return 0
+    return int(_prep(df).groupby("_s")["step"].nunique().max())
+
+
+def _roll(values, window: int):
+    import numpy as np
+    import pandas as pd
+
+    if window <= 1:
+        return np.asarray(values, dtype=float)
+    return pd.Series(np.asarray(values, dtype=float)).rolling(window, center=True, min_periods=1).mean().to_numpy()
+
+
+def _per_series(d, x: str, cols, band: str, window: int = 1):
+    """Mean over the runs of each series per ``x`` (each run's mean at x first) and the spread: a frame
+    with _s, x, and per column c: c, c_lo, c_hi, c_raw; plus {series: number of runs}. ``window`` > 1:
+    each run's values are first replaced by their centred rolling mean over the run's own rows in x
+    order (c is then the mean of the runs' rolling means, the spread that of the runs' trends, not of
+    per-step noise); c_raw is the mean over runs before smoothing."""
+    cols = [cols] if isinstance(cols, str) else list(cols)
+    per = d.groupby(["_s", "_r", x], sort=True)[cols].mean()
+    raw = per.groupby(level=["_s", x]).mean()
+    if window > 1:
+        per = per.groupby(level=["_s", "_r"], group_keys=False, sort=False).apply(
+            lambda r: r.rolling(window, center=True, min_periods=1).mean())
+    g = per.groupby(level=["_s", x])
+    mean = g.mean()
+    if band == "sd":
+        sd = g.std()
+        lo, hi = mean - sd, mean + sd
+    else:
+        lo, hi = g.min(), g.max()
+    out = (mean.join(lo.add_suffix("_lo")).join(hi.add_suffix("_hi")).join(raw.add_suffix("_raw"))
+           .reset_index().sort_values(["_s", x]))
+    return out, d.groupby("_s")["_r"].nunique().to_dict()
+
+
+def _series_lines(ax, d, x: str, y: str, colors, *, band: str, window: int = 1, logy: bool = False,
+                  ls: str = "-", spread: bool = True, raw: bool = True) -> bool:
+    """One line per series: the mean over its runs per ``x`` (bold rolling mean over a faint raw line
+    when ``window`` > 1), its runs' spread shaded. Returns whether any series holds several runs."""
+    import numpy as np
+
+    stats, nruns = _per_series(d, x, y, band, window)
+    shared = False
+    for s, g in stats.groupby("_s", sort=True):
+        xs, m = g[x].to_numpy(), g[y].to_numpy(dtype=float)
+        c = colors.get(s, "k")
+        few = len(g) < 3
+        if spread and nruns.get(s, 1) > 1:
+            shared = True
+            lo, hi = g[f"{y}_lo"].to_numpy(dtype=float), g[f"{y}_hi"].to_numpy(dtype=float)
+            if logy:
+                lo = np.where(lo > 0, lo, np.nan)
+            if few:
+                ax.errorbar(xs, m, yerr=[np.clip(m - lo, 0, None), np.clip(hi - m, 0, None)], fmt="none", ecolor=c,
+                            elinewidth=0.9, capsize=3, alpha=0.7)
+            else:
+                ax.fill_between(xs, lo, hi, color=c, alpha=0.18, lw=0)
+        if window > 1:
+            if raw:
+                ax.plot(xs, g[f"{y}_raw"].to_numpy(dtype=float), color=c, lw=0.5, alpha=0.2, ls=ls,
+                        label="_raw " + s)
+            ax.plot(xs, m, color=c, lw=1.8, ls=ls, label=s)
+        else:
+            ax.plot(xs, m, color=c, lw=1.4, alpha=0.9, ls=ls, label=s,
+                    marker="o" if few else None, ms=4)  # a short run shows as points, not nothing
+    if logy:
+        ax.set_yscale("log")
+    return shared
+
+
+def _bar_stats(d, cat: str, cols, band: str):
+    """Per (series, category): the mean over the series' runs of each run's value, lo, hi, runs."""
+    stats, nruns = _per_series(d, cat, cols, band)
+    return stats.set_index(["_s", cat]), nruns
+
+
+def _bars(ax, x, height, width: float, colors, *, edgecolor=None, hatch=None, lw: float = 0.0):
+    """Bars centred on ``x`` from 0 to ``height`` as ONE PolyCollection (gid "bars"; ax.bar adds one patch
+    per bar: seconds for a 50-run figure). Each bar's path starts (x0, 0), (x0, height): a test reads the
+    height as vertices[1, 1] - vertices[0, 1]."""
+    import numpy as np
+    from matplotlib.collections import PolyCollection
+
+    x, h = np.asarray(x, dtype=float), np.asarray(height, dtype=float)
+    x0, x1, z = x - width / 2, x + width / 2, np.zeros_like(h)
+    verts = np.stack([np.stack([x0, z], 1), np.stack([x0, h], 1), np.stack([x1, h], 1), np.stack([x1, z], 1)], 1)
+    coll = PolyCollection(verts, facecolors=list(colors), edgecolors=edgecolor if edgecolor is not None else "none",
+                          linewidths=lw, hatch=hatch, gid="bars", zorder=2)
+    coll.sticky_edges.y.append(0)  # the value axis starts at 0 as ax.bar's does
+    ax.add_collection(coll, autolim=True)
+    ax.autoscale_view()
+    return coll
+
+
+def _grouped_bars(ax, stats, col: str, cats, names, colors, nruns, *, scale: float = 1.0, width: float = 0.8,
+                  bar_frac: float = 1.0, **bar_kw):
+    """Bars of ``col`` per category, one per series side by side (one bar call), error bars where a
+    series holds several runs (one errorbar call); ``bar_frac``: a bar's share of its slot (a narrower
+    bar drawn over another). Returns the bars' x positions [series x category]."""
+    import numpy as np
+
+    k, n = len(names), len(cats)
+    w = width / max(1, k)
+    xs = np.arange(n)[None, :] + (np.arange(k)[:, None] - (k - 1) / 2) * w
+    idx = [(s, c) for s in names for c in cats]
+    m = stats[col].reindex(idx).to_numpy(dtype=float).reshape(k, n) * scale
+    _bars(ax, xs.ravel(), np.nan_to_num(m).ravel(), w * bar_frac, np.repeat([colors[s] for s in names], n), **bar_kw)
+    multi = np.repeat([nruns.get(s, 1) > 1 for s in names], n).reshape(k, n) & ~np.isnan(m)
+    if multi.any():
+        lo = stats[f"{col}_lo"].reindex(idx).to_numpy(dtype=float).reshape(k, n) * scale
+        hi = stats[f"{col}_hi"].reindex(idx).to_numpy(dtype=float).reshape(k, n) * scale
+        multi &= np.nan_to_num(hi - lo) > 0  # no bar for runs that agree (an empty bin: all 0)
+    if multi.any():
+        err = np.stack([np.clip(m - lo, 0, None)[multi], np.clip(hi - m, 0, None)[multi]])
+        ax.errorbar(xs[multi], m[multi], yerr=np.nan_to_num(err), fmt="none", ecolor="k", elinewidth=0.8,
+                    capsize=min(3, max(1, 60 / max(1, k * n))))
+    ax.set_xticks(range(n), cats)
+    return xs
+
+
+# ------------------------------------------------------------------ step lines
+def _step_figure(df, y: str, ylabel: str, title: str, *, band=None, legend_title="run", logy=False,
+                 window: int | None = None, keep=None):
+    band = _check_band(band)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    if df.empty or df[y].isna().all():
+    if df.empty or y not in df or df[y].isna().all():
         return _empty(fig)
-    _lines(ax, df.dropna(subset=[y]), "step", y, method_colors(df), logy=logy)
+    window = smooth_window(steps_per_series(df)) if window is None else window
+    full = _prep(df)
+    colors = series_colors(full["_s"].unique())
+    d = full.dropna(subset=[y])
+    if keep is not None:
+        d = d[keep(d)]
+    shared = _series_lines(ax, d, "step", y, colors, band=band, window=window, logy=logy)
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    fig.tight_layout()
+    note = _notes(window, shared, band)
+    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=10 if not note else 9)
+    _legend_right(fig, _series_handles(colors, d["_s"].unique()), legend_title)
     return fig
 
 
-def entropy_vs_step(df):
+def entropy_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
     """entropy_by_step -> policy entropy H(pi_old) per step (CE-GPPO Fig. 2, 3, 5); the y axis starts at 0
     (entropy is >= 0), so a collapse shows as the fall towards 0 it is."""
-    fig = _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy")
+    fig = _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy", band=band,
+                       legend_title=legend_title)
     if fig.axes and fig.axes[0].has_data():
         fig.axes[0].set_ylim(bottom=0)
     return fig
 
 
-def reward_vs_step(df):
+def reward_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
     """reward_by_step -> mean reward per step (CE-GPPO Fig. 2 right, training reward)."""
-    return _step_figure(df, "reward", "mean reward (0..1)", "Reward")
+    return _step_figure(df, "reward", "mean reward", "Reward", band=band, legend_title=legend_title)
 
 
-def grad_norm_vs_step(df):
+def grad_norm_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
     """grad_norm_by_step -> global grad norm before clipping (CE-GPPO Fig. 4 right)."""
-    return _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm")
+    return _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm", band=band,
+                        legend_title=legend_title)
 
 
-def kl_vs_step(df):
-    """kl_by_step -> KL(pi_old || pi_theta), k3, log scale (CE-GPPO Fig. 4 left)."""
-    d = df[df["kl"] > 0] if not df.empty else df
-    return _step_figure(d, "kl", "KL(old || new), nats (log)", "KL to the old policy", logy=True)
+def kl_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
+    """kl_by_step -> KL(pi_old || pi_theta), k3, log scale (CE-GPPO Fig. 4 left); steps with KL <= 0 are
+    left out of the lines (a log axis cannot show them), the smoothing window counts every step."""
+    return _step_figure(df, "kl", "KL(old || new), nats (log)", "KL to the old policy", band=band,
+                        legend_title=legend_title, logy=True, keep=lambda d: d["kl"] > 0)
 
 
-def _quadrant_panels(df, y: str, ylabel: str, *, dotted: str | None = None, empty="no data in these runs"):
-    """One panel per quadrant, `y` vs step per run (coloured by method); optional dotted column."""
+def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", dotted: str | None = None,
+                     empty="no data in these runs", title: str = ""):
+    """One panel per quadrant, ``y`` vs step per series; optional dotted column (same colour). One legend
+    above the panels."""
+    from matplotlib.lines import Line2D
+
+    band = _check_band(band)
     plt = _plt()
-    fig, axes = plt.subplots(1, 4, figsize=(11, 3.0), sharey=True)
+    height = 3.0
+    fig, axes = plt.subplots(1, 4, figsize=(11, height), sharey=True)
     if df.empty:
         return _empty(fig, empty)
-    colors = method_colors(df)
+    window = smooth_window(steps_per_series(df))
+    full = _prep(df)
+    colors = series_colors(full["_s"].unique())
+    shared = False
     for ax, q in zip(axes, QUAD_ORDER):
-        d = df[df["quadrant"] == q]
-        _lines(ax, d, "step", y, colors)
-        if dotted is not None:
-            for _, g in d.sort_values("step").groupby("run"):
-                ax.plot(g["step"], g[dotted], color=colors.get(str(g["method"].iloc[0])), ls=":", lw=1.1,
-                        marker="o" if len(g) < 3 else None, ms=3, mfc="none")
+        d = full[full["quadrant"] == q]
+        if d.empty:
+            ax.text(0.5, 0.5, "no tokens", ha="center", va="center", color="0.4", transform=ax.transAxes)
+        else:
+            shared |= _series_lines(ax, d.dropna(subset=[y]), "step", y, colors, band=band, window=window)
+            if dotted is not None:
+                _series_lines(ax, d.dropna(subset=[dotted]), "step", dotted, colors, band=band, window=window,
+                              ls=":", spread=False, raw=False)
         ax.set_title(q, color=QUAD_COLORS[q])
         ax.set_xlabel("training step")
-        if ax is not axes[0] and ax.get_legend():
-            ax.get_legend().remove()
     axes[0].set_ylabel(ylabel)
-    fig.tight_layout()
+    handles = _series_handles(colors, full["_s"].unique())
+    if dotted is not None:
+        handles += [Line2D([], [], color="0.3", lw=1.4, label="solid: share"),
+                    Line2D([], [], color="0.3", lw=1.4, ls=":", label="dotted: part PPO-clip would drop")]
+    note = _notes(window, shared, band)
+    _legend_top(fig, handles, panels_height=height, title=legend_title,
+                header=title + (f" ({note})" if note else ""))
     return fig
 
 
-def quadrant_share(df):
-    """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant."""
-    return _quadrant_panels(df, "share", "share of tokens")
+def quadrant_share(df, *, band: str | None = None, legend_title: str = "run"):
+    """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant (CE-GPPO
+    Fig. 1: the four token types)."""
+    return _quadrant_panels(df, "share", "share of tokens", band=band, legend_title=legend_title,
+                            title="Share of tokens per quadrant")
 
 
-def clip_by_quadrant(df):
-    """clip_by_quadrant (whole-run rows) -> clip fraction by quadrant, low and high side, per method."""
+def grad_share(df, *, band: str | None = None, legend_title: str = "run"):
+    """grad_share_by_quadrant -> each quadrant's share of ||dLoss/dz||^2 per step; dotted: the part
+    from tokens PPO-clip would drop (CE-GPPO Sec. 3)."""
+    d = df.assign(dropped=df["share"] * df["clipped_share"].fillna(0)) if not df.empty else df
+    return _quadrant_panels(d, "share", "share of squared logit-grad norm", band=band, legend_title=legend_title,
+                            dotted="dropped", empty="no logit-gradient norms recorded (watch_logits)",
+                            title="Share of the squared logit-gradient norm per quadrant")
+
+
+# ------------------------------------------------------------------ bars
+def clip_by_quadrant(df, *, band: str | None = None, legend_title: str = "run"):
+    """clip_by_quadrant (whole-run rows) -> clip fraction by quadrant, per series (CE-GPPO Fig. 1 / Sec. 3).
+    Each side shows the only two quadrants it can clip: the low side (r < 1 - eps_low, A < 0) NA&HP
+    and NA&LP, the high side (r > 1 + eps_high, A > 0) PA&HP and PA&LP."""
+    band = _check_band(band)
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    height = 3.4
+    fig, axes = plt.subplots(1, 2, figsize=(9, height), sharey=True)
     d = df[df["step"].isna()] if "step" in df else df  # tolerate the old mixed table
     if d.empty:
         return _empty(fig)
-    d = d.groupby(["method", "quadrant"], as_index=False)[["clip_low_frac", "clip_high_frac"]].mean()
-    colors = method_colors(d)
-    methods = list(colors)
-    w = 0.8 / max(1, len(methods))
-    for ax, side, title in ((axes[0], "clip_low_frac", "low side: r < 1-eps_low, A < 0"),
-                            (axes[1], "clip_high_frac", "high side: r > 1+eps_high, A > 0")):
-        for i, m in enumerate(methods):
-            g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
-            xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
-            ax.bar(xs, g[side].fillna(0) * 100, width=w, color=colors[m], label=m)
-        ax.set_xticks(range(4), QUAD_ORDER)
+    d = _prep(d)
+    colors = series_colors(d["_s"].unique())
+    names = list(colors)
+    stats, nruns = _bar_stats(d, "quadrant", ["clip_low_frac", "clip_high_frac"], band)
+    for ax, side, cats, title in ((axes[0], "clip_low_frac", LOW_SIDE, "low side: r < 1 - eps_low, A < 0"),
+                                  (axes[1], "clip_high_frac", HIGH_SIDE, "high side: r > 1 + eps_high, A > 0")):
+        _grouped_bars(ax, stats, side, cats, names, colors, nruns, scale=100, width=0.7)
         ax.set_title(title)
         ax.set_xlabel("quadrant")
+        ax.set_xlim(-0.6, len(cats) - 0.4)
     axes[0].set_ylabel("tokens clipped (% of quadrant)")
-    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
-    fig.tight_layout()
+    shared = any(v > 1 for v in nruns.values())
+    note = _notes(1, shared, band, bars=True)
+    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
+                header="Clipped tokens by quadrant" + (f" ({note})" if note else ""))
     return fig
 
 
+def entropy_change(df, *, band: str | None = None, legend_title: str = "run"):
+    """entropy_change_by_quadrant -> measured entropy change per quadrant (relative to the run's mean)
+    next to the covariance law's predicted sign (Cui et al.; CE-GPPO Sec. 3)."""
+    import numpy as np
+
+    band = _check_band(band)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    if df.empty:
+        return _empty(fig)
+    d = _prep(df)
+    colors = series_colors(d["_s"].unique())
+    stats, nruns = _bar_stats(d, "quadrant", "relative_dh", band)
+    _grouped_bars(ax, stats, "relative_dh", QUAD_ORDER, list(colors), colors, nruns)
+    vals = stats[["relative_dh", "relative_dh_lo", "relative_dh_hi"]].to_numpy(dtype=float)
+    ymax = max(1e-9, float(np.nanmax(np.abs(vals))) if np.isfinite(vals).any() else 1e-9)
+    for j, q in enumerate(QUAD_ORDER):
+        sign = -1 if q in ("PA&HP", "NA&LP") else 1
+        ax.annotate("predicted " + ("+" if sign > 0 else "-"), (j, sign * ymax * 1.05), ha="center",
+                    va="bottom" if sign > 0 else "top", fontsize=8, color="0.3")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylim(-ymax * 1.35, ymax * 1.35)
+    ax.set_xlabel("quadrant")
+    ax.set_ylabel("entropy change (nats), minus run mean")
+    note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
+    ax.set_title("Entropy drift per quadrant vs covariance law\n(confounded: see the entropy budget)"
+                 + (f"\n{note}" if note else ""), fontsize=10 if not note else 9)
+    _legend_right(fig, _series_handles(colors, kind="bar"), legend_title)
+    return fig
+
+
+def _taus(d, fallback: float) -> dict:
+    """{tau: [series]}: each run's own tau (the frame's ``tau`` column), ``fallback`` where none is given."""
+    import pandas as pd
+
+    t = d["tau"].astype(float) if "tau" in d else pd.Series(float("nan"), index=d.index)
+    t = t.fillna(float(fallback))
+    out: dict = {}
+    for (tau, s), _ in d.assign(_t=t).groupby(["_t", "_s"], sort=True):
+        out.setdefault(float(tau), []).append(s)
+    return out
+
+
+def clipped_prob(df, tau: float = DEFAULT_TAU, *, band: str | None = None, legend_title: str = "run"):
+    """clipped_prob_distribution -> sampling probability of the tokens PPO-clip drops, one panel per
+    side (low: r < 1-eps_low, A < 0; high: r > 1+eps_high, A > 0), bars per series (each run's share of
+    its side's clipped tokens per bin, mean over a series' runs), each run's tau (the frame's ``tau``
+    column; ``tau`` where a run has none) dotted and labelled (CE-GPPO Sec. 3: the clipped tokens are
+    mostly low-probability)."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    band = _check_band(band)
+    plt = _plt()
+    height = 3.4
+    fig, axes = plt.subplots(1, 2, figsize=(10, height), sharey=True)
+    if df.empty:
+        return _empty(fig, "no token was clipped in these runs")
+    d = _prep(df)
+    colors = series_colors(d["_s"].unique())
+    names = list(colors)
+    bins = d.groupby(["prob_lo", "prob_hi"], as_index=False).size()[["prob_lo", "prob_hi"]]
+    width = float((bins["prob_hi"] - bins["prob_lo"]).min()) if len(bins) else 0.1
+    t = d.groupby(["_s", "_r", "side", "prob_lo"], as_index=False)["tokens"].sum()
+    # each run's share per bin, 0 in the bins where a run that clipped on this side has none
+    full = t.pivot_table(index=["_s", "_r", "side"], columns="prob_lo", values="tokens", aggfunc="sum",
+                         fill_value=0)
+    share = full.div(full.sum(axis=1), axis=0).stack().rename("share").reset_index()
+    nruns_all = d.groupby("_s")["_r"].nunique().to_dict()
+    taus = _taus(d, tau)
+    for ax, side, title in ((axes[0], "low", "low side: r < 1-eps_low, A < 0"),
+                            (axes[1], "high", "high side: r > 1+eps_high, A > 0")):
+        s_ = share[share["side"] == side]
+        if s_.empty:
+            ax.text(0.5, 0.5, "no clipped token", ha="center", va="center", color="0.4", transform=ax.transAxes)
+        else:
+            stats, nruns = _bar_stats(s_, "prob_lo", "share", band)
+            here = [n for n in names if n in set(s_["_s"])]
+            lo_edges = np.array(sorted(s_["prob_lo"].unique()), dtype=float)
+            k = len(here)
+            w = width * 0.85 / max(1, k)
+            xs = lo_edges[None, :] + width * 0.075 + (np.arange(k)[:, None] + 0.5) * w
+            idx = [(s, b) for s in here for b in lo_edges]
+            m = stats["share"].reindex(idx).to_numpy(dtype=float).reshape(k, len(lo_edges)) * 100
+            _bars(ax, xs.ravel(), np.nan_to_num(m).ravel(), w, np.repeat([colors[s] for s in here], len(lo_edges)))
+            multi = np.repeat([nruns.get(s, 1) > 1 for s in here], len(lo_edges)).reshape(m.shape) & ~np.isnan(m)
+            if multi.any():
+                lo = stats["share_lo"].reindex(idx).to_numpy(dtype=float).reshape(m.shape) * 100
+                hi = stats["share_hi"].reindex(idx).to_numpy(dtype=float).reshape(m.shape) * 100
+                multi &= np.nan_to_num(hi - lo) > 0
+            if multi.any():
+                ax.errorbar(xs[multi], m[multi], fmt="none", ecolor="k", elinewidth=0.7, capsize=1.5,
+                            yerr=np.nan_to_num(np.stack([np.clip(m - lo, 0, None)[multi],
+                                                         np.clip(hi - m, 0, None)[multi]])))
+        for value in taus:
+            ax.axvline(value, color="k", ls=":", lw=1.0)
+            ax.annotate(f"tau = {value:g}", (value, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                        textcoords="offset points", ha="left", va="top", fontsize=8, color="0.25")
+        ax.set_xlim(0, 1)
+        ax.set_title(title)
+        ax.set_xlabel("sampling probability p = pi_old(a)")
+    axes[0].set_ylabel("% of the side's clipped tokens")
+    handles = _series_handles(colors, kind="bar")
+    if len(taus) == 1:
+        handles.append(Line2D([], [], color="k", ls=":", label=f"tau = {next(iter(taus)):g}: HP / LP threshold"))
+    else:
+        for value, who in taus.items():
+            who_text = ", ".join(who[:3]) + (f" +{len(who) - 3}" if len(who) > 3 else "")
+            handles.append(Line2D([], [], color="k", ls=":", label=f"tau = {value:g} ({who_text})"))
+    note = _notes(1, any(v > 1 for v in nruns_all.values()), band, bars=True)
+    _legend_top(fig, handles, panels_height=height, title=legend_title,
+                header="Sampling probability of the clipped tokens" + (f" ({note})" if note else ""))
+    return fig
+
+
+def clipping_removed(df, *, band: str | None = None, legend_title: str = "run"):
+    """entropy_budget_by_step -> what clipping took away: each quadrant's dropped entropy effect
+    (sum over a run's steps of (g_unclipped - g) s / T^2, mean over a series' runs), beside the
+    effect its gradient kept. CE-GPPO's argument: PA&LP (high side) and NA&LP (low side) dominate."""
+    band = _check_band(band)
+    plt = _plt()
+    height = 3.4
+    fig, axes = plt.subplots(1, 2, figsize=(10, height))
+    if df.empty or df["effect"].isna().all():
+        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
+    d = _prep(df)
+    colors = series_colors(d["_s"].unique())
+    runs = d.groupby(["_s", "_r", "quadrant"], as_index=False)[["effect", "dropped"]].sum()
+    stats, nruns = _bar_stats(runs, "quadrant", ["effect", "dropped"], band)
+    for ax, col, title in ((axes[0], "dropped", "taken away by clipping / beta / ERC / dual-clip"),
+                           (axes[1], "effect", "kept: the gradient actually applied")):
+        _grouped_bars(ax, stats, col, QUAD_ORDER, list(colors), colors, nruns)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("quadrant")
+    axes[0].set_ylabel("entropy push summed over the run\n(first-order, per unit step)")
+    note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
+    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
+                header="Entropy effect removed and kept, by quadrant" + (f" ({note})" if note else ""))
+    return fig
+
+
+def probe_vs_measured(df, *, band: str | None = None, legend_title: str = "run"):
+    """probe_vs_measured -> left: the probe's predicted entropy change of each probed update against
+    the measured one (dashed: y = x); right: mean predicted dH per quadrant's kept gradient (solid)
+    and dropped part (hatched), per series (mean over its runs of each run's mean). Parameter-space
+    counterpart of the entropy budget (CE-GPPO Sec. 3)."""
+    band = _check_band(band)
+    plt = _plt()
+    height = 3.6
+    fig, axes = plt.subplots(1, 2, figsize=(10, height))
+    if df.empty:
+        return _empty(fig, "no probes recorded (Recorder.probe / demo --probe-every K)")
+    d = _prep(df)
+    colors = series_colors(d["_s"].unique())
+    names = list(colors)
+    st = d[d["part"] == "step"]
+    for s, g in st.groupby("_s", sort=True):
+        axes[0].scatter(g["measured_dh"], g["predicted_dh"], s=14, color=colors[s], label=s)
+    lim = max(1e-12, float(st[["measured_dh", "predicted_dh"]].abs().max().max()) * 1.1) if len(st) else 1.0
+    if lim != lim:
+        lim = 1.0
+    axes[0].plot([-lim, lim], [-lim, lim], color="k", ls="--", lw=0.8)
+    axes[0].set_xlim(-lim, lim)
+    axes[0].set_ylim(-lim, lim)
+    axes[0].set_xlabel("measured dH (after the real step)")
+    axes[0].set_ylabel("predicted dH = grad(H) . step")
+    axes[0].set_title("probed updates", fontsize=10)
+    kept = d[d["part"].isin(QUAD_ORDER)]
+    dropped = d[d["part"].isin([f"{q} dropped" for q in QUAD_ORDER])]
+    dropped = dropped.assign(part=dropped["part"].str.replace(" dropped", "", regex=False))
+    nruns = {}
+    if len(kept):
+        stats, nruns = _bar_stats(kept, "part", "predicted_dh", band)
+        _grouped_bars(axes[1], stats, "predicted_dh", QUAD_ORDER, names, colors, nruns)
+    if len(dropped):
+        stats_d, nd = _bar_stats(dropped, "part", "predicted_dh", band)
+        _grouped_bars(axes[1], stats_d, "predicted_dh", QUAD_ORDER, names, {n: "none" for n in names}, nd,
+                      bar_frac=0.5, edgecolor=[colors[n] for n in names for _ in QUAD_ORDER], hatch="///", lw=0.8)
+    axes[1].set_xticks(range(4), QUAD_ORDER)
+    axes[1].axhline(0, color="k", lw=0.6)
+    axes[1].set_ylabel("mean predicted dH per probe")
+    axes[1].set_title("per quadrant: kept (solid), dropped (hatched)", fontsize=10)
+    note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
+    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
+                header="Parameter-space probe" + (f" ({note})" if note else ""))
+    return fig
+
+
+# ------------------------------------------------------------------ panels per series
 def _bottom_labels(axes, used: int, xlabel: str) -> None:
     """Hide the unused panels of a grid; the lowest used panel of each column gets x ticks and label."""
     rows, cols = axes.shape
@@ -159,321 +708,348 @@ def _bottom_labels(axes, used: int, xlabel: str) -> None:
             ax.set_xlabel(xlabel)
 
 
-def ratio_vs_prob(df, *, span: float = 3.0):
-    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with the clip interval
-    [1-eps_low, 1+eps_high] shaded (CE-GPPO Fig. 1 left). One panel per run (at most 6), shared
-    linear y axis centred on 1 and ``span`` times the clip interval wide; points beyond it are drawn on
-    the edge as triangles (counted in the panel title); one legend for the figure."""
+def _not_shown(names: list, n_shown: int, legend_title: str) -> str:
+    """'one panel per run: 6 of 9 shown; not shown: a, b, c' ('' when every series has its panel)."""
+    hidden = list(names)[n_shown:]
+    if not hidden:
+        return ""
+    if len(hidden) <= 3:
+        return f"one panel per {legend_title}: {n_shown} of {len(names)} shown; not shown: {', '.join(hidden)}"
+    return (f"one panel per {legend_title}: the first {n_shown} of {len(names)} (sorted by name) shown, "
+            f"{len(hidden)} not shown")
+
+
+def ratio_vs_prob(df, *, span: float = 3.0, band: str | None = None, legend_title: str = "run"):
+    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with each run's clip interval
+    [1-eps_low, 1+eps_high] (its eps_low / eps_high columns) shaded (CE-GPPO Fig. 1 left). One panel
+    per series (its runs' points pooled; at most 6, the figure says how many are not shown), shared
+    linear y axis centred on 1 and ``span`` times the widest clip interval wide; points beyond it are
+    drawn on the edge as triangles (counted in the panel title); one legend for the figure. ``band``:
+    accepted for the common signature (points have no spread)."""
+    import numpy as np
     from matplotlib.lines import Line2D
 
+    _check_band(band)
     plt = _plt()
-    runs = list(dict.fromkeys(df["run"])) if not df.empty else []
-    n = max(1, min(6, len(runs)))
+    d = _prep(df) if not df.empty else df
+    names = sorted(d["_s"].unique()) if not df.empty else []
+    shown = names[:MAX_PANELS]
+    n = max(1, len(shown))
     cols = min(3, n)
     rows = math.ceil(n / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows + 0.5), squeeze=False,
                              sharex=True, sharey=True)
-    if not runs:
+    if not names:
         for ax in axes.flat:
             ax.set_visible(False)
         return _empty(fig)
-    eps_lo = df["eps_low"].astype(float).max() if df["eps_low"].notna().any() else 0.2
-    eps_hi = df["eps_high"].astype(float).max() if df["eps_high"].notna().any() else 0.2
-    y_lo, y_hi = max(0.0, 1 - span * eps_lo), 1 + span * eps_hi
-    for ax, run in zip(axes.flat, runs[:6]):
-        g = df[df["run"] == run]
-        lo, hi = g["eps_low"].iloc[0], g["eps_high"].iloc[0]
-        if lo == lo and lo is not None and hi == hi and hi is not None:
-            ax.axhspan(1 - lo, 1 + hi, color="0.85", alpha=0.6, lw=0, zorder=0)
-            ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
-            ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
+    lows, highs = d["eps_low"].astype(float), d["eps_high"].astype(float)
+    if lows.notna().any() and highs.notna().any():
+        y_lo, y_hi = max(0.0, 1 - span * lows.max()), 1 + span * highs.max()
+    else:  # no run says its clip interval: the axis follows the data
+        r = d["ratio"].astype(float)
+        y_lo, y_hi = max(0.0, float(np.nanpercentile(r, 1))), float(np.nanpercentile(r, 99))
+    for ax, s in zip(axes.flat, shown):
+        g = d[d["_s"] == s]
+        for lo, hi in g[["eps_low", "eps_high"]].astype(float).drop_duplicates().itertuples(index=False):
+            if lo == lo and hi == hi:
+                ax.axhspan(1 - lo, 1 + hi, color="0.85", alpha=0.6, lw=0, zorder=0)
+                ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
+                ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
         outside = 0
         for q in QUAD_ORDER:
             h = g[g["quadrant"] == q]
-            inside = h[(h["ratio"] >= y_lo) & (h["ratio"] <= y_hi)]
-            ax.scatter(inside["prob"], inside["ratio"], s=5, alpha=0.5, color=QUAD_COLORS[q], lw=0,
+            ratio = h["ratio"].to_numpy(dtype=float)
+            inside = (ratio >= y_lo) & (ratio <= y_hi)
+            ax.scatter(h["prob"].to_numpy()[inside], ratio[inside], s=5, alpha=0.5, color=QUAD_COLORS[q], lw=0,
                        rasterized=True)
-            above, below = h[h["ratio"] > y_hi], h[h["ratio"] < y_lo]
-            ax.scatter(above["prob"], [y_hi] * len(above), marker="^", s=14, color=QUAD_COLORS[q], clip_on=False)
-            ax.scatter(below["prob"], [y_lo] * len(below), marker="v", s=14, color=QUAD_COLORS[q], clip_on=False)
-            outside += len(above) + len(below)
+            above, below = ratio > y_hi, ratio < y_lo
+            ax.scatter(h["prob"].to_numpy()[above], np.full(above.sum(), y_hi), marker="^", s=14,
+                       color=QUAD_COLORS[q], clip_on=False)
+            ax.scatter(h["prob"].to_numpy()[below], np.full(below.sum(), y_lo), marker="v", s=14,
+                       color=QUAD_COLORS[q], clip_on=False)
+            outside += int(above.sum() + below.sum())
         share = outside / max(1, len(g))
-        ax.set_title(f"{run}  ({len(g)} tokens, {share:.1%} off the axis)", fontsize=9)
+        k = g["_r"].nunique()
+        runs = f", {k} runs" if k > 1 else ""
+        ax.set_title(f"{s}  ({len(g)} tokens{runs}, {share:.1%} off the axis)", fontsize=9)
         ax.set_xlim(0, 1)
         ax.set_ylim(y_lo, y_hi)
-    _bottom_labels(axes, len(runs[:6]), "sampling probability p = pi_old(a)")
+    _bottom_labels(axes, len(shown), "sampling probability p = pi_old(a)")
     for ax in axes[:, 0]:
         ax.set_ylabel("importance ratio r")
     handles = [Line2D([], [], ls="", marker="o", color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
-    handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="1 - eps_low, 1 + eps_high"))
+    handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="the run's 1 - eps_low, 1 + eps_high"))
     handles.append(Line2D([], [], ls="", marker="^", color="0.4", label="beyond the axis"))
-    _top_legend(fig, handles, panels_height=3.3 * rows)
+    _legend_top(fig, handles, panels_height=3.3 * rows, header=_not_shown(names, len(shown), legend_title))
     return fig
 
 
-def _top_legend(fig, handles, *, panels_height: float, fontsize: int = 8) -> None:
-    """One legend above the panels, in as many columns as fit the figure's width (a one-panel figure
-    cannot hold six entries in a row); the figure grows by the legend's height, the panels stay below it."""
-    renderer = fig.canvas.get_renderer()
-    width = fig.get_figwidth() * fig.dpi
-    for ncol in range(len(handles), 0, -1):
-        legend = fig.legend(handles=handles, loc="upper center", ncol=ncol, fontsize=fontsize, frameon=False)
-        box = legend.get_window_extent(renderer)
-        if box.width <= 0.98 * width or ncol == 1:
-            break
-        legend.remove()
-    legend_in = box.height / fig.dpi + 0.1
-    fig.set_figheight(panels_height + legend_in)
-    fig.tight_layout(rect=(0, 0, 1, 1 - legend_in / (panels_height + legend_in)))
-
-
-def grad_share(df):
-    """grad_share_by_quadrant -> each quadrant's share of ||dLoss/dz||^2 per step; dotted: the part
-    from tokens PPO-clip would drop."""
-    d = df.assign(dropped=df["share"] * df["clipped_share"].fillna(0)) if not df.empty else df
-    return _quadrant_panels(d, "share", "share of squared logit-grad norm", dotted="dropped",
-                            empty="no logit-gradient norms recorded (watch_logits)")
-
-
-def entropy_ratio_band(df, band=(0.95, 1.05)):
-    """entropy_ratio_by_step -> per-token entropy ratio rho = H(pi)/H(pi_old) per step (ERC Sec. 3):
-    one panel per method (shared axes), the median as a line, the p05-p95 band shaded, ERC's band
-    dashed. Linear axis, cut at the 2nd / 98th percentile of the band edges (a few spikes may leave it;
-    the panel title says how many steps)."""
+def _erc_bands(g) -> tuple[list, list]:
+    """The runs of ``g`` by band: ([(low, high, runs)] of the runs with ERC (their own band),
+    [(low, high, runs)] of the runs without: the reference band they are measured against). A run is
+    without ERC where its ``erc`` column is false or its band_low / band_high are NaN; its reference
+    band is then the frame's band_low / band_high (what its outside_band was measured against) or,
+    where NaN, the ERC paper's (0.95, 1.05)."""
     import numpy as np
 
+    per_run = g.groupby("_r").first()
+    lo = per_run["band_low"].astype(float) if "band_low" in per_run else np.nan
+    hi = per_run["band_high"].astype(float) if "band_high" in per_run else np.nan
+    per_run = per_run.assign(_lo=lo, _hi=hi)
+    erc = per_run["_lo"].notna() & per_run["_hi"].notna()
+    if "erc" in per_run:
+        erc &= per_run["erc"].fillna(False).astype(bool)
+    ref = per_run[~erc].assign(_lo=lambda x: x["_lo"].fillna(ERC_PAPER_BAND[0]),
+                               _hi=lambda x: x["_hi"].fillna(ERC_PAPER_BAND[1]))
+
+    def count(x):
+        return [(float(a), float(b), int(n)) for (a, b), n in x.groupby(["_lo", "_hi"]).size().items()]
+
+    return count(per_run[erc]), count(ref)
+
+
+def _ref_name(lo: float, hi: float) -> str:
+    if (lo, hi) == ERC_PAPER_BAND:
+        return f"the ERC paper's ({lo:g}, {hi:g})"
+    return f"the reference ({lo:g}, {hi:g})"
+
+
+def _band_title(bands, refs, runs: int, out: float) -> str:
+    """'ERC band (0.9, 1.1); 3% outside' / "no ERC; 40% outside the ERC paper's (0.95, 1.05)"."""
+    parts = [f"ERC band ({lo:g}, {hi:g})" + (f" in {n} of {runs} runs" if n < runs else "") for lo, hi, n in bands]
+    no_erc = sum(n for *_, n in refs)
+    if no_erc:
+        parts.append("no ERC" + (f" in {no_erc} of {runs} runs" if no_erc < runs else ""))
+    text = ", ".join(parts)
+    if out == out:
+        if bands and not refs:
+            text += f"; {out:.0%} outside"
+        elif refs and not bands and len(refs) == 1:
+            text += f"; {out:.0%} outside {_ref_name(*refs[0][:2])}"
+        else:
+            text += f"; {out:.0%} outside each run's band"
+    return text
+
+
+def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"):
+    """entropy_ratio_by_step -> per-token entropy ratio rho = H(pi)/H(pi_old) per step (ERC Sec. 3 / Fig. 1):
+    one panel per series (at most 6, the figure says how many are not shown; shared axes), the median
+    as a line (mean over a series' runs, their spread shaded darker), the p05-p95 band shaded light.
+    Each run's own ERC band (its band_low / band_high columns) is drawn dashed and stated in the panel
+    title with the token-weighted share of tokens outside it (outside_band). A run without ERC (NaN
+    band, or ``erc`` false) gets its reference band in grey, dotted, labelled as a reference, not as the
+    run's: the frame's band_low / band_high where given, else the ERC paper's (0.95, 1.05). Linear
+    axis, cut at the 2nd / 98th percentile of the band edges (the panel title says how many steps
+    leave it). Long runs: rolling mean (:func:`smooth_window`)."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    band = _check_band(band)
     plt = _plt()
-    methods = sorted(df["method"].fillna("?").unique()) if not df.empty else []
-    n = max(1, len(methods))
+    d = _prep(df) if not df.empty else df
+    names = sorted(d["_s"].unique()) if not df.empty else []
+    shown = names[:MAX_PANELS]
+    n = max(1, len(shown))
     cols = min(2, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 2.6 * rows + 0.4), squeeze=False,
-                             sharex=True, sharey=True)
-    if not methods:
+    height = 2.7 * rows
+    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, height), squeeze=False, sharex=True, sharey=True)
+    if not names:
         for ax in axes.flat:
             ax.set_visible(False)
         return _empty(fig)
-    colors = method_colors(df)
-    lo_edge = np.nanpercentile(df["p05"], 2)
-    hi_edge = np.nanpercentile(df["p95"], 98)
-    y_lo = min(band[0], lo_edge) - 0.02
-    y_hi = max(band[1], hi_edge) + 0.02
-    for ax, m in zip(axes.flat, methods):
-        d = df[df["method"].fillna("?") == m]
-        for _, g in d.sort_values("step").groupby("run"):
-            few = len(g) < 3
-            ax.fill_between(g["step"], g["p05"], g["p95"], color=colors[m], alpha=0.25, lw=0, step=None)
-            if few:  # a short run: the band as error bars, the median as points
-                ax.errorbar(g["step"], g["p50"], yerr=[g["p50"] - g["p05"], g["p95"] - g["p50"]],
-                            fmt="o", color=colors[m], ms=4, capsize=3)
-            else:
-                ax.plot(g["step"], g["p50"], color=colors[m], lw=1.6)
-                ax.plot(g["step"], g["p05"], color=colors[m], lw=0.5, alpha=0.6)
-                ax.plot(g["step"], g["p95"], color=colors[m], lw=0.5, alpha=0.6)
-        for b in band:
-            ax.axhline(b, color="k", ls="--", lw=0.8)
-        off = int(((d["p05"] < y_lo) | (d["p95"] > y_hi)).sum())
-        out = d["outside_band"].mean() if "outside_band" in d else float("nan")
-        title = f"{m}: {out:.0%} of tokens outside the band" if out == out else m
-        ax.set_title(title + (f" ({off} step(s) beyond the axis)" if off else ""), fontsize=9, color=colors[m])
+    window = smooth_window(steps_per_series(df))
+    colors = series_colors(names)
+    d = d[d["_s"].isin(shown)]
+    info = {s: _erc_bands(d[d["_s"] == s]) for s in shown}
+    edges = [b for bands, refs in info.values() for lo, hi, _ in bands + refs for b in (lo, hi)]
+    lo_edge = np.nanpercentile(d["p05"], 2)
+    hi_edge = np.nanpercentile(d["p95"], 98)
+    y_lo = min([lo_edge] + edges) - 0.02
+    y_hi = max([hi_edge] + edges) + 0.02
+    shared = False
+    wrap = int(5.4 * 12)
+    for ax, s in zip(axes.flat, shown):
+        g = d[d["_s"] == s]
+        c = colors[s]
+        stats, nruns = _per_series(g, "step", ["p05", "p50", "p95"], band, window)
+        xs = stats["step"].to_numpy()
+        med = stats["p50"].to_numpy(dtype=float)
+        p05, p95 = stats["p05"].to_numpy(dtype=float), stats["p95"].to_numpy(dtype=float)
+        if len(stats) < 3:  # a short run: the band as error bars, the median as points
+            ax.errorbar(xs, med, yerr=[np.clip(med - p05, 0, None), np.clip(p95 - med, 0, None)], fmt="o", color=c,
+                        ms=4, capsize=3)
+        else:
+            ax.fill_between(xs, p05, p95, color=c, alpha=0.2, lw=0)
+            ax.plot(xs, p05, color=c, lw=0.5, alpha=0.6)
+            ax.plot(xs, p95, color=c, lw=0.5, alpha=0.6)
+            if nruns.get(s, 1) > 1:
+                shared = True
+                ax.fill_between(xs, stats["p50_lo"], stats["p50_hi"], color=c, alpha=0.45, lw=0)
+            if window > 1:
+                ax.plot(xs, stats["p50_raw"], color=c, lw=0.5, alpha=0.3)
+            ax.plot(xs, med, color=c, lw=1.8, label=s)
+        bands, refs = info[s]
+        for lo, hi, _ in bands:
+            for b in (lo, hi):
+                ax.axhline(b, color="k", ls="--", lw=0.9, gid="erc band")
+        for lo, hi, _ in refs:
+            for b in (lo, hi):
+                ax.axhline(b, color="0.55", ls=":", lw=1.1, gid="reference band")
+        if "outside_band" in g and g["outside_band"].notna().any():
+            o = g["outside_band"].astype(float)
+            w = g["tokens"].astype(float).where(o.notna(), 0) if "tokens" in g else o.notna().astype(float)
+            out = float((o.fillna(0) * w).sum() / w.sum()) if w.sum() > 0 else float(o.mean())
+        else:
+            out = float("nan")
+        off = int(((g["p05"] < y_lo) | (g["p95"] > y_hi)).sum())
+        title = f"{s}: {_band_title(bands, refs, g['_r'].nunique(), out)}"
+        title += f" ({off} step(s) beyond the axis)" if off else ""
+        ax.set_title(textwrap.fill(title, wrap), fontsize=9)
         ax.set_ylim(y_lo, y_hi)
-    _bottom_labels(axes, len(methods), "training step")
+    _bottom_labels(axes, len(shown), "training step")
     for ax in axes[:, 0]:
         ax.set_ylabel("entropy ratio rho")
-    fig.suptitle(f"Entropy ratio per step: median (line), p05-p95 (shaded); dashed: ERC band "
-                 f"({band[0]}, {band[1]})", fontsize=10)
-    fig.tight_layout()
+    handles = [Line2D([], [], color="0.2", lw=1.8, label="median" + (" (mean over runs)" if shared else "")),
+               Patch(color="0.2", alpha=0.2, lw=0, label="p05-p95 of the step's tokens")]
+    if shared:
+        handles.append(Patch(color="0.2", alpha=0.45, lw=0, label=f"median: {_spread_text(band)} over runs"))
+    if any(bands for bands, _ in info.values()):
+        handles.append(Line2D([], [], color="k", ls="--", lw=0.9, label="the run's own ERC band"))
+    for lo, hi in sorted({(lo, hi) for _, refs in info.values() for lo, hi, _ in refs}):
+        whose = "ERC paper's reference band" if (lo, hi) == ERC_PAPER_BAND else "reference band"
+        handles.append(Line2D([], [], color="0.55", ls=":", lw=1.1,
+                              label=f"{whose} ({lo:g}, {hi:g}): a run without ERC, not its own"))
+    header = "Entropy ratio per step"
+    if window > 1:
+        header += f" (bold: rolling mean of {window} steps, faint: per step)"
+    more = _not_shown(names, len(shown), legend_title)
+    _legend_top(fig, handles, panels_height=height, header=header + (f"\n{more}" if more else ""))
     return fig
 
 
-def drift_by_prob(df):
-    """drift_by_prob_bin -> mean |log entropy ratio| per sampling-probability bin (ERC Sec. 3)."""
+def drift_by_prob(df, *, band: str | None = None, legend_title: str = "run"):
+    """drift_by_prob_bin -> mean |log entropy ratio| per sampling-probability bin, per series (mean over
+    its runs, spread shaded); dotted: the ERC paper's reported drift ranges (below 0.2, above 0.6;
+    ERC Sec. 3), drawn as the paper's numbers, not this run's."""
+    from matplotlib.lines import Line2D
+
+    band = _check_band(band)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     if df.empty:
         return _empty(fig)
-    d = df.assign(center=(df["prob_lo"] + df["prob_hi"]) / 2)
-    d = d.groupby(["method", "center"], as_index=False)["mean_abs_log_ratio"].mean().assign(run=lambda x: x["method"])
-    _lines(ax, d, "center", "mean_abs_log_ratio", method_colors(d))
-    for x in (0.2, 0.6):
+    d = _prep(df)
+    d = d.assign(center=(d["prob_lo"] + d["prob_hi"]) / 2)
+    colors = series_colors(d["_s"].unique())
+    shared = _series_lines(ax, d.dropna(subset=["mean_abs_log_ratio"]), "center", "mean_abs_log_ratio", colors,
+                           band=band)
+    for x in ERC_PAPER_DRIFT:
         ax.axvline(x, color="k", ls=":", lw=0.8)
+    ax.set_xlim(0, 1)
     ax.set_xlabel("sampling probability bin (center)")
     ax.set_ylabel("mean |log entropy ratio|")
-    ax.set_title("Global drift by sampling probability (dotted: 0.2, 0.6)")
-    fig.tight_layout()
+    note = _notes(1, shared, band)
+    ax.set_title("Global drift by sampling probability" + (f"\n{note}" if note else ""),
+                 fontsize=10 if not note else 9)
+    handles = _series_handles(colors)
+    handles.append(Line2D([], [], color="k", ls=":", lw=0.8,
+                          label=f"ERC paper: drift strongest below\n{ERC_PAPER_DRIFT[0]:g} and above "
+                                f"{ERC_PAPER_DRIFT[1]:g}"))
+    _legend_right(fig, handles, legend_title)
     return fig
 
 
-def entropy_change(df):
-    """entropy_change_by_quadrant -> measured entropy change per quadrant (relative to the run's mean)
-    next to the covariance law's predicted sign (arrows)."""
+def _run_panels(n_panels: int, width: float = 5.2, height: float = 3.0, cols_max: int = 2):
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    if df.empty:
-        return _empty(fig)
-    d = df.groupby(["method", "quadrant"], as_index=False)["relative_dh"].mean()
-    colors = method_colors(d)
-    methods = list(colors)
-    w = 0.8 / max(1, len(methods))
-    for i, m in enumerate(methods):
-        g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
-        xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
-        ax.bar(xs, g["relative_dh"].fillna(0), width=w, color=colors[m], label=m)
-    ymax = max(1e-9, d["relative_dh"].abs().max())
-    for j, q in enumerate(QUAD_ORDER):
-        sign = -1 if q in ("PA&HP", "NA&LP") else 1
-        ax.annotate("predicted " + ("+" if sign > 0 else "-"), (j, sign * ymax * 1.05), ha="center",
-                    va="bottom" if sign > 0 else "top", fontsize=8, color="0.3")
-    ax.axhline(0, color="k", lw=0.8)
-    ax.set_xticks(range(4), QUAD_ORDER)
-    ax.set_ylim(-ymax * 1.35, ymax * 1.35)
-    ax.set_xlabel("quadrant")
-    ax.set_ylabel("entropy change (nats), minus run mean")
-    ax.set_title("Entropy drift per quadrant vs covariance law\n(confounded: see the entropy budget)")
-    ax.legend(title="method", fontsize=8, title_fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def clipped_prob(df, tau: float = 0.5):
-    """clipped_prob_distribution -> sampling probability of the tokens PPO-clip drops, one panel per
-    side (low: r < 1-eps_low, A < 0; high: r > 1+eps_high, A > 0), bars per method, tau dotted
-    (CE-GPPO Sec. 3: the clipped tokens are mostly low-probability)."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
-    if df.empty:
-        return _empty(fig, "no token was clipped in these runs")
-    d = df.groupby(["method", "side", "prob_lo", "prob_hi"], as_index=False)["tokens"].sum()
-    d["share"] = d["tokens"] / d.groupby(["method", "side"])["tokens"].transform("sum")
-    colors = method_colors(d)
-    methods = list(colors)
-    for ax, side, title in ((axes[0], "low", "low side: r < 1-eps_low, A < 0"),
-                            (axes[1], "high", "high side: r > 1+eps_high, A > 0")):
-        s_ = d[d["side"] == side]
-        if s_.empty:
-            ax.text(0.5, 0.5, "no clipped token", ha="center", va="center", color="0.4", transform=ax.transAxes)
-        width = float((d["prob_hi"] - d["prob_lo"]).min()) if len(d) else 0.1
-        w = width * 0.85 / max(1, len(methods))
-        for i, m in enumerate(methods):
-            g = s_[s_["method"] == m]
-            xs = g["prob_lo"] + width * 0.075 + (i + 0.5) * w
-            ax.bar(xs, g["share"] * 100, width=w, color=colors[m], label=m)
-        ax.axvline(tau, color="k", ls=":", lw=0.9)
-        ax.set_xlim(0, 1)
-        ax.set_title(title)
-        ax.set_xlabel(f"sampling probability p (dotted: tau = {tau})")
-    axes[0].set_ylabel("% of the side's clipped tokens")
-    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def _run_panels(runs: list, max_runs: int = 6, width: float = 4.6, height: float = 3.2):
-    plt = _plt()
-    n = max(1, min(max_runs, len(runs)))
-    cols = min(3, n)
+    n = max(1, n_panels)
+    cols = min(cols_max, n)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharex=True)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
-    return fig, list(axes.flat)[:n]
+    return fig, axes, rows
 
 
-def entropy_budget(df):
-    """entropy_budget_by_step -> the entropy budget per step: each quadrant's first-order entropy effect
-    (sum of g s / T^2 over its tokens) stacked, raising quadrants above 0, lowering ones below;
-    black: the step's total. One panel per run (at most 6). CE-GPPO Sec. 3, measured per token."""
-    runs = list(dict.fromkeys(df["run"])) if not df.empty else []
-    fig, axes = _run_panels(runs)
-    if df.empty or df["effect"].isna().all():
-        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
+def _stairs(ax, edges, lower, upper, color) -> None:
+    """A filled staircase between ``lower`` and ``upper`` (one value per bin of ``edges``): one polygon
+    (ax.stairs would cost seconds at thousands of steps: it updates the data limits per segment)."""
     import numpy as np
 
-    for ax, run in zip(axes, runs):
-        g = df[df["run"] == run]
+    xx = np.repeat(edges, 2)[1:-1]
+    ax.fill_between(xx, np.repeat(lower, 2), np.repeat(upper, 2), color=color, lw=0)
+
+
+def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
+    """entropy_budget_by_step -> the entropy budget per step: each quadrant's first-order entropy effect
+    (sum of g s / T^2 over its tokens) stacked, raising quadrants above 0, lowering ones below;
+    black: the step's total. One panel per series (mean over its runs per step, the total's spread over
+    runs shaded grey; at most 6, the figure says how many are not shown); one legend above the panels.
+    Long runs: the stacks and the total are rolling means (:func:`smooth_window`), the raw total faint.
+    CE-GPPO Sec. 3, measured per token."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    band = _check_band(band)
+    if df.empty or df["effect"].isna().all():
+        fig, _, _ = _run_panels(1, width=6.4, height=3.0)
+        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
+    d = _prep(df.dropna(subset=["effect"]))
+    names = sorted(d["_s"].unique())
+    shown = names[:MAX_PANELS]
+    fig, axes, rows = _run_panels(len(shown))
+    height = 3.0 * rows
+    window = smooth_window(steps_per_series(df))
+    shared = False
+    flat = list(axes.flat)
+    for ax, s in zip(flat, shown):
+        g = d[d["_s"] == s]
         steps = np.array(sorted(g["step"].unique()))
         # one filled staircase per quadrant and side (bars of width 1 centred on each step, a step
         # without rows at 0): a few artists instead of one rectangle per step, quadrant and side
         grid = np.arange(steps[0], steps[-1] + 1)
         edges = np.append(grid - 0.5, grid[-1] + 0.5)
+        per_q = (g.groupby(["quadrant", "_r", "step"])["effect"].sum().groupby(level=["quadrant", "step"]).mean())
         up, down = np.zeros(len(grid)), np.zeros(len(grid))
         for q in QUAD_ORDER:
-            v = g[g["quadrant"] == q].groupby("step")["effect"].sum().reindex(grid).fillna(0).to_numpy()
+            v = per_q.get(q)
+            v = (v.reindex(grid).fillna(0).to_numpy() if v is not None else np.zeros(len(grid)))
+            v = _roll(v, window)
             pos, neg = np.clip(v, 0, None), np.clip(v, None, 0)
-            ax.stairs(up + pos, edges, baseline=up, fill=True, color=QUAD_COLORS[q], label=q, lw=0)
-            ax.stairs(down + neg, edges, baseline=down, fill=True, color=QUAD_COLORS[q], lw=0)
+            _stairs(ax, edges, up, up + pos, QUAD_COLORS[q])
+            _stairs(ax, edges, down, down + neg, QUAD_COLORS[q])
             up, down = up + pos, down + neg
-        total = g.groupby("step")["step_effect"].first().reindex(steps)
-        ax.plot(steps, total, color="k", lw=1.0, label="step total")
+        tot = g.groupby(["_r", "step"])["step_effect"].first().reset_index().assign(_s=s)
+        stats, nruns = _per_series(tot, "step", "step_effect", band, window)
+        xs, m = stats["step"].to_numpy(), stats["step_effect"].to_numpy(dtype=float)
+        if nruns.get(s, 1) > 1 and len(xs) > 1:
+            shared = True
+            ax.fill_between(xs, stats["step_effect_lo"], stats["step_effect_hi"], color="k", alpha=0.2, lw=0)
+        if window > 1:
+            ax.plot(xs, stats["step_effect_raw"], color="k", lw=0.5, alpha=0.2)
+        ax.plot(xs, m, color="k", lw=1.6 if window > 1 else 1.1,
+                marker="o" if len(xs) < 3 else None, ms=4)
         ax.axhline(0, color="k", lw=0.6)
-        ax.set_title(_label(str(run), str(g["method"].iloc[0])), fontsize=9)
-        ax.set_xlabel("training step")
-        ax.set_ylabel("first-order dH per unit logit step")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
-
-
-def clipping_removed(df):
-    """entropy_budget_by_step -> what clipping took away: each quadrant's dropped entropy effect
-    (sum over the run's steps of (g_unclipped - g) s / T^2, mean over a method's runs), beside the
-    effect its gradient kept. CE-GPPO's argument: PA&LP (high side) and NA&LP (low side) dominate."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
-    if df.empty or df["effect"].isna().all():
-        return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
-    d = (df.groupby(["method", "run", "quadrant"], as_index=False)[["effect", "dropped"]].sum()
-         .groupby(["method", "quadrant"], as_index=False)[["effect", "dropped"]].mean())
-    colors = method_colors(d)
-    methods = list(colors)
-    w = 0.8 / max(1, len(methods))
-    for ax, col, title in ((axes[0], "dropped", "taken away by clipping / beta / ERC / dual-clip"),
-                           (axes[1], "effect", "kept: the gradient actually applied")):
-        for i, m in enumerate(methods):
-            g = d[d["method"] == m].set_index("quadrant").reindex(QUAD_ORDER)
-            xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
-            ax.bar(xs, g[col].fillna(0), width=w, color=colors[m], label=m)
-        ax.axhline(0, color="k", lw=0.6)
-        ax.set_xticks(range(4), QUAD_ORDER)
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("quadrant")
-    axes[0].set_ylabel("summed first-order dH (per run)")
-    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
-    fig.tight_layout()
-    return fig
-
-
-def probe_vs_measured(df):
-    """probe_vs_measured -> left: the probe's predicted entropy change of each probed update against
-    the measured one (dashed: y = x); right: mean predicted dH per quadrant's kept gradient (solid)
-    and dropped part (hatched), per method. Parameter-space counterpart of the entropy budget."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    if df.empty:
-        return _empty(fig, "no probes recorded (Recorder.probe / demo --probe-every K)")
-    colors = method_colors(df)
-    st = df[df["part"] == "step"]
-    for m, g in st.groupby("method"):
-        axes[0].scatter(g["measured_dh"], g["predicted_dh"], s=14, color=colors[m], label=m)
-    lim = max(1e-12, float(st[["measured_dh", "predicted_dh"]].abs().max().max()) * 1.1)
-    axes[0].plot([-lim, lim], [-lim, lim], color="k", ls="--", lw=0.8)
-    axes[0].set_xlim(-lim, lim)
-    axes[0].set_ylim(-lim, lim)
-    axes[0].set_xlabel("measured dH (after the real step)")
-    axes[0].set_ylabel("predicted dH = grad(H) . step")
-    axes[0].set_title("probed updates", fontsize=9)
-    axes[0].legend(title="method", fontsize=8, title_fontsize=8)
-    methods = list(colors)
-    w = 0.8 / max(1, len(methods))
-    for i, m in enumerate(methods):
-        g = df[df["method"] == m].groupby("part")["predicted_dh"].mean()
-        xs = [j + (i - (len(methods) - 1) / 2) * w for j in range(4)]
-        axes[1].bar(xs, [g.get(q, 0.0) for q in QUAD_ORDER], width=w, color=colors[m], label=m)
-        axes[1].bar(xs, [g.get(f"{q} dropped", 0.0) for q in QUAD_ORDER], width=w * 0.5, color="none",
-                    edgecolor=colors[m], hatch="///", lw=0.8)
-    axes[1].axhline(0, color="k", lw=0.6)
-    axes[1].set_xticks(range(4), QUAD_ORDER)
-    axes[1].set_ylabel("mean predicted dH per probe")
-    axes[1].set_title("per quadrant: kept (solid), dropped (hatched)", fontsize=9)
-    fig.tight_layout()
+        k = g["_r"].nunique()
+        ax.set_title(s + (f" (mean of {k} runs)" if k > 1 else ""), fontsize=11)
+        ax.tick_params(labelsize=9)
+    _bottom_labels(axes, len(shown), "training step")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("entropy push\n(first-order, per unit step)", fontsize=10)
+    for ax in flat[:len(shown)]:
+        ax.xaxis.label.set_fontsize(10)
+    handles = [Patch(color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
+    handles.append(Line2D([], [], color="k", lw=1.6, label="step total"))
+    if window > 1:
+        handles.append(Line2D([], [], color="k", lw=0.6, alpha=0.35, label="step total, per step (faint)"))
+    if shared:
+        handles.append(Patch(color="k", alpha=0.2, lw=0, label=f"step total: {_spread_text(band)} over runs"))
+    header = "Entropy budget per step: above 0 raises entropy, below 0 lowers it"
+    if window > 1:
+        header += f" (rolling mean of {window} steps)"
+    more = _not_shown(names, len(shown), legend_title)
+    _legend_top(fig, handles, panels_height=height, header=header + (f"\n{more}" if more else ""), fontsize=10)
     return fig

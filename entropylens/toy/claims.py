@@ -490,7 +490,8 @@ def figures(con, out: Path, regime: str, found: list[Claim] | None = None) -> No
         ("clipping-removed", run_analysis(con, "entropy_budget_by_step").query("method in ['grpo', 'dapo']"),
          plots.clipping_removed),
     ):
-        fig = fn(df)
+        # the seeds of a method are one series: their mean with the min-max band over the seeds
+        fig = fn(df.assign(series=df["method"]), band="minmax", legend_title="method")
         mine = [c for c in (found or []) if c.figure == stem]
         if mine:
             import textwrap
