@@ -510,7 +510,7 @@ def report(
              "'config' (runs whose configs differ only in the seed); or a config key such as lr or seed. "
              "Default: one line, bar or panel per run.")] = None,
     band: Annotated[Band, typer.Option(
-        "--band", help="The band of a grouped series: minmax (min to max over its runs) or sd (mean +- 1 sd).")]
+        "--band", help="With --group-by: the band of a series, minmax (min to max over its runs) or sd (mean +- 1 sd).")]
     = Band.minmax,
 ) -> None:
     """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH.

@@ -220,24 +220,31 @@ def entropy_ratio(df, rs: RunSet | None = None) -> str:
     def one(g):
         out = (g["outside_band"] * g["tokens"]).sum() / g["tokens"].sum()
         band = (float(g["band_low"].iloc[0]), float(g["band_high"].iloc[0])) if lo_hi else rsmod.PAPER_ERC_BAND
-        erc = bool(g["erc"].any()) if "erc" in g else None
+        erc = None
+        if "erc" in g:
+            runs = g.drop_duplicates("run")
+            k = int(runs["erc"].fillna(False).astype(bool).sum())
+            erc = True if k == len(runs) else (False if k == 0 else f"ERC in {k} of {len(runs)} runs")
         return out, g["p50"].median(), band, erc
 
     per = _by_series(df, rs, one)
 
     def show(v):
         out, med, band, erc = v
-        whose = "its ERC band" if erc else ("no ERC; band" if erc is False else "band")
+        whose = ("its ERC band" if erc is True else "no ERC; band" if erc is False else
+                 f"{erc}; band" if erc else "band")
         return f"{_pct(out)} outside ({whose} {rsmod.fmt(band)}; median rho {_f(med, 4)})"
 
     text = "Here, share of tokens outside the band: " + _listing(per, show) + "."
     if any(v[3] is False for v in per.values()):
         ref, whose = rs.reference_band()
         text += f" Runs without ERC are measured against {whose} {rsmod.fmt(ref)}."
-    erc = [v[0] for v in per.values() if v[3]]
+    erc = [v[0] for v in per.values() if v[3] is True]
     plain = [v[0] for v in per.values() if v[3] is False]
     if erc and plain:
-        if not _verdict_ok(rs):
+        if max(erc + plain) == 0:
+            text += " No token left the band in any run: nothing to compare with the paper's claim."
+        elif not _verdict_ok(rs):
             text += " " + rs.differs_text()
         elif max(erc) < min(plain):
             text += " The runs differ only in the method: ERC runs keep more tokens inside the band, as the paper reports."
@@ -268,7 +275,7 @@ def clip_by_quadrant(df, rs: RunSet | None = None) -> str:
             + _listing(per, lambda v: f"{_pct(v[0])} vs {_pct(v[1])}") + f" ({_eps_text(rs)}).")
     if all(v[2] == 0 for v in per.values()):
         return text + " No token was clipped in these runs: nothing to compare with the paper's claim."
-    against = [s for s, v in per.items() if v[2] > 0 and not v[0] > v[1]]
+    against = [s for s, v in per.items() if v[2] > 0 and v[0] == v[0] and v[1] == v[1] and not v[0] > v[1]]
     if against:
         text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
                  + "): low-probability tokens are not clipped more often.")
@@ -396,7 +403,7 @@ def entropy_budget(df, rs: RunSet | None = None) -> str:
         agree = [q for q in _LAW if q in tot and (tot[q] > 0) == (_LAW[q] > 0) and tot[q] != 0]
         steps = g.drop_duplicates(["run", "step"])
         neg = float((steps["step_effect"] < 0).mean()) if len(steps) else float("nan")
-        return tot, len(agree), sum(q in tot for q in _LAW), neg
+        return tot, len(agree), sum(q in tot and tot[q] != 0 for q in _LAW), neg  # quadrants with tokens
 
     per = _by_series(df, rs, one)
     return ("Here, summed over the steps: " + _listing(per, lambda v: "(" + ", ".join(

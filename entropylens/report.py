@@ -108,7 +108,7 @@ def _hyper(row) -> str:
         if k in ("beta1", "beta2"):  # CE-GPPO's: shown for ce_gppo runs, 0 included (beta1 = 0 is a setting)
             if (cfg.get("loss_method") or cfg.get("method")) != "ce_gppo" or v is None:
                 continue
-        elif v in (None, 0, 0.0, [], ()) and k not in ("seed",):
+        elif v is None or (v in (0, 0.0, [], ()) and k not in ("seed",)):
             continue
         parts.append(f"{k}={round(v, 4) if isinstance(v, float) else v}")
     return ", ".join(parts)

@@ -90,7 +90,7 @@ class RunSet:
         if key is None or key == "run":
             return run if run.startswith(method) else f"{run} ({method})"
         if key == "method":
-            return method
+            return self.method_label(run)
         if key == "config":
             differing = [k for k in self.factors(replicates=False) if k != "method"]
             cfg = self.config[run]
@@ -160,7 +160,7 @@ class RunSet:
         method_cfg = {json.dumps({k: _hashable(self.config[r].get(k)) for k in METHOD_KEYS}, sort_keys=True,
                                  default=str) for r in runs}
         if len(methods) > 1 or len(method_cfg) > 1:
-            out["method"] = methods
+            out["method"] = sorted({self.method_label(r) for r in runs})
         keys = sorted({k for r in runs for k in self.config[r]} - METHOD_KEYS - LABEL_KEYS)
         for k in keys:
             if k in REPLICATE_KEYS and not replicates:
@@ -169,6 +169,16 @@ class RunSet:
             if len(vals) > 1:
                 out[k] = sorted(vals, key=str)
         return out
+
+    def method_label(self, run: str) -> str:
+        """The run's method with the method-defining settings that differ between the runs:
+        'grpo', or 'grpo erc=(0.9, 1.1)' beside a plain grpo run."""
+        runs = list(self.method)
+        keys = sorted(k for k in METHOD_KEYS - {"method", "loss_method"}
+                      if len({_hashable(self.config[r].get(k)) for r in runs}) > 1)
+        cfg = self.config[run]
+        extra = [f"{k}={fmt(cfg[k])}" for k in keys if cfg.get(k) not in (None, [], ())]
+        return " ".join([str(self.method[run])] + extra)
 
     def controlled_in(self) -> str | None:
         """The one factor the runs differ in (seeds aside), or None: no factor (one setting) or several."""

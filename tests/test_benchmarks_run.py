@@ -26,3 +26,11 @@ def test_overhead_benchmark_pairs_the_same_work():
 def test_contention_benchmark_runs():
     out = _run("contention.py", "--steps", "1", "--sft-steps", "2", "--burn-ms", "1")
     assert [line.split()[0] for line in out.splitlines()[-3:]] == ["off", "python", "native"]
+
+
+def test_report_runs_benchmark_runs(tmp_path):
+    import user_runs
+
+    user_runs.record_run(tmp_path / "runs", "grpo-a", {"method": "grpo", "lr": 1e-3, "decay": 0.05})
+    out = _run("report_runs.py", str(tmp_path / "runs" / "grpo-a"), "--copies", "3")
+    assert "runs=3 report_1_s=" in out.splitlines()[-1]

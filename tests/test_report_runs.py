@@ -48,7 +48,8 @@ def test_per_run_lines_and_captions_tell_an_lr_sweep_apart(user, tmp_path):
         assert f"{run} {_g(first)} -> {_g(last)}" in caps["entropy"], caps["entropy"]
     # the sweep differs in lr and the ERC run in its method: no verdict against the paper
     assert "not a controlled comparison" in caps["entropy"] and "paper's direction" not in caps["entropy"]
-    assert "differ in method (dapo, grpo) and lr (0.001, 0.003)" in caps["comparison"]
+    # the method factor names the method-defining setting that differs (the ERC band)
+    assert "differ in method (dapo erc=(0.9, 1.1), grpo) and lr (0.001, 0.003)" in caps["comparison"]
 
 
 def test_erc_band_is_each_runs_own(user, tmp_path):
@@ -186,3 +187,12 @@ def test_check_over_the_user_runs_names_what_is_wrong(user):
     assert len(lines) == 3, lines
     quiet = CliRunner().invoke(app, ["check", str(root), "--run", "stable"])
     assert quiet.exit_code == 0 and "no alarm" in quiet.output
+
+
+def test_a_series_mixing_erc_and_plain_runs_says_so(user, tmp_path):
+    root, _ = user
+    caps = captions_of(write_report(root, tmp_path / "rep", group_by="lr"))
+    # lr=0.001 holds erc-band and four runs without ERC: the caption says so, not "its ERC band"
+    assert "lr=0.001" in caps["entropy_ratio"] and "ERC in 1 of 5 runs; band (0.9, 1.1)" in caps["entropy_ratio"]
+    by_method = runset.from_connection(__import__("entropylens").query.connect(root), group_by="method")
+    assert by_method.series["erc-band"] == "dapo erc=(0.9, 1.1)" and by_method.series["stable"] == "grpo"
