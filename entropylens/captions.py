@@ -183,7 +183,7 @@ def grad_norm(df, rs: RunSet | None = None) -> str:
     if "nonfinite" in df and df["nonfinite"].fillna(0).gt(0).any():
         bad = df[df["nonfinite"].fillna(0) > 0].sort_values("step")
         first = bad.groupby(series(bad, rs), sort=True).agg(step=("step", "first"), n=("step", "size"))
-        text += " Not finite (NaN / inf; marked, not averaged): " + "; ".join(
+        text += " Updates with a NaN / inf norm (left out of the step mean): " + "; ".join(
             f"{s} at {int(r.n)} step(s) from step {int(r.step)}" for s, r in first.iterrows()) + "."
     return text + _smooth_note(df, rs) + _group_note(rs)
 
