@@ -236,7 +236,9 @@ class Recorder:
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
-        self._step_updates: dict = {}  # updates recorded in the current step -> (had seq_ids, selects a token)
+        self._step_updates: dict = {}  # updates recorded in the current step -> (had seq_ids, its mask or
+        # whether that mask selects a token, once asked)
+        self._scalars = None  # alarms.ScalarLog, made at the first record_step (_scalar_log)
         self._closed_upto = -1  # steps <= this were handed to the writer for good
         self._alarms_seen = -1  # the live alarms have observed the steps <= this
         self._alarm_replies: list = []  # (step, the writer's reply): summaries asked for by end_step
@@ -336,9 +338,9 @@ class Recorder:
         m = mask.bool()
         b, _ = m.shape
         dev = m.device
-        # (had seq_ids, its mask selects a token): the flag stays on the device, read only where a step's
-        # updates come without seq_ids (_validate_update)
-        self._step_updates[update] = (seq_ids is not None, m.any())
+        # (had seq_ids, its mask): whether the mask selects a token is asked only where a step's updates
+        # come without seq_ids (_validate_update), so the hot path runs no extra op for it
+        self._step_updates[update] = (seq_ids is not None, m)
         settings = getattr(loss, "config", {}) or {}
         if settings and self._info.loss is None:  # the run-level settings (method, eps, ...), once, into run.json
             self._info.loss = {k: settings[k] for k in RUN_SETTINGS if k in settings}
@@ -447,7 +449,7 @@ class Recorder:
     def _scalar_log(self):
         """record_step's values on the host side (alarms.ScalarLog: the run's one non-finite warning, and
         the live alarms' grad_norm / lr), made at the first record_step."""
-        log = self.__dict__.get("_scalars")
+        log = self._scalars
         if log is None:
             from .alarms import LiveAlarms, ScalarLog
 
@@ -707,11 +709,11 @@ class Recorder:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
 
     def _selects_a_token(self, update: int) -> bool:
-        """Whether update ``update`` of the current step has a masked-in token (its device flag is read
-        once, then kept as a bool)."""
+        """Whether update ``update`` of the current step has a masked-in token (read from its mask once, a
+        host sync, then kept as a bool)."""
         had_ids, selects = self._step_updates[update]
         if isinstance(selects, torch.Tensor):
-            selects = bool(selects)
+            selects = bool(selects.any())
             self._step_updates[update] = (had_ids, selects)
         return selects
 

@@ -117,16 +117,21 @@ def test_rules_are_said_in_docstring_and_help():
         assert word in out
 
 
-def test_same_rules_on_object_storage():
-    """The remote walk is one listing of the prefix (fs.find), filtered by the same rules: fsspec's
-    in-memory filesystem goes the way s3:// goes (test_storage.py runs the S3 server)."""
-    url = f"memory://el-find-runs-{uuid.uuid4().hex[:8]}/tmp"
+def _remote_tree(url: str) -> str:
+    """The runs and decoys of the local tree under an object-store ``url``."""
     for r in RUNS:
         parent, _, name = f"{url}/{r}".rpartition("/")
         make_run(parent, name, steps=1, rows=8)
     for d in DECOYS:
         storage.location(f"{url}/{d}/run.json").write_text('{"run": "decoy"')
     storage.location(f"{url}/venv/pyvenv.cfg").write_text("home = /usr/bin\n")
+    return url
+
+
+def test_same_rules_on_object_storage():
+    """The remote walk is one listing of the prefix (fs.find), filtered by the same rules: fsspec's
+    in-memory filesystem goes the way s3:// goes (test_storage.py runs the S3 server)."""
+    url = _remote_tree(f"memory://el-find-runs-{uuid.uuid4().hex[:8]}/tmp")
     found = catalog.find_runs(url)
     assert [storage.location(url).relative(d) for d in found] == RUNS
     assert [d.name for d in catalog.find_runs(url, runs=["b"])] == ["b"]
@@ -135,13 +140,7 @@ def test_same_rules_on_object_storage():
 
 def test_same_rules_on_s3(s3):
     """The same on moto's S3 server (one LIST walk of the prefix, filtered)."""
-    url = s3()
-    for r in RUNS:
-        parent, _, name = f"{url}/{r}".rpartition("/")
-        make_run(parent, name, steps=1, rows=8)
-    for d in DECOYS:
-        storage.location(f"{url}/{d}/run.json").write_text('{"run": "decoy"')
-    storage.location(f"{url}/venv/pyvenv.cfg").write_text("home = /usr/bin\n")
+    url = _remote_tree(s3())
     found = catalog.find_runs(url)
     assert [storage.location(url).relative(d) for d in found] == RUNS
     res = CliRunner().invoke(app, ["runs", url])
