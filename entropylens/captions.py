@@ -175,15 +175,16 @@ def _median_per_series(df, rs, col):
 
 
 def grad_norm(df, rs: RunSet | None = None) -> str:
-    if df.empty or (df["grad_norm"].isnull().all() and not df.get("nonfinite", df["grad_norm"] * 0).fillna(0).any()):
+    bad = df["nonfinite"].fillna(0) > 0 if "nonfinite" in df else None  # steps with a NaN / inf update
+    if df.empty or (df["grad_norm"].isna().all() and not (bad is not None and bad.any())):
         return "No gradient norms recorded."
     rs = context(df, rs)
     text = ("Here, median gradient norm per step: " + _listing(_median_per_series(df, rs, "grad_norm"), _f)
             + " (the paper's 0.05-0.10 is for a 1.5B model; the scale differs with the model).")
-    if "nonfinite" in df and df["nonfinite"].fillna(0).gt(0).any():
-        bad = df[df["nonfinite"].fillna(0) > 0].sort_values("step")
+    if bad is not None and bad.any():
+        bad = df[bad].sort_values("step")
         first = bad.groupby(series(bad, rs), sort=True).agg(step=("step", "first"), n=("step", "size"))
-        text += " Updates with a NaN / inf norm (left out of the step mean): " + "; ".join(
+        text += " Updates with a NaN / inf norm (x in the figure; left out of the step mean): " + "; ".join(
             f"{s} at {int(r.n)} step(s) from step {int(r.step)}" for s, r in first.iterrows()) + "."
     return text + _smooth_note(df, rs) + _group_note(rs)
 

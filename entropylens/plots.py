@@ -408,9 +408,22 @@ def reward_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
 
 
 def grad_norm_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
-    """grad_norm_by_step -> global grad norm before clipping (CE-GPPO Fig. 4 right)."""
-    return _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm", band=band,
-                        legend_title=legend_title)
+    """grad_norm_by_step -> global grad norm before clipping (CE-GPPO Fig. 4 right). Steps with an update
+    whose norm is NaN / inf (column ``nonfinite`` > 0: a blow-up, left out of the line's mean) are marked
+    with an x at the top of the axis, in their series' colour."""
+    fig = _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm", band=band,
+                       legend_title=legend_title)
+    if df.empty or "nonfinite" not in df or not (df["nonfinite"].fillna(0) > 0).any():
+        return fig
+    ax = fig.axes[0]
+    full = _prep(df)
+    colors = series_colors(full["_s"].unique())
+    bad = full[full["nonfinite"].fillna(0) > 0]
+    for s, g in bad.groupby("_s"):
+        ax.scatter(g["step"], [0.97] * len(g), marker="x", s=36, color=colors.get(s, "k"),
+                   transform=ax.get_xaxis_transform(), clip_on=False, zorder=5, gid="nonfinite")
+    ax.text(0.01, 0.90, "x: a NaN / inf grad norm at this step", transform=ax.transAxes, fontsize=8, color="0.3")
+    return fig
 
 
 def kl_vs_step(df, *, band: str | None = None, legend_title: str = "run"):

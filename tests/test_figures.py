@@ -475,3 +475,17 @@ def test_50_runs_render_with_a_capped_legend(capsys):
         plt.close(fig)
     with capsys.disabled():
         print(f"\n[info] {len(FIGURES)} figures of 50 runs drawn in {time.perf_counter() - t0:.1f} s")
+
+
+def test_grad_norm_marks_the_steps_with_a_nan_norm():
+    df = pd.DataFrame(dict(run=["a"] * 4 + ["b"] * 4, method="grpo", step=list(range(4)) * 2,
+                           grad_norm=[0.5, 0.6, float("nan"), 0.7, 0.4, 0.4, 0.4, 0.4],
+                           nonfinite=[0, 1, 1, 0, 0, 0, 0, 0]))
+    fig = plots.grad_norm_vs_step(df)
+    marks = [c for c in fig.axes[0].collections if c.get_gid() == "nonfinite"]
+    assert len(marks) == 1 and sorted(marks[0].get_offsets()[:, 0]) == [1, 2]  # run a's steps 1 and 2 only
+    text = captions.grad_norm(df)
+    assert "Updates with a NaN / inf norm (x in the figure; left out of the step mean): a (grpo) at 2 step(s) " \
+        "from step 1." in text
+    assert not [c for c in plots.grad_norm_vs_step(df.assign(nonfinite=0)).axes[0].collections
+                if c.get_gid() == "nonfinite"]
