@@ -345,6 +345,7 @@ class Layout:
     finite_names: tuple[str, ...]
     has_erc: bool
     has_tokens: bool
+    has_loss: bool = True  # the update came with a loss value (without: its steps row's loss is null)
 
     def parts(self) -> list[tuple[str, int]]:
         n = self.batch * self.length
@@ -485,6 +486,7 @@ def pack(
     group: torch.Tensor,
     tokens: torch.Tensor | None,
     mask: torch.Tensor | None = None,
+    has_loss: bool = True,
 ) -> tuple[torch.Tensor, Layout]:
     """Everything of one update in ONE flat int32 device tensor (see :class:`Layout`), with no
     data-dependent size: rows are selected on the host (:meth:`HostUpdate.rows`), so packing never
@@ -498,7 +500,7 @@ def pack(
     fnames = tuple(c for c in FLOAT_COLS if c in cols)
     if not isinstance(finite, FiniteFlags):  # name -> 0-dim bool
         finite = FiniteFlags(tuple(finite), torch.stack(list(finite.values())) if finite else None)
-    layout = Layout(b, t, fnames, finite.names, "erc_kept" in cols, tokens is not None)
+    layout = Layout(b, t, fnames, finite.names, "erc_kept" in cols, tokens is not None, has_loss)
     flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [..., B, T]
     flags = flags | ((cols["clip"].to(torch.int32) + 1) << _CLIP_SHIFT)
     flags = flags | (cols["clipped"].to(torch.int32) << _CLIPPED_SHIFT)
@@ -545,7 +547,8 @@ def update_block(
         add_attribution(cols, sensitivity, temperature)
     keep = sample_keep(seq, salt, sample)  # [B]
     aggregates = step_aggregates(cols, mask, cols.get("logit_grad_norm"), loss_value)
-    return pack(cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask)
+    return pack(cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask,
+                has_loss=loss_value is not None)
 
 
 # The recorder's checked inputs (all masked-in values finite) -> the column that holds each
@@ -676,6 +679,8 @@ def unpack(host: np.ndarray, layout: Layout) -> HostUpdate:
         off += k
     n = layout.batch * layout.length
     aggregates = dict(zip(AGG_NAMES, views["aggregates"].view(np.float64).tolist()))
+    if not layout.has_loss:  # not given: null in the steps row; a given loss keeps its NaN / inf
+        del aggregates["loss"]
     finite = read_finite(host, layout)
     floats = views["floats"].view(np.float32).reshape(len(layout.float_names), n)
     token_id = views["token_id"] if layout.has_tokens else None

@@ -152,15 +152,16 @@ def _step_types() -> dict:
 
 def nan_is_null(name: str) -> bool:
     """Whether a NaN in the steps column ``name`` means "not measured" (stored as null): the recorder's
-    own aggregates (schema.STEP_METRICS and the entropy budget sums, e.g. a mean over zero tokens, or a
-    column whose input was not given). Every other column holds what the caller gave (grad_norm, lr,
+    own aggregates (schema.STEP_METRICS but the loss, and the entropy budget sums, e.g. a mean over zero
+    tokens, or a column whose input was not given; an update without loss= leaves loss out of its row). Every other column holds what the caller gave (grad_norm, lr,
     reward_mean, the loss settings, extra metrics): its NaN is a value and stays NaN (+-inf stay in every
     column): a NaN grad norm is the first sign of a blow-up, not a missing one."""
     global _AGGREGATES
     if _AGGREGATES is None:
         from .schema import STEP_METRICS, STEPS
 
-        _AGGREGATES = frozenset(STEP_METRICS) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
+        # the loss of an update is the caller's value (left out of the row when not given): not an aggregate
+        _AGGREGATES = (frozenset(STEP_METRICS) - {"loss"}) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
     return name in _AGGREGATES
 
 

@@ -117,7 +117,8 @@ def test_a_broken_lr_is_refused(tmp_path, lr):
 
 
 def test_only_the_recorders_aggregates_turn_nan_into_null():
-    assert all(nan_is_null(n) for n in AGG_NAMES)
+    assert all(nan_is_null(n) for n in AGG_NAMES if n != "loss")
+    assert not nan_is_null("loss")  # the caller's loss: left out of the row when not given, its NaN kept
     assert not any(nan_is_null(n) for n in ("grad_norm", "lr", "reward_mean", "beta1", "erc_low", "my_metric"))
     rows = [{"update": 0, "n_tokens": 4.0, "entropy_mean": NAN, "grad_norm": NAN, "acc": INF, "m": NAN},
             {"update": 1, "n_tokens": 4.0, "entropy_mean": 1.0, "grad_norm": None, "acc": 1.0}]
@@ -130,3 +131,27 @@ def test_only_the_recorders_aggregates_turn_nan_into_null():
         assert table.column("acc").to_pylist() == [INF, 1.0]
         m = table.column("m").to_pylist()
         assert math.isnan(m[0]) and m[1] is None
+
+
+def test_a_nan_loss_from_record_update_is_stored_and_fires_nonfinite(tmp_path):
+    """record_update(loss=...) with a NaN loss value: stored as NaN (a blow-up), found by `check`; an update
+    without loss= stays null (not measured)."""
+    from types import SimpleNamespace
+
+    from entropylens.alarms import check
+    from entropylens.losses import policy_loss
+
+    lp = torch.full((2, 3), -0.5)
+    mask, adv = torch.ones(2, 3, dtype=torch.bool), torch.tensor([1.0, -1.0])
+    with Recorder(tmp_path, run="r", fsync=False) as rec:
+        for step in range(3):
+            out = policy_loss(lp, lp, adv, mask)
+            if step == 2:  # the same columns, the loss value a blow-up
+                out = SimpleNamespace(loss=torch.tensor(NAN), columns=out.columns, config=out.config)
+            rec.record_update(step, 0, mask=mask, advantages=adv, logprobs=lp, old_logprobs=lp,
+                              old_entropy=torch.full((2, 3), 1.0), seq_ids=torch.tensor([0, 1]) + 2 * step, loss=out)
+        _update(rec, 3)  # no loss=
+    assert _steps(tmp_path / "r", 0)[0]["loss"] == pytest.approx(float(policy_loss(lp, lp, adv, mask).loss))
+    assert math.isnan(_steps(tmp_path / "r", 2)[0]["loss"]) and _steps(tmp_path / "r", 3)[0]["loss"] is None
+    found = [(f.step, f.rule, f.signal) for f in check(tmp_path)]
+    assert (2, "nonfinite", "loss") in found and not any(s in (0, 1, 3) for s, rule, _ in found if rule == "nonfinite")
