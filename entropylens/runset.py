@@ -186,12 +186,16 @@ class RunSet:
         return f[0] if len(f) == 1 else None
 
     def differs_text(self) -> str:
-        """'The runs differ in lr (0.001, 0.003) and method (dapo, grpo)': what a caption says instead of a
-        verdict when the runs are not a controlled comparison."""
+        """What a caption says instead of a verdict against the papers: 'The runs differ in lr (0.001, 0.003)
+        and method (dapo, grpo): not a controlled comparison ...', or, for runs that differ in one setting
+        other than the method, that they compare that setting, not methods."""
         f = {k: v for k, v in self.factors().items() if k not in REPLICATE_KEYS}
         if not f:
             return "The runs share every recorded setting."
         parts = [f"{k} ({', '.join(fmt(x) for x in v[:4])}{', ...' if len(v) > 4 else ''})" for k, v in f.items()]
+        if len(parts) == 1 and "method" not in f:  # a controlled comparison, but not of methods
+            return (f"The runs differ only in {parts[0]}: a controlled comparison of {next(iter(f))}; the papers' "
+                    "verdicts compare methods, so none here.")
         return "The runs differ in " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]) \
             + ": not a controlled comparison, so no verdict against the paper."
 

@@ -80,6 +80,9 @@ def test_a_controlled_comparison_is_named(user, tmp_path):
     root, _ = user
     caps = captions_of(write_report(root, tmp_path / "rep", runs=["grpo-lr1e-3", "grpo-lr3e-3"]))
     assert caps["comparison"].startswith("2 runs, a controlled comparison in lr (0.001, 0.003)")
+    assert ("The runs differ only in lr (0.001, 0.003): a controlled comparison of lr; the papers' verdicts "
+            "compare methods, so none here.") in caps["entropy"]
+    assert "not a controlled comparison" not in caps["entropy"]
 
 
 def test_method_verdict_only_when_only_the_method_differs(tmp_path):
