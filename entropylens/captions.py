@@ -273,7 +273,8 @@ def clip_by_quadrant(df, rs: RunSet | None = None) -> str:
 
     per = _by_series(d, rs, one)
     text = (f"Here, share of tokens whose gradient PPO-clip removes, low-probability (p < {tau_text(rs)}) vs high: "
-            + _listing(per, lambda v: f"{_pct(v[0])} vs {_pct(v[1])}") + f" ({_eps_text(rs)}).")
+            + _listing(per, lambda v: f"{_pct(v[0]) if v[0] == v[0] else 'no LP tokens'} vs "
+                       f"{_pct(v[1]) if v[1] == v[1] else 'no HP tokens'}") + f" ({_eps_text(rs)}).")
     if all(v[2] == 0 for v in per.values()):
         return text + " No token was clipped in these runs: nothing to compare with the paper's claim."
     against = [s for s, v in per.items() if v[2] > 0 and v[0] == v[0] and v[1] == v[1] and not v[0] > v[1]]

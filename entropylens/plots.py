@@ -506,6 +506,10 @@ def clip_by_quadrant(df, *, band: str | None = None, legend_title: str = "run"):
     for ax, side, cats, title in ((axes[0], "clip_low_frac", LOW_SIDE, "low side: r < 1 - eps_low, A < 0"),
                                   (axes[1], "clip_high_frac", HIGH_SIDE, "high side: r > 1 + eps_high, A > 0")):
         _grouped_bars(ax, stats, side, cats, names, colors, nruns, scale=100, width=0.7)
+        for j, q in enumerate(cats):  # a quadrant no run has tokens in: say so, not an empty slot
+            if "tokens" in d and not (d.loc[d["quadrant"] == q, "tokens"].fillna(0) > 0).any():
+                ax.text(j, 0.5, f"no {q} tokens", transform=ax.get_xaxis_transform(), ha="center", va="center",
+                        fontsize=9, color="0.45", gid="no tokens")
         ax.set_title(title)
         ax.set_xlabel("quadrant")
         ax.set_xlim(-0.6, len(cats) - 0.4)

@@ -489,3 +489,12 @@ def test_grad_norm_marks_the_steps_with_a_nan_norm():
         "from step 1." in text
     assert not [c for c in plots.grad_norm_vs_step(df.assign(nonfinite=0)).axes[0].collections
                 if c.get_gid() == "nonfinite"]
+
+
+def test_clip_by_quadrant_says_where_a_quadrant_has_no_tokens():
+    # every sampled token below tau (a small model's early steps): no HP tokens in any run
+    df = pd.DataFrame(dict(run="a", method="grpo", step=float("nan"), quadrant=["PA&LP", "NA&LP"], tokens=[10, 12],
+                           clip_low_frac=[0.0, 0.25], clip_high_frac=[0.1, 0.0], clipped_frac=[0.1, 0.25]))
+    fig = plots.clip_by_quadrant(df)
+    notes = sorted(t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == "no tokens")
+    assert notes == ["no NA&HP tokens", "no PA&HP tokens"]
