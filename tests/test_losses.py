@@ -390,3 +390,34 @@ def test_grad_changed_token_by_token():
     m2[0, 2] = False
     out = policy_loss(logp, old, adv, m2, method="grpo")
     assert not out.columns["grad_changed"][0, 2] and out.columns["grad_coef_unclipped"][0, 2] == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_grad_coef_is_autograd_bit_for_bit_in_float32(method):
+    # float32 maths: grad_coef is the very product autograd computes, (c w P f) s, with the TRL modifiers
+    # too; without them grpo's gradient has the bits of the plain form -A exp(log r) (today's autograd)
+    g = torch.Generator().manual_seed(3)
+    b, t = 4, 9
+    old = -torch.rand(b, t, generator=g) * 4 - 0.01
+    logp = (old + 0.4 * torch.randn(b, t, generator=g)).requires_grad_(True)
+    adv = torch.randn(b, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    h_old = torch.rand(b, t, generator=g) + 0.5
+    h = h_old * (1 + 0.05 * torch.randn(b, t, generator=g))
+    kws = [dict(), dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), token_mask=torch.rand(b, t, generator=g) > 0.3,
+                        seq_mask=torch.tensor([1.0, 0.0, 1.0, 1.0]), is_weight=torch.rand(b, t, generator=g) + 0.5,
+                        weights=torch.rand(b, t, generator=g), scale=0.5)]
+    if method != "cispo":
+        kws[1].update(delta=1.3, dual_clip=2.0)
+    for kw in kws:
+        out = policy_loss(logp, old, adv, mask, method=method, **kw)
+        (auto,) = torch.autograd.grad(out.loss, logp)
+        assert torch.equal(out.columns["grad_coef"], auto), kw.keys()
+    if method == "grpo":
+        r = torch.exp(torch.where(mask, logp - old, 0.0))
+        a = adv.unsqueeze(1).expand(b, t)
+        low, high = (r < 0.8) & (a < 0), (r > 1.2) & (a > 0)
+        plain = torch.where(low, -a * 0.8, torch.where(high, -a * 1.2, -a * r))
+        w = mask.float() / mask.sum()
+        (want,) = torch.autograd.grad((torch.where(mask, plain, 0.0) * w).sum(), logp)
+        assert torch.equal(torch.autograd.grad(policy_loss(logp, old, adv, mask).loss, logp)[0], want)
