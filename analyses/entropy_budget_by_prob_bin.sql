@@ -5,7 +5,8 @@
 -- effect = sum of tokens.entropy_effect (g s / T^2) in the bin; dropped = sum of entropy_effect_dropped
 -- (what clipping / beta / ERC / dual-clip took away), changed = tokens whose gradient was changed.
 -- sign: PA (A > 0) or NA (A < 0); A = 0 tokens have no effect and are left out. From token rows: sums
--- cover the sampled sequences only when the run was recorded with sample < 1.
+-- cover the sampled sequences only when the run was recorded with sample < 1. Tokens without an effect
+-- are left out: no attribution recorded, or an entropy bonus whose own term was not measured.
 SELECT
     t.run,
     r.method,

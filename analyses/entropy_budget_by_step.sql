@@ -1,21 +1,25 @@
 -- title: Entropy budget per step: each quadrant's first-order entropy effect, kept and dropped
--- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_low, dropped_high, dropped_erc
+-- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_clip_low, dropped_clip_high, dropped_dual_clip, dropped_erc
 -- figure: CE-GPPO Sec. 3 / Fig. 1 (entropy effect of each quadrant; what PPO-clip drops)
 -- params: none
 -- effect = sum over the quadrant's tokens of g s / T^2 (the entropy change its gradient drives per unit
 -- logit step, eta left out); dropped = sum of (g_unclipped - g) s / T^2 over tokens whose gradient
 -- clipping / CE-GPPO's beta / ERC / dual-clip changed: the effect that was taken away. step_* are the
--- step totals (ZA tokens included), dropped_low / dropped_high by clip side, dropped_erc on ERC-dropped
--- tokens. Exact: from the steps table (all tokens, also when token rows are sampled), summed over the
--- step's updates and ranks. NULL where a run recorded no entropy sensitivity.
+-- step totals (ZA tokens included); step_dropped split by cause (they add up to it): dropped_clip_low /
+-- dropped_clip_high (PPO-clip's sides, CE-GPPO's beta1 / beta2), dropped_dual_clip (dual-clip, TRL's
+-- delta), dropped_erc (ERC's own share); NULL where the run had no such cause (no ERC, no dual-clip) or
+-- was recorded before the split (schema version < 3). Exact: from the steps table (all tokens, also when
+-- token rows are sampled), summed over the step's updates and ranks. NULL where a run recorded no entropy
+-- sensitivity (or, for effect, an entropy bonus whose own term was not measured).
 WITH s AS (
     SELECT
         run,
         step,
         sum(entropy_effect) AS step_effect,
         sum(entropy_effect_dropped) AS step_dropped,
-        sum(entropy_effect_dropped_low) AS dropped_low,
-        sum(entropy_effect_dropped_high) AS dropped_high,
+        sum(entropy_effect_dropped_clip_low) AS dropped_clip_low,
+        sum(entropy_effect_dropped_clip_high) AS dropped_clip_high,
+        sum(entropy_effect_dropped_dual_clip) AS dropped_dual_clip,
         sum(entropy_effect_dropped_erc) AS dropped_erc,
         sum(entropy_effect_pa_hp) AS e_pa_hp,
         sum(entropy_effect_pa_lp) AS e_pa_lp,
@@ -47,8 +51,9 @@ SELECT
     q.dropped,
     s.step_effect,
     s.step_dropped,
-    s.dropped_low,
-    s.dropped_high,
+    s.dropped_clip_low,
+    s.dropped_clip_high,
+    s.dropped_dual_clip,
     s.dropped_erc
 FROM q
 JOIN s ON q.run = s.run AND q.step = s.step

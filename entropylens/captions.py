@@ -435,6 +435,7 @@ def clipping_removed(df, rs: RunSet | None = None) -> str:
         return f"PA&LP + NA&LP {_pct(lp / total)} (PA&LP {d.get('PA&LP', 0.0):+.3g}, NA&LP {d.get('NA&LP', 0.0):+.3g})"
 
     text = "Here, of the entropy effect taken away: " + _listing(per, show) + f"{_lp_note(rs)}."
+    text += _cause_note(df, rs)
     beta = "; ".join(t for t in (rs.setting_text("beta1", _ce(rs)), rs.setting_text("beta2", _ce(rs)),
                                  rs.setting_text("dual_clip")) if t)
     if beta:
@@ -447,6 +448,30 @@ def clipping_removed(df, rs: RunSet | None = None) -> str:
     else:
         text += " As CE-GPPO argues: dominated by PA&LP (raising) and NA&LP (lowering), opposite signs."
     return text
+
+
+_CAUSES = (("dropped_clip_low", "clip low side"), ("dropped_clip_high", "clip high side"),
+           ("dropped_dual_clip", "dual-clip"), ("dropped_erc", "ERC"))
+
+
+def _cause_note(df, rs: RunSet) -> str:
+    """' By cause (adding up to the total taken away): a clip low side -1.6, ...; b ...' from the
+    analysis's by-cause step columns (summed over each series' steps); '' where no run has them
+    (recorded before the split)."""
+    have = [(c, name) for c, name in _CAUSES if c in df and df[c].notna().any()]
+    if not have or "step_dropped" not in df:
+        return ""
+
+    def one(g):
+        steps = g.drop_duplicates(["run", "step"])
+        return [(name, steps[c].sum()) for c, name in have if steps[c].notna().any()], steps["step_dropped"].sum()
+
+    per = {s: v for s, v in _by_series(df, rs, one).items() if v[0]}
+    if not per:
+        return ""
+    return (" By cause (the parts add up to the total taken away): "
+            + _listing(per, lambda v: ", ".join(f"{name} {x:+.3g}" for name, x in v[0]) + f" (total {v[1]:+.3g})")
+            + ".")
 
 
 def _ce(rs: RunSet) -> list[str]:

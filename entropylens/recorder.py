@@ -257,6 +257,10 @@ class Recorder:
             self._info.loss = earlier.get("loss") or None
             self._info.resumed = list(earlier.get("resumed") or []) + [{"after_step": self._resumed_after,
                                                                         "at": utc_now()}]
+            try:  # the earlier job's files keep their version's meanings (run.json says the oldest)
+                self._info.schema_version = min(self._info.schema_version, int(earlier["schema_version"]))
+            except (KeyError, TypeError, ValueError):
+                pass
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
         atexit.register(self._atexit)
@@ -315,7 +319,10 @@ class Recorder:
         group_ids [B]). Only masked-in tokens become rows. ``loss``: a ``policy_loss`` output whose
         columns are stored as they are. ``entropy_sensitivity`` [B, T] (stats.entropy_sensitivity, or
         ``logprobs_and_entropy(..., sensitivity=True)``) with the sampling ``temperature`` adds the
-        entropy attribution: tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums. ``seq_ids`` (unique within the step, the same id for the
+        entropy attribution: tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums (a loss
+        with an entropy bonus, ``loss.config['entropy_coef']`` != 0, needs the bonus's own term as the loss column
+        ``entropy_effect_bonus`` [B, T], as ``policy_update`` measures it: without it entropy_effect is null,
+        tokenbatch.entropy_bonus_rule). ``seq_ids`` (unique within the step, the same id for the
         same sequence in every update) may be left out only when the step has one update with tokens:
         then the sequences are 0..B-1. A mask that selects no token is a legitimate update (TRL and verl hand
         over such micro-batches: all completions truncated or tool output): it makes no token rows,
@@ -361,6 +368,8 @@ class Recorder:
             eps_low=settings.get("eps_low", self.eps_low), eps_high=settings.get("eps_high", self.eps_high),
             tau=settings.get("tau", self.tau),
         )  # the attribution columns (entropy_sensitivity) are added with the aggregates (tokenbatch.update_block)
+        if entropy_sensitivity is not None:  # an entropy bonus whose own term the loss did not measure: null effect
+            tokenbatch.entropy_bonus_rule(columns, settings)
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]
         group = group_ids.to(dev).long() if group_ids is not None else torch.full((b,), -1, device=dev)  # [B]
         inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "entropy": entropy,

@@ -69,12 +69,14 @@ FIGURES: tuple[Figure, ...] = (
            "entropy_effect = g_t s_t / T^2, with g_t = dLoss/dlogp_t (grad_coef), "
            "s_t = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) and T the sampling temperature: the first-order "
            "change of the token's own position's entropy for a unit step along its logit gradient "
-           "(dH_t = eta g_t s_t / T^2 at step size eta). The covariance law (CE-GPPO Sec. 3) says PA&HP and "
-           "NA&LP lower entropy, PA&LP and NA&HP raise it."),
+           "(dH_t = eta g_t s_t / T^2 at step size eta); with an entropy bonus, plus the bonus's own push "
+           "through H (a step without it measured shows no budget). The covariance law (CE-GPPO Sec. 3) says "
+           "PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it."),
     Figure("clipping_removed", "entropy_budget_by_step", "clipping_removed", "What clipping removed",
            "The entropy effect that clipping, CE-GPPO's beta scaling, ERC or dual-clip took away, by quadrant, "
-           "beside the effect kept. CE-GPPO argues PPO-clip drops mostly PA&LP (high side, raising entropy) "
-           "and NA&LP (low side, lowering it) gradients."),
+           "beside the effect kept; below, the same total split by cause (clip low side, clip high side, "
+           "dual-clip, ERC's own share: the parts add up). CE-GPPO argues PPO-clip drops mostly PA&LP "
+           "(high side, raising entropy) and NA&LP (low side, lowering it) gradients."),
     Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
            "The probe's first-order prediction grad(H) . optimizer step (Adam's own preconditioner) against "
            "the entropy change measured after the real step, and each quadrant's share through the shared "

@@ -8,13 +8,23 @@ Versions (numbered, like migrations):
   1  first layout: tables runs / steps / sequences / tokens.
   2  entropy attribution: tokens.entropy_effect / entropy_effect_dropped, the steps' entropy-budget
      sums (entropy_effect_*), table probes (parameter-space probe).
+  3  the loss's modifiers: tokens.dual_clipped / token_kept / seq_kept / is_weight, steps.dual_clip_frac /
+     token_masked_frac / seq_masked_frac / is_weight_mean; the dropped entropy effect split by cause
+     (steps.entropy_effect_dropped_clip_low / _clip_high / _dual_clip / _erc, which add up to
+     entropy_effect_dropped). steps.entropy_effect_dropped_erc changed meaning: ERC's own share
+     (version 2: the whole dropped effect of the tokens ERC dropped, clipping's part included); readers
+     null it for runs of version < 3. tokens.entropy_effect includes an entropy bonus's own term or is
+     null (version 2 left the bonus out).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# (table, column) whose meaning changed at a schema version -> that version: readers (query.py, spark.py)
+# show it as null in runs written before it, so no query mixes the two meanings
+CHANGED_MEANING: dict[tuple[str, str], int] = {("steps", "entropy_effect_dropped_erc"): 3}
 
 # --- quadrant codes (int8) -----------------------------------------------------------------
 # Advantage sign x sampling probability (p = exp(old_logprob)) against tau.
@@ -106,6 +116,14 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("entropy_ratio_p50", "float32", "median entropy ratio"),
     _c("entropy_ratio_p95", "float32", "95th percentile of the entropy ratio"),
     _c("erc_drop_frac", "float32", "share of tokens whose gradient ERC removes (rho outside its band)"),
+    _c("dual_clip_frac", "float32", "share of tokens in tokens.dual_clipped: dual-clip's A < 0 and r > c (verl's "
+       "pg_clipfrac_lower), or TRL's delta cap; null without dual_clip / delta"),
+    _c("token_masked_frac", "float32", "share of tokens outside the loss's token mask (TRL's top-entropy quantile: "
+       "tokens.token_kept false); null without a token mask"),
+    _c("seq_masked_frac", "float32", "share of tokens whose sequence the off-policy sequence mask dropped "
+       "(tokens.seq_kept false); null without a sequence mask"),
+    _c("is_weight_mean", "float32", "mean importance-sampling weight (tokens.is_weight, e.g. vLLM's correction) over "
+       "all tokens; null without one"),
     _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
     _c("n_nonfinite_ratio", "int64", "tokens whose ratio or k3 is not finite (exp overflow): left out of "
        "ratio_mean and kl_k3, which are means over the other tokens"),
@@ -122,17 +140,44 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("loss_scale", "float32", "scale of the back-propagated loss, e.g. 1 / gradient accumulation (when not 1)"),
     # entropy budget: first-order entropy change per unit logit step, summed over ALL tokens of the update
     *(
-        _c(f"entropy_effect{sfx}", "float32", f"sum of tokens.entropy_effect over {what}")
+        _c(f"entropy_effect{sfx}", "float32", f"sum of tokens.entropy_effect over {what} (null where an entropy "
+           "bonus's own term was not measured: tokens.entropy_effect)")
         for sfx, what in (("", "all tokens"), *((f"_{quadrant_slug(q)}", f"{q} tokens") for q in QUADRANTS),
                           ("_low", "tokens with r < 1-eps_low"), ("_high", "tokens with r > 1+eps_high"))
     ),
     *(
         _c(f"entropy_effect_dropped{sfx}", "float32", f"sum of tokens.entropy_effect_dropped over {what} "
-           "(the entropy effect clipping / beta scaling / ERC / dual-clip took away)")
-        for sfx, what in (("", "all tokens"), *((f"_{quadrant_slug(q)}", f"{q} tokens") for q in QUADRANTS),
-                          ("_low", "tokens with r < 1-eps_low"), ("_high", "tokens with r > 1+eps_high"),
-                          ("_erc", "tokens whose gradient ERC dropped"))
+           "(the entropy effect clipping / beta scaling / dual-clip / ERC took away)" + note)
+        for sfx, what, note in (
+            ("", "all tokens", ": the by-cause parts entropy_effect_dropped_clip_low + _clip_high + _dual_clip + "
+             "_erc add up to it"),
+            *((f"_{quadrant_slug(q)}", f"{q} tokens", "") for q in QUADRANTS),
+            ("_low", "tokens with r < 1-eps_low", "; by region (where), not by cause: it includes what ERC took "
+             "from these tokens, so it overlaps _erc; the cause split is _clip_low / _clip_high / _dual_clip / _erc"),
+            ("_high", "tokens with r > 1+eps_high", "; by region (where), not by cause: it includes dual-clipped "
+             "tokens (r > c > 1+eps_high) and what ERC took, so it overlaps _dual_clip and _erc; the cause split "
+             "is _clip_low / _clip_high / _dual_clip / _erc"))
     ),
+    # the dropped effect by cause (why): a partition of entropy_effect_dropped. With g_u = grad_coef_unclipped,
+    # g_e = the token's grad_coef just before ERC acted (grad_coef without ERC) and g = grad_coef, ERC's share is
+    # (g_e - g) s / T^2; the rest, (g_u - g_e) s / T^2, goes to dual-clip on tokens PPO-clip did not clip that are
+    # dual-clipped or inside the band, else to the token's clip side (tokenbatch.entropy_budget; the loss's
+    # masks and IS weight are in g_u as in g: they drop nothing)
+    _c("entropy_effect_dropped_clip_low", "float32", "by cause: the part of entropy_effect_dropped PPO-clip's low "
+       "side took away ((g_u - g_e) s / T^2 summed over tokens with clip = -1 whose gradient clipping changed: "
+       "PPO-clip's A < 0 side, CE-GPPO's beta1, cispo's weight clip; g_u = grad_coef_unclipped, g_e = grad_coef "
+       "before ERC); null without attribution, or with ERC but no pre-ERC grad_coef from the loss"),
+    _c("entropy_effect_dropped_clip_high", "float32", "by cause: as _clip_low for clip = +1 (PPO-clip's A > 0 side, "
+       "CE-GPPO's beta2, cispo), dual-clipped tokens left out (_dual_clip)"),
+    _c("entropy_effect_dropped_dual_clip", "float32", "by cause: (g_u - g_e) s / T^2 over tokens PPO-clip did not "
+       "clip that are dual_clipped (dual-clip's c, TRL's delta) or inside the band (there only delta acts: at "
+       "ratio_level='sequence' a capped token changes its sequence's other tokens too); null without "
+       "dual_clip / delta"),
+    _c("entropy_effect_dropped_erc", "float32", "by cause: ERC's own share, (g_e - g) s / T^2 over the changed "
+       "tokens (g_e = the token's grad_coef just before ERC: what a clipped token had kept, not what clipping "
+       "took; nonzero on tokens ERC dropped, and at ratio_level='sequence' on the other tokens of their "
+       "sequence); null without ERC. Schema version 2 stored here the whole entropy_effect_dropped of the tokens ERC "
+       "dropped (clipping's part included): readers null it in runs of version < 3"),
 )
 
 # The steps columns computed from an update's tokens (tokenbatch.step_aggregates), in the order it
@@ -146,7 +191,8 @@ STEP_METRICS: tuple[str, ...] = (
     *(f"clip_frac_{quadrant_slug(q)}" for q in QUADRANTS),
     *(f"lgn_mean_{quadrant_slug(q)}" for q in QUADRANTS),
     "entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95",
-    "erc_drop_frac", "kl_k3", "n_nonfinite_ratio", "n_nonfinite_lgn", "loss",
+    "erc_drop_frac", "kl_k3", "n_nonfinite_ratio", "n_nonfinite_lgn",
+    "dual_clip_frac", "token_masked_frac", "seq_masked_frac", "is_weight_mean", "loss",
 )
 SEQUENCES: tuple[Column, ...] = (
     _c("step", "int32", "training step"),
@@ -182,6 +228,14 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)",
        "(entropy + 1e-8) / (old_entropy + 1e-8)"),
     _c("erc_kept", "bool", "ERC kept the gradient (rho inside its band); null without ERC"),
+    _c("dual_clipped", "bool", "dual-clip removed the gradient (A < 0 and r > c, a token PPO-clip did not clip), or "
+       "TRL's delta capped the ratio (losses.policy_loss's delta); null without either (TRL's own loss folds "
+       "delta into clipped)"),
+    _c("token_kept", "bool", "inside the loss's token mask (TRL's top-entropy quantile mask: the token keeps its "
+       "policy gradient); null without a token mask"),
+    _c("seq_kept", "bool", "the off-policy sequence mask kept the token's sequence; null without a sequence mask"),
+    _c("is_weight", "float32", "importance-sampling weight the loss multiplied the token's policy term by (vLLM's "
+       "truncated IS correction); null without one"),
     _c("grad_coef", "float32", "dLoss/dlogprob of the token for the back-propagated loss (aggregation weight and "
        "gradient-accumulation scale included; TRL's own loss: from a hook on the [B, T] log-prob tensor)"),
     _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, g_t = dLoss/dlogp_t, p the current "
@@ -191,10 +245,16 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
        "|g_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2), null where an entropy bonus also reaches the logits"),
     _c("entropy_effect", "float32", "first-order entropy change of the token's own position per unit logit step "
        "of its gradient: grad_coef * s / T^2, s = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) "
-       "(stats.entropy_sensitivity; eta left out: dH_t = eta * entropy_effect)"),
+       "(stats.entropy_sensitivity; eta left out: dH_t = eta * entropy_effect). With an entropy bonus (the loss's "
+       "entropy_coef != 0), whose gradient reaches the logits through H as well, the bonus's own term "
+       "-dLoss/dH_t * sum_j p_j^2 (log p_j + H)^2 / T^2 is included (policy_update's logits path: dLoss/dH_t "
+       "from autograd, the sum from one more pass over the logits); where it is not measured (no logits: "
+       "head_stats, TRL's fused head; record_update by hand without the loss column entropy_effect_bonus) the "
+       "value is null, never the policy term alone"),
     _c("entropy_effect_dropped", "float32", "(grad_coef_unclipped - grad_coef) * s / T^2: the entropy effect "
-       "clipping, CE-GPPO's beta scaling, ERC or dual-clip took away from this token; null where they left "
-       "its gradient unchanged"),
+       "clipping, CE-GPPO's beta scaling, dual-clip / delta or ERC took away from this token; null "
+       "where they left its gradient unchanged. An entropy bonus is in both gradients and cancels: exact with "
+       "or without one"),
 )
 
 PROBES: tuple[Column, ...] = _STEP_KEYS + (
@@ -220,6 +280,16 @@ TABLES: dict[str, tuple[Column, ...]] = {
     "probes": PROBES,
 }
 
+
+
+def changed_meaning(table: str, version) -> tuple[str, ...]:
+    """The columns of ``table`` a run of schema ``version`` (None or unreadable: 0) wrote with an older
+    meaning (:data:`CHANGED_MEANING`): readers null them."""
+    try:
+        v = int(version)
+    except (TypeError, ValueError):
+        v = 0
+    return tuple(col for (t, col), since in CHANGED_MEANING.items() if t == table and v < since)
 
 
 def stored_columns(table: str) -> tuple[Column, ...]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from . import catalog as cat
 from .portable import to_spark
 from .query import PARTITIONED, QueryError, UnreadableFileWarning, find_runs, render_analysis, run_row
-from .schema import TABLES
+from .schema import TABLES, changed_meaning
 
 _SPARK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INT", "int64": "BIGINT", "float32": "FLOAT",
                 "float64": "DOUBLE", "bool": "BOOLEAN", "string": "STRING", "dict8": "STRING"}
@@ -120,17 +120,24 @@ def _read_files(spark, run: "cat.RunFiles", table: str):
     return df.selectExpr(*casts)
 
 
-def _with_derived(df, table: str):
-    """Add schema.py's derived columns the files lack (NULL where an input is missing too), as query.py does."""
+def _with_derived(df, table: str, schema_version=None):
+    """Add schema.py's derived columns the files lack (NULL where an input is missing too) and the stored
+    ones they lack (NULL), and null the columns whose meaning changed since the run's ``schema_version``
+    (schema.changed_meaning), as query.py does."""
     import re
 
     have = set(df.columns)
-    exprs = ["*"]
+    old = set(changed_meaning(table, schema_version)) & have
+    types = {c.name: c.dtype for c in TABLES.get(table, ())}
+    exprs = [f"CAST(NULL AS {_SPARK_TYPES[types[c]]}) AS `{c}`" if c in old else f"`{c}`" for c in df.columns]
     for c in TABLES.get(table, ()):
-        if not c.derived or c.name in have:
+        if c.name in have or c.name in ("step", "rank"):
             continue
-        inputs = set(re.findall(r"[a-z_]+", c.derived)) - {"exp", "e"}
-        expr = c.derived if inputs <= have else "NULL"
+        if c.derived:
+            inputs = set(re.findall(r"[a-z_]+", c.derived)) - {"exp", "e"}
+            expr = c.derived if inputs <= have else "NULL"
+        else:
+            expr = "NULL"
         exprs.append(f"CAST({expr} AS {_SPARK_TYPES[c.dtype]}) AS `{c.name}`")
     return df.selectExpr(*exprs)
 
@@ -219,7 +226,7 @@ class SparkConnection:
             for r in snap.runs:
                 df = _read_files(self.spark, r, table)
                 if df is not None:
-                    df = _with_derived(df, table)
+                    df = _with_derived(df, table, r.info.get("schema_version"))
                     frames.append(df.select(F.lit(r.id).alias("run"), *[F.col(f"`{c}`") for c in df.columns]))
             view = (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames) if frames
                     else _empty(self.spark, table))

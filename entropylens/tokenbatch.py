@@ -25,21 +25,29 @@ from .schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, STEP_METRICS, quadrant
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
 FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm",
-              "entropy_effect", "entropy_effect_dropped")
+              "entropy_effect", "entropy_effect_dropped", "is_weight")
 # flags word per token: quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
-# | selected (masked in and sampled) << 7 | masked in << 8
+# | selected (masked in and sampled) << 7 | masked in << 8 | dual_clipped << 9 | token_kept << 10 | seq_kept << 11
 _Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT, _MASK_SHIFT = 0b111, 3, 5, 6, 7, 8
+# the optional bool token columns (null where the loss has no such modifier) and their bit in the flags word
+BOOL_SHIFTS: dict[str, int] = {"erc_kept": _ERC_SHIFT, "dual_clipped": 9, "token_kept": 10, "seq_kept": 11}
 
 AGG_NAMES: tuple[str, ...] = STEP_METRICS  # defined once, in schema.py
 # Entropy budget (first-order attribution, DESIGN.md): sums over the update's tokens of
 # entropy_effect = g s / T^2 and entropy_effect_dropped = (g_unclipped - g) s / T^2, per quadrant and
-# per clip side (low: r < 1-eps_low, high: r > 1+eps_high); _dropped_erc: on ERC-dropped tokens.
+# per clip region (low: r < 1-eps_low, high: r > 1+eps_high: where); then the dropped effect by cause
+# (why), a partition of entropy_effect_dropped (schema.STEPS: _clip_low .. _erc; :func:`entropy_budget`).
 BUDGET_NAMES: tuple[str, ...] = tuple(
     f"{kind}{suffix}"
     for kind in ("entropy_effect", "entropy_effect_dropped")
     for suffix in ("", *(f"_{quadrant_slug(q)}" for q in QUADRANTS), "_low", "_high")
-) + ("entropy_effect_dropped_erc",)
+)
+CAUSES: tuple[str, ...] = ("clip_low", "clip_high", "dual_clip", "erc")
+BUDGET_NAMES = BUDGET_NAMES + tuple(f"entropy_effect_dropped_{c}" for c in CAUSES)
 AGG_NAMES = AGG_NAMES + BUDGET_NAMES
+# the columns the optional step fractions count (present in cols, or the fraction is NaN / absent)
+FRACTION_COLUMNS = {"dual_clip_frac": "dual_clipped", "token_masked_frac": "token_kept",
+                    "seq_masked_frac": "seq_kept", "is_weight_mean": "is_weight"}
 
 
 def derive_columns(
@@ -93,23 +101,61 @@ def derive_columns(
 
 
 def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, temperature: float) -> None:
-    """Adds entropy_effect = grad_coef s / T^2 and, where the loss reports grad_changed,
-    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN,
-    stored as null, elsewhere) to ``cols`` (nothing without a grad_coef column). sensitivity [B, T]."""
+    """Adds entropy_effect = grad_coef s / T^2 (+ the loss column entropy_effect_bonus, an entropy
+    bonus's own term, where given: :func:`entropy_bonus_rule`) and, where the loss reports grad_changed,
+    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN, stored as
+    null, elsewhere) to ``cols`` (nothing without a grad_coef column). With ERC (erc_kept) and the
+    loss's grad_coef_before_erc (g_e) also ERC's own share of it, (g_e - grad_coef) s / T^2 on the
+    changed tokens (NaN where unchanged; nonzero where ERC dropped the token, or, at sequence level,
+    a token of its sequence: the gradient runs through the sequence mean), as the internal
+    column ``_dropped_by_erc`` (the budget splits by it; never stored). sensitivity [B, T]."""
     if "grad_coef" not in cols:
         return
     sens = sensitivity.detach().float()
-    cols["entropy_effect"] = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+    effect = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+    if "entropy_effect_bonus" in cols:
+        effect = effect + cols["entropy_effect_bonus"].float()
+    cols["entropy_effect"] = effect
     if "grad_coef_unclipped" in cols and "grad_changed" in cols:
+        changed = cols["grad_changed"]
         lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
-        cols["entropy_effect_dropped"] = torch.where(cols["grad_changed"], lost, torch.full_like(lost, float("nan")))
+        nan = torch.full_like(lost, float("nan"))
+        cols["entropy_effect_dropped"] = torch.where(changed, lost, nan)
+        if "erc_kept" in cols and "grad_coef_before_erc" in cols:
+            by_erc = stats.entropy_effect(cols["grad_coef_before_erc"] - cols["grad_coef"], sens,
+                                          temperature=temperature)
+            cols["_dropped_by_erc"] = torch.where(changed, by_erc, nan)
+
+
+def entropy_bonus_rule(cols: dict[str, torch.Tensor], config: dict | None) -> None:
+    """The attribution's entropy-bonus rule (schema: tokens.entropy_effect), keyed on the loss config:
+    a loss with an entropy bonus (``config['entropy_coef']`` != 0) reaches the logits through H as
+    well, so grad_coef s / T^2 leaves out part of the entropy change. Unless ``cols`` carries that
+    part (the loss column ``entropy_effect_bonus`` [B, T]: -dLoss/dH_t * sum_j p_j^2 (log p_j + H)^2
+    / T^2, as integrations.torch.policy_update measures it), a NaN one is added (one value broadcast,
+    no [B, T] allocation): entropy_effect and its budget sums are then null, never the policy term
+    alone. entropy_effect_dropped is unaffected (the bonus is in both gradients and cancels)."""
+    if (config or {}).get("entropy_coef") and "entropy_effect_bonus" not in cols and "grad_coef" in cols:
+        g = cols["grad_coef"]
+        cols["entropy_effect_bonus"] = torch.full((), float("nan"), device=g.device).expand(g.shape)
 
 
 def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
     """float64 [len(BUDGET_NAMES)] on the device: sums of entropy_effect and entropy_effect_dropped
-    over masked-in tokens, in total, per quadrant and per clip side (one [2, N] x [N, 7] matmul);
-    NaN where the column is absent. cols and mask [B, T]; or a stack of updates [U, B, T] ->
-    [U, len(BUDGET_NAMES)], each row its update's own sums."""
+    over masked-in tokens, in total, per quadrant and per clip region, and the dropped effect by cause
+    (one [4, N] x [N, 10] matmul); NaN where the column is absent. cols and mask [B, T]; or a stack of
+    updates [U, B, T] -> [U, len(BUDGET_NAMES)], each row its update's own sums.
+
+    By cause (a partition: the four parts add up to entropy_effect_dropped): ERC's share is the
+    ``_dropped_by_erc`` column (:func:`add_attribution`, (g_e - g) s / T^2); the rest of each changed
+    token's dropped effect, (g_u - g_e) s / T^2, goes to dual-clip where the token is not clipped and
+    either dual_clipped or inside the band (clip 0), else to its clip side (clip -1 / +1). Before ERC
+    the losses change a token's gradient only there: clipping needs the token's (or, at ratio_level
+    'sequence', its sequence's) ratio outside the band; inside it only dual-clip / delta acts (delta
+    < 1+eps_high caps A > 0 tokens inside the band, and at sequence level with per-token advantages
+    that changes the gradient of their sequence's other tokens too), and a token ERC alone changed
+    has g_u == g_e. A part is NaN where its column is absent (with ERC but no ``_dropped_by_erc``:
+    every part, the split unknown)."""
     batched = mask.dim() == 3
     out = _budget(cols, mask.reshape(mask.shape[0] if batched else 1, -1))
     return out if batched else out[0]
@@ -118,26 +164,48 @@ def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.T
 def _budget(cols: dict[str, torch.Tensor], m: torch.Tensor) -> torch.Tensor:
     """:func:`entropy_budget` of U updates: m [U, N] bool, cols [U, ...] -> [U, len(BUDGET_NAMES)]."""
     u = m.shape[0]
-    k = len(BUDGET_NAMES) // 2  # entries per kind (total, 4 quadrants, low, high)
+    k = 7  # entries per kind (total, 4 quadrants, low, high)
     out = torch.full((u, len(BUDGET_NAMES)), float("nan"), dtype=torch.float64, device=m.device)
     if "entropy_effect" not in cols:
         return out
-    eff = torch.where(m, cols["entropy_effect"].reshape(u, -1).double(), 0.0)  # [U, N]
+
+    def flat(name: str) -> torch.Tensor:
+        return cols[name].reshape(u, -1)  # [U, N]
+
+    eff = torch.where(m, flat("entropy_effect").double(), 0.0)  # [U, N]
     have_drop = "entropy_effect_dropped" in cols
-    drop = cols["entropy_effect_dropped"].reshape(u, -1).double() if have_drop else torch.zeros_like(eff)
+    have_erc = "erc_kept" in cols
+    split = have_drop and (not have_erc or "_dropped_by_erc" in cols)  # the by-cause split is known
+    drop = flat("entropy_effect_dropped").double() if have_drop else torch.zeros_like(eff)
     drop = torch.where(m & ~torch.isnan(drop), drop, 0.0)  # null (unchanged) tokens add nothing
+    rows = [eff, drop]
     clip = cols["clip"].reshape(u, -1, 1)  # [U, N, 1]
     # 0/1 columns [U, N, 7]: every token, quadrant codes 1..4 (one comparison against 0..4), clip low, high
-    groups = torch.cat([cols["quadrant"].reshape(u, -1, 1) == _codes(m.device), clip < CLIP_NONE, clip > CLIP_NONE],
-                       2).double()
+    parts = [cols["quadrant"].reshape(u, -1, 1) == _codes(m.device), clip < CLIP_NONE, clip > CLIP_NONE]
+    if split:
+        by_erc = flat("_dropped_by_erc").double() if have_erc else None
+        by_erc = torch.where(m & ~torch.isnan(by_erc), by_erc, 0.0) if have_erc else torch.zeros_like(eff)
+        rows += [drop - by_erc, by_erc]  # before ERC (by the classes below) | ERC's own share
+        if "dual_clipped" in cols:  # not clipped, and dual-clipped or inside the band (see the docstring)
+            dual = (~flat("clipped") & (flat("dual_clipped") | (flat("clip") == CLIP_NONE))).unsqueeze(2)  # [U, N, 1]
+            parts += [dual, ~dual & (clip < CLIP_NONE), ~dual & (clip > CLIP_NONE)]
+        else:
+            parts += [torch.zeros_like(clip, dtype=torch.bool), clip < CLIP_NONE, clip > CLIP_NONE]
+    groups = torch.cat(parts, 2).double()  # [U, N, 7] (with the split: 10)
     groups[:, :, 0] = 1.0  # the all-tokens column (code 0's place)
-    sums = _bmm(torch.stack([eff, drop], 1), groups)  # [U, 2, N] x [U, N, 7] -> [U, 2, 7]
-    out[:, :k] = sums[:, 0]
+    sums = _bmm(torch.stack(rows, 1), groups)  # [U, 2 or 4, N] x [U, N, 7 or 10] -> [U, 2 or 4, 7 or 10]
+    out[:, :k] = sums[:, 0, :k]
     if have_drop:
-        out[:, k:2 * k] = sums[:, 1]
-        if "erc_kept" in cols:
-            lost = drop * (~cols["erc_kept"].reshape(u, -1)).double()  # [U, N]
-            out[:, 2 * k] = lost[0].sum() if u == 1 else lost.sum(dim=1)
+        out[:, k:2 * k] = sums[:, 1, :k]
+    if split:
+        c = 2 * k  # entropy_effect_dropped_<cause>, in CAUSES' order
+        dual_part, low_part, high_part = sums[:, 2, k:].unbind(1)
+        out[:, c] = low_part
+        out[:, c + 1] = high_part
+        if "dual_clipped" in cols:
+            out[:, c + 2] = dual_part
+        if have_erc:
+            out[:, c + 3] = sums[:, 3, 0]
     return out
 
 
@@ -254,10 +322,18 @@ def step_aggregates(
     finite = torch.isfinite(rows)  # [U, 5, N]
     ratio_ok = finite[:, 2] & finite[:, 3]  # [U, N]: ratio and k3 both finite
     keep = torch.stack([finite[:, 0], finite[:, 1], ratio_ok, ratio_ok, finite[:, 4]], 1)
-    vals = torch.cat([torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[:, 4]], 1).double()], 1)  # [U, 7, N]
+    vals = [torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[:, 4]], 1).double()]  # [U, 5 + 2, N]
+    # the loss's modifiers (the columns present): dual-clipped, outside the token mask, sequence dropped, IS weight
+    extra = [c for c in FRACTION_COLUMNS.values() if c in cols]
+    if extra:
+        x = [flat(cols[c]) for c in extra]
+        x = [torch.where(m, v.float(), 0.0) if c == "is_weight" else (v.bool() if c == "dual_clipped" else ~v.bool())
+             for c, v in zip(extra, x)]
+        vals.append(torch.stack(x, 1).double())  # [U, len(extra), N]
+    vals = torch.cat(vals, 1)  # [U, 7 + len(extra), N]
     onehot = ((quad.unsqueeze(2) == _codes(dev)) & m.unsqueeze(2)).double()  # [U, N, 5]: masked one-hot quadrant
-    per_q = _bmm(vals, onehot)  # [U, 7, 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
-    tot = per_q[0].sum(dim=1).unsqueeze(0) if u == 1 else per_q.sum(dim=2)  # [U, 7]
+    per_q = _bmm(vals, onehot)  # [U, 7 + len(extra), 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
+    tot = per_q[0].sum(dim=1).unsqueeze(0) if u == 1 else per_q.sum(dim=2)  # [U, 7 + len(extra)]
     ratio_n = tot[:, 5:6].clamp(min=1.0)
 
     def nan(k: int) -> torch.Tensor:
@@ -278,6 +354,8 @@ def step_aggregates(
         tot[:, 3:4] / ratio_n,
         n - tot[:, 5:6],
         n - tot[:, 6:7] if lgn is not None else nan(1),
+        *(tot[:, 7 + extra.index(c):8 + extra.index(c)] / denom if c in extra else nan(1)
+          for c in FRACTION_COLUMNS.values()),  # dual_clip_frac, token_masked_frac, seq_masked_frac, is_weight_mean
         loss_value.detach().double().reshape(u, 1) if loss_value is not None else nan(1),
         entropy_budget(cols, mask).reshape(u, -1),
     ]
@@ -306,12 +384,16 @@ def step_metrics(
         absent.add("n_nonfinite_lgn")
     if loss_value is None:
         absent.add("loss")
+    absent.update(name for name, col in FRACTION_COLUMNS.items() if col not in cols)
     if "entropy_effect" not in cols:
         absent.update(BUDGET_NAMES)
     elif "entropy_effect_dropped" not in cols:
         absent.update(n for n in BUDGET_NAMES if n.startswith("entropy_effect_dropped"))
-    if "erc_kept" not in cols:
-        absent.add("entropy_effect_dropped_erc")
+    elif "erc_kept" in cols and "_dropped_by_erc" not in cols:  # the by-cause split is unknown
+        absent.update(f"entropy_effect_dropped_{c}" for c in CAUSES)
+    for cause, col in (("erc", "erc_kept"), ("dual_clip", "dual_clipped")):
+        if col not in cols:
+            absent.add(f"entropy_effect_dropped_{cause}")
     return {name: v for name, v in zip(AGG_NAMES, aggregates.unbind(0)) if name not in absent}
 
 
@@ -343,9 +425,13 @@ class Layout:
     length: int
     float_names: tuple[str, ...]
     finite_names: tuple[str, ...]
-    has_erc: bool
+    bool_names: tuple[str, ...]  # the optional bool columns in the flags word (BOOL_SHIFTS), the rest null
     has_tokens: bool
     has_loss: bool = True  # the update came with a loss value (without: its steps row's loss is null)
+
+    @property
+    def has_erc(self) -> bool:
+        return "erc_kept" in self.bool_names
 
     def parts(self) -> list[tuple[str, int]]:
         n = self.batch * self.length
@@ -385,7 +471,7 @@ class HostUpdate:
         cols: dict[str, np.ndarray] = {c: self.floats[i] for i, c in enumerate(self.layout.float_names)}
         if self.token_id is not None:
             cols["token_id"] = self.token_id
-        cols.update(_flag_columns(self.flags, self.layout.has_erc))
+        cols.update(_flag_columns(self.flags, self.layout.bool_names))
         return cols
 
     @cached_property
@@ -424,15 +510,16 @@ class HostUpdate:
         return out
 
 
-def _flag_columns(flags: np.ndarray, has_erc: bool) -> dict[str, np.ndarray]:
-    """quadrant, clip, clipped (and erc_kept) from flags words (any shape)."""
+def _flag_columns(flags: np.ndarray, bool_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """quadrant, clip, clipped (and the optional bool columns ``bool_names``: erc_kept, dual_clipped,
+    token_kept, seq_kept) from flags words (any shape)."""
     cols = {
         "quadrant": (flags & _Q_BITS).astype(np.int8),
         "clip": (((flags >> _CLIP_SHIFT) & 0b11) - 1).astype(np.int8),
         "clipped": ((flags >> _CLIPPED_SHIFT) & 1).astype(bool),
     }
-    if has_erc:
-        cols["erc_kept"] = ((flags >> _ERC_SHIFT) & 1).astype(bool)
+    for name in bool_names:
+        cols[name] = ((flags >> BOOL_SHIFTS[name]) & 1).astype(bool)
     return cols
 
 
@@ -460,7 +547,7 @@ def rows_of(hosts: "list[HostUpdate]", updates: "list[int]") -> dict[str, np.nda
     out: dict[str, np.ndarray] = {c: picked[i] for i, c in enumerate(layout.float_names)}
     if layout.has_tokens:
         out["token_id"] = np.stack([h.token_id for h in hosts]).reshape(-1)[idx]
-    out.update(_flag_columns(flags[idx], layout.has_erc))
+    out.update(_flag_columns(flags[idx], layout.bool_names))
     out["seq"] = np.stack([h.seq for h in hosts])[u_idx, b_idx]
     out["group"] = np.stack([h.group for h in hosts])[u_idx, b_idx]
     out["pos"] = pos.astype(np.int32)
@@ -500,12 +587,13 @@ def pack(
     fnames = tuple(c for c in FLOAT_COLS if c in cols)
     if not isinstance(finite, FiniteFlags):  # name -> 0-dim bool
         finite = FiniteFlags(tuple(finite), torch.stack(list(finite.values())) if finite else None)
-    layout = Layout(b, t, fnames, finite.names, "erc_kept" in cols, tokens is not None, has_loss)
+    bools = tuple(c for c in BOOL_SHIFTS if c in cols)
+    layout = Layout(b, t, fnames, finite.names, bools, tokens is not None, has_loss)
     flags = cols["quadrant"].to(torch.int32) & _Q_BITS  # [..., B, T]
     flags = flags | ((cols["clip"].to(torch.int32) + 1) << _CLIP_SHIFT)
     flags = flags | (cols["clipped"].to(torch.int32) << _CLIPPED_SHIFT)
-    if layout.has_erc:
-        flags = flags | (cols["erc_kept"].to(torch.int32) << _ERC_SHIFT)
+    for name in bools:
+        flags = flags | (cols[name].bool().to(torch.int32) << BOOL_SHIFTS[name])
     flags = flags | (selected.to(torch.int32) << _SELECTED_SHIFT)
     if mask is not None:
         flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
@@ -556,9 +644,12 @@ CHECKED_COLUMNS = {"logprobs": "logprob", "old_logprobs": "old_logprob", "advant
                    "entropy": "entropy", "old_entropy": "old_entropy"}
 
 # Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
-# aggregates, grad_coef_unclipped for the attribution) and the small integer ones.
-_SNAPSHOT_FLOATS = FLOAT_COLS + ("ratio", "entropy_ratio", "grad_coef_unclipped")
-_SNAPSHOT_INTS = ("quadrant", "clip", "clipped", "erc_kept", "grad_changed")
+# aggregates; grad_coef_unclipped, grad_coef_before_erc and entropy_effect_bonus for the attribution) and
+# the small integer ones (quadrant, clip and the bool columns).
+_SNAPSHOT_FLOATS = FLOAT_COLS + ("ratio", "entropy_ratio", "grad_coef_unclipped", "grad_coef_before_erc",
+                                  "entropy_effect_bonus")
+_SNAPSHOT_BOOLS = ("clipped", *BOOL_SHIFTS, "grad_changed")
+_SNAPSHOT_INTS = ("quadrant", "clip", *_SNAPSHOT_BOOLS)
 
 
 @dataclass
@@ -586,7 +677,7 @@ class Snapshot:
         ints = dict(zip(self.int_names, self.ints.unbind(-3)))
         for name in ("quadrant", "clip"):
             cols[name] = ints[name]
-        for name in ("clipped", "erc_kept", "grad_changed"):
+        for name in _SNAPSHOT_BOOLS:
             if name in ints:
                 cols[name] = ints[name].bool()
         seq, group = self.ids.unbind(-2)

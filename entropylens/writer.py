@@ -74,7 +74,9 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
         loc.write_with(lambda tmp: pq.write_table(table, tmp, **opts), fsync=fsync)
 
 
-NAN_IS_NULL = ("entropy_effect_dropped",)  # NaN on the device = null in the file
+# NaN on the device = null in the file: a gradient unchanged (entropy_effect_dropped), an entropy bonus's
+# own term not measured (entropy_effect: tokenbatch.entropy_bonus_rule)
+NAN_IS_NULL = ("entropy_effect", "entropy_effect_dropped")
 
 
 _TOKEN_FIELDS: list | None = None  # (name, arrow type) of the stored token columns, built once

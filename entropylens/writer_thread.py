@@ -140,6 +140,9 @@ class RunInfo:
     loss: dict | None = None  # the loss's run-level settings (method, eps, agg, ...)
     started_at: str = field(default_factory=utc_now)
     resumed: list = field(default_factory=list)  # [{"after_step": K, "at": time}] per resume (Recorder(resume=))
+    # the oldest schema version any of the run's files was written with (a run resumed by a newer
+    # version keeps the older one: readers null the columns whose meaning changed since, schema.changed_meaning)
+    schema_version: int = SCHEMA_VERSION
 
     def to_dict(self, error: BaseException | None) -> dict[str, Any]:
         loss = self.loss or {}
@@ -149,7 +152,7 @@ class RunInfo:
             "config": self.config,
             "model": self.config.get("model"),
             "seed": self.config.get("seed"),
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version,
             "world_size": self.world_size,
             "started_at": self.started_at,
             "heartbeat_at": utc_now(),

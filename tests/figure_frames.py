@@ -96,7 +96,8 @@ def frames(specs) -> dict[str, pd.DataFrame]:
         tot = sum(eff.values()) + noise
         add("entropy_budget_by_step", _tag(pd.concat([pd.DataFrame(dict(
             step=step, quadrant=q, effect=eff[q] + noise / 4, dropped=0.1 * eff[q], step_effect=tot,
-            step_dropped=0.0, dropped_low=0.0, dropped_high=0.0, dropped_erc=0.0)) for q in QUADS],
+            step_dropped=0.0, dropped_clip_low=0.0, dropped_clip_high=0.0, dropped_dual_clip=0.0,
+            dropped_erc=0.0)) for q in QUADS],
             ignore_index=True), s))
         mean_dh = np.array([0.04, -0.05, 0.045, -0.03]) + rng.normal(0, 0.005, 4)
         add("entropy_change_by_quadrant", _tag(pd.DataFrame(dict(

@@ -37,7 +37,9 @@ BUDGET = {"entropy_effect": 0.2, "entropy_effect_pa_hp": -0.1, "entropy_effect_p
           "entropy_effect_high": 0.0, "entropy_effect_dropped": 0.2, "entropy_effect_dropped_pa_hp": 0.0,
           "entropy_effect_dropped_pa_lp": 0.4, "entropy_effect_dropped_na_hp": 0.0,
           "entropy_effect_dropped_na_lp": -0.2, "entropy_effect_dropped_low": -0.2,
-          "entropy_effect_dropped_high": 0.4}
+          "entropy_effect_dropped_high": 0.4,
+          # by cause (no ERC, no dual-clip): t2's low side, t1's high side; they add up to entropy_effect_dropped
+          "entropy_effect_dropped_clip_low": -0.2, "entropy_effect_dropped_clip_high": 0.4}
 
 
 def token_arrays(update: int, step: int = 0) -> dict:

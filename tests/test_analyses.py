@@ -227,8 +227,10 @@ def test_entropy_budget_by_step(con):
     assert one(df, "dropped", run="a", step=0, quadrant="PA&LP") == pytest.approx(0.8)
     assert one(df, "dropped", run="a", step=1, quadrant="NA&LP") == pytest.approx(-0.2)
     assert one(df, "step_dropped", run="a", step=0, quadrant="PA&LP") == pytest.approx(0.4)
-    assert one(df, "dropped_low", run="b", step=0, quadrant="NA&LP") == pytest.approx(-0.2)
+    assert one(df, "dropped_clip_low", run="b", step=0, quadrant="NA&LP") == pytest.approx(-0.2)
+    assert one(df, "dropped_clip_high", run="b", step=0, quadrant="NA&LP") == pytest.approx(0.4)
     assert math.isnan(one(df, "dropped_erc", run="b", step=0, quadrant="NA&LP"))  # no ERC: null
+    assert math.isnan(one(df, "dropped_dual_clip", run="b", step=0, quadrant="NA&LP"))  # no dual-clip: null
 
 
 def test_entropy_budget_by_prob_bin(con):

@@ -226,8 +226,13 @@ def test_entropy_budget_sums():
         sel = mask & (clip == code)
         assert budget[f"entropy_effect_dropped_{side}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9,
                                                                          abs=1e-15)
-    sel = mask & ~cols["erc_kept"]
-    assert budget["entropy_effect_dropped_erc"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9, abs=1e-15)
+    # by cause: ERC's own share (g_e - g) s / T^2 (the split itself: tests/test_drop_split.py)
+    z64, tok = _update("grpo", 1.0, seed=3, erc=(0.95, 1.05))[:2]
+    s = stats.entropy_sensitivity(z64.float(), tok).double()  # T = 1
+    by_erc = (out.columns["grad_coef_before_erc"].double() - cols["grad_coef"].double()) * s
+    sel = mask & cols["grad_changed"]
+    assert budget["entropy_effect_dropped_erc"] == pytest.approx(by_erc[sel].sum().item(), rel=1e-6, abs=1e-12)
+    assert (~cols["erc_kept"] & mask).any() and budget["entropy_effect_dropped_erc"] != 0
     # a ZA token (advantage 0) has grad_coef 0: no effect, nothing dropped
     assert (cols["entropy_effect"][4] == 0).all()
 

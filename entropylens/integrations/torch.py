@@ -23,7 +23,7 @@ import torch
 
 from ..losses import PolicyLossOutput, policy_loss
 from ..recorder import Recorder
-from ..stats import head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
+from ..stats import _chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -34,6 +34,43 @@ def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"head must be an LM head with a [V, H] weight (nn.Linear) or that weight, got {type(head)}")
     return weight, getattr(head, "bias", None)
+
+
+@torch.no_grad()
+def entropy_gradient_sq(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+    """q_t = sum_j p_j^2 (log p_j + H_t)^2 = T^2 ||dH_t/dz_t||^2 per position (p = softmax(z/T), H its
+    entropy): the entropy bonus's own first-order entropy change per unit logit step is -dLoss/dH_t q_t / T^2.
+    logits [..., V] -> [...] float32, one chunked pass (O(chunk x V) extra memory, no grad); -inf logits
+    add nothing (p_j = 0)."""
+    v = logits.shape[-1]
+    flat = logits.detach().reshape(-1, v)
+    n = flat.shape[0]
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    rows = _chunk_rows(n, v, chunk_size, logits.device)
+    for i in range(0, n, rows):
+        lp = torch.log_softmax(flat[i:i + rows].float() / float(temperature), -1)  # [c, V]
+        p = lp.exp()
+        lp = torch.where(p > 0, lp, 0.0)  # -inf logits: p = 0, and 0 * -inf would be NaN
+        h = -(p * lp).sum(-1, keepdim=True)  # [c, 1]
+        out[i:i + rows] = (p * (lp + h)).square().sum(-1)
+    return out.view(logits.shape[:-1])
+
+
+def entropy_bonus_effect(loss: torch.Tensor, entropy: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor, *,
+                         temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor | None:
+    """The entropy bonus's own first-order entropy change per unit logit step, per token [B, T] float32:
+    -dLoss/dH_t * q_t / T^2 (:func:`entropy_gradient_sq`), the part of tokens.entropy_effect that the
+    bonus's gradient through H adds to grad_coef s / T^2 (schema: tokens.entropy_effect). dLoss/dH_t is
+    exact from autograd on the loss's graph (whatever weights the loss gives the bonus; only the few
+    [B, T] ops between the loss and ``entropy`` run; the graph is kept for the caller's backward).
+    None where ``loss`` or ``entropy`` carries no gradient (then there is no bonus gradient to measure)."""
+    if not (loss.requires_grad and entropy.requires_grad and torch.is_grad_enabled()):
+        return None
+    (d_h,) = torch.autograd.grad(loss, entropy, retain_graph=True, allow_unused=True)
+    if d_h is None:  # the loss does not reach H: no bonus
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    q = entropy_gradient_sq(logits, temperature=temperature, chunk_size=chunk_size)
+    return torch.where(mask.bool(), -d_h.detach().float() * q / float(temperature) ** 2, 0.0)
 
 
 @torch.no_grad()
@@ -79,7 +116,13 @@ def policy_update(
     cancellation as p_a -> 1, no pass over the gradient); with an entropy bonus, whose gradient also
     reaches the logits through H, a hook on the logits measures it during the backward instead. From
     ``hidden`` [B, T, H] and ``head`` (``logits=None``): ``head_stats`` gives log-probs, entropies and
-    sum_j p_j^2 without logits, d_t = sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus)."""
+    sum_j p_j^2 without logits, d_t = sqrt(1 - 2 p + sum_j p_j^2) (null with an entropy bonus).
+
+    ``entropy_effect`` with an entropy bonus (``entropy_coef``): from ``logits``, the bonus's own term
+    (:func:`entropy_bonus_effect`: dLoss/dH_t from autograd, one more chunked pass over the logits for
+    sum_j p_j^2 (log p_j + H)^2) is added to grad_coef s / T^2, as the loss column
+    ``entropy_effect_bonus``; from ``hidden`` + ``head`` it is not measured and entropy_effect is null
+    (the recorder's rule, tokenbatch.entropy_bonus_rule)."""
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
     sum_p2, sens, dist = None, [None], None
     if logits is None:
@@ -109,6 +152,10 @@ def policy_update(
                                                                      temperature)
     if dist is not None:
         out.columns["logit_grad_norm"] = out.columns["grad_coef"].abs() / temperature * dist
+    if recorder is not None and entropy_grad and logits is not None and sens[0] is not None:
+        bonus = entropy_bonus_effect(out.loss, entropy, logits, mask, temperature=temperature, chunk_size=chunk_size)
+        if bonus is not None:
+            out.columns["entropy_effect_bonus"] = bonus
     if recorder is not None:
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
@@ -117,4 +164,4 @@ def policy_update(
     return out
 
 
-__all__ = ["old_policy_pass", "policy_update"]
+__all__ = ["entropy_bonus_effect", "entropy_gradient_sq", "old_policy_pass", "policy_update"]

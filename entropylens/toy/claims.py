@@ -339,7 +339,8 @@ def claim_erc(agg) -> Claim:
     attribution = ""
     if any(v is not None for v in e.get("effect_erc_dropped", [])):
         attribution = (" Attribution (first-order entropy effect g s / T^2 summed over the run, `entropy_effect*` "
-                       f"columns): the tokens ERC dropped would have moved entropy by {_fmt(*_ms(e['effect_erc_dropped']), 4)} "
+                       f"columns): ERC's own share of the dropped effect (`entropy_effect_dropped_erc`: what the "
+                       f"gradients ERC removed had kept after clipping) is {_fmt(*_ms(e['effect_erc_dropped']), 4)} "
                        f"per unit logit step, against {_fmt(*_ms(e['effect_kept']), 4)} for the gradients kept "
                        "(descriptive; not part of the rule).")
     return Claim("6", "ERC keeps the entropy ratio inside its band, importance ratios closer to 1, and the gradient "

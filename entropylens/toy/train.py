@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import Recorder
-from ..integrations.torch import old_policy_pass, policy_update
+from ..integrations.torch import entropy_bonus_effect, old_policy_pass, policy_update
 from . import task
 from .config import ToyConfig
 from .model import build_model, response_logits, sample
@@ -203,6 +203,10 @@ def _probe_update_fn(trainer, rec, step, u, idx, seqs, resp, mask, adv, old_lp, 
         out = policy_loss(lp, old_lp[idx], adv[idx], mask[idx], entropy=h, old_entropy=old_h[idx], beta1=beta1,
                           **trainer.loss_kw)
         if torch.is_grad_enabled():
+            if trainer.loss_kw.get("entropy_coef"):  # the bonus's own term of entropy_effect (policy_update's)
+                bonus = entropy_bonus_effect(out.loss, h, logits, mask[idx], temperature=cfg.temperature)
+                if bonus is not None:
+                    out.columns["entropy_effect_bonus"] = bonus
             rec.record_update(step, u, mask=mask[idx], advantages=adv[idx], logprobs=lp, old_logprobs=old_lp[idx],
                               entropy=h, old_entropy=old_h[idx], tokens=resp[idx], seq_ids=idx,
                               group_ids=idx // cfg.group, loss=out, entropy_sensitivity=s,
