@@ -1,6 +1,11 @@
 """Peak memory of one TRL GRPO training step, with and without entropylens (CPU, peak RSS).
 
-  python benchmarks/trl_memory.py [--rounds 2] [--completion 192] [--generations 8]
+  python benchmarks/trl_memory.py [--rounds 2] [--completion 192] [--generations 8] [--kl] [--top-entropy]
+                                  [--loss dapo]
+
+``--kl`` (beta 0.04: TRL builds a reference model from the saved model) and ``--top-entropy``
+(top_entropy_quantile 0.2) turn TRL's options on for every child; ``--loss M`` adds a child that trains
+with entropylens' loss M (recorded), against TRL's own loss at the same options.
 
 Setup: a tiny Qwen2 (hidden 64, 2 layers) with Qwen's real vocabulary size V = 151936, a local
 word-level tokenizer of that size, 8 completions x 192 tokens in one micro-batch (the full logits of
@@ -39,7 +44,7 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def child(mode: str, out: str, completion: int, generations: int) -> dict:
+def child(mode: str, out: str, completion: int, generations: int, options: dict, loss: str | None) -> dict:
     import torch
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -57,7 +62,10 @@ def child(mode: str, out: str, completion: int, generations: int) -> dict:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=completion + 32,
                       pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
-    args = GRPOConfig(
+    if options.get("beta"):  # TRL builds the KL reference model from a path
+        model.save_pretrained(f"{out}/model")
+        model = f"{out}/model"
+    args = GRPOConfig(**options,
         output_dir=f"{out}/.trl", max_steps=1, per_device_train_batch_size=generations,
         num_generations=generations, gradient_accumulation_steps=1, max_completion_length=completion,
         learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
@@ -75,7 +83,8 @@ def child(mode: str, out: str, completion: int, generations: int) -> dict:
         from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
         trainer = EntropyLensGRPOTrainer(**common, entropylens_root=out, run="mem",
-                                         attribution=mode == "attribution")
+                                         attribution=mode == "attribution",
+                                         loss=loss if mode == "el-loss" else None)
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
     trainer.train()
@@ -90,19 +99,26 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=192)
     ap.add_argument("--generations", type=int, default=8)
     ap.add_argument("--attribution", action="store_true", help="also measure attribution=True (head_stats)")
-    ap.add_argument("--child", choices=["plain", "entropylens", "attribution"], help=argparse.SUPPRESS)
+    ap.add_argument("--kl", action="store_true", help="beta 0.04 for every child")
+    ap.add_argument("--top-entropy", action="store_true", help="top_entropy_quantile 0.2 for every child")
+    ap.add_argument("--loss", default=None, help="also measure entropylens' loss (e.g. dapo) replacing TRL's")
+    ap.add_argument("--child", choices=["plain", "entropylens", "attribution", "el-loss"], help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     if a.child:
-        print("RESULT " + json.dumps(child(a.child, a.out, a.completion, a.generations)))
+        print("RESULT " + json.dumps(child(a.child, a.out, a.completion, a.generations, options, a.loss)))
         return
-    res: dict[str, list[dict]] = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {})}
+    res: dict[str, list[dict]] = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {}),
+                                  **({"el-loss": []} if a.loss else {})}
+    flags = [*(["--kl"] if a.kl else []), *(["--top-entropy"] if a.top_entropy else []),
+             *(["--loss", a.loss] if a.loss else [])]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in res:
                 p = subprocess.run([sys.executable, __file__, "--child", mode, "--out", f"{d}/{mode}{r}",
-                                    "--completion", str(a.completion), "--generations", str(a.generations)],
+                                    "--completion", str(a.completion), "--generations", str(a.generations), *flags],
                                    capture_output=True, text=True, env=env)
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode != 0 or not line:
@@ -124,6 +140,9 @@ def main() -> None:
     print(f"step_memory_ratio={step_ratio:.3f}")
     if a.attribution:
         print(f"attribution_memory_ratio={peak['attribution'] / peak['plain']:.3f}")
+    if a.loss:
+        print(f"options {options or 'none'}: loss={a.loss} recorded against TRL's own loss unrecorded")
+        print(f"trl_loss_memory_ratio={peak['el-loss'] / peak['plain']:.3f}")
     print(f"trl_memory_ratio={peak['entropylens'] / peak['plain']:.3f}")
 
 

@@ -1,6 +1,10 @@
 """A TRL GRPOTrainer step with and without entropylens' instrumentation, in one process.
 
-  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3]
+  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo]
+
+``--kl`` (beta 0.04, TRL's bias-corrected KL default) and ``--top-entropy`` (top_entropy_quantile 0.2)
+turn TRL's options on for every trainer; ``--loss M`` also times entropylens' loss M replacing TRL's
+(``loss=M``: the same options composed; ratio against TRL's own loss at the same options).
 
 Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording (TRL's loss kept;
 TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
@@ -49,6 +53,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--kl", action="store_true", help="beta 0.04 (TRL builds the reference model)")
+    ap.add_argument("--top-entropy", action="store_true", help="top_entropy_quantile 0.2 (TRL's 80/20 mask)")
+    ap.add_argument("--loss", default=None, help="also time entropylens' loss (e.g. dapo, ce_gppo) replacing TRL's")
     ap.add_argument("--attribution", action="store_true",
                     help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)")
     a = ap.parse_args()
@@ -65,7 +72,8 @@ def main() -> None:
         def __init__(self):
             StepTimer.__init__(self)
 
-    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else [])]
+    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *(["el-loss"] if a.loss else [])]
+    options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
     runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
     writer_cpu: dict[str, list[float]] = {m: [] for m in modes}  # the writer thread's CPU per step, per run
@@ -74,10 +82,16 @@ def main() -> None:
         for r in range(a.rounds):
             order = modes if r % 2 == 0 else modes[::-1]  # alternate the order: drift hits both
             for mode in order:
+                saved = None
+                if a.kl:  # TRL builds the KL reference from a saved model
+                    saved = f"{d}/model{r}"
+                    if not Path(saved).exists():
+                        trl_grpo.build_model(trl_grpo.build_tokenizer(), r, a.hidden).save_pretrained(saved)
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
-                                             hidden=a.hidden, attribution=mode == "attribution")
+                                           hidden=a.hidden, attribution=mode == "attribution", model=saved,
+                                           loss=a.loss if mode == "el-loss" else None, erc=None, **options)
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
-                    model = trl_grpo.build_model(el.processing_class, r, a.hidden)
+                    model = saved or trl_grpo.build_model(el.processing_class, r, a.hidden)
                     tr = GRPOTrainer(model=model, reward_funcs=trl_grpo.digit_reward, args=el.args,
                                      train_dataset=el.train_dataset, processing_class=el.processing_class)
                     el.recorder.close()
@@ -100,7 +114,8 @@ def main() -> None:
     kept = {m: [x for run in rs for x in run[2:-1]] for m, rs in runs.items()}
     mean = {m: [statistics.fmean(x[i] for x in t) for i in range(3)] for m, t in kept.items()}
     last = {m: statistics.median(run[-1][0] for run in rs) for m, rs in runs.items()}
-    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, torch threads {torch.get_num_threads()}, "
+    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, options {options or 'none'}, torch threads "
+          f"{torch.get_num_threads()}, "
           f"{a.rounds} rounds x {a.steps} steps; steps 2..{a.steps - 2} of each run, means (ms):")
     print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12} {'last step':>10}")
     for m, v in mean.items():
@@ -113,6 +128,14 @@ def main() -> None:
     if a.attribution:
         att = [e / p for e, p in zip(mean["attribution"], mean["plain"])]
         print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
+    if a.loss:
+        own = [e / p for e, p in zip(mean["el-loss"], mean["plain"])]
+        print(f"loss={a.loss} (recorded) against TRL's own loss unrecorded, options {options or 'none'}: "
+              f"wall {own[0]:.3f}, training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}")
+        rec = [e / p for e, p in zip(mean["el-loss"], mean["entropylens"])]
+        print(f"loss={a.loss} against TRL's own loss, both recorded: wall {rec[0]:.3f}, training-thread cpu "
+              f"{rec[1]:.3f}, process cpu {rec[2]:.3f}")
+        print(f"trl_loss_ratio={rec[0]:.3f}")
     paired = [e[0] / p[0] for er, pr in zip(runs["entropylens"], runs["plain"]) for e, p in zip(er[2:-1], pr[2:-1])]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
     print(f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "

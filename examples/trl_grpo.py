@@ -38,7 +38,10 @@ def digit_reward(completions, **kwargs):
     return [sum(w.isdigit() for w in c.split()) / max(1, len(c.split())) for c in completions]
 
 
-def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32, attribution=False):
+def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32, attribution=False, model=None, erc=(0.95, 1.05),
+                 **options):
+    """``options``: more GRPOConfig fields (e.g. beta=0.04, top_entropy_quantile=0.2); ``model``: a model
+    or a saved model's directory (TRL builds a KL reference model from a directory only)."""
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -46,14 +49,16 @@ def make_trainer(out, loss=None, steps=3, seed=0, run=None, hidden=32, attributi
 
     tok = build_tokenizer()
     prompts = [f"copy : {' '.join(WORDS[(i * 3 + j) % 20] for j in range(4))}" for i in range(16)]
-    args = GRPOConfig(
+    base = dict(
         output_dir=f"{out}/.trl", max_steps=steps, per_device_train_batch_size=8, num_generations=4,
         gradient_accumulation_steps=2, num_iterations=2, max_completion_length=8, learning_rate=5e-3,
         logging_steps=1, report_to=[], use_cpu=True, seed=seed, save_strategy="no", temperature=1.0,
         epsilon=0.2, bf16=False, dataloader_num_workers=0, disable_tqdm=True,
     )
-    extra = dict(loss=loss, beta1=0.5, beta2=1.0, erc=(0.95, 1.05)) if loss else {}
-    return EntropyLensGRPOTrainer(model=build_model(tok, seed, hidden), reward_funcs=digit_reward, args=args,
+    args = GRPOConfig(**{**base, **options})
+    extra = dict(loss=loss, beta1=0.5, beta2=1.0, erc=erc) if loss else {}
+    model = build_model(tok, seed, hidden) if model is None else model
+    return EntropyLensGRPOTrainer(model=model, reward_funcs=digit_reward, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                                   entropylens_root=out, run=run, attribution=attribution, **extra)
 

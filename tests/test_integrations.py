@@ -105,12 +105,13 @@ def test_trl_with_ce_gppo_and_erc_trains(tmp_path):
     assert t["erc_kept"].notna().all()
     np.testing.assert_array_equal(t["erc_kept"], (t["entropy_ratio"] > 0.95) & (t["entropy_ratio"] < 1.05))
     # every row against CE-GPPO's closed form (eps 0.2, beta1 0.5 low side, beta2 1 high side, ERC drops g),
-    # token-mean over the micro-batch's tokens, times 1 / gradient_accumulation_steps (2):
+    # normalised as TRL's default loss_type dapo: by the accumulation window's completion tokens (the
+    # step's two micro-batches: num_items_in_batch / processes * GA / steps_per_generation, GA = 2 = spg):
     a, r, clip = t["advantage"].to_numpy(), t["ratio"].to_numpy(), t["clip"].to_numpy()
     g = np.where((clip == -1) & (a < 0), -0.5 * 0.8 * a, np.where((clip == 1) & (a > 0), -1.0 * 1.2 * a, -a * r))
     g = np.where(t["erc_kept"], g, 0.0)
-    n = t.groupby(["step", "update"])["seq"].transform("size").to_numpy()
-    np.testing.assert_allclose(t["grad_coef"], g / (n * 2), rtol=1e-4, atol=1e-9)
+    n = t.groupby("step")["seq"].transform("size").to_numpy()
+    np.testing.assert_allclose(t["grad_coef"], g / n, rtol=1e-4, atol=1e-9)
     assert (t["ratio"] - 1).abs().max() > 1e-4  # reused batches: r != 1 enters -A r
     # the exact logit-gradient norm (hook on TRL's fused log-probs, closed form) bounds: (1-p)|g| <= . <= sqrt 2 |g|
     gc, lgn, p = t["grad_coef"].abs(), t["logit_grad_norm"], np.exp(t["logprob"])

@@ -20,13 +20,19 @@ What it changes in TRL (private methods, hence the version check):
   ``old_per_token_logps`` (never the reference pass, which for PEFT also runs through ``self.model``).
 - ``_generate_and_score_completions`` adds ``old_entropies`` and run-unique ``el_seq_ids``
   (local index * world_size + rank) to the batch and records the sequences (reward, advantage, length).
-- ``_compute_loss``: ``loss=None`` keeps TRL's loss and records the update; ``loss="ce_gppo"`` (or any
-  method of ``entropylens.losses``) replaces it with ``policy_loss`` (eps from GRPOConfig's
-  epsilon / epsilon_high, TRL's beta as k3 KL), token-mean per micro-batch, ``scale`` =
-  1 / gradient_accumulation_steps. GRPOConfig options that entropylens' loss does not implement raise
-  before training (:func:`unsupported_trl_options`). Step aggregates go to TRL's logs as
-  ``entropylens/...``, taken from the writer thread without waiting for it: a step's values reach the
-  log as soon as the writer has them (usually at the next optimizer step; all of them by the last).
+- ``_compute_loss``: ``loss=None`` keeps TRL's loss and records the update (with the top-entropy
+  and off-policy masks TRL computed, and the vLLM weight, as ``token_kept`` / ``seq_kept`` /
+  ``is_weight``); ``loss="ce_gppo"`` (or any method of ``entropylens.losses``) replaces it with
+  ``policy_loss`` (eps from GRPOConfig's epsilon / epsilon_high), every option of TRL's loss composed
+  as TRL applies it (KL with or without bias correction, vLLM importance-sampling weight, top-entropy
+  mask over all processes, off-policy mask, delta, sequence-level ratio, static or adaptive entropy
+  bonus, MoE aux loss), and normalised as the configured ``loss_type`` (:func:`trl_loss_weights`:
+  ``dapo`` divides by the accumulation window's tokens, ``num_items_in_batch``). TRL's own loss
+  metrics (entropy, kl, clip_ratio/*) are logged from the same tensors. Step aggregates go to TRL's
+  logs as ``entropylens/...``, taken from the writer thread without waiting for it: a step's values
+  reach the log as soon as the writer has them (usually at the next optimizer step; all by the last).
+- Texts: each sequence's decoded completion goes to ``sequences.text``; run.json names the tokenizer,
+  and one built in memory is saved with the run (``<run>/tokenizer/``).
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
 - Each checkpoint TRL saves commits the recorded steps (``Recorder.commit``: their files are on disk
   when ``on_save`` returns), so a job killed after a checkpoint loses none of the steps before it.
@@ -82,29 +88,125 @@ def check_trl_version(version: str | None = None) -> str:
                           "It overrides private GRPOTrainer methods that move between releases.")
 
 
+# How TRL 1.16's ``_compute_loss`` normalises each loss_type (training; GA = current gradient
+# accumulation steps, m = completion_mask * tool_mask, B = the micro-batch's completions):
+TRL_NORMALISATION: dict[str, str] = {
+    "grpo": "per completion: sum_t m l / max(L_i, 1), mean over the B completions, / GA",
+    "sapo": "per completion: sum_t m l / max(L_i, 1), mean over the B completions, / GA",
+    "bnpo": "sum m l / max(sum m, 1) over the micro-batch, / GA",
+    "dr_grpo": "sum m l / (B * max_completion_length), / GA",
+    "dapo": "sum m l / the accumulation window's completion tokens "
+            "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "cispo": "sum m l / the accumulation window's completion tokens "
+             "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "vespo": "sum m l / the accumulation window's completion tokens "
+             "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "luspo": "per completion: sum_t m l, mean over the B completions, / GA",
+}
+WINDOW_LOSS_TYPES = ("dapo", "cispo", "vespo")  # normalised by the whole accumulation window's tokens
+
+
+def trl_loss_weights(loss_type: str, mask: torch.Tensor, *, ga: int, num_items_in_batch=None,
+                     num_processes: int = 1, steps_per_generation: int = 1,
+                     max_completion_length: int | None = None) -> torch.Tensor:
+    """Aggregation weights w [B, T] (gradient accumulation included) with which TRL 1.16 normalises
+    ``loss_type`` in training: TRL's loss == sum(w * per_token_loss) (see :data:`TRL_NORMALISATION`).
+    ``num_items_in_batch`` (a 0-dim tensor: the generation batch's completion tokens over all
+    processes) stays on the device: no host sync."""
+    if loss_type not in TRL_NORMALISATION:
+        raise ValueError(f"loss_type {loss_type!r}: entropylens knows TRL's normalisation of "
+                         f"{', '.join(TRL_NORMALISATION)}")
+    m = mask.float()  # [B, T]
+    b = m.shape[0]
+    if loss_type in ("grpo", "sapo"):
+        return m / (m.sum(-1, keepdim=True).clamp(min=1.0) * b * ga)
+    if loss_type == "bnpo":
+        return m / (m.sum().clamp(min=1.0) * ga)
+    if loss_type == "dr_grpo":
+        return m / (b * float(max_completion_length) * ga)
+    if loss_type == "luspo":
+        return m / (b * ga)
+    if num_items_in_batch is None:
+        raise ValueError(f"loss_type {loss_type!r} needs num_items_in_batch (TRL's batch carries it)")
+    n = torch.as_tensor(num_items_in_batch, device=m.device).float().clamp(min=1.0)
+    return m / (n / num_processes * ga / steps_per_generation)
+
+
 def unsupported_trl_options(args, aux_loss_enabled: bool = False) -> list[str]:
-    """The active GRPOConfig options that change TRL's objective in ways entropylens' ``policy_loss``
-    does not implement (each would be dropped silently by ``loss=...``)."""
+    """The GRPOConfig options ``loss=...`` cannot honour. Every option of TRL 1.16's ``_compute_loss``
+    composes with entropylens' losses (KL with or without bias correction, the vLLM importance-sampling
+    weight, the top-entropy mask, the off-policy mask, delta, sequence-level importance sampling, the
+    static or adaptive entropy bonus, the MoE router aux loss); what remains is a loss_type whose
+    normalisation entropylens does not know."""
+    loss_type = getattr(args, "loss_type", "dapo")
+    if loss_type not in TRL_NORMALISATION:
+        return [f"loss_type={loss_type!r} (its normalisation is unknown to entropylens)"]
+    return []
+
+
+def _active_options(trainer) -> dict:
+    """The GRPOConfig options that shape the objective, as this run used them (run.json)."""
+    a = trainer.args
+    out = {"beta": trainer.beta, "use_bias_correction_kl": bool(getattr(a, "use_bias_correction_kl", False)),
+           "top_entropy_quantile": getattr(a, "top_entropy_quantile", 1.0), "delta": getattr(a, "delta", None),
+           "off_policy_mask_threshold": getattr(a, "off_policy_mask_threshold", None),
+           "importance_sampling_level": trainer.importance_sampling_level,
+           "entropy_coef": getattr(a, "entropy_coef", 0.0),
+           "use_adaptive_entropy": bool(getattr(a, "use_adaptive_entropy", False)),
+           "vllm_importance_sampling_correction": bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+           "router_aux_loss_coef": getattr(a, "router_aux_loss_coef", None) if trainer.aux_loss_enabled else None}
+    if out["vllm_importance_sampling_correction"]:
+        out["vllm_importance_sampling_mode"] = getattr(a, "vllm_importance_sampling_mode", None)
+    return out
+
+
+def _tokenizer_of(processing_class):
+    return getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
+
+
+def _tokenizer_info(processing_class) -> dict | None:
+    """run.json's ``tokenizer``: its class and name_or_path (what ``AutoTokenizer.from_pretrained`` loads);
+    ``saved`` names the run's own copy (see :func:`_save_tokenizer`)."""
+    tok = _tokenizer_of(processing_class)
+    if tok is None:
+        return None
+    name = getattr(tok, "name_or_path", None) or None
+    return {"class": type(tok).__name__, "name_or_path": name, "saved": "tokenizer" if not name else None}
+
+
+def _save_tokenizer(processing_class, recorder, save) -> None:
+    """Keeps a copy of the tokenizer in the run directory (``<run>/tokenizer/``) where run.json could not
+    name one to load (a tokenizer built in memory: no name_or_path), or when ``save=True``; ``save=False``
+    never. A token viewer decodes the recorded token ids with it."""
+    import tempfile
+    from pathlib import Path
+
+    tok = _tokenizer_of(processing_class)
+    if tok is None or save is False or (save is None and getattr(tok, "name_or_path", None)):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            tok.save_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save: say so, train on
+            warnings.warn(f"entropylens: the tokenizer could not be saved with the run ({type(e).__name__}: {e})")
+            return
+        (recorder.dir / "tokenizer").mkdirs()
+        for f in sorted(Path(tmp).iterdir()):
+            if f.is_file():
+                (recorder.dir / "tokenizer" / f.name).write_bytes(f.read_bytes())
+
+
+def completion_texts(completions) -> list[str]:
+    """TRL's decoded completions as plain strings: a conversational completion (a list of messages) is
+    its messages' contents joined."""
     out = []
-    if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-        out.append(f"top_entropy_quantile={args.top_entropy_quantile} (TRL's high-entropy token mask)")
-    if getattr(args, "off_policy_mask_threshold", None) is not None:
-        out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} (TRL's off-policy sequence mask)")
-    if getattr(args, "delta", None) is not None:
-        out.append(f"delta={args.delta} (TRL's upper clamp of the ratio)")
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction", False):
-        out.append("use_vllm with vllm_importance_sampling_correction=True (TRL's vLLM importance-sampling correction)")
-    if getattr(args, "entropy_coef", 0.0) != 0.0 or getattr(args, "use_adaptive_entropy", False):
-        out.append(f"entropy_coef={args.entropy_coef}"
-                   + (" / use_adaptive_entropy=True" if getattr(args, "use_adaptive_entropy", False) else "")
-                   + " (TRL's entropy bonus)")
-    if getattr(args, "importance_sampling_level", "token") != "token":
-        out.append(f"importance_sampling_level={args.importance_sampling_level!r} (TRL's sequence-level ratio; "
-                   "entropylens has loss='gspo')")
-    if getattr(args, "use_bias_correction_kl", False) and getattr(args, "beta", 0.0):
-        out.append("use_bias_correction_kl=True (TRL's ratio-weighted KL)")
-    if aux_loss_enabled:
-        out.append(f"router_aux_loss_coef={getattr(args, 'router_aux_loss_coef', None)} (the MoE router aux loss)")
+    for c in completions:
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out.append("".join(str(m.get("content", "")) if isinstance(m, dict) else str(m) for m in c))
+        else:
+            out.append(str(c))
     return out
 
 
@@ -145,8 +247,8 @@ def _check_resume_step(resume: int, output_dir) -> None:
 def _refuse(loss: str, options: list[str]) -> None:
     if options:
         raise ValueError(
-            f"loss={loss!r} replaces TRL's loss and does not implement these active GRPOConfig options: "
-            + "; ".join(options) + ". Unset them, or keep TRL's loss (loss=None), which is recorded as it is."
+            f"loss={loss!r} replaces TRL's loss and cannot honour: " + "; ".join(options)
+            + ". Keep TRL's loss (loss=None), which is recorded as it is."
         )
 
 
@@ -156,7 +258,7 @@ def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high
 
     PPO-clip types (grpo, bnpo, dr_grpo, dapo, luspo): region of the ratio TRL clips (the token ratio, or
     the sequence ratio exp(mean_t log r) with importance_sampling_level='sequence'); clipped = the
-    advantage-gated PPO rule, plus A < 0 and r > delta when ``delta`` clamps the ratio (zero gradient).
+    advantage-gated PPO rule, plus A < 0 and r > delta when ``delta`` clamps the ratio (zero gradient; also ``dual_clipped``).
     cispo: +1 where the detached weight is capped (r > epsilon_high, an absolute cap), never clipped
     (its gradient is never removed). sapo, vespo: no hard clip (0 / False)."""
     m = mask.bool()
@@ -171,13 +273,17 @@ def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high
         region = clip_region(r, eps_low, eps_high)
         clipped = clipped_mask(region, a)
         if delta is not None:
-            clipped = clipped | ((a < 0) & (r > delta))
+            dual = (a < 0) & (r > delta)
+            clipped = clipped | dual
     elif loss_type == "cispo":
         region = (r > eps_high).to(torch.int8)
         clipped = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
     else:
         region, clipped = zero, torch.zeros(m.shape, dtype=torch.bool, device=m.device)
-    return {"clip": region, "clipped": clipped & m}
+    out = {"clip": region, "clipped": clipped & m}
+    if loss_type in PPO_CLIP_LOSS_TYPES and delta is not None:
+        out["dual_clipped"] = dual & m  # TRL's delta: the capped ratio's tokens (dual_clip_frac)
+    return out
 
 
 closed_form_logit_grad_norm = logit_grad_norm_from_sum_p2  # the name this module exported before
@@ -213,8 +319,8 @@ def _trainer_class():
         """GRPOTrainer + entropylens recording (+ optionally entropylens' losses). See the module docstring."""
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
-                     erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=False, attribution=False,
-                     resume=None, **kwargs):
+                     erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=True, attribution=False,
+                     resume=None, save_tokenizer=None, **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
@@ -239,6 +345,9 @@ def _trainer_class():
                 "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
                 "temperature": self.temperature, "kl_beta": self.beta, "attribution": bool(attribution),
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
+                "trl_normalisation": TRL_NORMALISATION.get(self.loss_type),
+                "trl_options": _active_options(self),
+                "tokenizer": _tokenizer_info(self.processing_class),
             }
             if resume is not None and not isinstance(resume, int):  # a checkpoint directory: its last step
                 resume = checkpoint_last_step(resume)
@@ -248,6 +357,8 @@ def _trainer_class():
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
                                      rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
                                      resume=resume)
+            if self.accelerator.is_main_process:
+                _save_tokenizer(self.processing_class, self.recorder, save_tokenizer)
             self._el_micro = 0
             self._el_seq_count = 0  # sequences generated on this rank so far
             self._el_group_base = 0
@@ -258,6 +369,7 @@ def _trainer_class():
             self._el_passes = None  # list during generation: (logps, entropies) of each no-grad pass
             self._el_train = None  # the training pass of the current micro-batch
             self._el_rec = None  # the update waiting for its backward
+            self._el_masks = None  # dict while TRL's own loss runs: the token / sequence masks it computed
             self._el_summaries: list = []  # step summaries asked of the writer thread, not yet logged
             self._el_warned: set[str] = set()
             self._el_attribution = bool(attribution)  # head_stats in every pass, s_t in the training pass
@@ -338,6 +450,10 @@ def _trainer_class():
                                                **mm):
             k = logits_to_keep
             sens = None  # the entropy sensitivity s_t: only from head_stats in a training pass with attribution
+            if self.ref_model is not None and model is self.ref_model:  # the KL reference: TRL's own pass
+                return super()._get_per_token_logps_and_entropies(
+                    model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss, **mm)
             if self._el_fused:
                 self._el_capture = []
                 try:
@@ -437,7 +553,7 @@ def _trainer_class():
                 rewards = self._el_rewards[pi * b : (pi + 1) * b]
                 texts = None
                 if self._el_texts:
-                    texts = [c if isinstance(c, str) else str(c) for c in self._el_completions[:b]]
+                    texts = completion_texts(self._el_completions[:b])
                 gidx = self._el_group_base + torch.arange(pi * b, (pi + 1) * b) // self.num_generations
                 self._el_group_base += -(-b * world // self.num_generations)
                 self.recorder.record_sequences(self.state.global_step, seq_ids=ids, rewards=rewards,
@@ -456,33 +572,146 @@ def _trainer_class():
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
             out = None
+            modifiers = {}
             if self._el_loss is None:
-                loss = super()._compute_loss(model, inputs)
+                self._el_masks = {}
+                try:
+                    loss = super()._compute_loss(model, inputs)
+                    modifiers = self._el_masks
+                finally:
+                    self._el_masks = None
+                if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
+                    modifiers["is_weight"] = inputs["importance_sampling_ratio"].detach().float()
                 train = self._el_train
             else:
-                input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
-                attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-                mm = {key: inputs.get(key) for key in _MM_KEYS if inputs.get(key) is not None}
-                lp, h, _ = self._get_per_token_logps_and_entropies(model, input_ids, attn, completion_ids.size(1),
-                                                                   compute_entropy=True, **mm)
+                out, loss = self._el_policy_loss(model, inputs, mask)
                 train = self._el_train
-                old_lp = inputs.get("old_per_token_logps")
-                old_lp = lp.detach() if old_lp is None else old_lp
-                old_h = inputs.get("old_entropies")
-                old_h = h.detach() if old_h is None else old_h
-                kl = dict(ref_logprobs=inputs["ref_per_token_logps"], kl_coef=self.beta) if self.beta else {}
-                out = policy_loss(lp, old_lp, inputs["advantages"], mask, method=self._el_loss,
-                                  eps_low=self.epsilon_low, eps_high=self.epsilon_high, entropy=h, old_entropy=old_h,
-                                  scale=1.0 / self.current_gradient_accumulation_steps, **self._el_loss_kw, **kl)
-                loss = out.loss
             self._el_train = None
             if train is None:
                 self._el_warn_once("norec", "a micro-batch without log-probs from this trainer's pass is not recorded")
                 return loss
             self._el_rec = {**train, "mask": mask, "adv": inputs["advantages"], "tokens": completion_ids,
                             "old_lp": inputs.get("old_per_token_logps"), "old_h": inputs.get("old_entropies"),
-                            "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach()}
+                            "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach(),
+                            "modifiers": modifiers}
             return loss
+
+        def get_high_entropy_mask(self, entropies, mask, threshold):
+            """TRL's top-entropy token mask; kept for the tokens' ``token_kept`` column with TRL's own loss."""
+            keep = super().get_high_entropy_mask(entropies, mask, threshold)
+            if self._el_masks is not None:
+                self._el_masks["token_kept"] = keep.detach()
+            return keep
+
+        def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask,
+                                off_policy_threshold):
+            """TRL's off-policy sequence mask; kept for ``seq_kept`` with TRL's own loss."""
+            keep = GRPOTrainer.get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
+                                                   off_policy_threshold)
+            if self._el_masks is not None:
+                self._el_masks["seq_kept"] = keep.detach().bool()
+            return keep
+
+        def _el_policy_loss(self, model, inputs, mask):
+            """entropylens' ``policy_loss`` with every option of TRL's ``_compute_loss`` composed as TRL
+            applies it, normalised as TRL normalises ``self.loss_type`` (:func:`trl_loss_weights`):
+            policy term x off-policy sequence mask x top-entropy token mask x vLLM IS weight, + beta KL
+            (times the ratio with ``use_bias_correction_kl``), - the entropy bonus (TRL's own coefficient
+            and gating, adaptive controller included), + the MoE router aux loss. (out, loss)."""
+            completion_ids = inputs["completion_ids"]
+            input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+            attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            mm = {key: inputs.get(key) for key in _MM_KEYS if inputs.get(key) is not None}
+            lp, h, aux = self._get_per_token_logps_and_entropies(model, input_ids, attn, completion_ids.size(1),
+                                                                 compute_entropy=True,
+                                                                 compute_aux_loss=self.aux_loss_enabled, **mm)
+            args, ga = self.args, self.current_gradient_accumulation_steps
+            adv = inputs["advantages"]
+            adv2 = adv.unsqueeze(1) if adv.dim() == 1 else adv  # [B, 1] or [B, T], as TRL's masks take it
+            old_lp = inputs.get("old_per_token_logps")
+            old_lp = lp.detach() if old_lp is None else old_lp
+            old_h = inputs.get("old_entropies")
+            old_h = h.detach() if old_h is None else old_h
+            token_mask = seq_mask = is_w = None
+            if self.top_entropy_quantile < 1.0:  # TRL's own method: the quantile over all processes
+                token_mask = self.get_high_entropy_mask(h.detach(), mask, 1 - self.top_entropy_quantile)
+            if self.off_policy_mask_threshold is not None:
+                sampling = inputs.get("sampling_per_token_logps", old_lp)
+                seq_mask = self.get_off_policy_mask(adv2, lp, sampling, mask, self.off_policy_mask_threshold)
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                is_w = inputs["importance_sampling_ratio"].expand(mask.shape)  # [B, T] or [B, 1] -> [B, T]
+            w = trl_loss_weights(self.loss_type, mask, ga=ga, num_items_in_batch=inputs.get("num_items_in_batch"),
+                                 num_processes=self.accelerator.num_processes,
+                                 steps_per_generation=args.steps_per_generation,
+                                 max_completion_length=self.max_completion_length)
+            bonus = {}
+            if self._entropy_bonus_enabled:
+                eff = mask.float() if token_mask is None else mask.float() * token_mask.float()  # [B, T]
+                coef = self.entropy_coef
+                if self.use_adaptive_entropy:  # the gate of the previous optimizer step, as TRL applies it
+                    coef = self.entropy_coef if self._last_world_entropy <= args.entropy_target else 0.0
+                bonus = dict(entropy_coef=float(coef), entropy_weights=eff / (eff.sum().clamp(min=1.0) * ga))
+                if self.use_adaptive_entropy:
+                    self._el_adapt_entropy(h.detach(), eff)
+            kl = {}
+            if self.beta:
+                kl = dict(ref_logprobs=inputs["ref_per_token_logps"], kl_coef=self.beta,
+                          kl_bias_correction=bool(args.use_bias_correction_kl))
+            out = policy_loss(lp, old_lp, adv, mask, method=self._el_loss, eps_low=self.epsilon_low,
+                              eps_high=self.epsilon_high, entropy=h, old_entropy=old_h, weights=w,
+                              token_mask=token_mask, seq_mask=seq_mask, is_weight=is_w, delta=args.delta,
+                              ratio_level="token" if self._el_loss == "gspo" else self.importance_sampling_level,
+                              **self._el_loss_kw, **kl, **bonus)
+            loss = out.loss
+            if self.aux_loss_enabled:  # TRL's MoE router aux loss, scaled for accumulation as TRL does
+                loss = loss + self.router_aux_loss_coef * aux / ga
+                self._metrics["train"]["aux_loss"].append(self.accelerator.gather_for_metrics(aux).mean().item())
+            self._el_trl_metrics(out, lp, h, mask, inputs.get("ref_per_token_logps"), old_lp)
+            return out, loss
+
+        def _el_adapt_entropy(self, h, eff) -> None:
+            """TRL's adaptive entropy controller, stepped as TRL steps it: the window's token-weighted
+            entropy over all processes moves entropy_coef by entropy_coef_delta at each optimizer step."""
+            args = self.args
+            stats = torch.stack([(h * eff).sum(), eff.sum()])
+            self._entropy_window_stats = stats if self._entropy_window_stats is None else self._entropy_window_stats + stats
+            if self.accelerator.sync_gradients:
+                total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (total[0] / total[1].clamp(min=1.0)).item()
+                if world <= args.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+                self._last_world_entropy = world
+                self._entropy_window_stats = None
+
+        def _el_trl_metrics(self, out, lp, h, mask, ref, old_lp) -> None:
+            """The metrics TRL's own loss logs (entropy, kl, clip_ratio/*, entropy_coef), from the same
+            tensors, so a dashboard keeps its curves when ``loss=...`` replaces TRL's loss."""
+            m = mask.float()
+            metrics = {"entropy": h.detach().float()}
+            if self.beta:
+                d = ref.float() - lp.detach().float()  # ref - logp
+                kl = torch.exp(d) - d - 1.0  # [B, T] k3, as TRL logs it
+                if self.args.use_bias_correction_kl:
+                    log_r = (lp.detach().float() - old_lp.float()) * m
+                    if self.importance_sampling_level == "sequence":
+                        log_r = log_r.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+                    kl = kl * torch.exp(log_r)
+                metrics["kl"] = kl
+            c = out.columns
+            if self.loss_type in PPO_CLIP_LOSS_TYPES:
+                low = (c["clip"] < 0) & (c["advantage"] < 0)
+                high = (c["clip"] > 0) & (c["advantage"] > 0)
+                metrics.update({"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
+                                "clip_ratio/region_mean": (low | high).float()})
+            names = list(metrics)
+            local = torch.stack([s for k in names for s in ((metrics[k] * m).sum(), m.sum())])
+            totals = self.accelerator.reduce(local, reduction="sum").view(-1, 2).tolist()  # one sync
+            for k, (total, count) in zip(names, totals):
+                self._metrics["train"][k].append(total / max(count, 1.0))
+            if self._entropy_bonus_enabled and self.accelerator.sync_gradients:
+                self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             self._el_rec = None
@@ -509,9 +738,12 @@ def _trainer_class():
                                         self.epsilon_low, self.epsilon_high, lp, old_lp, adv, mask)
                 if g is not None:
                     cols["grad_coef"] = torch.where(mask.bool(), g.float(), torch.zeros_like(g, dtype=torch.float32))
-                config = {}
+                for name, t in rec.get("modifiers", {}).items():  # what TRL's own options did to each token
+                    cols[name] = t.expand(mask.shape)
+                # TRL's entropy bonus reaches the logits through H: the recorder leaves entropy_effect null
+                config = {"entropy_coef": float(self.entropy_coef)} if self._entropy_bonus_enabled else {}
             # TRL's entropy bonus reaches the logits through H too: the closed form would not be the norm
-            if g is not None and rec["sq"] is not None and not (out is None and self._entropy_bonus_enabled):
+            if g is not None and rec["sq"] is not None and not self._entropy_bonus_enabled:
                 cols["logit_grad_norm"] = closed_form_logit_grad_norm(g, lp, rec["sq"], self.temperature)
             self.recorder.record_update(self.state.global_step, self._el_micro, mask=mask, advantages=adv,
                                         logprobs=lp, old_logprobs=old_lp, entropy=h, old_entropy=old_h,
