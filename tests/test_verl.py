@@ -78,5 +78,19 @@ def test_documented_verl_command_lines_compose(verl_python):
     run_checks(verl_python, "documented_command_lines")
 
 
+def test_trainer_update_actor_on_verls_update_path(verl_python):
+    """EntropyLensTrainer._update_actor through verl's own update path (a real TransferQueue store,
+    verl's worker / engine code on a CPU engine; tests/verl_env/cpu_actor.py says what is stood in for):
+    the step is recorded, the logged metrics are the step's values and verl's keys equal ppo_loss's,
+    fused kernels ask for no sum pi^2, an entropy bonus leaves entropy_effect null."""
+    run_checks(verl_python, "trainer_")
+
+
+def test_dapo_eps_and_megatron_recording_ranks(verl_python):
+    """entropylens_dapo's eps_high (0.28 or refused), the Megatron recording-rank rule on a table of
+    layouts and in four gloo processes laid out pp=2 x dp=2, the metric aggregation rules."""
+    run_checks(verl_python, "dapo or recording_rank or megatron_pipeline or aggregation_rule")
+
+
 def test_reasons_verl_cannot_train_on_cpu_still_hold(verl_python):
     run_checks(verl_python, "why_verl")

@@ -27,14 +27,43 @@ importing this module registers the losses. Three layers, each usable alone:
    the run after its step (:func:`resume_plan`).
 
 Aggregation: verl normalises each micro-batch's loss by GLOBAL counts (``agg_loss``: dp_size,
-batch_num_tokens, global_batch_size, loss_scale_factor). With n local tokens (B' local sequences with
-tokens) that is our per-micro-batch aggregation times ``scale``:
+batch_num_tokens, global_batch_size, loss_scale_factor). policy_loss has verl's five modes; with n
+local tokens (B' local sequences with tokens) verl's normalisation is our aggregation times ``scale``:
     token-mean             scale = n * dp_size / batch_num_tokens
-    token-sum              scale = n * dp_size                     (our token-mean weights)
+    token-sum              scale = dp_size
     seq-mean-token-mean    scale = B' * dp_size / global_batch_size
     seq-mean-token-sum     scale = B' * dp_size / global_batch_size
-    seq-mean-token-sum-norm  the same / loss_scale_factor (default: the response length T)
+    seq-mean-token-sum-norm  the same, policy_loss dividing by loss_scale_factor (default: the width T)
 so ``grad_coef`` is the token's true dLoss/dlogp in verl's backward.
+
+Metrics (trainer_mode=entropylens; verl sums a Metric SUM over micro-batches after averaging it over
+data-parallel ranks, averages a Metric MEAN, then averages every key over the step's mini-batches):
+    entropylens/<name>     the step metric over ALL the step's tokens (every micro-batch, rank,
+                           mini-batch and epoch): the loss function returns additive shares
+                           (``entropylens/_sum/<name>``, Metric SUM, times dp_size), the trainer takes them
+                           out of update_actor's metrics before verl averages them and divides the sums
+                           (:func:`metric_shares`, :func:`step_values`). Quantiles (entropy_ratio_p*) and
+                           the per-quadrant mean logit-gradient norms do not add up: steps table only.
+    entropylens/loss       the back-propagated policy loss (entropy bonus in, KL out), aggregated as
+                           verl's actor/pg_loss (SUM over micro-batches, mean over mini-batches)
+    actor/pg_loss          as ppo_loss: the policy term alone (no entropy bonus)
+    actor/pg_clipfrac, actor/ppo_kl, actor/pg_clipfrac_lower, actor/entropy_loss, kl_loss: as ppo_loss
+                           makes them (compute_policy_loss_vanilla's definitions, the same aggregations);
+                           pg_clipfrac_lower is the share of dual-clipped tokens (entropylens' dual_clip_frac
+                           per micro-batch)
+The registered losses alone (layer 1) return what verl's ppo_loss averages over micro-batches: verl's
+three clip diagnostics and entropylens' fractions / means (micro-batch means; no counts, no loss).
+
+Recording ranks: one recorder per data-parallel rank. FSDP: the data-parallel group that holds global
+rank 0 (Ulysses peers hold the same data). Megatron (``megatron.core.parallel_state`` set up):
+:func:`recording_rank` of (pp_rank, pp_size, tp_rank, cp_rank, dp_rank): the last pipeline stage,
+tensor rank 0, context rank 0, where verl collects its outputs.
+
+Settings: ``entropylens_dapo`` needs actor.clip_ratio_high set away from verl's default 0.2 (DAPO's 0.28:
+refused otherwise, since a composed config cannot tell the default from a setting); eps used are in
+run.json. verl's entropy_coeff goes into the loss (and its config: steps.entropy_coef). With
+``actor_rollout_ref.model.use_fused_kernels=True`` the trainer does not ask for sum_pi_squared (verl
+refuses it with fused kernels): logit_grad_norm is null, said once.
 
 Logit-gradient norm without logits (verl's engine computes sum_j pi_j^2 when asked): for a loss that
 reaches the logits z only through logp_a = log softmax(z/T)_a, with g = dLoss/dlogp_a,
@@ -166,16 +195,39 @@ def registered_names() -> tuple[str, ...]:
     return (*METHODS, *(f"entropylens_{m}" for m in (*METHODS, *PREFIXED)))
 
 
-def eps_from(config) -> tuple[float, float]:
-    """verl's clip range: clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio."""
+def verl_default(field: str):
+    """The default of one of verl's ActorConfig fields (its dataclass; actor.yaml sets the same values)."""
+    import dataclasses
+
+    from verl.workers.config import ActorConfig
+
+    return {f.name: f.default for f in dataclasses.fields(ActorConfig)}[field]
+
+
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025): eps_low 0.2, eps_high 0.28
+
+
+def eps_from(config, method: str | None = None) -> tuple[float, float]:
+    """verl's clip range: clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio.
+
+    ``method='dapo'``: DAPO is PPO-clip with a wider high side; verl's clip_ratio_high defaults to
+    0.2 (actor.yaml) and a composed config cannot tell that default from a user's 0.2, so a dapo loss
+    with clip_ratio_high at verl's default is refused (one line) instead of silently running as GRPO."""
     clip = float(getattr(config, "clip_ratio", 0.2))
     low = getattr(config, "clip_ratio_low", None)
     high = getattr(config, "clip_ratio_high", None)
-    return (clip if low is None else float(low)), (clip if high is None else float(high))
+    low, high = (clip if low is None else float(low)), (clip if high is None else float(high))
+    if method == "dapo" and abs(high - float(verl_default("clip_ratio_high"))) < 1e-12:
+        raise ValueError(
+            f"entropylens_dapo: actor.clip_ratio_high is {high:g}, verl's default, which makes DAPO plain GRPO (verl's "
+            f"config cannot tell its default from a setting): set actor_rollout_ref.actor.clip_ratio_high="
+            f"{DAPO_EPS_HIGH} (DAPO's clip-higher), or use loss_mode=entropylens_grpo for a symmetric clip")
+    return low, high
 
 
 def agg_and_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict) -> tuple[str, float | torch.Tensor]:
-    """Our aggregation and the scale that turns it into verl's ``agg_loss`` with global counts
+    """Our aggregation (policy_loss's ``agg``: verl's five modes, seq-mean-token-sum-norm with
+    ``loss_scale_factor``) and the scale that turns it into verl's ``agg_loss`` with global counts
     (module docstring). ``info`` is ``config.global_batch_info`` (dp_size, batch_num_tokens,
     global_batch_size, loss_scale_factor); missing entries fall back to local counts as verl does."""
     dp = int(info.get("dp_size") or 1)
@@ -190,36 +242,136 @@ def agg_and_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict) -> tuple[s
             return "token-mean", 1.0
         return "token-mean", n.double() * dp / float(total)
     if loss_agg_mode == "token-sum":
-        return "token-mean", n.double().clamp(min=1.0) * dp
+        return "token-sum", float(dp)
     if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         gbs = info.get("global_batch_size")
         if gbs is None and dp > 1:
             raise ValueError("global_batch_size is required when dp_size > 1")
-        scale = 1.0 if gbs is None else n_seq.double() * dp / float(gbs)
-        agg = "seq-mean-token-mean" if loss_agg_mode == "seq-mean-token-mean" else "seq-mean-token-sum"
-        if loss_agg_mode == "seq-mean-token-sum-norm":
-            lsf = info.get("loss_scale_factor")
-            scale = scale / float(lsf if lsf is not None else mask.shape[-1])
-        return agg, scale
+        return loss_agg_mode, (1.0 if gbs is None else n_seq.double() * dp / float(gbs))
     raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}")
 
 
 def compute_loss(method: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, *,
                  entropy=None, old_entropy=None, erc=None, entropy_coef: float = 0.0):
-    """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high, dual-clip from
-    clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the policy_loss
-    config, aggregation with verl's global counts via ``scale``. Returns the PolicyLossOutput."""
-    eps_low, eps_high = eps_from(config)
+    """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high (:func:`eps_from`),
+    dual-clip from clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the
+    policy_loss config, aggregation with verl's global counts via ``scale``, ``entropy_coef`` (verl's
+    entropy_coeff: the bonus is in the loss and in its config, where the recorder's entropy-bonus
+    rule reads it). Returns the PolicyLossOutput."""
+    eps_low, eps_high = eps_from(config, method)
     info = dict(getattr(config, "global_batch_info", None) or {})
     agg, scale = agg_and_scale(loss_agg_mode, response_mask, info)
     scale = float(scale)
     scale = scale if scale > 0 else 1.0  # no token in this micro-batch: every weight is 0 anyway
     dual = None if method == "cispo" else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
+    lsf = info.get("loss_scale_factor") if agg == "seq-mean-token-sum-norm" else None
     kw = dict(method=method, eps_low=eps_low, eps_high=eps_high, dual_clip=dual, agg=agg,
               beta1=float(_pl_get(config, "beta1", 0.5)), beta2=float(_pl_get(config, "beta2", 1.0)),
               tau=float(_pl_get(config, "tau", 0.5)), entropy=entropy, old_entropy=old_entropy, erc=erc,
-              entropy_coef=entropy_coef)
+              entropy_coef=entropy_coef, loss_scale_factor=None if lsf is None else float(lsf))
     return policy_loss(log_prob, old_log_prob, advantages, response_mask, scale=scale, **kw)
+
+
+def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: str) -> torch.Tensor:
+    """verl's own PPO diagnostics of one micro-batch, as compute_policy_loss_vanilla defines them
+    (log-ratio clamped to +-20): [pg_clipfrac, ppo_kl, pg_clipfrac_lower], float64 [3] on the device.
+    pg_clipfrac: share of tokens whose clipped surrogate exceeds the unclipped one (A > 0, r > 1+eps_high;
+    A < 0, r < 1-eps_low); pg_clipfrac_lower: share with A < 0 and r above the dual-clip bound
+    clip_ratio_c (entropylens' dual_clipped); ppo_kl: mean of log pi_old - log pi."""
+    eps_low, eps_high = eps_from(config, method)
+    c = float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
+    m = mask.bool()
+    denom = m.sum().clamp(min=1).double()
+    log_r = torch.clamp(log_prob.detach().double() - old_log_prob.double(), min=-20.0, max=20.0)
+    r = torch.exp(log_r)
+    a = advantages.double()
+    l1, l2 = -a * r, -a * torch.clamp(r, 1 - eps_low, 1 + eps_high)
+    clipfrac = ((l2 > l1) & m).sum() / denom
+    lower = ((torch.maximum(l1, l2) > -a * c) & (a < 0) & m).sum() / denom
+    kl = torch.where(m, -log_r, torch.zeros_like(log_r)).sum() / denom
+    return torch.stack([clipfrac.double(), kl, lower.double()])
+
+
+VERL_CLIP_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+# Step metrics by how they add up over micro-batches, ranks and mini-batches (exact step values):
+# counts are summed; a fraction / mean of tokens is (sum of value * n_tokens) / sum of n_tokens; ratio_mean
+# and kl_k3 are means over the tokens with a finite ratio (n_tokens - n_nonfinite_ratio); clip_frac_<q>
+# is of quadrant q's tokens; the entropy budget is a sum. Quantiles (entropy_ratio_p*) and the mean
+# logit-gradient norms per quadrant do not add up: they are in the steps table, not in the logs.
+def _metric_rule(name: str) -> tuple[str, str | None] | None:
+    """(kind, denominator) of a step metric for exact aggregation; None: not logged (not additive)."""
+    from ..tokenbatch import BUDGET_NAMES
+
+    if name == "n_tokens" or name.startswith("n_"):
+        return ("count", None)
+    if name in ("ratio_mean", "kl_k3"):
+        return ("mean", "n_finite_ratio")
+    if name.startswith("clip_frac_"):
+        return ("mean", "n_" + name[len("clip_frac_"):])
+    if name in BUDGET_NAMES:
+        return ("sum", None)
+    if name.startswith("entropy_ratio_p") or name.startswith("lgn_mean_") or name == "loss":
+        return None
+    if name.endswith("_frac") or name.endswith("_mean"):
+        return ("mean", "n_tokens")
+    return None
+
+
+# a micro-batch's additive share of a step metric (EntropyLensTrainer turns the shares into step values)
+SUM_PREFIX = METRIC_PREFIX + "_sum/"
+
+
+def metric_shares(scal: dict[str, float], dp_size: int) -> dict[str, float]:
+    """One micro-batch's additive shares of the step metrics (``scal``: its PolicyLossOutput.scalars()),
+    each times ``dp_size``: verl's Metric SUM aggregation averages over data-parallel ranks and sums
+    over micro-batches, so a share times dp_size adds up to the global sum of the mini-batch."""
+    n = scal.get("n_tokens", 0.0)
+    den = {"n_tokens": n, "n_finite_ratio": n - scal.get("n_nonfinite_ratio", 0.0)}
+    out = {}
+    for name, v in scal.items():
+        rule = _metric_rule(name)
+        if rule is None:
+            continue
+        kind, d = rule
+        if kind == "mean":
+            w = den[d] if d in den else scal.get(d, 0.0)
+            v = v * w if w else 0.0  # an empty denominator adds nothing (its value is 0 or NaN)
+        out[name] = v * dp_size
+    if "n_nonfinite_ratio" in scal or "ratio_mean" in scal:
+        out["n_finite_ratio"] = den["n_finite_ratio"] * dp_size
+    return out
+
+
+def step_values(sums: dict[str, float]) -> dict[str, float]:
+    """The step metrics from their shares summed over the whole step (every micro-batch, rank,
+    mini-batch and epoch): each value equals the metric computed over all the step's tokens at once."""
+    out = {}
+    for name, total in sums.items():
+        if name == "n_finite_ratio":
+            continue
+        rule = _metric_rule(name)
+        if rule is None:
+            continue
+        kind, d = rule
+        if kind == "mean":  # over no token: 0, as step_aggregates makes it (its denominators are clamped to 1)
+            out[name] = total / max(sums.get(d, 0.0), 1.0)
+        else:
+            out[name] = total
+    return out
+
+
+def _total(v) -> float:
+    """A metric verl collected over the step: a list (one value per mini-batch: Metric.aggregate_dp),
+    a Metric (verl ran without a data-parallel group: every micro-batch's value) or a number."""
+    from verl.utils.metric import Metric
+
+    if isinstance(v, Metric):
+        return float(v.aggregate())
+    if isinstance(v, (list, tuple)):
+        return float(sum(_total(x) for x in v))
+    return float(v)
 
 
 def _make_registered(method: str):
@@ -235,8 +387,13 @@ def _make_registered(method: str):
             logger.warning("entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
                            "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0")
         out = compute_loss(method, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
-        metrics = {METRIC_PREFIX + k: v for k, v in out.scalars().items()}
-        metrics["actor/pg_clipfrac"] = metrics.get(METRIC_PREFIX + "clipped_frac", float("nan"))
+        clip = verl_clip_metrics(log_prob, old_log_prob, advantages, response_mask, config, method)
+        scal = out.scalars()
+        # verl's ppo_loss averages these over micro-batches (Metric MEAN): only intensive values are
+        # returned (a count or the loss would come out divided by the number of micro-batches); exact step
+        # values need trainer.v1.trainer_mode=entropylens (EntropyLensLoss)
+        metrics = {METRIC_PREFIX + k: v for k, v in scal.items() if (_metric_rule(k) or ("",))[0] == "mean"}
+        metrics.update(zip(VERL_CLIP_KEYS, clip.tolist()))
         return out.loss, metrics
 
     loss_fn.__name__ = f"entropylens_{method}_policy_loss"
@@ -294,11 +451,53 @@ def commit_recorders() -> None:
         rec.commit()
 
 
-def dp_rank(dp_group) -> tuple[int, int, bool]:
-    """(rank in the data-parallel group, its size, whether this process records). Model-parallel peers
-    (Ulysses SP, TP) hold the same micro-batch: only the dp group that contains global rank 0 records,
-    so each dp rank writes once."""
+def recording_rank(pp_rank: int, pp_size: int, tp_rank: int, cp_rank: int, dp_rank: int, *,
+                   dynamic_cp: bool = False) -> int | None:
+    """The recorder rank of a Megatron process (its data-parallel rank), or None when it does not record.
+
+    The loss runs on the last pipeline stage only, and every tensor / context-parallel peer of a
+    data-parallel rank holds the same micro-batch: one process per data-parallel rank records, the one
+    at the last pipeline stage with tensor rank 0 and context rank 0 (verl's
+    MegatronEngine.is_mp_src_rank_with_outputs; its data-parallel groups exclude global rank 0 when
+    pp_size > 1). With verl's dynamic context parallelism every data-parallel rank holds the whole
+    batch (verl makes dp 1): only data-parallel rank 0 records."""
+    if not (0 <= pp_rank < pp_size) or min(tp_rank, cp_rank, dp_rank) < 0:
+        raise ValueError(f"not a parallel layout: pp_rank={pp_rank}, pp_size={pp_size}, tp_rank={tp_rank}, "
+                         f"cp_rank={cp_rank}, dp_rank={dp_rank}")
+    if pp_rank != pp_size - 1 or tp_rank != 0 or cp_rank != 0:
+        return None
+    if dynamic_cp:
+        return 0 if dp_rank == 0 else None
+    return dp_rank
+
+
+def megatron_layout() -> tuple[int, int, int, int, int, int] | None:
+    """(pp_rank, pp_size, tp_rank, cp_rank, dp_rank, dp_size) of this process from Megatron's
+    parallel state (megatron.core.parallel_state, which verl's Megatron engine imports as mpu), or None
+    where Megatron's model-parallel state is not set up here (FSDP: megatron is not even imported)."""
+    import sys
+
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is None or not mpu.model_parallel_is_initialized():
+        return None
+    return (mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(), mpu.get_data_parallel_rank(),
+            mpu.get_data_parallel_world_size())
+
+
+def dp_rank(dp_group, *, dynamic_cp: bool = False) -> tuple[int, int, bool]:
+    """(rank in the data-parallel group, its size, whether this process records).
+
+    Megatron (:func:`megatron_layout`): :func:`recording_rank` of its layout. Otherwise (FSDP) the
+    Ulysses sequence-parallel peers of a data-parallel rank hold the same micro-batch and verl's
+    data-parallel groups are the processes of one sequence-parallel rank: the group that contains
+    global rank 0 (sequence-parallel rank 0) records, so each data-parallel rank writes once."""
     dist = torch.distributed
+    layout = megatron_layout()
+    if layout is not None:
+        pp_rank, pp_size, tp_rank, cp_rank, rank, size = layout
+        got = recording_rank(pp_rank, pp_size, tp_rank, cp_rank, rank, dynamic_cp=dynamic_cp)
+        return (0, 1, got is not None) if dynamic_cp else (rank, size, got is not None)
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1, True
     if dp_group is None:
@@ -306,6 +505,12 @@ def dp_rank(dp_group) -> tuple[int, int, bool]:
     ranks = dist.get_process_group_ranks(dp_group)
     return dist.get_rank(dp_group), len(ranks), 0 in ranks
 
+
+def _non_tensor(data, key: str, default=None):
+    """A non-tensor entry of verl's micro-batch TensorDict (tensordict_utils.get_non_tensor_data)."""
+    from verl.utils import tensordict_utils as tu
+
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
 
 
 def _padded(tensor, data, width: int):
@@ -385,23 +590,24 @@ class EntropyLensLoss:
         out._update, out._warned = {}, set()
         return out
 
-    def _recorder(self, dp_group):
+    def _recorder(self, dp_group, *, dynamic_cp: bool = False):
         if not self.record_dir or self.closing:
             return None
-        rank, world, records = dp_rank(dp_group)
+        rank, world, records = dp_rank(dp_group, dynamic_cp=dynamic_cp)
         if not records:
             return None
-        if self.run is None:  # agreed once, within the recording dp group
+        if self.run is None:  # agreed once, within the recording dp group (its first member's id)
             rid = [f"{self.method}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"]
-            if world > 1:
-                torch.distributed.broadcast_object_list(rid, src=0, group=dp_group)
+            if world > 1 and dp_group is not None:
+                src = torch.distributed.get_global_rank(dp_group, 0)
+                torch.distributed.broadcast_object_list(rid, src=src, group=dp_group)
             self.run = rid[0]
         key = (str(self.record_dir), self.run)
         rec = _RECORDERS.get(key)
         if rec is None:
             from ..recorder import Recorder
 
-            eps_low, eps_high = eps_from(self.config)
+            eps_low, eps_high = eps_from(self.config, self.method)
             cfg = {"method": self.method, "framework": "verl", "eps_low": eps_low, "eps_high": eps_high,
                    "beta1": _pl_get(self.config, "beta1") if self.method == "ce_gppo" else None,
                    "beta2": _pl_get(self.config, "beta2") if self.method == "ce_gppo" else None,
@@ -467,6 +673,7 @@ class EntropyLensLoss:
                            erc=self.erc, entropy_coef=entropy_coef)
         loss = out.loss
         metrics: dict[str, Any] = {}
+        ent_loss = None
         if entropy is not None:  # as ppo_loss reports it
             ent_loss = agg_loss(loss_mat=entropy.detach(), loss_mask=mask, loss_agg_mode=config.loss_agg_mode,
                                 **config.global_batch_info)
@@ -480,13 +687,24 @@ class EntropyLensLoss:
             metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
             metrics["kl_coef"] = config.kl_loss_coef
 
+        clip = verl_clip_metrics(log_prob, old_logp, adv, mask, config, self.method)
+        host = torch.cat([clip, ent_loss.detach().double().reshape(1) if ent_loss is not None
+                          else torch.zeros(1, dtype=torch.float64, device=clip.device)]).tolist()  # one host copy
         scal = out.scalars()  # one host copy
-        metrics["actor/pg_loss"] = Metric(value=scal.get("loss", float("nan")), aggregation=metric_aggregation)
-        metrics["actor/pg_clipfrac"] = scal.get("clipped_frac", float("nan"))
-        for k, v in scal.items():
-            metrics[METRIC_PREFIX + k] = v
+        total = scal.get("loss", float("nan"))
+        # verl's keys as ppo_loss makes them: pg_loss without the entropy bonus (out.loss = pg - coef * H_agg),
+        # the clip diagnostics averaged over micro-batches (Metric MEAN, as ppo_loss wraps a policy loss's metrics)
+        metrics["actor/pg_loss"] = Metric(value=total + entropy_coef * host[3], aggregation=metric_aggregation)
+        for key, v in zip(VERL_CLIP_KEYS, host[:3]):
+            metrics[key] = Metric(value=v, aggregation=AggregationType.MEAN)
+        # ours: the back-propagated policy loss (bonus included) with pg_loss's aggregation, and the step
+        # metrics as additive shares (Metric SUM); EntropyLensTrainer turns the shares into step values
+        metrics[METRIC_PREFIX + "loss"] = Metric(value=total, aggregation=metric_aggregation)
+        for k, v in metric_shares(scal, int(data["dp_size"] or 1)).items():
+            metrics[SUM_PREFIX + k] = Metric(value=v, aggregation=AggregationType.SUM)
 
-        rec = self._recorder(dp_group)
+        dynamic_cp = _non_tensor(data, "local_cp_size") is not None
+        rec = self._recorder(dp_group, dynamic_cp=dynamic_cp)
         if rec is not None:
             self._record(rec, out, td, mask, adv, log_prob, old_logp, entropy, old_entropy, spp,
                          data, keys, exact=entropy_coef == 0.0 and not config.use_kl_loss)
@@ -621,6 +839,30 @@ def resume_plan(folder: str | None, global_steps: int, run_given: str | None, ne
 
 
 # ----------------------------------------------------------------------------------- trainer
+class _MetricShares:
+    """The actor worker group as verl's ``_update_actor`` sees it, with one change: ``update_actor``'s
+    metrics lose the additive shares (``entropylens/_sum/...``) before verl averages them over
+    mini-batches (reduce_metrics); their totals over the step are kept in ``sums``."""
+
+    def __init__(self, wg):
+        self._wg = wg
+        self.sums: dict[str, float] = {}
+
+    def update_actor(self, *args, **kwargs):
+        from verl.utils import tensordict_utils as tu
+
+        out = self._wg.update_actor(*args, **kwargs)
+        metrics = dict(out["metrics"])
+        for k in [k for k in metrics if k.startswith(SUM_PREFIX)]:
+            name = k[len(SUM_PREFIX):]
+            self.sums[name] = self.sums.get(name, 0.0) + _total(metrics.pop(k))
+        tu.assign_non_tensor(out, metrics=metrics)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._wg, name)
+
+
 def _trainer_class():
     """verl's sync v1 trainer + entropylens (``trainer.v1.trainer_mode=entropylens``)."""
     import transfer_queue as tq
@@ -640,6 +882,7 @@ def _trainer_class():
             if method_of(str(pl.loss_mode)) is None:
                 raise ValueError(f"trainer_mode=entropylens needs an entropylens loss_mode ({', '.join(registered_names())}), "
                                  f"got {pl.loss_mode!r}")
+            eps_from(config.actor_rollout_ref.actor, method_of(str(pl.loss_mode)))  # refused here, not on a worker
             self._el_run_given = pl.get("run") or None
             self._el_new_run = f"{method_of(str(pl.loss_mode))}-{datetime.now().strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
             with open_dict(config):
@@ -664,6 +907,7 @@ def _trainer_class():
             self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume)
             self.actor_rollout_wg.set_loss_fn(self._el_loss)
             self._el_exact = bool(_pl_get(actor_cfg, "exact_logit_grad_norm", True))
+            self._el_fused_warned = False
 
         def _save_checkpoint(self):
             """Before verl saves checkpoint N: every worker commits its recorded steps (all <= N: whole
@@ -684,9 +928,11 @@ def _trainer_class():
             fields = set(getattr(batch, "fields", None) or ())
             if fields & {"entropy", "entropylens_old_entropy"}:
                 return batch
-            try:  # a meta without its field list: ask the store
-                tq.kv_batch_get(keys=batch.keys[:1], partition_id=batch.partition_id, select_fields=["entropy"])
-                return batch
+            try:  # a meta without its field list: ask the store (TransferQueue 0.1.11 answers a missing
+                # field with an empty TensorDict, older releases raised ValueError)
+                got = tq.kv_batch_get(keys=batch.keys[:1], partition_id=batch.partition_id, select_fields=["entropy"])
+                if "entropy" in got.keys():
+                    return batch
             except ValueError:  # "field doesn't exist": compute it below
                 pass
             batch.extra_info.update({"calculate_entropy": True, "compute_loss": False,
@@ -714,19 +960,42 @@ def _trainer_class():
                 self.actor_rollout_wg.set_loss_fn(self._el_loss.shipped(ending=True))
 
         def _update_actor(self, batch, metrics):
-            ids, steps = self._el_take_ids(len(batch.keys))
+            n = len(batch.keys)
+            ids, steps = self._el_take_ids(n)
             batch = self._el_ensure_old_entropy(batch)
             extra = dict(batch.extra_info)
             batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
                                     fields=TensorDict({SAMPLE_ID: ids, STEP: steps}, batch_size=n))
             batch.extra_info.update(extra)
-            batch.extra_info["calculate_sum_pi_squared"] = self._el_exact
+            batch.extra_info["calculate_sum_pi_squared"] = self._el_sum_pi_squared()
             own: dict = {}
-            batch = super()._update_actor(batch, own)
+            wg, capture = self.actor_rollout_wg, _MetricShares(self.actor_rollout_wg)
+            self.actor_rollout_wg = capture  # verl's _update_actor calls update_actor on it
+            try:
+                batch = super()._update_actor(batch, own)
+            finally:
+                self.actor_rollout_wg = wg
             self._el_step_done()
-            for k, v in own.items():  # our aggregates as entropylens/..., verl's own keys unchanged
+            for k, v in own.items():  # verl's own keys unchanged; ours (entropylens/loss) without actor/
                 metrics[k.replace("actor/" + METRIC_PREFIX, METRIC_PREFIX, 1)] = v
+            for k, v in step_values(capture.sums).items():  # exact values over the whole step
+                metrics[METRIC_PREFIX + k] = v
             return batch
+
+        def _el_sum_pi_squared(self) -> bool:
+            """Ask the engine for sum_j pi_j^2 (the exact logit-gradient norm)? Not with verl's fused
+            kernels, which never materialise the logits (verl refuses the request): logit_grad_norm is
+            then not recorded (null), said once."""
+            if not self._el_exact:
+                return False
+            if bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)):
+                if not self._el_fused_warned:
+                    self._el_fused_warned = True
+                    warnings.warn("entropylens: actor_rollout_ref.model.use_fused_kernels=True: verl's fused kernels "
+                                  "do not give sum_j pi_j^2 (the logits are never materialised), so logit_grad_norm "
+                                  "is not recorded (null); set use_fused_kernels=False to record it", stacklevel=2)
+                return False
+            return True
 
         def fit(self, *args, **kwargs):
             status = "failed"
@@ -756,4 +1025,5 @@ def register_trainer() -> bool:
 register_trainer()
 
 __all__ = ["EntropyLensLossConfig", "EntropyLensLoss", "check_verl_version", "check_registered", "register",
-           "register_trainer", "compute_loss", "agg_and_scale", "logit_grad_norm_from_sum_p2", "VERL_TESTED"]
+           "register_trainer", "compute_loss", "agg_and_scale", "logit_grad_norm_from_sum_p2", "VERL_TESTED",
+           "recording_rank", "megatron_layout", "metric_shares", "step_values", "verl_clip_metrics", "eps_from"]

@@ -143,13 +143,14 @@ def test_registered_ce_gppo_equals_policy_loss_float64(agg):
     loss, metrics = get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, agg, cfg, None)
     (g,) = torch.autograd.grad(loss, logp)
 
-    ours_agg = {"token-sum": "token-mean", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(agg, agg)
-    scale = {"token-mean": n_tok * 2 / (n_tok + 7), "token-sum": n_tok * 2,
+    # policy_loss has verl's five modes (seq-mean-token-sum-norm divides by the padded width T, as
+    # agg_loss does without loss_scale_factor); the global counts are the scale
+    scale = {"token-mean": n_tok * 2 / (n_tok + 7), "token-sum": 2,
              "seq-mean-token-mean": n_seq * 2 / (n_seq + 3), "seq-mean-token-sum": n_seq * 2 / (n_seq + 3),
-             "seq-mean-token-sum-norm": n_seq * 2 / (n_seq + 3) / mask.shape[1]}[agg]
+             "seq-mean-token-sum-norm": n_seq * 2 / (n_seq + 3)}[agg]
     logp2 = logp.detach().clone().requires_grad_(True)
     ref = policy_loss(logp2, old, adv, mask, method="ce_gppo", eps_low=0.2, eps_high=0.28, beta1=0.5, beta2=0.8,
-                      dual_clip=3.0, agg=ours_agg, scale=scale)
+                      dual_clip=3.0, agg=agg, scale=scale)
     (g_ref,) = torch.autograd.grad(ref.loss, logp2)
     torch.testing.assert_close(loss.double(), ref.loss.double(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g, g_ref.to(g.dtype), rtol=1e-12, atol=1e-12)
@@ -355,7 +356,7 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
         out, logits, lp_values = model_output(model, mb)
         loss, metrics = loss_fn(out, mb, dp_group=torch.distributed.group.WORLD)
         loss.backward()
-        assert "entropylens/clipped_frac" in metrics and "actor/pg_loss" in metrics
+        assert "entropylens/_sum/clipped_frac" in metrics and "actor/pg_loss" in metrics  # a share of the step value
         cu = mb["input_ids"].offsets()
         for i, sid in enumerate(mb["entropylens_sample_id"].tolist()):
             row = sid - 100
@@ -489,7 +490,7 @@ def _overrides(text: str) -> list[str]:
     import shlex
 
     cmd = text.split("python3 -m verl.trainer.main_ppo", 1)[1].replace("\\\n", " ")
-    cmd = cmd.split("\n", 1)[0].split(" 2>&1", 1)[0].split(" | ", 1)[0]  # up to a redirection or pipe
+    cmd = cmd.split("\n", 1)[0].split(" 2>&1", 1)[0].split(" | ", 1)[0].split(" >", 1)[0]  # up to a redirection or pipe
     env = {"DATA": "/data", "MODEL": "/model", "RUNS": "/runs", "NGPUS": "8"}
     out = []
     for tok in shlex.split(cmd):
@@ -501,7 +502,8 @@ def _overrides(text: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("source", ["README.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh"])
+@pytest.mark.parametrize("source", ["README.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh",
+                                    "examples/gpu_check_verl.sh"])
 def test_documented_command_lines_compose_in_verl(source):
     """The overrides users copy (README, examples) compose with verl's own hydra config and build the
     ActorConfig (with our EntropyLensLossConfig) the way the worker does; the trainer mode exists."""
@@ -554,3 +556,316 @@ def test_why_verl_cannot_train_on_this_cpu_machine():
     assert all(importlib.util.find_spec(m) is None for m in ("vllm", "sglang", "tensorrt_llm"))
     with pytest.raises(ValueError, match="vllm version None not supported and SGLang also not Found"):
         RolloutReplicaRegistry.get("vllm")
+
+
+# ----------------------------------------------------------------------------------- the trainer's update path
+# EntropyLensTrainer._update_actor through verl's own update path: a real TransferQueue store (Ray
+# actors), verl's tqbridge, ActorRolloutRefWorker / TrainingWorker / BaseEngine / FSDPEngineWithLMHead
+# code on a CPU engine (cpu_actor.py says exactly what is stood in for: the worker group's transport, the
+# FSDP wrap + optimizer step, the device name).
+@pytest.fixture(scope="module")
+def store(gloo):
+    sys.path.insert(0, str(HERE))
+    import cpu_actor
+
+    cpu_actor.start_ray_and_store()
+    yield cpu_actor
+    cpu_actor.stop_ray_and_store()
+
+
+def _trainer(ca, work, *, record=True, fused=False, lr=0.0, loss_mode="ce_gppo", **kw):
+    """(trainer, worker group): ``EntropyLensTrainer`` on the CPU actor worker (cpu_actor.py)."""
+    ca.SETTINGS.update(lr=lr, fused=fused)
+    extra = list(kw.pop("extra", ()))
+    if fused:
+        extra.append("actor_rollout_ref.model.use_fused_kernels=true")
+    overrides = ca.trainer_overrides(ca.tiny_model_dir(work.parent / "tiny"), loss_mode=loss_mode,
+                                     record_dir=work / "runs" if record else None, extra=extra, **kw)
+    cfg = ca.compose(overrides)
+    worker = ca.build_actor_worker(cfg)
+    wg = ca.worker_group(worker)
+    return ca.build_trainer(cfg, wg), wg, cfg
+
+
+def _padded_rows(con, where="true"):
+    """The recorded token rows as [U*B, T] tensors, one row per (update, seq)."""
+    rows = con.execute(f"select update, seq, pos, logprob, old_logprob, advantage, entropy, old_entropy "
+                       f"from tokens where {where} order by update, seq, pos").fetchall()
+    keys = sorted({(u, s) for u, s, *_ in rows})
+    index = {k: i for i, k in enumerate(keys)}
+    width = max(r[2] for r in rows) + 1
+    t = {name: torch.zeros(len(keys), width, dtype=torch.float64) for name in ("lp", "old", "adv", "h", "oh")}
+    mask = torch.zeros(len(keys), width, dtype=torch.bool)
+    for u, s, pos, lp, old, adv, h, oh in rows:
+        i = index[(u, s)]
+        mask[i, pos] = True
+        for name, v in zip(("lp", "old", "adv", "h", "oh"), (lp, old, adv, h, oh)):
+            t[name][i, pos] = v
+    return t, mask
+
+
+def test_trainer_update_actor_records_the_step(tmp_path, store):
+    """trainer_mode=entropylens's _update_actor (which raised NameError at its first call) on verl's
+    real update path, bypass-mode batch (no old entropy in the store): the trainer computes the old
+    entropy through compute_log_prob (verl's infer path), writes run-unique sample ids and the step
+    into TransferQueue, asks for sum pi^2, and every worker records the step: one row per response
+    token, joined by sample id, old entropy == entropy (lr 0: the old policy is the current one),
+    logit_grad_norm from sum pi^2, the step written when the update is done."""
+    from entropylens import query
+
+    ca = store
+    work = tmp_path / "w"
+    with ca.on_cpu():
+        t, wg, _ = _trainer(ca, work, extra=["+actor_rollout_ref.actor.policy_loss.erc_low=0.9",
+                                             "+actor_rollout_ref.actor.policy_loss.erc_high=1.1"])
+        meta, ref = ca.put_rollout("train", seed=3, with_old=False)
+        from tensordict import TensorDict
+
+        nested = lambda xs: torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)  # noqa: E731
+        import transfer_queue as tq
+
+        meta = tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
+            {"old_log_probs": nested(ref["old"]), "advantages": nested(ref["adv"])}, batch_size=len(meta.keys)))
+        assert "entropy" not in meta.fields
+        t.global_steps = 5
+        metrics = {}
+        t._update_actor(meta, metrics)
+        assert wg.calls.count("compute_log_prob") == 1 and wg.calls.count("update_actor") == 1
+        got = ca.fetch(meta, ["entropylens_sample_id", "entropylens_step"])
+        assert got["entropylens_sample_id"].tolist() == list(range(8)) and set(got["entropylens_step"].tolist()) == {5}
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    n_tok = int(sum(int(m.sum()) for m in ref["mask"]))
+    assert metrics["entropylens/n_tokens"] == n_tok
+    con = query.connect(work / "runs" / "trainer-test")
+    n, seqs, steps, lgn, h, oh, rho = con.execute(
+        "select count(*), count(distinct seq), min(step) * 100 + max(step), count(logit_grad_norm), "
+        "max(abs(entropy - old_entropy)), count(old_entropy), max(abs(entropy_ratio - 1)) from tokens").fetchone()
+    assert (n, seqs, steps, lgn, oh) == (n_tok, 8, 505, n_tok, n_tok)
+    assert h < 1e-5 and rho < 1e-5
+    for i in range(8):  # joined by the sample id the trainer wrote: the row's token is that sample's
+        toks = [r[0] for r in con.execute(f"select token_id from tokens where seq = {i} order by pos").fetchall()]
+        want = [int(x) for x, m in zip(ref["responses"][i], ref["mask"][i]) if m]
+        assert toks == want, i
+    assert con.execute("select sum(n_tokens) from steps where step = 5").fetchone()[0] == n_tok
+
+
+def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path, store):
+    """The logged metrics of one step of 2 epochs x 2 mini-batches x 2 micro-batches (lr 0, so every
+    pass sees the same policy): each entropylens/<name> equals the step metric computed over all the
+    step's token rows at once (policy_loss on the recorded rows: n_tokens counts every pass, not one
+    micro-batch's mean; entropylens/loss is not divided by the number of micro-batches), and verl's own
+    keys equal verl's ppo_loss (loss_mode vanilla) on the same batch through the same update path:
+    actor/pg_loss without the entropy bonus, entropy_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower."""
+    from functools import partial
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    from entropylens import query
+    from entropylens.integrations.verl import _metric_rule
+    from entropylens.losses import policy_loss
+
+    ca = store
+    work = tmp_path / "m"
+    common = ["actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+              "actor_rollout_ref.actor.clip_ratio_c=3.0"]
+    with ca.on_cpu():
+        t, wg, cfg = _trainer(ca, work, loss_mode="entropylens_grpo", epochs=2, extra=common)
+        meta, ref = ca.put_rollout("train", seed=11)
+        t.global_steps = 1
+        ours = {}
+        t._update_actor(meta, ours)
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+        assert wg.calls.count("update_actor") == 1
+        # verl's own loss on the same batch and worker: ppo_loss with loss_mode=vanilla
+        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
+            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", epochs=2, extra=common)).actor_rollout_ref.actor)
+        wg.set_loss_fn(partial(ppo_loss, config=vcfg))
+        theirs = {}
+        PPOTrainer._update_actor(t, meta, theirs)
+    for key in ("actor/pg_loss", "actor/entropy_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-7, abs=1e-10), key
+    assert ours["actor/pg_clipfrac_lower"] > 0 and ours["actor/pg_clipfrac"] > 0  # the regions are there
+    bonus = 0.01 * ours["actor/entropy_loss"]
+    assert ours["entropylens/loss"] == pytest.approx(ours["actor/pg_loss"] - bonus, rel=1e-6)
+
+    # the whole step at once: every recorded row (2 passes over each sequence), one policy_loss
+    con = query.connect(work / "runs" / "trainer-test")
+    x, mask = _padded_rows(con)
+    n_tok = int(sum(int(m.sum()) for m in ref["mask"]))
+    assert int(mask.sum()) == 2 * n_tok
+    whole = policy_loss(x["lp"], x["old"], x["adv"], mask, method="grpo", eps_low=0.2, eps_high=0.28, dual_clip=3.0,
+                        agg="token-mean", entropy=x["h"], old_entropy=x["oh"]).scalars()
+    logged = {k[len("entropylens/"):]: v for k, v in ours.items()
+              if k.startswith("entropylens/") and k != "entropylens/loss"}
+    assert set(logged) == {k for k in whole if _metric_rule(k) is not None}, (sorted(logged), sorted(whole))
+    for k, v in logged.items():
+        assert v == pytest.approx(whole[k], rel=1e-6, abs=1e-9), k
+    assert logged["n_tokens"] == 2 * n_tok
+    steps = con.execute("select sum(n_tokens), sum(dual_clip_frac * n_tokens) from steps").fetchone()
+    assert steps[0] == 2 * n_tok and steps[1] == pytest.approx(logged["dual_clip_frac"] * 2 * n_tok)
+
+    # one micro-batch per step: verl's pg_clipfrac_lower IS the step's dual_clip_frac, pg_clipfrac its clipped_frac
+    with ca.on_cpu():
+        t1, _, _ = _trainer(ca, tmp_path / "one", record=False, loss_mode="entropylens_grpo", mini=8, micro=8,
+                            extra=common)
+        meta1, _ = ca.put_rollout("train1", seed=11)
+        one = {}
+        t1._update_actor(meta1, one)
+    assert one["entropylens/dual_clip_frac"] == pytest.approx(one["actor/pg_clipfrac_lower"], rel=1e-12)
+    assert one["entropylens/clipped_frac"] == pytest.approx(one["actor/pg_clipfrac"], rel=1e-12)
+    assert one["entropylens/dual_clip_frac"] == pytest.approx(logged["dual_clip_frac"], rel=1e-9)
+
+
+def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
+    """actor_rollout_ref.model.use_fused_kernels=True (verl's torch fused-kernel forward): the trainer
+    does not ask for sum pi^2, which verl refuses with fused kernels (NotImplementedError in
+    prepare_model_outputs); it says so once, and logit_grad_norm is null."""
+    import warnings
+
+    from entropylens import query
+
+    ca = store
+    work = tmp_path / "f"
+    with ca.on_cpu():
+        t, _, _ = _trainer(ca, work, fused=True)
+        with pytest.warns(UserWarning, match="use_fused_kernels=True: verl's fused kernels do not give sum_j pi_j"):
+            meta, _ = ca.put_rollout("train", seed=5)
+            t.global_steps = 1
+            t._update_actor(meta, {})
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            meta, _ = ca.put_rollout("train2", seed=6)
+            t.global_steps = 2
+            t._update_actor(meta, {})
+        assert not [w for w in again if "use_fused_kernels" in str(w.message)]  # once
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    con = query.connect(work / "runs" / "trainer-test")
+    n, lgn, h, steps = con.execute("select count(*), count(logit_grad_norm), count(entropy), count(distinct step) "
+                                   "from tokens").fetchone()
+    assert n > 0 and lgn == 0 and h == n and steps == 2
+
+
+def test_trainer_entropy_bonus_leaves_entropy_effect_null(tmp_path, store):
+    """verl's entropy_coeff reaches the loss config (steps.entropy_coef), so the recorder's entropy-bonus
+    rule applies: no token's entropy_effect and no budget sum is the policy term alone (null)."""
+    from entropylens import query
+
+    ca = store
+    work = tmp_path / "e"
+    with ca.on_cpu():
+        t, _, _ = _trainer(ca, work, extra=["actor_rollout_ref.actor.entropy_coeff=0.01"])
+        meta, _ = ca.put_rollout("train", seed=8)
+        t.global_steps = 1
+        t._update_actor(meta, {})
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    con = query.connect(work / "runs" / "trainer-test")
+    n, effect = con.execute("select count(*), count(entropy_effect) from tokens").fetchone()
+    assert n > 0 and effect == 0
+    coef, budget = con.execute("select min(entropy_coef), count(entropy_effect) from steps").fetchone()
+    assert coef == pytest.approx(0.01) and budget == 0
+
+
+# ----------------------------------------------------------------------------------- settings and ranks
+def test_dapo_eps_high_is_dapos_or_refused(tmp_path):
+    """entropylens_dapo takes eps_high from verl's clip_ratio_high: at verl's default (0.2, which a composed
+    config cannot tell from a setting) it is refused in one line, by the registered loss and by the
+    trainer, rather than run as GRPO; clip_ratio_high=0.28 runs DAPO and records the eps it used."""
+    import json
+
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from entropylens.integrations.verl import EntropyLensLoss, _trainer_class, close_recorders
+    from entropylens.losses import policy_loss
+
+    cfg = actor_config(loss_mode="entropylens_dapo")
+    old, logp, adv, mask = region_batch(seed=4)
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    with pytest.raises(ValueError, match=r"set actor_rollout_ref\.actor\.clip_ratio_high=0\.28") as err:
+        get_policy_loss_fn("entropylens_dapo")(old, logp, adv, mask, "token-mean", cfg, None)
+    assert "\n" not in str(err.value)
+    sys.path.insert(0, str(HERE))
+    import cpu_actor
+
+    overrides = [o for o in cpu_actor.trainer_overrides(tmp_path / "model", loss_mode="entropylens_dapo")]
+    with pytest.raises(ValueError, match=r"clip_ratio_high=0\.28"):
+        _trainer_class()(cpu_actor.compose(overrides))
+
+    cfg = actor_config(loss_mode="entropylens_dapo", clip_ratio_high=0.28, record_dir=str(tmp_path), run="dapo")
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    loss, _ = get_policy_loss_fn("entropylens_dapo")(old, logp, adv, mask, "token-mean", cfg, None)
+    ref = policy_loss(logp, old, adv, mask, method="dapo", dual_clip=3.0, agg="token-mean")  # dapo's own 0.2 / 0.28
+    torch.testing.assert_close(loss.double(), ref.loss.double(), rtol=1e-12, atol=1e-12)
+    # recorded through the loss function: run.json says 0.28
+    td, _ = rollout_batch(seed=2)
+    _, mbs = _micro_batches(td, dynamic=False, seed=1)
+    from verl.utils import tensordict_utils as tu
+
+    fn = EntropyLensLoss(cfg)
+    for mb in mbs:
+        tu.assign_non_tensor(mb, dp_size=1, batch_num_tokens=None, global_batch_size=None, temperature=TEMP)
+        out, _, _ = model_output(tiny_qwen2(), mb)
+        fn(out, mb, dp_group=None)
+    close_recorders()
+    info = json.loads((tmp_path / "dapo" / "run.json").read_text())
+    assert info["config"]["eps_high"] == 0.28 and info["config"]["method"] == "dapo", info
+    assert (info.get("loss") or {}).get("eps_high", 0.28) == pytest.approx(0.28)
+
+
+@pytest.mark.parametrize("layout, want", [
+    # (pp_rank, pp_size, tp_rank, cp_rank, dp_rank) -> recorder rank (None: does not record)
+    ((0, 1, 0, 0, 0), 0), ((0, 1, 0, 0, 3), 3), ((0, 1, 1, 0, 0), None), ((0, 1, 0, 1, 2), None),
+    ((1, 2, 0, 0, 0), 0), ((1, 2, 0, 0, 1), 1), ((0, 2, 0, 0, 0), None), ((0, 2, 0, 0, 1), None),
+    ((3, 4, 0, 0, 5), 5), ((2, 4, 0, 0, 5), None), ((3, 4, 1, 0, 5), None), ((3, 4, 0, 1, 5), None),
+    ((1, 2, 1, 1, 0), None), ((0, 1, 0, 0, 7), 7),
+])
+def test_megatron_recording_rank_table(layout, want):
+    """One recorder per data-parallel rank, at the last pipeline stage, tensor and context rank 0
+    (where verl's Megatron engine collects its outputs). Dynamic context parallelism: dp rank 0 only."""
+    from entropylens.integrations.verl import recording_rank
+
+    assert recording_rank(*layout) == want
+    assert recording_rank(*layout, dynamic_cp=True) == (0 if want is not None and layout[4] == 0 else None)
+
+
+def test_megatron_recording_rank_rejects_a_bad_layout():
+    from entropylens.integrations.verl import recording_rank
+
+    for bad in ((2, 2, 0, 0, 0), (0, 1, -1, 0, 0), (0, 0, 0, 0, 0)):
+        with pytest.raises(ValueError, match="not a parallel layout"):
+            recording_rank(*bad)
+
+
+def test_megatron_pipeline_ranks_record_once_per_dp_rank(tmp_path):
+    """Four gloo processes laid out as Megatron lays out pp=2 x dp=2 (megatron_ranks.py; Megatron is not
+    installed: its parallel_state module is stood in for with real torch.distributed groups): the loss
+    runs on the last stage (global ranks 2, 3, whose data-parallel group excludes global rank 0) and each
+    of them records as its data-parallel rank; the first stage records nothing."""
+    from entropylens import query
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           str(HERE / "megatron_ranks.py"), str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    run = tmp_path / "megatron-pp2"
+    assert sorted(x.name for x in (run / "ranks").iterdir()) == ["rank-0.json", "rank-1.json"]
+    con = query.connect(run)
+    by_rank = dict(con.execute("select rank, count(*) from tokens group by rank").fetchall())
+    assert set(by_rank) == {0, 1} and all(v > 0 for v in by_rank.values())
+    assert con.execute("select count(*) - count(distinct (rank, seq, pos)) from tokens").fetchone()[0] == 0
+
+
+def test_every_step_metric_has_an_aggregation_rule():
+    """The logs carry a metric only where its micro-batch values add up to the step's value; the ones that
+    do not (quantiles, per-quadrant mean logit-gradient norms over finite values, the loss, which is
+    verl's pg_loss aggregation) are the steps table's only."""
+    from entropylens.integrations.verl import _metric_rule
+    from entropylens.schema import STEP_METRICS
+    from entropylens.tokenbatch import BUDGET_NAMES
+
+    left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if _metric_rule(n) is None}
+    assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",
+                        "lgn_mean_pa_hp", "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp"}
