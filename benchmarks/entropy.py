@@ -11,7 +11,7 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
 5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per row,
    logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x), with no
    grad and in the training pass (forward + backward: where the recorder's s_t is computed), under the
-   native CPU row pass (entropylens/native.py) and the eager chunks (ENTROPYLENS_NATIVE=0), and the
+   native CPU row pass (entropylens/native.py, opted in here) and the eager chunks (the default), and the
    recorder's whole training pass with attribution (s_t, and the logit-gradient norm from the same
    sums) against the pass before attribution (a hook reading the gradient's row norms); 5b. the same
    in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
@@ -65,6 +65,7 @@ except Exception:  # pragma: no cover - reproduced faithfully (TRL 0.2x / 1.x, t
         return torch.cat(ents).reshape(logits.shape[:-1])
 
 
+os.environ.setdefault("ENTROPYLENS_NATIVE", "1")  # the native pass is opt-in; this benchmark measures it
 from entropylens import native  # noqa: E402
 from entropylens.stats import logprobs_and_entropy  # noqa: E402
 

@@ -429,7 +429,9 @@ def query(
 ) -> None:
     """Run one read-only SQL statement (DuckDB) over the runs under PATH.
 
-    Statements that write or change the session (COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ...) are refused.
+    Statements that write or change the session (COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ...) are refused, and so is EXPLAIN [ANALYZE] around any of them.
+
+    The connection is also locked down (DuckDB's enable_external_access off, configuration locked): a query can read only the files of the runs under PATH, not other files of yours (read_csv, read_parquet, read_text of other paths fail), cannot write any file, attach a database, install or load an extension, or reach the network. To join runs with your own files use the Python API: entropylens.query.connect(PATH, lock=False). Save a result with --output FILE.
 
     SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
     """

@@ -2,9 +2,15 @@
 
 DuckDB's own parser splits and classifies the SQL (``duckdb.extract_statements``); allowed are exactly
 one SELECT-class statement (SELECT, WITH ..., VALUES, FROM ..., DESCRIBE, SHOW, SUMMARIZE, PIVOT /
-UNPIVOT), EXPLAIN [ANALYZE], or a PRAGMA from READ_PRAGMAS. Everything else (COPY, CREATE, INSERT,
-UPDATE, DELETE, DROP, ALTER, ATTACH, DETACH, INSTALL, LOAD, SET, CALL, EXPORT, IMPORT, several
-statements) is refused before it runs, with a one-line reason.
+UNPIVOT), EXPLAIN [ANALYZE] [(options)] of a statement that passes this same rule (EXPLAIN ANALYZE
+runs what it wraps: #31, ``EXPLAIN ANALYZE COPY ... TO`` wrote files), or a PRAGMA from READ_PRAGMAS.
+Everything else (COPY, CREATE, INSERT, UPDATE, DELETE, DROP, ALTER, ATTACH, DETACH, INSTALL, LOAD,
+SET, CALL, EXPORT, IMPORT, several statements) is refused before it runs, with a one-line reason.
+
+This check is the first of two layers: the connection itself is locked down after its views are
+built (entropylens.query.lock_down: no file access beyond the runs' own files, no network, no
+extension install or load, configuration locked), so a statement this parser check lets through
+still cannot write elsewhere or reach the network.
 """
 
 from __future__ import annotations
@@ -25,9 +31,24 @@ def _strip_comments(sql: str) -> str:
     return re.sub(r"--[^\n]*|/\*.*?\*/", " ", sql, flags=re.S).strip()
 
 
-def check_read_only(sql: str) -> None:
+# EXPLAIN, then ANALYZE and/or a parenthesized option list: EXPLAIN ANALYZE, EXPLAIN (FORMAT json),
+# EXPLAIN (ANALYZE, FORMAT json), EXPLAIN ANALYZE (FORMAT json); comments may sit between the words
+_GAP = r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
+_EXPLAIN_HEAD = re.compile(
+    rf"{_GAP}explain\b{_GAP}(?:analy[sz]e\b{_GAP})?(?:\((?:[^()'\"]|'[^']*'|\"[^\"]*\")*\){_GAP})?", re.I | re.S)
+
+
+def _explained(query: str) -> str | None:
+    """The statement an EXPLAIN statement wraps (the text after EXPLAIN [ANALYZE] [(options)]), or
+    None if that prefix cannot be found."""
+    m = _EXPLAIN_HEAD.match(query)
+    return query[m.end():] if m else None
+
+
+def check_read_only(sql: str, _depth: int = 0) -> None:
     """Raise NotReadOnly unless ``sql`` is one read-only statement (a parse error is left to DuckDB,
-    which reports it when the query runs)."""
+    which reports it when the query runs). EXPLAIN is allowed only around a statement that passes
+    this same check."""
     import duckdb
 
     try:
@@ -43,7 +64,23 @@ def check_read_only(sql: str) -> None:
     kind = st.type.name  # SELECT, EXPLAIN, PRAGMA, COPY, CREATE, ...
     words = _strip_comments(st.query).split(None, 2)
     first = words[0].upper() if words else ""
-    if kind in ("SELECT", "EXPLAIN"):
+    if kind == "SELECT":
+        return
+    if kind == "EXPLAIN" or first == "EXPLAIN":  # (EXPLAIN [ANALYZE] PIVOT parses as MULTI)
+        inner = _explained(st.query)
+        inner_ok = inner is not None and _depth < 4
+        if inner_ok:
+            try:
+                inner_ok = len(duckdb.extract_statements(inner)) == 1
+            except duckdb.Error:
+                inner_ok = False
+        if not inner_ok:  # fail closed: what EXPLAIN wraps must be checked, not guessed
+            raise NotReadOnly("cannot tell which statement this EXPLAIN wraps: `entropylens query` runs EXPLAIN only "
+                              f"around a read-only statement ({READ_ONLY})")
+        try:
+            check_read_only(inner, _depth + 1)
+        except NotReadOnly as e:
+            raise NotReadOnly(f"EXPLAIN of a statement that is not read-only: {e}") from None
         return
     if kind == "MULTI" and first in ("PIVOT", "UNPIVOT"):
         return

@@ -21,6 +21,14 @@ Layout and commit rule (readers: catalog.py):
    are the only copy (readers warn); with the originals still there readers use those, and the range
    is not compacted again until the unreadable commit file and its parts are removed by hand.
    One compactor per run at a time.
+5. A step with an unreadable file (a damaged steps file, token or sequence file), or with token or
+   sequence files but no steps file for some rank (#31: its intact token files were counted as hidden,
+   compacted over and deleted), is left alone: no range includes or straddles it, nothing of it is
+   removed, and a :class:`StepLeftAloneWarning` names it. Only files whose rows are in the compacted
+   output are ever removed.
+
+Readers that planned on the originals before a compaction removed them re-plan once when a query
+finds a file gone (entropylens/lockdown.py, ``replan``); the compactor keeps no registry of readers.
 """
 
 from __future__ import annotations
@@ -31,8 +39,10 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+import warnings
+
 from . import catalog as cat
-from .query import run_status
+from .query import UnreadableFileWarning, run_status
 from .storage import Location, location
 from .writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, _META, parquet_options
 
@@ -40,6 +50,10 @@ ROW_GROUP_ROWS = 1 << 20  # ~1M rows per row group: large sequential reads, stil
 FILE_BYTES = 512 << 20  # compacted part size target (bytes of the original files it replaces)
 _DICT = {"tokens": TOKEN_DICT_COLUMNS, "sequences": ("group",)}
 _FLOAT = {"tokens": TOKEN_FLOAT_COLUMNS}
+
+
+class StepLeftAloneWarning(UnreadableFileWarning):
+    """A step was not compacted: one of its files is unreadable, or a rank of it has no steps file."""
 
 
 @dataclass
@@ -67,7 +81,13 @@ def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_
     out = []
     for r in snap.runs:
         _remove_orphans(r)
-        segments = _segments(r)
+        blocked = _blocked_steps(r, snap.bad)
+        final = _final_steps(r)
+        for s, why in sorted(blocked.items()):
+            if final and s <= max(final) or run_status(r.info) != "running":
+                warnings.warn(f"{r.id}: step {s} not compacted, its files are left as they are: {why}",
+                              StepLeftAloneWarning, stacklevel=2)
+        segments = _segments(r, set(blocked))
         if not segments:
             out.append(Compacted(r.id, None, note="no final uncompacted step"))
             continue
@@ -97,10 +117,26 @@ def _final_steps(r: cat.RunFiles) -> list[int]:
     return [s for s in steps if s <= upto]
 
 
-def _segments(r: cat.RunFiles) -> list[tuple[int, int]]:
-    """Final steps not yet compacted, as ranges that do not straddle a compacted range."""
+def _blocked_steps(r: cat.RunFiles, bad: list[tuple[str, str]]) -> dict[int, str]:
+    """Steps left alone (rule 5) -> why: a file of the step is unreadable, or a (step, rank) has token /
+    sequence files but no steps file (catalog: ``hidden``)."""
+    out: dict[int, str] = {}
+    prefix = r.dir.url().rstrip("/") + "/"
+    for u, why in bad:
+        m = cat._HIVE.search(u)
+        if m and u.startswith(prefix):
+            out.setdefault(int(m.group(1)), f"{u}: {why}")
+    for u in r.hidden:
+        out.setdefault(_step_rank(u)[0], f"{u} has no readable steps file for its step and rank")
+    return out
+
+
+def _segments(r: cat.RunFiles, blocked: set[int] = frozenset()) -> list[tuple[int, int]]:
+    """Final steps not yet compacted, as ranges that do not straddle a compacted range or a step
+    left alone (``blocked``, rule 5)."""
     segs: list[list[int]] = []
     done = r.ranges + r.broken  # a broken commit's range is left alone (its parts are not overwritten)
+    done = done + [(b, b) for b in blocked]
     for s in _final_steps(r):
         if any(lo <= s <= hi for lo, hi in done):
             continue
@@ -207,8 +243,9 @@ def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes
     (r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet").write_with(
         lambda tmp: pq.write_table(commit, tmp, **parquet_options(commit.column_names)))  # ... the commit last
     res.files_out += 1
-    originals = [u for files in chosen.values() for u in files]
-    originals += [u for u in r.hidden + r.superseded if lo <= _step_rank(u)[0] <= hi]
+    originals = [u for files in chosen.values() for u in files]  # exactly the files whose rows were written
+    # (never r.hidden: an uncommitted (step, rank)'s rows are in no compacted file; rule 5)
+    originals += [u for u in r.superseded if lo <= _step_rank(u)[0] <= hi]
     res.files_in = sum(len(v) for v in chosen.values())
     if grace_s > 0:
         time.sleep(grace_s)  # queries planned on the old listing finish

@@ -6,10 +6,13 @@ twice (its max, then one streaming loop of exp and four sums), vectorised, so th
 few multiply-adds per element beside the exp (benchmarks/entropy.py section 5).
 
 Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers: ~0.4 s)
-into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``; where that cannot be written or
-run from, a private folder under the temporary directory), keyed by the source, the flags and the
-CPU, and loaded with ctypes (which releases the GIL during the call). Without a compiler, or with
-``ENTROPYLENS_NATIVE=0``, the eager pass runs (same values to float32 rounding). Only CPU float32 and
+into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``; where that cannot be written,
+is full or cannot be run from, a fresh ``mkdtemp`` folder for this process), keyed by the source, the
+flags and the CPU; symbolic links and folders others own or may write to are refused, and a library
+is loaded only if its SHA-256 is the one recorded when it was built (docs/native.md), with ctypes (which releases the GIL during the call). It runs only with
+``ENTROPYLENS_NATIVE=1`` (opt-in: its bits depend on the compiler and the CPU, so a CPU training run
+would depend on the machine that built it); by default, or without a compiler, the eager pass runs
+(same values to float32 rounding). Only CPU float32 and
 bfloat16 logits with contiguous rows use it; accelerators keep the eager pass.
 """
 
@@ -45,8 +48,13 @@ _why_not = ""
 
 
 def enabled() -> bool:
-    """False when ``ENTROPYLENS_NATIVE=0`` (read at every call, so tests and users can switch)."""
-    return os.environ.get("ENTROPYLENS_NATIVE", "1") != "0"
+    """True only with ``ENTROPYLENS_NATIVE=1`` (read at every call, so tests and users can switch).
+
+    Off by default: the native and eager passes agree to float32 rounding, not bit for bit, and the
+    native build's bits depend on the compiler and the CPU (``-march=native``). Everything that feeds
+    training (the old-policy and training passes of ``logprobs_and_entropy``, the toy trainer,
+    ``policy_update``) therefore runs torch's own eager kernels unless a user opts in (docs/native.md)."""
+    return os.environ.get("ENTROPYLENS_NATIVE", "0") == "1"
 
 
 def _cpu_key() -> str:
@@ -58,26 +66,68 @@ def _cpu_key() -> str:
         return platform.processor()
 
 
-def _cache_dirs() -> list[Path]:
-    """Where the built library goes: the user's cache, else (read-only or noexec home) a private
-    folder under the temporary directory."""
+_FRESH = "a fresh private folder under the temporary directory"  # the fallback of _cache_dirs
+# a compiler failing for one of these reasons failed on the folder, not on the source: try the next folder
+_FOLDER_TROUBLE = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
+                   "cannot open output file")
+
+
+def _cache_dirs() -> list:
+    """Where the built library goes: the user's cache (reused by later processes), else (read-only,
+    full or noexec home) :data:`_FRESH`: a new folder made by ``mkdtemp`` (0700, unpredictable name)
+    for this process only, never one found there (#31: a predictable name under the shared temporary
+    directory could be a symlink to a folder holding a planted library)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    return [Path(base) / "entropylens" / "native", Path(tempfile.gettempdir()) / f"entropylens-native-{uid}"]
+    return [Path(base) / "entropylens" / "native", _FRESH]
 
 
 def _private_folder(folder: Path) -> None:
-    """Create ``folder`` (0700) and refuse one that another user owns or may write to: code loaded
-    from it runs in this process (the temporary directory is shared)."""
+    """Create ``folder`` (0700) and refuse a symbolic link, and a folder that another user owns or may
+    write to: code loaded from it runs in this process. ``lstat``, so a link is seen as a link."""
+    import stat
+
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = folder.stat()
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"{folder} is a symbolic link or not a folder: not building there")
     if hasattr(os, "getuid") and (st.st_uid != os.getuid() or st.st_mode & 0o022):
         raise PermissionError(f"{folder} is not private to this user: not building there")
 
 
+def _fresh_folder() -> Path:
+    import atexit
+    import shutil
+
+    folder = Path(tempfile.mkdtemp(prefix="entropylens-native-"))
+    atexit.register(shutil.rmtree, folder, True)  # the library stays mapped; the folder goes at exit
+    _FRESH_DIRS.add(folder)
+    _private_folder(folder)
+    return folder
+
+
+def _digest_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+_FRESH_DIRS: set[Path] = set()
+
+
+def _sidecar(out: Path) -> Path:
+    """Where the SHA-256 of a built library is kept: beside it in a fresh folder; for the cache, in
+    the private sibling folder ``native-hashes/`` (the cache folder holds the libraries only)."""
+    if out.parent in _FRESH_DIRS:
+        return out.with_name(out.name + ".sha256")
+    return out.parent.with_name(out.parent.name + "-hashes") / (out.name + ".sha256")
+
+
 def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
-    """Compile the source to ``out`` (atomically: concurrent ranks each install a whole file);
-    returns the compiler's complaint, or None when built."""
+    """Compile the source to ``out`` (atomically: concurrent ranks each install a whole file) and write
+    its SHA-256 beside it (``out.sha256``, which :func:`_load` checks); returns the compiler's
+    complaint, or None when built."""
     _private_folder(out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
@@ -85,7 +135,20 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
         proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            return proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
+            complaint = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
+            if any(t in complaint for t in _FOLDER_TROUBLE):  # a full disk is an unwritable folder (#31)
+                raise OSError(f"cannot build in {out.parent}: {complaint.splitlines()[-1]}")
+            return complaint
+        fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            digest = _digest_fd(fd)
+        finally:
+            os.close(fd)
+        final = _sidecar(out)
+        _private_folder(final.parent)
+        side = final.with_name(Path(tmp).name + ".sha256")
+        side.write_text(digest)
+        os.replace(side, final)  # the hash first: a library without its hash is never loaded
         os.replace(tmp, out)
         return None
     finally:
@@ -94,7 +157,21 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
 
 
 def _load(out: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(out))
+    """Load ``out`` if it is the library this module built: opened without following a symbolic link,
+    its SHA-256 equal to the one written when it was built (``out.sha256``), and the very file hashed
+    is the one loaded (``/proc/self/fd``, where there is one). OSError otherwise (built anew)."""
+    fd = os.open(out, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        try:
+            want = _sidecar(out).read_text().strip()
+        except OSError:
+            raise OSError(f"{out}: no record of its hash (not built by this module)") from None
+        if _digest_fd(fd) != want:
+            raise OSError(f"{out}: not the library that was built (hash differs)")
+        by_fd = f"/proc/self/fd/{fd}"
+        lib = ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(out))
+    finally:
+        os.close(fd)
     fn = lib.el_row_sums
     p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     fn.argtypes = [p, i, n, n, n, p, ctypes.c_float, i, i, i, p, p, p, p, p, p, p, i]
@@ -113,6 +190,8 @@ def _build() -> ctypes.CDLL:
     for folder in _cache_dirs():
         complaints: list[str] = []
         try:
+            if folder is _FRESH:
+                folder = _fresh_folder()
             for arch in _ARCH_FLAGS:
                 flags = _FLAGS + arch
                 key = hashlib.sha256(src + repr((cc, flags, platform.machine(), _cpu_key())).encode()).hexdigest()[:16]
@@ -125,8 +204,9 @@ def _build() -> ctypes.CDLL:
                         continue
                 try:
                     return _load(out)
-                except OSError:  # damaged (a full disk): built anew once; noexec fails again -> next folder
+                except OSError:  # damaged (a full disk), or not ours: built anew once; noexec fails again -> next folder
                     out.unlink(missing_ok=True)
+                    _sidecar(out).unlink(missing_ok=True)
                     if _compile(cc, flags, out) is None:
                         return _load(out)
                     raise
@@ -161,7 +241,7 @@ def library() -> ctypes.CDLL | None:
 def status() -> str:
     """One line for benchmarks and bug reports: which pass runs on CPU, and why."""
     if not enabled():
-        return "eager (ENTROPYLENS_NATIVE=0)"
+        return "eager (the default; ENTROPYLENS_NATIVE=1 opts into the native row pass)"
     return "native" if library() is not None else f"eager (native unavailable: {_why_not})"
 
 

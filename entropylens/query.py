@@ -21,7 +21,7 @@ from pathlib import Path
 from . import catalog as cat
 from .catalog import QueryError
 from .params import check as check_params
-from .schema import TABLES
+from .schema import TABLES, changed_meaning
 from .storage import location, register
 
 PARTITIONED = ("steps", "sequences", "tokens", "probes")
@@ -127,6 +127,29 @@ def _derived_sql(table: str, have: set[str]) -> str:
     return "".join(out)
 
 
+def _missing_sql(table: str, have: set[str]) -> str:
+    """Stored schema columns the files lack (a run written before they existed): NULL of their type."""
+    return "".join(f", CAST(NULL AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES.get(table, [])
+                   if not c.derived and c.name not in have and c.name not in ("step", "rank"))
+
+
+def _complete_table(con, table: str, runs) -> None:
+    """A materialized table after its runs were read: the schema columns no run has are added as NULL
+    (a directory of runs all written before a column existed still answers a query naming it), and the
+    columns whose meaning changed (schema.CHANGED_MEANING) are nulled in the runs written before."""
+    have = {row[0] for row in con.execute(f"DESCRIBE {table}").fetchall()}
+    for c in TABLES.get(table, []):
+        if c.name not in have:
+            con.execute(f'ALTER TABLE {table} ADD COLUMN "{c.name}" {_duck_type(c.dtype)}')
+    old: dict[str, list[str]] = {}
+    for r in runs:
+        for col in changed_meaning(table, r.info.get("schema_version")):
+            old.setdefault(col, []).append(r.id)
+    for col, ids in old.items():
+        if col in have:
+            con.execute(f'UPDATE {table} SET "{col}" = NULL WHERE run IN ({", ".join(map(_sql_str, ids))})')
+
+
 def _sources(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[str]:
     """read_parquet() calls over one run's files of ``table``: its committed Hive files (step and
     rank from the path) and its compacted files (step and rank stored); ``chunk``: at most that many
@@ -152,14 +175,21 @@ def _empty_view(table: str) -> str:
 
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
-            storage_options: dict | None = None):
+            storage_options: dict | None = None, lock: bool = True):
     """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``
     (a directory or an object-store URL such as ``s3://bucket/runs``).
 
     The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
     later steps. ``steps`` and ``probes`` (a row per update and rank) are read once, at connect, into
-    temporary tables; ``sequences`` and ``tokens`` stay views over the files. Unreadable files are skipped with one UnreadableFileWarning each."""
+    temporary tables; ``sequences`` and ``tokens`` stay views over the files. Unreadable files are skipped with one UnreadableFileWarning each.
+
+    ``lock`` (default): once the views exist the connection is locked down (entropylens/lockdown.py:
+    no file access beyond the runs' own files, no network, no extensions, configuration locked).
+    A query through :func:`run_sql` / :func:`run_analysis` whose files a compaction removed is
+    re-planned once onto the compacted files (lockdown.replan)."""
     import duckdb
+
+    from . import lockdown
 
     for attempt in range(3):
         snap = cat.scan(path, runs, storage_options=storage_options)
@@ -171,29 +201,36 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
         except duckdb.IOException:  # a file vanished since the listing (compaction): list again
             if attempt == 2:
                 raise
+    lockdown.remember(con, path, runs, storage_options, snap)
+    if lock:
+        lockdown.lock_down(con, snap)
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
     return con
 
 
-def _views(snap: cat.Catalog, con):
-    """Create the views of a catalog snapshot on ``con``."""
+def _views(snap: cat.Catalog, con, only: set[str] | None = None):
+    """Create the views of a catalog snapshot on ``con`` (``only``: just these tables; lockdown.replan)."""
     import pandas as pd
 
-    register(con, snap.root)
-    info = pd.DataFrame([run_row(r.info, r.id, str(r.dir)) for r in snap.runs],
-                        columns=[c.name for c in TABLES["runs"]] + ["path"])
-    con.register("_runs_df", info)
-    casts = ", ".join(f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"])
-    con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
+    if only is None:
+        register(con, snap.root)
+        info = pd.DataFrame([run_row(r.info, r.id, str(r.dir)) for r in snap.runs],
+                            columns=[c.name for c in TABLES["runs"]] + ["path"])
+        con.register("_runs_df", info)
+        casts = ", ".join(f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"])
+        con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
     for table in sorted(set(PARTITIONED) | set(snap.tables())):
+        if only is not None and table not in only:
+            continue
         selects = []
         derived = any(c.derived for c in TABLES.get(table, []))
         chunk = MATERIALIZE_FILES if table in MATERIALIZED else None
         for r in snap.runs:
             for src in _sources(r, table, chunk):
                 have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()} if derived else set()
-                selects.append(f"SELECT {_sql_str(r.id)} AS run, *{_derived_sql(table, have)} FROM {src}")
+                extra = _derived_sql(table, have) + _missing_sql(table, have) if derived else ""
+                selects.append(f"SELECT {_sql_str(r.id)} AS run, *{extra} FROM {src}")
         if table in MATERIALIZED and len(selects) > 1:  # each part read by its own statement (bounded memory)
             parts = [f"_{table}_part{i}" for i in range(len(selects))]
             for part, sel in zip(parts, selects):
@@ -205,10 +242,13 @@ def _views(snap: cat.Catalog, con):
             con.execute(f"CREATE TEMP TABLE {table} AS SELECT {order} FROM ({union})")
             for part in parts:
                 con.execute(f"DROP TABLE {part}")
+            _complete_table(con, table, snap.runs)
             continue
         body = " UNION ALL BY NAME ".join(selects) if selects else _empty_view(table)
         kind = "TEMP TABLE" if table in MATERIALIZED and selects else "VIEW"
         con.execute(f"CREATE {kind} {table} AS {body}")
+        if kind == "TEMP TABLE":
+            _complete_table(con, table, snap.runs)
     return con
 
 
@@ -302,9 +342,11 @@ def run_analysis(con, name: str, **params):
     """Run analyses/<name>.sql on ``con`` (from :func:`connect`) and return a pandas DataFrame."""
     import duckdb
 
+    from .lockdown import run_replanning
+
     sql = render_analysis(name, **params)
     try:
-        return _frame(con.execute(sql))
+        return run_replanning(con, lambda: _frame(con.execute(sql)))
     except duckdb.Error as e:
         raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}") from None
 
@@ -315,11 +357,17 @@ def run_sql(con, sql: str):
 
     if not sql.strip().strip(";").strip():
         raise QueryError("SQL error: the query is empty")
-    try:
+    from .lockdown import run_replanning
+
+    def once():
         cursor = con.execute(sql)
-        if cursor is None:  # DuckDB runs nothing (e.g. only comments)
+        return None if cursor is None else _frame(cursor)
+
+    try:
+        df = run_replanning(con, once)
+        if df is None:  # DuckDB runs nothing (e.g. only comments)
             raise QueryError("SQL error: the query has no statement")
-        return _frame(cursor)
+        return df
     except duckdb.Error as e:
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 

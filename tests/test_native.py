@@ -13,6 +13,12 @@ from entropylens import native, stats
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine: the native row pass cannot be built")
 
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    """The native row pass is opt-in (ENTROPYLENS_NATIVE=1): these tests test it, so they opt in."""
+    monkeypatch.setenv("ENTROPYLENS_NATIVE", "1")
+
+
 
 def _sums(flat, tok, t, *, split, want_sens, eager, want_dot=True):
     n = flat.shape[0]
@@ -117,7 +123,7 @@ def test_strided_rows_and_nonfinite_rows():
 
 def test_logprobs_and_entropy_same_with_native_off(monkeypatch):
     """The public functions give the same values (to float32 rounding) whichever pass runs, and the
-    switch really switches: with ENTROPYLENS_NATIVE=0 the eager exps over [c, V] run."""
+    switch really switches: with ENTROPYLENS_NATIVE=0 (or unset: the default) the eager exps over [c, V] run."""
     g = torch.Generator().manual_seed(3)
     z = torch.randn(4, 5, 3000, generator=g) * 3
     tok = torch.randint(0, 3000, (4, 5), generator=g)
