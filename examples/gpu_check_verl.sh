@@ -16,6 +16,7 @@
 #   bash examples/gpu_check_verl.sh [WORKDIR]          # the same, standalone
 
 GPU_CHECK_VERL_EXAMPLES="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$GPU_CHECK_VERL_EXAMPLES/verl/tiny_overrides.sh"
 
 gpu_check_verl() {
   local work="${1:-$(mktemp -d)}"
@@ -24,29 +25,10 @@ gpu_check_verl() {
   mkdir -p "$work"
   echo "== verl: tiny Qwen2, 2 steps, trainer_mode=entropylens, CE-GPPO + ERC -> $work"
   python "$GPU_CHECK_VERL_EXAMPLES/verl/make_tiny.py" "$work" >/dev/null || { echo "FAIL verl: make_tiny.py"; return 1; }
+  verl_tiny_overrides "$work" "$runs" gpu-check-verl
   VERL_FILE_LOGGER_PATH="$work/metrics.jsonl" timeout -k 15 "$limit" python3 -m verl.trainer.main_ppo \
-    algorithm.adv_estimator=grpo \
-    data.train_files="$work/train.parquet" data.val_files="$work/test.parquet" \
-    data.train_batch_size=8 data.max_prompt_length=16 data.max_response_length=8 \
-    actor_rollout_ref.model.path="$work/model" \
-    actor_rollout_ref.actor.optim.lr=5e-3 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 \
-    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16 \
-    actor_rollout_ref.actor.use_kl_loss=false actor_rollout_ref.actor.entropy_coeff=0 \
-    actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.2 \
-    actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig \
-    actor_rollout_ref.actor.policy_loss.loss_mode=ce_gppo \
-    +actor_rollout_ref.actor.policy_loss.beta1=0.5 +actor_rollout_ref.actor.policy_loss.beta2=1.0 \
-    +actor_rollout_ref.actor.policy_loss.erc_low=0.95 +actor_rollout_ref.actor.policy_loss.erc_high=1.05 \
-    +actor_rollout_ref.actor.policy_loss.record_dir="$runs" +actor_rollout_ref.actor.policy_loss.run=gpu-check-verl \
-    trainer.use_v1=true trainer.v1.trainer_mode=entropylens \
-    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=4 \
-    actor_rollout_ref.rollout.tensor_model_parallel_size=1 actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
-    actor_rollout_ref.rollout.enforce_eager=true \
-    reward.custom_reward_function.path="$work/reward.py" \
-    trainer.n_gpus_per_node=1 trainer.nnodes=1 trainer.val_before_train=false trainer.test_freq=-1 \
-    trainer.save_freq=-1 trainer.default_local_dir="$work/checkpoints" trainer.total_training_steps=2 \
-    trainer.logger='["console","file"]' trainer.project_name=entropylens trainer.experiment_name=gpu_check_verl \
+    "${VERL_TINY[@]}" trainer.save_freq=-1 trainer.total_training_steps=2 \
+    trainer.logger='["console","file"]' trainer.experiment_name=gpu_check_verl \
     >"$work/train.log" 2>&1
   local rc=$?
   if [ "$rc" -ne 0 ]; then

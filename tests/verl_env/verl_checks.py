@@ -502,6 +502,17 @@ def _overrides(text: str) -> list[str]:
     return out
 
 
+def _tiny_overrides() -> list[str]:
+    """VERL_TINY as examples/verl/tiny_overrides.sh sets it (bash itself expands the array)."""
+    import subprocess
+
+    script = HERE.parents[1] / "examples" / "verl" / "tiny_overrides.sh"
+    out = subprocess.run(["bash", "-c", f'source "{script}"; verl_tiny_overrides /w /runs gpu-check; '
+                                        'printf "%s\\n" "${VERL_TINY[@]}"'],
+                         capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
 @pytest.mark.parametrize("source", ["README.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh",
                                     "examples/gpu_check_verl.sh"])
 def test_documented_command_lines_compose_in_verl(source):
@@ -517,6 +528,8 @@ def test_documented_command_lines_compose_in_verl(source):
 
     text = (HERE.parents[1] / source).read_text()
     overrides = [o.replace("$work", "/w").replace("$runs", "/runs") for o in _overrides(text)]
+    if '"${VERL_TINY[@]}"' in text:  # the GPU checks share examples/verl/tiny_overrides.sh's array
+        overrides = _tiny_overrides() + [o for o in overrides if o != "${VERL_TINY[@]}"]
     if not any("micro_batch_size" in o or "use_dynamic_bsz" in o for o in overrides):
         overrides.append("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")  # README's "..." (the user's run)
     GlobalHydra.instance().clear()
