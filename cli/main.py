@@ -421,7 +421,8 @@ class _QueryCommand(typer.core.TyperCommand):
 def query(
     path: PathArg,
     sql: Annotated[str, typer.Argument(
-        metavar="SQL", help="One read-only statement (SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, ...) over "
+        metavar="SQL", help="One read-only statement (SELECT, WITH, VALUES, FROM, DESCRIBE, SHOW, SUMMARIZE, PIVOT, "
+                            "EXPLAIN of one of those, a few reporting PRAGMAs) over "
                             "the views runs, steps, sequences, tokens; `-` reads it from stdin.")],
     fmt: Annotated[Optional[Format], typer.Option("--format", "-f", show_default=False, help=_FORMAT_HELP)] = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="FILE", help=_OUTPUT_HELP)] = None,

@@ -493,13 +493,15 @@ class Recorder:
         self._refuse_closed(step, "record_sequences")
         self._advance_to(step)
         arrays = {
-            "seq": _host(seq_ids, np.int32),
-            "reward": _host(rewards, np.float32),
-            "advantage": _host(advantages, np.float32),
-            "length": _host(lengths, np.int32),
+            "seq": _host_arg("seq_ids", seq_ids, np.int32),
+            "reward": _host_arg("rewards", rewards, np.float32),
+            "advantage": _host_arg("advantages", advantages, np.float32),
+            "length": _host_arg("lengths", lengths, np.int32),
         }
+        if arrays["seq"].ndim != 1:
+            raise ValueError(f"record_sequences: seq_ids must be 1-D [B], got shape {arrays['seq'].shape}")
         n = len(arrays["seq"])
-        arrays["group"] = _host(group_ids, np.int32) if group_ids is not None else np.full(n, -1, np.int32)
+        arrays["group"] = _host_arg("group_ids", group_ids, np.int32) if group_ids is not None else np.full(n, -1, np.int32)
         for k, v in arrays.items():
             if v.ndim != 1 or len(v) != n:
                 raise ValueError(f"record_sequences: {k} must be 1-D of length {n}, got shape {v.shape}")
@@ -839,6 +841,15 @@ def _scalar(v) -> float:
     if isinstance(v, torch.Tensor):
         return float(v.detach().float().cpu()) if v.device.type != "cpu" or v.dim() else float(v.item())
     return float(v)
+
+
+def _host_arg(name: str, x, dtype) -> np.ndarray:
+    """:func:`_host`, with a one-line error naming the argument when ``x`` is not numbers."""
+    try:
+        return _host(x, dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"record_sequences: {name} must be [B] numbers (a tensor, array or list), got "
+                         f"{type(x).__name__}: {e}") from None
 
 
 def _host(x, dtype) -> np.ndarray:

@@ -93,7 +93,9 @@ FIGURES: tuple[Figure, ...] = (
 
 SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",
                    "clip_low_frac", "clip_high_frac", "erc_drop_frac", "hyperparameters")
-_HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "lr", "seed")
+_HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "kl_beta",
+               "top_entropy_quantile", "delta", "off_policy_mask_threshold", "importance_sampling_level", "lr", "seed")
+_HYPER_DEFAULTS = {"top_entropy_quantile": 1.0, "importance_sampling_level": "token"}  # TRL's: not shown
 
 
 def _hyper(row) -> str:
@@ -101,10 +103,14 @@ def _hyper(row) -> str:
         cfg = json.loads(row["config"] or "{}")
     except (TypeError, json.JSONDecodeError):
         cfg = {}
-    cfg = {**cfg, "eps_low": row.get("eps_low"), "eps_high": row.get("eps_high")}
+    trl = cfg.get("trl_options") if isinstance(cfg.get("trl_options"), dict) else {}  # TRL's options of the run
+    cfg = {**{k: v for k, v in trl.items() if k in _HYPER_KEYS}, **cfg,
+           "eps_low": row.get("eps_low"), "eps_high": row.get("eps_high")}
     parts = []
     for k in _HYPER_KEYS:
         v = cfg.get(k)
+        if k in _HYPER_DEFAULTS and v == _HYPER_DEFAULTS[k]:
+            continue
         if isinstance(v, float) and v != v:
             continue
         if k in ("beta1", "beta2"):  # CE-GPPO's: shown for ce_gppo runs, 0 included (beta1 = 0 is a setting)

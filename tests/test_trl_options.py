@@ -97,6 +97,14 @@ def test_dapo_equals_trls_dapo_at_ga2_two_iterations_kl_and_top_entropy(tmp_path
     for run in ("el", "trl"):
         kept = connect(tmp_path / run).execute("SELECT avg(token_kept::int) FROM tokens").fetchone()[0]
         assert 0.1 < kept < 0.4, (run, kept)
+    # the KL to the reference model (what beta penalises) is a steps column: 0 at step 0 (the policy is
+    # the reference until the first optimizer step), then what TRL logs as kl (TRL averages its
+    # micro-batches' token means, the column weighs every token alike: close, not equal)
+    for run, tr in (("el", el_tr), ("trl", trl_tr)):
+        kl = connect(tmp_path / run).execute("SELECT step, max(kl_ref) FROM steps GROUP BY step ORDER BY step").fetchall()
+        assert [s for s, _ in kl] == [0, 1, 2, 3] and kl[0][1] == 0.0 and all(v > 0 for _, v in kl[1:]), kl
+        logged = [h["kl"] for h in tr.state.log_history if "kl" in h]
+        np.testing.assert_allclose([v for _, v in kl[1:]], logged[1:], rtol=0.2)
     # TRL's own metrics keep their curves with loss=...: entropy and kl logged at every step
     for key in ("entropy", "kl", "clip_ratio/region_mean"):
         assert sum(key in h for h in el_tr.state.log_history) == BASE["max_steps"], key

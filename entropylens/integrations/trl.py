@@ -364,6 +364,7 @@ def _trainer_class():
             self._el_group_base = 0
             self._el_rewards = None
             self._el_grad_norm = None
+            self._el_kl_ref = None  # [sum of k3(ref || theta), tokens] of the step's micro-batches (beta > 0)
             self._el_lr = None  # the learning rate of the optimizer step in progress
             self._el_capture = None  # list while a pass runs: log_sum_sq_probs of each fused forward
             self._el_passes = None  # list during generation: (logps, entropies) of each no-grad pass
@@ -594,6 +595,11 @@ def _trainer_class():
                             "old_lp": inputs.get("old_per_token_logps"), "old_h": inputs.get("old_entropies"),
                             "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach(),
                             "modifiers": modifiers}
+            if self.beta and inputs.get("ref_per_token_logps") is not None:  # KL to the reference, this step
+                m = mask.float()
+                d = inputs["ref_per_token_logps"].detach().float() - train["lp"].detach().float()  # ref - logp
+                part = torch.stack([((torch.exp(d) - d - 1.0) * m).sum(), m.sum()])  # on the device, no sync
+                self._el_kl_ref = part if self._el_kl_ref is None else self._el_kl_ref + part
             return loss
 
         def get_high_entropy_mask(self, entropies, mask, threshold):
@@ -756,7 +762,10 @@ def _trainer_class():
             step = self.state.global_step - 1  # the optimizer step that just finished
             gn = self._el_grad_norm
             lr = self._el_lr if self._el_lr is not None else self.args.learning_rate  # read before the scheduler stepped
-            self.recorder.record_step(step, grad_norm=float(gn) if gn is not None else None, lr=float(lr))
+            kl = {}
+            if self._el_kl_ref is not None:  # a device scalar: the writer thread reads it, no sync here
+                kl["kl_ref"] = self._el_kl_ref[0] / self._el_kl_ref[1].clamp(min=1.0)
+            self.recorder.record_step(step, grad_norm=float(gn) if gn is not None else None, lr=float(lr), **kl)
             # the summary comes from the writer thread once it has taken in the step: asking without
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
             # fsync included); answers are logged as they arrive, all of them by the last step
@@ -767,6 +776,7 @@ def _trainer_class():
                 self._el_log_summary(self._el_summaries.pop(0).result())
             self._el_micro = 0
             self._el_grad_norm = None
+            self._el_kl_ref = None
             self._el_lr = None
 
         def _el_log_summary(self, summary: dict) -> None:
