@@ -147,13 +147,15 @@ class CapReached(Exception):
     """The report passed --before-cap-cpu CPU seconds and was stopped."""
 
 
-def _settings(con, memory_limit: str | None, threads: int | None, spill: Path) -> None:
-    if memory_limit:
-        con.execute(f"SET memory_limit = '{memory_limit}'")
-    if threads:
-        con.execute(f"SET threads = {int(threads)}")
+def _settings(memory_limit: str | None, threads: int | None, spill: Path) -> dict:
+    """DuckDB settings of the measured connections (query.connect applies them before its lockdown)."""
     spill.mkdir(parents=True, exist_ok=True)
-    con.execute(f"SET temp_directory = '{spill}'")
+    out = {"temp_directory": str(spill)}
+    if memory_limit:
+        out["memory_limit"] = memory_limit
+    if threads:
+        out["threads"] = int(threads)
+    return out
 
 
 def measure(run_dir: Path, out: Path, *, memory_limit: str | None = "4GB", threads: int | None = None,
@@ -175,8 +177,7 @@ def measure(run_dir: Path, out: Path, *, memory_limit: str | None = "4GB", threa
     done = threading.Event()
 
     def connect_set(*a, **k):
-        con = connect(*a, **k)
-        _settings(con, memory_limit, threads, spill)
+        con = connect(*a, settings=_settings(memory_limit, threads, spill), **k)
         cons.append(con)
         return con
 

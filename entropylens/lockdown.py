@@ -79,14 +79,18 @@ def remember(con, path, runs, storage_options, snap: cat.Catalog) -> Plan:
     return plan
 
 
-def lock_down(con, snap: cat.Catalog) -> None:
-    """Lock ``con`` (module docstring). Call after every view of ``snap`` exists."""
+def lock_down(con, snap: cat.Catalog, temp_directory: str | None = None) -> None:
+    """Lock ``con`` (module docstring). Call after every view of ``snap`` exists. ``temp_directory``:
+    where DuckDB may spill (default: a fresh private folder, removed with the connection)."""
     from .query import MATERIALIZED
 
     tables = view_tables(snap, MATERIALIZED)
     paths = sorted({f for r in snap.runs for t in tables for f in (*r.files.get(t, ()), *r.compacted.get(t, ()))})
-    tmp = tempfile.mkdtemp(prefix="entropylens-duckdb-")
-    weakref.finalize(con, shutil.rmtree, tmp, True)
+    if temp_directory is not None:
+        tmp = str(temp_directory)
+    else:
+        tmp = tempfile.mkdtemp(prefix="entropylens-duckdb-")
+        weakref.finalize(con, shutil.rmtree, tmp, True)
     dirs = [tmp.rstrip("/") + "/"] + [str(r.dir / cat.COMPACTED).rstrip("/") + "/" for r in snap.runs]
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")

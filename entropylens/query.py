@@ -175,7 +175,7 @@ def _empty_view(table: str) -> str:
 
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
-            storage_options: dict | None = None, lock: bool = True):
+            storage_options: dict | None = None, lock: bool = True, settings: dict | None = None):
     """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``
     (a directory or an object-store URL such as ``s3://bucket/runs``).
 
@@ -186,7 +186,9 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
     ``lock`` (default): once the views exist the connection is locked down (entropylens/lockdown.py:
     no file access beyond the runs' own files, no network, no extensions, configuration locked).
     A query through :func:`run_sql` / :func:`run_analysis` whose files a compaction removed is
-    re-planned once onto the compacted files (lockdown.replan)."""
+    re-planned once onto the compacted files (lockdown.replan). ``settings``: DuckDB settings to apply
+    before the lock (e.g. ``{"memory_limit": "4GB", "threads": 2, "temp_directory": DIR}``; a
+    temp_directory given here is where a locked connection spills, in place of a private one)."""
     import duckdb
 
     from . import lockdown
@@ -202,8 +204,13 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
             if attempt == 2:
                 raise
     lockdown.remember(con, path, runs, storage_options, snap)
+    settings = dict(settings or {})
+    for key, value in settings.items():
+        if not str(key).replace("_", "").isalnum():
+            raise QueryError(f"settings: {key!r} is not a DuckDB setting name")
+        con.execute(f"SET {key} = ?", [value])
     if lock:
-        lockdown.lock_down(con, snap)
+        lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
     return con

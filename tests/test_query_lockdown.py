@@ -173,3 +173,17 @@ def test_unlocked_connection_on_request(runs):
     """The Python API can opt out (lock=False), e.g. to join the runs with a file of one's own."""
     c = connect(runs, lock=False)
     assert c.execute(f"SELECT count(*) FROM read_text('{os.__file__}')").fetchone() == (1,)
+
+
+def test_settings_are_applied_before_the_lock(runs, tmp_path):
+    """connect(settings=...) sets DuckDB options (a benchmark's memory limit, threads, spill folder)
+    before the lock: they hold, and the locked connection still refuses to change them."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    c = connect(runs, settings={"threads": 1, "memory_limit": "1GB", "temp_directory": str(spill)})
+    assert c.execute("SELECT current_setting('threads')").fetchone() == (1,)
+    assert c.execute("SELECT current_setting('temp_directory')").fetchone()[0].rstrip("/") == str(spill)
+    with pytest.raises(QueryError):
+        run_sql(c, "SET threads = 2")
+    with pytest.raises(QueryError, match="not a DuckDB setting name"):
+        connect(runs, settings={"threads; DROP": 1})
