@@ -4,32 +4,15 @@ import json
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
 
+from cli_calls import err, ok, runner
 from entropylens.cli.main import app
 from fixture_runs import build
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return build(tmp_path_factory.mktemp("cli"))
-
-
-def ok(*args):
-    res = runner.invoke(app, [str(a) for a in args])
-    assert res.exit_code == 0, res.output
-    return res.stdout
-
-
-def err(*args):
-    res = runner.invoke(app, [str(a) for a in args])
-    assert res.exit_code == 2, res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
-    lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
 
 
 def test_help_everywhere():

@@ -8,15 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from entropylens.cli.main import app
 from entropylens.query import QueryError, connect, list_analyses, run_analysis, run_sql
+from cli_calls import err, runner
 from fixture_runs import build
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
-
-runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +24,6 @@ def runs(tmp_path_factory):
 
 def _digest(root: Path) -> dict:
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _err(*args) -> str:
-    res = runner.invoke(app, [str(a) for a in args])
-    assert res.exit_code == 2, res.output
-    assert res.exception is None or isinstance(res.exception, SystemExit)  # no traceback
-    lines = [x for x in res.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
 
 
 def test_explain_is_checked_around_what_it_wraps(runs, tmp_path):
@@ -56,13 +45,13 @@ def test_explain_is_checked_around_what_it_wraps(runs, tmp_path):
         ("EXPLAIN ANALYZE PRAGMA enable_profiling", "PRAGMA enable_profiling"),
         ("EXPLAIN COPY (SELECT 1) TO 'x.csv'", "COPY"),  # the same rule with or without ANALYZE
     ):
-        line = _err("query", runs, sql)
+        line = err("query", runs, sql)
         assert word in line and "read-only" in line, (sql, line)
     assert not target.exists()
     assert _digest(runs) == before  # the run's files untouched
     # nested forms DuckDB does not parse stay errors (one line), and write nothing
-    _err("query", runs, f"EXPLAIN EXPLAIN ANALYZE COPY (SELECT 1) TO '{target}'")
-    _err("query", runs, f"EXPLAIN ANALYZE ATTACH '{tmp_path / 'x.db'}'")
+    err("query", runs, f"EXPLAIN EXPLAIN ANALYZE COPY (SELECT 1) TO '{target}'")
+    err("query", runs, f"EXPLAIN ANALYZE ATTACH '{tmp_path / 'x.db'}'")
     assert not target.exists() and not (tmp_path / "x.db").exists()
     # reading EXPLAINs still run
     res = runner.invoke(app, ["query", str(runs), "EXPLAIN ANALYZE SELECT count(*) FROM tokens", "-f", "json"])
@@ -134,39 +123,24 @@ def test_lockdown_keeps_s3_runs_readable_and_other_buckets_out():
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")
     from layout_run import make_run
-    from s3_server import moto_server
+    from s3_server import s3_environment
 
     from entropylens import storage
 
-    with moto_server() as env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        storage._FS_CACHE.clear()
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
-        try:
-            fs = storage.filesystem("s3")
-            fs.mkdir("lockrun")
-            fs.mkdir("other")
-            make_run("s3://lockrun/runs", "a", steps=2, rows=16)
-            make_run("s3://other/runs", "b", steps=1, rows=16)
-            c = connect("s3://lockrun/runs")
-            assert c.execute("SELECT count(*) FROM tokens").fetchone() == (32,)
-            assert run_analysis(c, "kl_by_step").shape[0] == 2
-            with pytest.raises(QueryError, match="disabled|Permission"):
-                run_sql(c, "SELECT count(*) FROM read_parquet('s3://other/runs/b/tokens/step=0/rank=0/update-0.parquet')")
-            with pytest.raises(QueryError, match="disabled|Permission"):
-                run_sql(c, "COPY (SELECT 1) TO 's3://lockrun/runs/x.csv'")
-            assert not fs.exists("lockrun/runs/x.csv")
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            storage._FS_CACHE.clear()
-            s3fs.S3FileSystem.clear_instance_cache()
+    with s3_environment():
+        fs = storage.filesystem("s3")
+        fs.mkdir("lockrun")
+        fs.mkdir("other")
+        make_run("s3://lockrun/runs", "a", steps=2, rows=16)
+        make_run("s3://other/runs", "b", steps=1, rows=16)
+        c = connect("s3://lockrun/runs")
+        assert c.execute("SELECT count(*) FROM tokens").fetchone() == (32,)
+        assert run_analysis(c, "kl_by_step").shape[0] == 2
+        with pytest.raises(QueryError, match="disabled|Permission"):
+            run_sql(c, "SELECT count(*) FROM read_parquet('s3://other/runs/b/tokens/step=0/rank=0/update-0.parquet')")
+        with pytest.raises(QueryError, match="disabled|Permission"):
+            run_sql(c, "COPY (SELECT 1) TO 's3://lockrun/runs/x.csv'")
+        assert not fs.exists("lockrun/runs/x.csv")
 
 
 def test_unlocked_connection_on_request(runs):

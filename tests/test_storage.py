@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from layout_run import make_run, write_step  # noqa: E402
-from s3_server import moto_server  # noqa: E402
+from s3_server import s3_environment  # noqa: E402
 
 from entropylens import storage  # noqa: E402
 from entropylens.cli.main import app  # noqa: E402
@@ -29,13 +29,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def s3():
     """Env pointing at a fresh server; yields a function making a fresh bucket URL."""
-    with moto_server() as env:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        storage._FS_CACHE.clear()
-        import s3fs
-
-        s3fs.S3FileSystem.clear_instance_cache()
+    with s3_environment():
         n = [0]
 
         def bucket() -> str:
@@ -44,16 +38,7 @@ def s3():
             storage.filesystem("s3").mkdir(name)
             return f"s3://{name}/runs"
 
-        try:
-            yield bucket
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            storage._FS_CACHE.clear()
-            s3fs.S3FileSystem.clear_instance_cache()
+        yield bucket
 
 
 def _keys(url: str) -> list[str]:

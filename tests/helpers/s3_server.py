@@ -43,3 +43,28 @@ def moto_server():
         except subprocess.TimeoutExpired:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@contextmanager
+def s3_environment():
+    """:func:`moto_server` with its env vars set in this process (s3fs and entropylens' filesystem
+    caches cleared on the way in and out, the old env restored): ``with s3_environment(): ...``."""
+    import s3fs
+
+    from entropylens import storage
+
+    with moto_server() as env:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        storage._FS_CACHE.clear()
+        s3fs.S3FileSystem.clear_instance_cache()
+        try:
+            yield env
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            storage._FS_CACHE.clear()
+            s3fs.S3FileSystem.clear_instance_cache()
