@@ -112,22 +112,24 @@ def test_trl_ga1_twice_the_micro_batch_same_grad_coef(ga2, tmp_path):
     np.testing.assert_allclose(b["logit_grad_norm"], a["logit_grad_norm"], rtol=1e-4, atol=1e-9)
 
 
-def test_trl_logs_carry_every_steps_aggregates_without_waiting_on_the_writer(tmp_path):
-    # entropylens/* keys reach TRL's logs from the writer thread (no wait at a step's end): every step's
-    # values arrive exactly once, all by the last step. With logging_steps = 3 the single log over steps
-    # 0..2 is the mean of the three steps' values, computed here independently from the token rows.
+def test_trl_logs_carry_every_steps_aggregates_at_their_own_step(tmp_path):
+    # entropylens/* keys reach TRL's logs from the writer thread (no wait at a step's end), each step's
+    # values at that step's own index (global_step = step + 1), whatever logging_steps is; all of them
+    # by the last step. Checked against the step's values computed here from the token rows.
     tr = trl_tiny.trainer(tmp_path, "logs", max_steps=3, logging_steps=3)
     tr.train()
-    logs = [h for h in tr.state.log_history if "entropylens/clip_low_frac" in h]
-    assert len(logs) == 1 and not tr._el_summaries
+    logs = {h["step"]: h for h in tr.state.log_history if "entropylens/clip_low_frac" in h}
+    assert sorted(logs) == [1, 2, 3] and not tr._el_summaries
     t = _rows(tmp_path / "logs")
     assert sorted(t["step"].unique()) == [0, 1, 2]
     per_step = t.groupby("step").agg(low=("clip", lambda c: (c == -1).mean()),
                                      high=("clip", lambda c: (c == 1).mean()),
                                      pa_hp=("quadrant", lambda q: (q == "PA&HP").mean()))
-    assert logs[0]["entropylens/clip_low_frac"] == pytest.approx(per_step["low"].mean(), abs=1e-6)
-    assert logs[0]["entropylens/clip_high_frac"] == pytest.approx(per_step["high"].mean(), abs=1e-6)
-    assert logs[0]["entropylens/share_pa_hp"] == pytest.approx(per_step["pa_hp"].mean(), abs=1e-6)
+    for step, row in per_step.iterrows():
+        h = logs[step + 1]
+        assert h["entropylens/clip_low_frac"] == pytest.approx(row["low"], abs=1e-6)
+        assert h["entropylens/clip_high_frac"] == pytest.approx(row["high"], abs=1e-6)
+        assert h["entropylens/share_pa_hp"] == pytest.approx(row["pa_hp"], abs=1e-6)
 
 
 def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
@@ -136,18 +138,17 @@ def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
     class Counting(EntropyLensGRPOTrainer):
         logged: list
 
-        def _el_log_summary(self, summary):
-            self.logged.append(summary["n_tokens"])
-            super()._el_log_summary(summary)
+        def _el_log_summary(self, step, summary):
+            self.logged.append((step, summary["n_tokens"]))
+            super()._el_log_summary(step, summary)
 
     Counting.logged = []
     tr = trl_tiny.trainer(tmp_path, "logs1", cls=Counting, max_steps=3, logging_steps=1)
     tr.train()
-    # one summary per step in all (a step whose summary was not ready yet goes into a later step's log)
+    # one summary per step, each logged at its own step
     t = _rows(tmp_path / "logs1")
-    assert Counting.logged == t.groupby("step").size().tolist() and not tr._el_summaries
-    n = sum(1 for h in tr.state.log_history if "entropylens/share_pa_hp" in h)
-    assert 1 <= n <= 3 and "entropylens/share_pa_hp" in tr.state.log_history[-2]  # the last step's log has one
+    assert Counting.logged == list(enumerate(t.groupby("step").size().tolist())) and not tr._el_summaries
+    assert sorted(h["step"] for h in tr.state.log_history if "entropylens/share_pa_hp" in h) == [1, 2, 3]
     # the learning rate each optimizer step used: TRL's default linear decay from 5e-3 over 3 steps, no
     # warm-up (lr_k = 5e-3 (1 - k/3)); it was read after the scheduler had stepped (one step late)
     lrs = connect(tmp_path / "logs1").execute("SELECT step, max(lr) FROM steps GROUP BY step ORDER BY step").fetchall()

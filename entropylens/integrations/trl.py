@@ -29,8 +29,9 @@ What it changes in TRL (private methods, hence the version check):
   bonus, MoE aux loss), and normalised as the configured ``loss_type`` (:func:`trl_loss_weights`:
   ``dapo`` divides by the accumulation window's tokens, ``num_items_in_batch``). TRL's own loss
   metrics (entropy, kl, clip_ratio/*) are logged from the same tensors. Step aggregates go to TRL's
-  logs as ``entropylens/...``, taken from the writer thread without waiting for it: a step's values
-  reach the log as soon as the writer has them (usually at the next optimizer step; all by the last).
+  callbacks (every ``report_to`` tracker) and ``state.log_history`` as ``entropylens/...``, each step's
+  values at that step's own index (global_step = step + 1), taken from the writer thread without
+  waiting for it: a step's values are logged as soon as the writer has them (all by the last step).
 - Texts: each sequence's decoded completion goes to ``sequences.text``; run.json names the tokenizer,
   and one built in memory is saved with the run (``<run>/tokenizer/``).
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
@@ -56,6 +57,7 @@ entropylens step = optimizer step (``state.global_step``), update = micro-batch 
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -769,23 +771,34 @@ def _trainer_class():
             # the summary comes from the writer thread once it has taken in the step: asking without
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
             # fsync included); answers are logged as they arrive, all of them by the last step
-            self._el_summaries.append(self.recorder.step_summary_later(step, _SUMMARY_NAMES))
+            self._el_summaries.append((step, self.recorder.step_summary_later(step, _SUMMARY_NAMES)))
             self.recorder.end_step(step)  # written now, not when the next step (after its generation) begins
             last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
-            while self._el_summaries and (last or self._el_summaries[0].ready()):
-                self._el_log_summary(self._el_summaries.pop(0).result())
+            while self._el_summaries and (last or self._el_summaries[0][1].ready()):
+                done, pending = self._el_summaries.pop(0)
+                self._el_log_summary(done, pending.result())
             self._el_micro = 0
             self._el_grad_norm = None
             self._el_kl_ref = None
             self._el_lr = None
 
-        def _el_log_summary(self, summary: dict) -> None:
-            for k, v in summary.items():
-                if k in LOG_KEYS and v == v:
-                    self._metrics["train"][f"entropylens/{k}"].append(float(v))
-            for q in ("pa_hp", "pa_lp", "na_hp", "na_lp"):
-                if summary.get("n_tokens"):
-                    self._metrics["train"][f"entropylens/share_{q}"].append(summary[f"n_{q}"] / summary["n_tokens"])
+        def _el_log_summary(self, step: int, summary: dict) -> None:
+            """Logs one step's aggregates as ``entropylens/...`` at that step's own index (TRL's global_step
+            after it: step + 1), through TRL's callbacks, so every ``report_to`` tracker (TensorBoard, W&B,
+            Trackio, ...) gets them at the step they describe, whenever the writer thread answers; and in
+            ``state.log_history`` as a row of its own. Rank 0's summary (the trackers log on rank 0)."""
+            logs = {f"entropylens/{k}": float(v) for k, v in summary.items() if k in LOG_KEYS and v == v}
+            if summary.get("n_tokens"):
+                for q in ("pa_hp", "pa_lp", "na_hp", "na_lp"):
+                    logs[f"entropylens/share_{q}"] = summary[f"n_{q}"] / summary["n_tokens"]
+            if not logs or not self.accelerator.is_main_process:
+                return
+            at = copy.copy(self.state)  # the trackers take the step from state.global_step
+            at.global_step = step + 1
+            self.state.log_history.append({**logs, "step": step + 1})
+            should_log = self.control.should_log  # the handler's on_log clears it: TRL's own log of this
+            self.control = self.callback_handler.on_log(self.args, at, self.control, logs)  # step must stay due
+            self.control.should_log = should_log
 
     return EntropyLensGRPOTrainer
 
