@@ -620,6 +620,36 @@ def check(
 
 
 @app.command()
+def watch(
+    path: PathArg,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Only these runs (repeatable).")] = None,
+    interval: Annotated[float, typer.Option(
+        "--interval", help="Seconds between refreshes (each re-reads the committed steps).")] = 2.0,
+) -> None:
+    """A live terminal view of runs being written: per run the latest steps' entropy (sparkline and
+    table), reward, clip fractions by side and quadrant, entropy-ratio quantiles and the share outside
+    the ERC band, and the alarms of `entropylens check` (default thresholds). Reads the steps table
+    only, reconnecting every --interval seconds; leaves when every run is finished or failed (a
+    summary line) or on Ctrl-C (exit 0). docs/watch.md."""
+    from entropylens.watch import snapshot, summary_line
+    from entropylens.watch import watch as live
+
+    if not (interval > 0 and interval < float("inf")):
+        _fail(f"--interval must be a number of seconds > 0, got {interval}")
+    try:
+        with _FileWarnings():
+            first = snapshot(path, run or None)  # a missing PATH, no run, an unknown --run: one line
+    except _user_errors() as e:
+        _fail(str(e))
+    except KeyboardInterrupt:  # Ctrl-C before the first view: leave as from the view
+        typer.echo("watch: stopped (Ctrl-C)")
+        return
+    snap, interrupted = live(path, runs=run or None, interval=interval, first=first)
+    typer.echo("watch: stopped (Ctrl-C); " + summary_line(snap).removeprefix("watch: ") if interrupted
+               else summary_line(snap))
+
+
+@app.command()
 def verify(path: PathArg) -> None:
     """Check every file under PATH: list the unreadable ones (exit 1), or say all is whole (exit 0)."""
     from entropylens.catalog import verify as check
