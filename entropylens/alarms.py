@@ -328,15 +328,33 @@ def _mean(xs: list[float] | None) -> float | None:
     return sum(xs) / len(xs) if xs else None  # NaN and inf propagate, as DuckDB's avg
 
 
+def check_stop_on(stop_on) -> tuple[str, ...]:
+    """``stop_on`` as a tuple of rule names (a name, or names; "all" for every rule); unknown names are a
+    one-line error listing the rules."""
+    names = (stop_on,) if isinstance(stop_on, str) else tuple(stop_on or ())
+    if "all" in names:
+        return RULES
+    bad = [n for n in names if n not in RULES]
+    if bad:
+        raise ValueError(f"stop_on: unknown rule {bad[0]!r}; rules: {', '.join(RULES)} (or 'all')")
+    return names
+
+
 class LiveAlarms:
     """The Recorder's live check: feed each closed step's summary; warns once per rule (EntropyAlarm).
-    ``scalar_log`` (set by the Recorder): record_step's grad_norm / lr of each step."""
+    ``scalar_log`` (set by the Recorder): record_step's grad_norm / lr of each step. ``stop_on``: rules
+    whose finding sets ``stop`` (the first such Finding): the training loop (or the TRL trainer's
+    callback) reads it and stops. ``listeners``: callables ``f(finding)`` called at each finding (e.g. a
+    tracker's alert)."""
 
-    def __init__(self, run: str, thresholds: Thresholds | None = None):
+    def __init__(self, run: str, thresholds: Thresholds | None = None, stop_on=()):
         self.monitor = Monitor(run, thresholds or Thresholds())
         self.warned: set[str] = set()
         self.findings: list[Finding] = []
         self.scalar_log: ScalarLog | None = None
+        self.stop_on = check_stop_on(stop_on)
+        self.stop: Finding | None = None
+        self.listeners: list = []
 
     def observe(self, step: int, summary: dict) -> None:
         row = {"old_entropy": summary.get("old_entropy_mean"), "entropy": summary.get("entropy_mean"),
@@ -354,6 +372,13 @@ class LiveAlarms:
         row["lr"] = _mean(scalars.get("lr"))
         for f in self.monitor.observe(step, row):
             self.findings.append(f)
+            if self.stop is None and f.rule in self.stop_on:
+                self.stop = f
+            for listen in self.listeners:
+                try:
+                    listen(f)
+                except Exception as e:  # noqa: BLE001 - an alert that fails must not stop training
+                    warnings.warn(f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}")
             if f.rule not in self.warned:
                 self.warned.add(f.rule)
                 from .writer_thread import caller_stacklevel
@@ -362,5 +387,5 @@ class LiveAlarms:
                 warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=caller_stacklevel())
 
 
-__all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "check", "LiveAlarms", "EntropyAlarm",
+__all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "check", "LiveAlarms", "check_stop_on", "EntropyAlarm",
            "NonFiniteWarning", "ScalarLog"]

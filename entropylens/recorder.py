@@ -139,7 +139,9 @@ class Recorder:
     ``fsync`` (default on): each file and its directory are flushed to disk before the steps file
     that commits the step (safe against power loss, not only against a killed process).
     ``alarms`` (True, or an ``alarms.Thresholds``): the rules of ``entropylens check`` run live on
-    each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``probe`` runs the
+    each closed step's summary and warn (``alarms.EntropyAlarm``) once per rule; ``stop_on`` (rule names,
+    e.g. ``("collapse", "nonfinite")``, or "all") makes :attr:`should_stop` true once one of them fires
+    (the loop reads it and stops); ``probe`` runs the
     parameter-space entropy probe on one update. A directory that already holds a run of this id is
     refused (``run_claim.RunExistsError``) unless ``overwrite=True``, which first removes the old run's
     files; the default run id is new each time. ``resume=K`` continues the run a killed job left (the
@@ -147,7 +149,11 @@ class Recorder:
     of later steps are removed (a warning counts the committed ones: the resumed job records them
     again), recording starts after K, run.json keeps the first job's config (a different method is
     refused), start and loss settings and lists each resume. Compacted steps must lie at or before K.
-    With several ranks pass the same K to every rank.
+    With several ranks pass the same K to every rank. ``log_to`` ("tensorboard", "wandb", "trackio", a
+    ``trackers.Tracker``, a callable ``f(step, metrics)``, a list, or ``{name: option}``): each step's
+    ``entropylens/...`` metrics (the names TRL's trackers get) go to these trackers at the step's own
+    index, once the writer has answered its summary, without the training thread waiting (rank 0 only;
+    ``entropylens.trackers``, docs/trackers.md).
     """
 
     def __init__(
@@ -167,8 +173,10 @@ class Recorder:
         storage_options: dict | None = None,
         fsync: bool = True,
         alarms=None,
+        stop_on=(),
         overwrite: bool = False,
         resume: int | None = None,
+        log_to=None,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -182,6 +190,11 @@ class Recorder:
             from .alarms import Thresholds
 
             self._alarm_thresholds = alarms if isinstance(alarms, Thresholds) else Thresholds()
+        from .alarms import check_stop_on
+
+        self._stop_on = check_stop_on(stop_on)
+        if self._stop_on and self._alarm_thresholds is None:
+            raise ValueError("stop_on needs alarms= (True or an alarms.Thresholds): the live rules that fire")
         self.tau, self.sample, self.on_error = float(tau), float(sample), on_error
         self.eps_low, self.eps_high = _run_level_eps(self.config)
         dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -198,6 +211,10 @@ class Recorder:
             if isinstance(resume, bool) or not isinstance(resume, (int, np.integer)) or resume < 0:
                 raise ValueError(f"resume must be the step the job resumes after (an int >= 0: the checkpoint's last "
                                  f"step), got {resume!r}")
+        if log_to is not None:  # unknown names and missing packages fail here, before anything is on disk
+            from . import trackers
+
+            log_to = trackers.resolve(log_to) if self.rank == 0 else []
         if run is None:
             run = self._default_run_id(dist_on)
         if not run or "/" in run or run.startswith("."):
@@ -263,6 +280,12 @@ class Recorder:
                 pass
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
+        self._step_log = None  # trackers.StepLog (log_to=): step summaries asked for as steps close
+        self._step_logged = self._last_step  # steps <= this were asked for (or are the earlier job's)
+        if log_to:
+            from .trackers import StepLog
+
+            self._step_log = StepLog(log_to, run, self.config)
         atexit.register(self._atexit)
 
     def _default_run_id(self, dist_on: bool) -> str:
@@ -465,7 +488,7 @@ class Recorder:
             log = self._scalars = ScalarLog(self.run, keep=self._alarm_thresholds is not None)
             if self._alarm_thresholds is not None:
                 if self._alarms is None:
-                    self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
+                    self._alarms = LiveAlarms(self.run, self._alarm_thresholds, self._stop_on)
                 self._alarms.scalar_log = log
         return log
 
@@ -580,10 +603,13 @@ class Recorder:
         if upto > self._closed_upto and not self._disabled:
             if upto == self._last_step:  # the others were observed as later steps closed them
                 self._observe_alarms(upto, wait=wait)
+                self._track_step(upto)
             self._writer.close_steps(upto=upto)
             self._closed_upto = upto
         if wait and not self._disabled:
             self._writer.drain()
+        if self._step_log is not None:
+            self._step_log.log_ready()
         self._check_alive()  # a write that failed meanwhile raises here
         return upto
 
@@ -604,8 +630,13 @@ class Recorder:
                     if self._last_step >= 0:
                         self._observe_alarms(self._last_step)
                     self._observe_answered(wait=True)
+                    self._track_step(self._last_step)
                     self._writer.close_steps(upto=None)
+                    if self._step_log is not None:
+                        self._step_log.log_ready(wait=True)
         finally:
+            if self._step_log is not None:
+                self._step_log.close()
             self._remove_hook()
             self._writer.stop()
             rejected = self._writer.take_rejected()
@@ -640,6 +671,21 @@ class Recorder:
         only these aggregates (and n_tokens), the rest is not computed."""
         self._finalize_pending()
         return PendingSummary(self._writer.summary_request(int(step), names), self._writer)
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a live alarm whose rule is in ``stop_on`` has fired (``stop_reason`` says which): a
+        training loop reads it after each step and stops. The rules see a step once the writer thread has
+        its summary (no wait at the step's end), so the stop can come a step or two after the finding's
+        step; the finding names its step."""
+        if self._alarm_replies:
+            self._observe_answered()
+        return self._alarms is not None and self._alarms.stop is not None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The finding that set :attr:`should_stop` (``run=... step=... rule=...``), or None."""
+        return self._alarms.stop.line() if self._alarms is not None and self._alarms.stop is not None else None
 
     @property
     def has_hook(self) -> bool:
@@ -752,16 +798,28 @@ class Recorder:
             if self._alarms is None:
                 from .alarms import LiveAlarms
 
-                self._alarms = LiveAlarms(self.run, self._alarm_thresholds)
+                self._alarms = LiveAlarms(self.run, self._alarm_thresholds, self._stop_on)
             self._alarms.observe(step, self._writer.answer(reply))
+
+    def _track_step(self, step: int) -> None:
+        """``log_to``: ask for the summary of ``step`` (once, before it closes) without waiting."""
+        if self._step_log is None or step <= self._step_logged or self._disabled:
+            return
+        from .trackers import SUMMARY_NAMES
+
+        self._step_logged = step
+        self._step_log.add(step, PendingSummary(self._writer.summary_request(step, SUMMARY_NAMES), self._writer))
 
     def _advance_to(self, step: int) -> None:
         """A later step closes the earlier ones: their steps rows are written (after their tokens)."""
+        if self._step_log is not None and self._step_log.waiting:
+            self._step_log.log_ready()  # the answered summaries of closed steps, without waiting
         if step > self._last_step:
             if self._alarm_replies:
                 self._observe_answered()
             if self._last_step >= 0 and not self._disabled:
                 self._observe_alarms(self._last_step)
+                self._track_step(self._last_step)
                 self._writer.close_steps(upto=step - 1)
                 self._closed_upto = step - 1
             self._last_step = step

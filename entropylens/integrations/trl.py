@@ -311,6 +311,11 @@ def _trainer_class():
 
         def on_step_end(self, args, state, control, **kwargs):
             self.owner._el_step_end()
+            if self.owner.recorder._stop_on and self.owner._el_should_stop():  # a stop_on alarm fired
+                if not control.should_training_stop:
+                    why = self.owner.recorder.stop_reason or "a stop_on alarm fired on another process"
+                    warnings.warn(f"entropylens: stopping training: {why}", stacklevel=2)
+                control.should_training_stop = True
 
         def on_save(self, args, state, control, **kwargs):
             # a checkpoint was saved: every step recorded so far reaches the disk with it (a job killed
@@ -322,7 +327,7 @@ def _trainer_class():
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
                      erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=True, attribution=False,
-                     resume=None, save_tokenizer=None, **kwargs):
+                     resume=None, save_tokenizer=None, alarms=None, stop_on=(), **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
@@ -358,7 +363,7 @@ def _trainer_class():
             self._el_resume = resume
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
                                      rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
-                                     resume=resume)
+                                     resume=resume, alarms=alarms, stop_on=stop_on)
             if self.accelerator.is_main_process:
                 _save_tokenizer(self.processing_class, self.recorder, save_tokenizer)
             self._el_micro = 0
@@ -414,6 +419,15 @@ def _trainer_class():
 
             base.forward = types.MethodType(forward, base)
             return True
+
+        def _el_should_stop(self) -> bool:
+            """Any process's stop_on alarm stops every process (each rank's rules see its own steps; a
+            stop on one rank alone would leave the others waiting in a collective)."""
+            flag = float(self.recorder.should_stop)
+            if self.accelerator.num_processes > 1:
+                t = torch.tensor([flag], device=self.accelerator.device)
+                flag = float(self.accelerator.reduce(t, reduction="sum").item())
+            return flag > 0
 
         def _el_warn_once(self, key: str, msg: str) -> None:
             if key not in self._el_warned:
