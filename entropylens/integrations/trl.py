@@ -68,12 +68,9 @@ from ..losses import METHODS, policy_loss
 from ._version import require_tested
 from ..recorder import Recorder
 from ..stats import clip_region, clipped_mask, head_stats, logit_grad_norm_from_sum_p2
+from ..trackers import LOG_KEYS, SUMMARY_NAMES as _SUMMARY_NAMES, step_metrics  # shared with Recorder(log_to=)
 
 TRL_TESTED = ("1.16",)  # major.minor releases whose private GRPOTrainer methods this was tested against
-LOG_KEYS = ("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "erc_drop_frac", "kl_k3",
-            "clip_low_frac", "clip_high_frac", "clip_frac_pa_lp", "clip_frac_na_lp", "lgn_mean_pa_hp",
-            "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp")
-_SUMMARY_NAMES = LOG_KEYS + ("n_pa_hp", "n_pa_lp", "n_na_hp", "n_na_lp")  # what _el_log_summary reads
 _MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
             "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL loss types that clip like PPO
@@ -801,10 +798,7 @@ def _trainer_class():
             after it: step + 1), through TRL's callbacks, so every ``report_to`` tracker (TensorBoard, W&B,
             Trackio, ...) gets them at the step they describe, whenever the writer thread answers; and in
             ``state.log_history`` as a row of its own. Rank 0's summary (the trackers log on rank 0)."""
-            logs = {f"entropylens/{k}": float(v) for k, v in summary.items() if k in LOG_KEYS and v == v}
-            if summary.get("n_tokens"):
-                for q in ("pa_hp", "pa_lp", "na_hp", "na_lp"):
-                    logs[f"entropylens/share_{q}"] = summary[f"n_{q}"] / summary["n_tokens"]
+            logs = step_metrics(summary)
             if not logs or not self.accelerator.is_main_process:
                 return
             at = copy.copy(self.state)  # the trackers take the step from state.global_step
