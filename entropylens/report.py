@@ -74,7 +74,7 @@ FIGURES: tuple[Figure, ...] = (
            "PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it."),
     Figure("clipping_removed", "entropy_budget_by_step", "clipping_removed", "What clipping removed",
            "The entropy effect that clipping, CE-GPPO's beta scaling, ERC or dual-clip took away, by quadrant, "
-           "beside the effect kept; below, the same total split by cause (clip low side, clip high side, "
+           "beside the effect kept; the text below splits the same total by cause (clip low side, clip high side, "
            "dual-clip, ERC's own share: the parts add up). CE-GPPO argues PPO-clip drops mostly PA&LP "
            "(high side, raising entropy) and NA&LP (low side, lowering it) gradients."),
     Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
