@@ -24,6 +24,7 @@ from .run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 from .workers import available_cores, start_fork_server
 from .workers import one_thread_env as _one_thread_env
+from .workers import quiet_resource_tracker
 from .workers import worker_context as _worker_context
 
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
@@ -247,6 +248,7 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
     from .toy.train import warm_key
 
     ctx = _worker_context(mp)
+    quiet_resource_tracker()  # before the queue: its semaphores are the tracker's to remove
     events = ctx.Queue()
 
     def drain(timeout: float = 0.0) -> None:

@@ -67,6 +67,30 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (the process that removes the semaphores of the workers'
+    queues when the demo ends) with its stderr on /dev/null. When the demo stops at once (its reader went
+    away: `entropylens demo | head`), a queue's semaphore can be mid-cleanup as the process exits; the
+    tracker then removes it and said so on the user's terminal ("There appear to be 1 leaked semaphore
+    objects", seen once in CI). It still removes them; it no longer speaks. Idempotent (a tracker already
+    running is left as it is)."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    if getattr(tracker, "_fd", None) is not None:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        os.dup2(devnull, 2)  # the tracker inherits fd 2 (it passes sys.stderr's descriptor)
+        tracker.ensure_running()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def start_fork_server(n_runs: int, workers: int | None = None) -> bool:
     """Start the fork server now (its imports run in the background) when a demo of ``n_runs`` runs will
     use worker processes (``workers``, default one per core, > 1). Returns whether it started one.
@@ -79,6 +103,7 @@ def start_fork_server(n_runs: int, workers: int | None = None) -> bool:
     from multiprocessing import forkserver
 
     worker_context(mp)  # the preload list
+    quiet_resource_tracker()
     with one_thread_env():  # the server (and so every worker) starts with one-thread runtimes
         forkserver.ensure_running()
     return True
