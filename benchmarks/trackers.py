@@ -1,15 +1,19 @@
 """What ``Recorder(log_to="tensorboard")`` costs on top of recording: the toy trainer's step time with a
-plain recorder and with one that also logs every step's ``entropylens/...`` metrics to TensorBoard,
-alternating in one process, each step run by both from the same saved state (the same work bit for
-bit; benchmarks/overhead.py's method). Asserts nothing about time.
+plain recorder, with one that also logs every step's ``entropylens/...`` scalars to TensorBoard
+(``log_histograms=False``), and with one that logs the scalars and the step histograms (the default:
+``entropylens/hist/...``, the entropy ratio and the importance ratio per quadrant, counted on the writer
+thread over every token), alternating in one process, each step run by all three from the same saved
+state (the same work bit for bit; benchmarks/overhead.py's method). Asserts nothing about time.
 
   python benchmarks/trackers.py [--steps 40] [--threads 2]
 
 A step's summary is asked for as it closes and logged at the recorder call after the writer thread
 has answered (here: at the next step's first record call, inside the timed step), so the timed steps
-hold the tracker's work on the training thread: the summary's reply check and TensorBoard's
-add_scalar calls (the event file is written by TensorBoard's own thread).
-Last line: trackers_ratio=<median of the per-step paired ratios, log_to="tensorboard" / recording>
+hold the tracker's work on the training thread: the summary's reply check and building TensorBoard's
+event (the file is written by TensorBoard's own thread). The histograms' counting is the writer
+thread's (its CPU per step is printed; the writer runs at SCHED_IDLE).
+Last line: trackers_ratio=<median of the per-step paired ratios, log_to="tensorboard" with histograms /
+recording>
 """
 
 import argparse
@@ -39,10 +43,15 @@ class _Answered:
 
 
 def _direct_cost(logdir: Path, n: int = 400) -> float:
-    """Median seconds of StepLog.log_ready for one answered step summary, to a real TensorBoard writer."""
+    """Median seconds of StepLog.log_ready for one answered step summary (its scalars and 5 histograms with
+    every bin filled), to a real TensorBoard writer."""
+    import numpy as np
+
+    from entropylens.step_table import HISTOGRAMS, HISTOGRAMS_KEY, StepHistogram
     from entropylens.trackers import SUMMARY_NAMES, StepLog, TensorBoard
 
-    summary = {"n_tokens": 2048.0, **{k: 0.25 for k in SUMMARY_NAMES}}
+    hists = {k: StepHistogram(np.arange(1, 35, dtype=np.int64), 2048.0, 4096.0) for k in HISTOGRAMS}
+    summary = {"n_tokens": 2048.0, **{k: 0.25 for k in SUMMARY_NAMES}, HISTOGRAMS_KEY: hists}
     log = StepLog([TensorBoard(logdir)], "direct", {})
     times = []
     for step in range(n):
@@ -50,6 +59,7 @@ def _direct_cost(logdir: Path, n: int = 400) -> float:
         t0 = time.perf_counter()
         log.log_ready()
         times.append(time.perf_counter() - t0)
+        time.sleep(0.002)  # untimed: TensorBoard's thread writes the event meanwhile, as it does between steps
     log.close()
     return statistics.median(times)
 
@@ -65,15 +75,19 @@ def main() -> None:
     trainer = ToyTrainer(config_for("grpo", sft_steps=a.sft_steps, prompts=a.prompts))
     with tempfile.TemporaryDirectory() as d:
         modes = {"recording": Recorder(d, run="plain"),
-                 "+tensorboard": Recorder(d, run="tb", log_to={"tensorboard": Path(d) / "tb"})}
+                 "+tb scalars": Recorder(d, run="tbs", log_to={"tensorboard": Path(d) / "tbs"}, log_histograms=False),
+                 "+tb histograms": Recorder(d, run="tb", log_to={"tensorboard": Path(d) / "tb"})}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
+        writer_cpu = {m: [] for m in modes}
         names = list(modes)
         for i in range(a.steps + 2):  # two warm-up rounds
             state = trainer.state()
-            for m in names[i % 2:] + names[: i % 2]:  # the order alternates every step
+            k = i % len(names)
+            for m in names[k:] + names[:k]:  # the order rotates every step
                 trainer.load_state(state)
                 rec = modes[m]
+                w0 = rec._writer.cpu_seconds
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
                 t1, c1 = time.perf_counter(), time.thread_time()
@@ -81,33 +95,42 @@ def main() -> None:
                 if i >= 2:
                     wall[m].append(t1 - t0)
                     cpu[m].append(c1 - c0)
-        logged = modes["+tensorboard"]._step_log
+                    writer_cpu[m].append(rec._writer.cpu_seconds - w0)
+        n_trackers = len(modes["+tb histograms"]._step_log.trackers)  # 1 unless the tracker failed
         for rec in modes.values():
             rec.close()
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        acc = EventAccumulator(str(next((Path(d) / "tb").glob("events.*")).parent), size_guidance={"scalars": 0})
+        acc = EventAccumulator(str(next((Path(d) / "tb").glob("events.*")).parent),
+                               size_guidance={"scalars": 0, "histograms": 0})
         acc.Reload()
         n_logged = len(acc.Scalars("entropylens/clip_low_frac"))
+        n_hist = len(acc.Histograms("entropylens/hist/entropy_ratio"))
         # the same work timed alone (no step-time noise): a ready summary through StepLog to TensorBoard
         direct = _direct_cost(Path(d) / "tb-direct")
     print(f"toy step: {trainer.cfg.prompts * trainer.cfg.group} sequences, {trainer.cfg.updates} updates, "
-          f"{a.steps} steps per mode, alternating, torch threads {a.threads}; TensorBoard got "
-          f"{n_logged} steps x {len(acc.Tags()['scalars'])} scalars (trackers left: {len(logged.trackers)})")
-    print(f"{'mode':<14} {'wall ms':>9} {'thread cpu ms':>14}")
+          f"{a.steps} steps per mode, rotating, torch threads {a.threads}; TensorBoard got {n_logged} steps x "
+          f"{len(acc.Tags()['scalars'])} scalars and {n_hist} steps x {len(acc.Tags()['histograms'])} histograms "
+          f"(trackers left: {n_trackers})")
+    print(f"{'mode':<15} {'wall ms':>9} {'thread cpu ms':>14} {'writer cpu ms':>14}")
     for m in modes:
-        print(f"{m:<14} {statistics.median(wall[m]) * 1e3:9.2f} {statistics.median(cpu[m]) * 1e3:14.2f}")
-    paired = [t / r for t, r in zip(wall["+tensorboard"], wall["recording"])]
-    paired_cpu = [t / r for t, r in zip(cpu["+tensorboard"], cpu["recording"])]
-    q = statistics.quantiles(paired, n=4)
-    print(f"paired per-step ratios (+tensorboard / recording): median {statistics.median(paired):.4f} "
-          f"(quartiles {q[0]:.4f}, {q[2]:.4f}); training-thread CPU {statistics.median(paired_cpu):.4f}")
+        print(f"{m:<15} {statistics.median(wall[m]) * 1e3:9.2f} {statistics.median(cpu[m]) * 1e3:14.2f} "
+              f"{statistics.median(writer_cpu[m]) * 1e3:14.2f}")
+    ratios = {}
+    for m in names[1:]:
+        paired = [t / r for t, r in zip(wall[m], wall["recording"])]
+        paired_cpu = [t / r for t, r in zip(cpu[m], cpu["recording"])]
+        q = statistics.quantiles(paired, n=4)
+        ratios[m] = (statistics.median(paired), statistics.median(paired_cpu))
+        print(f"paired per-step ratios ({m} / recording): median {ratios[m][0]:.4f} (quartiles {q[0]:.4f}, "
+              f"{q[2]:.4f}); training-thread CPU {ratios[m][1]:.4f}")
     step_ms = statistics.median(wall["recording"]) * 1e3
-    print(f"one step's metrics through StepLog to TensorBoard, timed alone: {direct * 1e3:.3f} ms on the training "
-          f"thread = {direct * 1e3 / step_ms * 100:.3f}% of a {step_ms:.1f} ms step")
+    print(f"one step's scalars and histograms through StepLog to TensorBoard, timed alone: {direct * 1e3:.3f} ms on "
+          f"the training thread = {direct * 1e3 / step_ms * 100:.3f}% of a {step_ms:.1f} ms step")
     print(f"trackers_direct_ratio={1 + direct * 1e3 / step_ms:.4f}")
-    print(f"trackers_cpu_ratio={statistics.median(paired_cpu):.4f}")
-    print(f"trackers_ratio={statistics.median(paired):.4f}")
+    print(f"trackers_scalars_ratio={ratios['+tb scalars'][0]:.4f}")
+    print(f"trackers_cpu_ratio={ratios['+tb histograms'][1]:.4f}")
+    print(f"trackers_ratio={ratios['+tb histograms'][0]:.4f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import secrets
 import warnings
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -153,7 +152,21 @@ class Recorder:
     ``trackers.Tracker``, a callable ``f(step, metrics)``, a list, or ``{name: option}``): each step's
     ``entropylens/...`` metrics (the names TRL's trackers get) go to these trackers at the step's own
     index, once the writer has answered its summary, without the training thread waiting (rank 0 only;
-    ``entropylens.trackers``, docs/trackers.md).
+    ``entropylens.trackers``, docs/trackers.md). ``log_histograms``: with them each step's histograms of the
+    entropy ratio and of the importance ratio by quadrant (exact over all its masked-in tokens, counted on
+    the writer thread: 32 log-spaced bins over [0.5, 2] plus under- and overflow) as
+    ``entropylens/hist/...``; ``log_table_every=N``: every N steps (step % N == 0; 0 never) a table
+    ``entropylens/tokens`` of 64 sampled token rows to W&B and Trackio. Both default (None) to on (N = 50)
+    when ``log_to`` names a tracker, off otherwise; an explicit value applies with or without ``log_to``
+    (``step_summary_later(step, names)`` then answers them for the names ``trackers.EXTRA_NAMES``). With
+    ``alarms=`` and ``log_to``, each finding is also the trackers' own alert (W&B, Trackio; TensorBoard: a
+    text summary); :meth:`on_alarm` adds any other listener.
+    ``tokenizer`` (a tokenizer object, a local path or hub
+    name, or a list of token strings: id -> text) lets a token viewer show each recorded token id's text:
+    run.json's ``config.tokenizer`` names it (``token_text.tokenizer_info``: a list is stored inline), and
+    rank 0 saves a copy of an object that has no loadable name in ``<run>/tokenizer/``
+    (``token_text.save_tokenizer``). Texts of sequences are never decoded for you: pass
+    ``record_sequences(..., texts=)``.
     """
 
     def __init__(
@@ -177,6 +190,9 @@ class Recorder:
         overwrite: bool = False,
         resume: int | None = None,
         log_to=None,
+        tokenizer=None,
+        log_histograms: bool | None = None,
+        log_table_every: int | None = None,
     ):
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
@@ -185,6 +201,10 @@ class Recorder:
         if not 0.0 < tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         self.config = dict(config or {})
+        if tokenizer is not None:  # checked (a vocabulary of strings) before anything is on disk
+            from .token_text import tokenizer_info
+
+            self.config["tokenizer"] = tokenizer_info(tokenizer)
         self._alarm_thresholds = None
         if alarms:  # live alarms (entropylens.alarms): True for the defaults, or a Thresholds
             from .alarms import Thresholds
@@ -215,6 +235,11 @@ class Recorder:
             from . import trackers
 
             log_to = trackers.resolve(log_to) if self.rank == 0 else []
+        if log_table_every is not None and (isinstance(log_table_every, bool) or int(log_table_every) < 0):
+            raise ValueError(f"log_table_every must be an int >= 0 (0: no table), got {log_table_every!r}")
+        tracked = bool(log_to)  # this rank logs to a tracker: the histograms and the table are on by default
+        log_histograms = tracked if log_histograms is None else bool(log_histograms)
+        log_table_every = (50 if tracked else 0) if log_table_every is None else int(log_table_every)
         if run is None:
             run = self._default_run_id(dist_on)
         if not run or "/" in run or run.startswith("."):
@@ -250,6 +275,10 @@ class Recorder:
                               "the resumed job records them again", stacklevel=2)
         else:
             run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
+        if tokenizer is not None and self.rank == 0:  # the run's own copy where run.json names none to load
+            from .token_text import save_tokenizer
+
+            save_tokenizer(tokenizer, self.dir)
         self._salt = tokenbatch.run_hash(run)
         self._disabled = False
         self._closed = False
@@ -279,13 +308,16 @@ class Recorder:
             except (KeyError, TypeError, ValueError):
                 pass
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
-                                    rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync)
+                                    rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync,
+                                    histograms=log_histograms, table_every=log_table_every)
         self._step_log = None  # trackers.StepLog (log_to=): step summaries asked for as steps close
         self._step_logged = self._last_step  # steps <= this were asked for (or are the earlier job's)
         if log_to:
             from .trackers import StepLog
 
             self._step_log = StepLog(log_to, run, self.config)
+            if self._alarm_thresholds is not None and self._step_log.trackers:  # findings as the trackers' alerts
+                self.on_alarm(lambda finding: self._step_log.alert(finding, self._stop_on))
         atexit.register(self._atexit)
 
     def _default_run_id(self, dist_on: bool) -> str:
@@ -509,7 +541,9 @@ class Recorder:
                           stacklevel=3)
 
     def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
-        """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts."""
+        """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts
+        (``texts``: [B] strings, each response's decoded text; never decoded here, even with a tokenizer:
+        the token ids are in the tokens table and ``token_text`` decodes them)."""
         self._check_alive()
         step = int(step)
         self._finalize_pending()
@@ -682,6 +716,24 @@ class Recorder:
             self._observe_answered()
         return self._alarms is not None and self._alarms.stop is not None
 
+    def on_alarm(self, listener) -> None:
+        """Call ``listener(finding)`` (an ``alarms.Finding``) at each live alarm finding, on the training
+        thread, as the rules see the step (one call per finding; a listener that raises warns). Needs
+        ``alarms=``."""
+        if self._alarm_thresholds is None:
+            raise ValueError("on_alarm needs alarms= (True or an alarms.Thresholds): the live rules that fire")
+        if self._alarms is None:
+            from .alarms import LiveAlarms
+
+            self._alarms = LiveAlarms(self.run, self._alarm_thresholds, self._stop_on)
+        self._alarms.listeners.append(listener)
+
+    def observe_alarms(self) -> None:
+        """Run the live alarm rules now on every step closed so far, waiting for the writer's answers (its
+        findings warn, reach the :meth:`on_alarm` listeners and set :attr:`should_stop`): for a trainer
+        whose trackers close before the recorder does (the TRL trainer's last step)."""
+        self._observe_answered(wait=True)
+
     @property
     def stop_reason(self) -> str | None:
         """The finding that set :attr:`should_stop` (``run=... step=... rule=...``), or None."""
@@ -805,10 +857,11 @@ class Recorder:
         """``log_to``: ask for the summary of ``step`` (once, before it closes) without waiting."""
         if self._step_log is None or step <= self._step_logged or self._disabled:
             return
-        from .trackers import SUMMARY_NAMES
+        from .trackers import EXTRA_NAMES, SUMMARY_NAMES
 
         self._step_logged = step
-        self._step_log.add(step, PendingSummary(self._writer.summary_request(step, SUMMARY_NAMES), self._writer))
+        names = SUMMARY_NAMES + EXTRA_NAMES if self._writer.histograms or self._writer.table_every else SUMMARY_NAMES
+        self._step_log.add(step, PendingSummary(self._writer.summary_request(step, names), self._writer))
 
     def _advance_to(self, step: int) -> None:
         """A later step closes the earlier ones: their steps rows are written (after their tokens)."""

@@ -497,6 +497,24 @@ class HostUpdate:
         h, h_old = self.floats[names.index("entropy")][self.masked], self.floats[names.index("old_entropy")][self.masked]
         return (h + np.float32(1e-8)) / (h_old + np.float32(1e-8))
 
+    def importance_ratios(self) -> tuple[np.ndarray, np.ndarray]:
+        """(r, quadrant) of every masked-in token: r = exp(logprob - old_logprob) (float32, as the tokens
+        view derives it) and the quadrant code (int8, schema.QUADRANT_NAMES)."""
+        names, m = self.layout.float_names, self.masked
+        with np.errstate(over="ignore"):  # a ratio past float32's range is inf (the overflow bin), never a warning
+            r = np.exp(self.floats[names.index("logprob")][m] - self.floats[names.index("old_logprob")][m])
+        return r, (self.flags[m] & _Q_BITS).astype(np.int8)
+
+    def rows_at(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at flat positions ``idx`` of [B*T]: the columns of :meth:`rows`, for those positions only
+        (the flags decoded there alone)."""
+        b_idx, pos = np.divmod(idx, self.layout.length)
+        out = {c: self.floats[i][idx] for i, c in enumerate(self.layout.float_names)}
+        out["token_id"] = self.token_id[idx] if self.token_id is not None else np.full(len(idx), -1, np.int32)
+        out.update(_flag_columns(self.flags[idx], self.layout.bool_names))
+        out["seq"], out["group"], out["pos"] = self.seq[b_idx], self.group[b_idx], pos.astype(np.int32)
+        return out
+
     def rows(self) -> dict[str, np.ndarray]:
         """The selected token rows (the compaction, done on the host: one np.flatnonzero)."""
         idx = np.flatnonzero(self.selected)

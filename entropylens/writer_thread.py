@@ -10,7 +10,8 @@ back-pressure, never a drop). The thread, in queue order:
   sequences  writes a sequences file;
   close      writes the token files of the closed steps, then their steps files (a present steps
              row implies all its token rows);
-  summary    answers a question about a step's aggregates (for trainer logs);
+  summary    answers a question about a step's aggregates (for trainer logs), with its histograms and
+             token table when asked (step_table.HISTOGRAMS_KEY, TABLE_KEY: the trackers);
   heartbeat  rewrites run.json.
 A failure is kept in ``error`` and surfaced by the recorder at its next call, never swallowed.
 run.json (rank 0 only) is written atomically from :class:`RunInfo`; with several ranks each
@@ -194,8 +195,11 @@ class _Reply:
 
 class WriterThread:
     def __init__(self, run_dir: Path, rank: int, info: RunInfo, *, queue_size: int, rows_per_file: int,
-                 heartbeat_s: float, fsync: bool = True):
+                 heartbeat_s: float, fsync: bool = True, histograms: bool = False, table_every: int = 0):
         self.run_dir, self.rank, self.info = run_dir, rank, info
+        # for the trackers (Recorder(log_histograms=, log_table_every=)): each update's tokens counted into
+        # the step's histograms; on steps divisible by table_every (> 0) a sample of its token rows
+        self.histograms, self.table_every = bool(histograms), int(table_every)
         # fsync: every file (and its directory) reaches the disk before the steps file that commits its
         # step is renamed into place, and that steps file before the next one: safe against power loss
         self.fsync = fsync
@@ -434,6 +438,10 @@ class WriterThread:
         ratios = host.entropy_ratios()
         if ratios is not None:
             self._steps.add_entropy_ratios(step, ratios)
+        if self.histograms:  # counts per update (bincount): no token arrays kept for them
+            self._steps.add_histograms(step, ratios, *host.importance_ratios())
+        if self.table_every > 0 and step % self.table_every == 0:
+            self._steps.add_sample(step, update, host)
         # its rows are selected when its file is complete, with the file's other updates (token_buffer.py)
         for file_step, updates, arrays in self._tokens.add(step, update, host):
             parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)

@@ -74,3 +74,19 @@ def test_trl_stops_training_when_a_stop_on_rule_fires(tmp_path):
     assert tr.recorder.stop_reason.startswith("run=stop step=1 rule=explosion")
     done = connect(tmp_path / "stop").execute("SELECT max(step) FROM steps").fetchone()[0]
     assert done == tr.state.global_step - 1  # every step the trainer ran is recorded
+
+
+def test_on_alarm_listeners_get_every_finding(tmp_path):
+    # collapse fires at step 2, explosion (H back above 2 x H0) at step 4: one call per finding, in order,
+    # on the training thread, besides the one warning per rule
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(tmp_path, run="l", alarms=Thresholds(baseline=1)) as rec:
+            rec.on_alarm(seen.append)
+            for step, h in enumerate((1.0, 0.9, 0.1, 0.1, 2.5)):
+                _update(rec, step, h)
+                rec.end_step(step)
+    assert [(f.step, f.rule) for f in seen] == [(2, "collapse"), (4, "explosion")]
+    with Recorder(tmp_path, run="m") as rec, pytest.raises(ValueError, match="on_alarm needs alarms="):
+        rec.on_alarm(print)

@@ -32,6 +32,11 @@ What it changes in TRL (private methods, hence the version check):
   callbacks (every ``report_to`` tracker) and ``state.log_history`` as ``entropylens/...``, each step's
   values at that step's own index (global_step = step + 1), taken from the writer thread without
   waiting for it: a step's values are logged as soon as the writer has them (all by the last step).
+  ``log_histograms`` (default on) and ``log_table_every`` (default 50; 0 never): the step's histograms
+  (``train/entropylens/hist/...``) and every N steps a token table (``train/entropylens/tokens``) go to
+  the TensorBoard, W&B and Trackio trackers of ``report_to`` through their callbacks' own writer / run, at
+  the same global_step (TRL's loggers take scalars only); with ``alarms=`` each finding is also the
+  tracker's own alert (``wandb.run.alert``, ``trackio.alert``; TensorBoard: a text summary).
 - Texts: each sequence's decoded completion goes to ``sequences.text``; run.json names the tokenizer,
   and one built in memory is saved with the run (``<run>/tokenizer/``).
 - ``accelerator.clip_grad_norm_`` is wrapped to record the global grad norm before clipping.
@@ -68,7 +73,10 @@ from ..losses import METHODS, policy_loss
 from ._version import require_tested
 from ..recorder import Recorder
 from ..stats import clip_region, clipped_mask, head_stats, logit_grad_norm_from_sum_p2
-from ..trackers import LOG_KEYS, SUMMARY_NAMES as _SUMMARY_NAMES, step_metrics  # shared with Recorder(log_to=)
+from ..token_text import save_tokenizer as save_tokenizer_copy  # the trainer's argument is save_tokenizer
+from ..token_text import tokenizer_info
+from ..trackers import SUMMARY_NAMES as _SUMMARY_NAMES, step_metrics  # shared with Recorder(log_to=)
+from ..trackers import EXTRA_NAMES, StepLog, trl_trackers
 
 TRL_TESTED = ("1.16",)  # major.minor releases whose private GRPOTrainer methods this was tested against
 _MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
@@ -157,42 +165,6 @@ def _active_options(trainer) -> dict:
     if out["vllm_importance_sampling_correction"]:
         out["vllm_importance_sampling_mode"] = getattr(a, "vllm_importance_sampling_mode", None)
     return out
-
-
-def _tokenizer_of(processing_class):
-    return getattr(processing_class, "tokenizer", processing_class)  # a processor holds its tokenizer
-
-
-def _tokenizer_info(processing_class) -> dict | None:
-    """run.json's ``tokenizer``: its class and name_or_path (what ``AutoTokenizer.from_pretrained`` loads);
-    ``saved`` names the run's own copy (see :func:`_save_tokenizer`)."""
-    tok = _tokenizer_of(processing_class)
-    if tok is None:
-        return None
-    name = getattr(tok, "name_or_path", None) or None
-    return {"class": type(tok).__name__, "name_or_path": name, "saved": "tokenizer" if not name else None}
-
-
-def _save_tokenizer(processing_class, recorder, save) -> None:
-    """Keeps a copy of the tokenizer in the run directory (``<run>/tokenizer/``) where run.json could not
-    name one to load (a tokenizer built in memory: no name_or_path), or when ``save=True``; ``save=False``
-    never. A token viewer decodes the recorded token ids with it."""
-    import tempfile
-    from pathlib import Path
-
-    tok = _tokenizer_of(processing_class)
-    if tok is None or save is False or (save is None and getattr(tok, "name_or_path", None)):
-        return
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            tok.save_pretrained(tmp)
-        except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save: say so, train on
-            warnings.warn(f"entropylens: the tokenizer could not be saved with the run ({type(e).__name__}: {e})")
-            return
-        (recorder.dir / "tokenizer").mkdirs()
-        for f in sorted(Path(tmp).iterdir()):
-            if f.is_file():
-                (recorder.dir / "tokenizer" / f.name).write_bytes(f.read_bytes())
 
 
 def completion_texts(completions) -> list[str]:
@@ -324,7 +296,8 @@ def _trainer_class():
 
         def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
                      erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=True, attribution=False,
-                     resume=None, save_tokenizer=None, alarms=None, stop_on=(), **kwargs):
+                     resume=None, save_tokenizer=None, alarms=None, stop_on=(), log_histograms=True,
+                     log_table_every=50, **kwargs):
             if loss is not None and loss not in METHODS:
                 raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
             if erc is not None and loss is None:
@@ -351,18 +324,27 @@ def _trainer_class():
                 "model": getattr(self.model.config, "_name_or_path", None) or type(self.model).__name__,
                 "trl_normalisation": TRL_NORMALISATION.get(self.loss_type),
                 "trl_options": _active_options(self),
-                "tokenizer": _tokenizer_info(self.processing_class),
+                "tokenizer": tokenizer_info(self.processing_class, save_tokenizer),
             }
             if resume is not None and not isinstance(resume, int):  # a checkpoint directory: its last step
                 resume = checkpoint_last_step(resume)
             elif resume is not None:  # before the recorder removes the steps after it
                 _check_resume_step(resume, self.args.output_dir)
             self._el_resume = resume
+            # histograms, the token table and alerts: to report_to's TensorBoard / W&B / Trackio (rank 0)
+            extras = trl_trackers(self.callback_handler.callbacks) if self.accelerator.is_main_process else []
+            hist_on = bool(log_histograms) and bool(extras)
+            table_every = int(log_table_every or 0) if any(t.has_tables for t in extras) else 0
             self.recorder = Recorder(entropylens_root, run, config=cfg, tau=tau, sample=sample,
                                      rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
-                                     resume=resume, alarms=alarms, stop_on=stop_on)
+                                     resume=resume, alarms=alarms, stop_on=stop_on,
+                                     log_histograms=hist_on, log_table_every=table_every)
+            self._el_extras = StepLog(extras, self.recorder.run, cfg, step_offset=1) if extras else None
+            self._el_names = _SUMMARY_NAMES + EXTRA_NAMES if hist_on or table_every else _SUMMARY_NAMES
+            if alarms and self._el_extras is not None:  # findings as the trackers' own alerts
+                self.recorder.on_alarm(lambda finding: self._el_extras.alert(finding, self.recorder._stop_on))
             if self.accelerator.is_main_process:
-                _save_tokenizer(self.processing_class, self.recorder, save_tokenizer)
+                save_tokenizer_copy(self.processing_class, self.recorder.dir, save_tokenizer)
             self._el_micro = 0
             self._el_seq_count = 0  # sequences generated on this rank so far
             self._el_group_base = 0
@@ -782,9 +764,11 @@ def _trainer_class():
             # the summary comes from the writer thread once it has taken in the step: asking without
             # waiting keeps the training thread off the writer's disk work (the previous step's files,
             # fsync included); answers are logged as they arrive, all of them by the last step
-            self._el_summaries.append((step, self.recorder.step_summary_later(step, _SUMMARY_NAMES)))
+            self._el_summaries.append((step, self.recorder.step_summary_later(step, self._el_names)))
             self.recorder.end_step(step)  # written now, not when the next step (after its generation) begins
             last = self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps
+            if last and self._el_extras is not None:  # findings reach the trackers before on_train_end closes them
+                self.recorder.observe_alarms()
             while self._el_summaries and (last or self._el_summaries[0][1].ready()):
                 done, pending = self._el_summaries.pop(0)
                 self._el_log_summary(done, pending.result())
@@ -807,6 +791,8 @@ def _trainer_class():
             should_log = self.control.should_log  # the handler's on_log clears it: TRL's own log of this
             self.control = self.callback_handler.on_log(self.args, at, self.control, logs)  # step must stay due
             self.control.should_log = should_log
+            if self._el_extras is not None:  # histograms / table through the trackers' own objects
+                self._el_extras.write(step, summary, scalars=False)
 
     return EntropyLensGRPOTrainer
 

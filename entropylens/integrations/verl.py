@@ -21,7 +21,8 @@ importing this module registers the losses. Three layers, each usable alone:
    run id once on the driver, writes an int64 sample id and the step into every sample of the batch
    (mini-batches are shuffled and dynamic batch sizing reorders rows: row position is never used),
    makes sure the old-policy entropy reaches the loss function (and computes it where verl did not),
-   asks the engine for ``sum_pi_squared``, and logs our aggregates as ``entropylens/...``. At each
+   asks the engine for ``sum_pi_squared``, hands the workers the name of verl's tokenizer, and logs our
+   aggregates as ``entropylens/...``. At each
    checkpoint it commits every worker's recorded steps and leaves ``entropylens.json`` (the run, the
    step, the next sample id) in the checkpoint folder; a job resumed from that checkpoint continues
    the run after its step (:func:`resume_plan`).
@@ -54,6 +55,16 @@ data-parallel ranks, averages a Metric MEAN, then averages every key over the st
 The registered losses alone (layer 1) return what verl's ppo_loss averages over micro-batches: verl's
 three clip diagnostics and entropylens' fractions / means (micro-batch means; no counts, no loss).
 
+Sequences: each recording worker records a sequences row per sample the first time the step's micro-batches
+show it (the score from the batch's ``token_level_scores`` / ``rm_scores`` / ``token_level_rewards``, summed
+over the response; the advantage's mean over its tokens; the response's length; its text decoded with
+the tokenizer, special tokens skipped, as verl logs it). Without a score in the actor's batch no
+sequences are recorded (said once in the log); samples without a trained token (verl's padding samples)
+have no row. run.json names the tokenizer (``config.tokenizer``); a token viewer decodes tokens.token_id
+with it (entropylens.token_text). The tokenizer is verl's own (the trainer's ``self.tokenizer``, loaded by each
+worker from its name, local files only) or ``policy_loss.tokenizer``; layer 2 alone without one records
+no texts.
+
 Recording ranks: one recorder per data-parallel rank. FSDP: the data-parallel group that holds global
 rank 0 (Ulysses peers hold the same data). Megatron (``megatron.core.parallel_state`` set up):
 :func:`recording_rank` of (pp_rank, pp_size, tp_rank, cp_rank, dp_rank): the last pipeline stage,
@@ -76,11 +87,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import math
 import os
 import secrets
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Optional
 
@@ -96,6 +106,9 @@ PREFIXED = ("grpo", "dapo", "cispo")  # registered as entropylens_<name> (verl h
 SAMPLE_ID = "entropylens_sample_id"  # int64 [B] in the batch: run-unique id of the sample
 STEP = "entropylens_step"  # int64 [B] in the batch: the trainer step the update belongs to
 OLD_ENTROPY_KEYS = ("entropylens_old_entropy", "entropy", "old_entropys", "entropys")  # first found wins
+# the response's score as verl's reward step leaves it ([B, T] nested, summed over the response): first found wins
+# (token_level_rewards last: it has the in-reward KL penalty subtracted)
+REWARD_KEYS = ("token_level_scores", "rm_scores", "token_level_rewards")
 METRIC_PREFIX = "entropylens/"
 
 logger = logging.getLogger(__name__)
@@ -133,6 +146,8 @@ class EntropyLensLossConfig(PolicyLossConfig):
     record_dir: where runs are recorded (a path every actor worker can write; None = no recording).
     run: run id (None: the trainer picks one, once, on the driver). sample: token-row keep fraction.
     tau: HP/LP threshold. exact_logit_grad_norm: ask the engine for sum_pi^2 (an extra [N, V] pass).
+    tokenizer: the tokenizer (a local path or cached hub name) that decodes the responses' texts and that
+        run.json names for a token viewer; None: the one verl's trainer loaded (trainer_mode=entropylens).
     """
 
     beta1: float = 0.5
@@ -144,6 +159,7 @@ class EntropyLensLossConfig(PolicyLossConfig):
     sample: float = 1.0
     tau: float = 0.5
     exact_logit_grad_norm: bool = True
+    tokenizer: Optional[str] = None
 
     def __post_init__(self):
         super_post = getattr(super(), "__post_init__", None)
@@ -433,21 +449,26 @@ _RECORDERS: dict[tuple[str, str], Any] = {}  # (root, run) -> Recorder, one per 
 def close_recorders(status: str = "finished") -> None:
     """Close this process's recorders (flushes the last step's steps file)."""
     while _RECORDERS:
-        _, rec = _RECORDERS.popitem()
-        rec.close(status=status, _raise=False)
+        key, rec = _RECORDERS.popitem()
+        try:
+            _flush_sequences(key, rec)
+        finally:
+            rec.close(status=status, _raise=False)
 
 
 def end_step_recorders() -> None:
     """End the step in this process's recorders (:meth:`Recorder.end_step`): their files are written
     now, in the background, not when the next step's first update arrives."""
-    for rec in _RECORDERS.values():
+    for key, rec in _RECORDERS.items():
+        _flush_sequences(key, rec)
         rec.end_step()
 
 
 def commit_recorders() -> None:
     """Commit this process's recorders (:meth:`Recorder.commit`): every step they recorded is in whole
     files on disk when this returns, so a job killed later has lost none of them."""
-    for rec in _RECORDERS.values():
+    for key, rec in _RECORDERS.items():
+        _flush_sequences(key, rec)
         rec.commit()
 
 
@@ -542,11 +563,13 @@ class EntropyLensLoss:
     recorders (how the trainer flushes the last step on every rank); ``committing=True``: unpickling it
     commits them (how the trainer commits every rank's steps at a checkpoint), ``ending=True`` ends
     their step (how the trainer has every rank write a step as soon as its actor update is done); the
-    object is then the worker's loss function as before.
+    object is then the worker's loss function as before. tokenizer: the tokenizer's name or local path
+    (``policy_loss.tokenizer`` when None): run.json names it and each worker loads it once to decode the
+    responses' texts (sequences.text).
     """
 
     def __init__(self, config, *, run: str | None = None, closing: bool = False, resume: int | None = None,
-                 committing: bool = False, ending: bool = False):
+                 committing: bool = False, ending: bool = False, tokenizer: str | None = None):
         self.config = config
         pl = config.policy_loss
         self.method = method_of(pl.loss_mode)
@@ -563,6 +586,7 @@ class EntropyLensLoss:
         self.committing = committing
         self.ending = ending
         self.resume = resume
+        self.tokenizer = tokenizer or _pl_get(config, "tokenizer")
         self._update: dict[int, int] = {}
         self._warned: set[str] = set()
 
@@ -617,7 +641,7 @@ class EntropyLensLoss:
                    "entropy_coeff": getattr(self.config, "entropy_coeff", None),
                    "ppo_epochs": getattr(self.config, "ppo_epochs", None)}
             rec = Recorder(self.record_dir, self.run, config=cfg, tau=self.tau, sample=self.sample,
-                           rank=rank, world_size=world, resume=self.resume)
+                           rank=rank, world_size=world, resume=self.resume, tokenizer=self.tokenizer or None)
             _RECORDERS[key] = rec
         return rec
 
@@ -644,6 +668,7 @@ class EntropyLensLoss:
         old_key = next((k for k in OLD_ENTROPY_KEYS if k in keys), None)
         fields = ["response_mask", "old_log_probs", "advantages", "responses"]
         fields += [k for k in ("rollout_is_weights", "ref_log_prob", SAMPLE_ID, STEP) if k in keys]
+        fields += [k for k in REWARD_KEYS if k in keys][:1]  # the score, for the sequences rows
         if old_key is not None:
             fields.append(old_key)
         td = data.select(*fields).to_padded_tensor()
@@ -730,10 +755,96 @@ class EntropyLensLoss:
             columns["logit_grad_norm"] = torch.where(mask, lgn, torch.zeros_like(lgn))
         update = self._update.get(step, 0)
         self._update = {step: update + 1}
+        key = (str(self.record_dir), self.run)
+        if key in _SEQUENCES and _SEQUENCES[key].step != step:  # before this update closes the earlier step
+            _flush_sequences(key, rec)
+        responses = _fit(td["responses"], mask.shape[-1])  # [B, T]
         rec.record_update(step, update, mask=mask, advantages=adv, logprobs=log_prob.detach(), old_logprobs=old_logp,
                           entropy=entropy.detach() if entropy is not None else None, old_entropy=old_entropy,
-                          tokens=_fit(td["responses"], mask.shape[-1]), seq_ids=sid,
-                          loss=_Columns(out, columns))
+                          tokens=responses, seq_ids=sid, loss=_Columns(out, columns))
+        self._add_sequences(key, step, sid, td, data, keys, mask, adv, responses)
+
+    def _add_sequences(self, key, step, sid, td, data, keys, mask, adv, responses) -> None:
+        """The sequences rows of this micro-batch's samples not yet seen in ``step`` (module docstring), kept
+        until the step ends (one sequences file per step and rank, :func:`_flush_sequences`)."""
+        score_key = next((k for k in REWARD_KEYS if k in keys), None)
+        if score_key is None:
+            if "no_score" not in self._warned:
+                self._warned.add("no_score")
+                logger.info("entropylens: no score (%s) in the actor's batch: no sequences rows", ", ".join(REWARD_KEYS))
+            return
+        pending = _SEQUENCES.setdefault(key, _StepSequences(step))
+        n_tok = mask.sum(dim=1)  # [B]
+        ids = sid.tolist()
+        new = [i for i, (s, n) in enumerate(zip(ids, n_tok.tolist())) if n > 0 and s not in pending.seen]
+        if not new:
+            return
+        pending.seen.update(ids[i] for i in new)
+        pick = torch.tensor(new, device=mask.device)
+        width = mask.shape[-1]
+        lengths = _response_lengths(data, responses.shape[0], width)[pick.cpu()]  # [b]
+        score = _fit(td[score_key], width).index_select(0, pick).double().sum(dim=1)  # [b]
+        adv_seq = (adv.index_select(0, pick).double() * mask.index_select(0, pick)).sum(dim=1) / n_tok[pick]  # [b]
+        texts = _response_texts(self.tokenizer, responses.index_select(0, pick).cpu(), lengths)
+        pending.parts.append({"seq_ids": sid.index_select(0, pick).cpu(), "rewards": score.cpu(),
+                              "advantages": adv_seq.cpu(), "lengths": lengths, "texts": texts})
+
+
+@dataclass
+class _StepSequences:
+    """A step's sequences rows on this worker, not yet handed to its recorder."""
+
+    step: int
+    seen: set = field(default_factory=set)  # sample ids with a row
+    parts: list = field(default_factory=list)  # per micro-batch: record_sequences' arguments
+
+
+_SEQUENCES: dict[tuple[str, str], _StepSequences] = {}  # (root, run) -> the step's rows, per process
+
+
+def _flush_sequences(key, rec) -> None:
+    """Hand the buffered step's sequences rows to ``rec`` (one record_sequences call, before the step closes)."""
+    pending = _SEQUENCES.pop(key, None)
+    if pending is None or not pending.parts:
+        return
+    parts = pending.parts
+    texts = None if any(p["texts"] is None for p in parts) else [t for p in parts for t in p["texts"]]
+    rec.record_sequences(pending.step, **{k: torch.cat([p[k] for p in parts]) for k in
+                                          ("seq_ids", "rewards", "advantages", "lengths")}, texts=texts)
+
+
+def _response_lengths(data, b: int, width: int) -> torch.Tensor:
+    """int64 [B]: each response's own length (the nested ``responses``' row lengths; ``width`` if not nested)."""
+    r = data["responses"] if "responses" in data.keys() else None
+    if r is not None and getattr(r, "is_nested", False):
+        return r.offsets().diff().cpu().clamp(max=width).long()
+    return torch.full((b,), width, dtype=torch.int64)
+
+
+_TOKENIZERS: dict[str, Any] = {}  # tokenizer name -> the tokenizer (None: it could not be loaded), per worker
+
+
+def _response_texts(name: str | None, responses: torch.Tensor, lengths: torch.Tensor) -> list[str] | None:
+    """Each response's text ([B, T] ids, each cut to its length), special tokens skipped as verl logs them;
+    None without a tokenizer. The tokenizer is loaded once per worker process (local files only); one that
+    cannot be loaded warns once and leaves the texts out."""
+    if not name:
+        return None
+    if name not in _TOKENIZERS:
+        from ..token_text import TokenTextWarning, load_tokenizer
+
+        try:
+            _TOKENIZERS[name] = load_tokenizer(name)
+        except Exception as e:  # noqa: BLE001 - texts are optional: say why, record the rest
+            _TOKENIZERS[name] = None
+            warnings.warn(f"entropylens: tokenizer {name} could not be loaded on this worker ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); sequences are recorded without texts",
+                          TokenTextWarning, stacklevel=2)
+    tok = _TOKENIZERS[name]
+    if tok is None:
+        return None
+    rows = [r[: int(n)].tolist() for r, n in zip(responses, lengths)]
+    return list(tok.batch_decode(rows, skip_special_tokens=True))
 
 
 @dataclass
@@ -904,10 +1015,19 @@ def _trainer_class():
                 run, resume, self._el_next_id = plan.run, plan.resume, plan.next_sample_id
                 if self.global_steps:  # a restarted job: say which run it records into, and why
                     logger.warning("entropylens: %s", plan.note)
-            self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume)
+            self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume,
+                                            tokenizer=_pl_get(actor_cfg, "tokenizer") or self._el_tokenizer_name())
             self.actor_rollout_wg.set_loss_fn(self._el_loss)
             self._el_exact = bool(_pl_get(actor_cfg, "exact_logit_grad_norm", True))
             self._el_fused_warned = False
+
+        def _el_tokenizer_name(self) -> str | None:
+            """The name of verl's tokenizer, for run.json and the workers (which load it, local files only):
+            the trainer's ``self.tokenizer`` (its local copy's path or hub name), else the model config's
+            tokenizer_path / path (what verl loads it from)."""
+            name = getattr(getattr(self, "tokenizer", None), "name_or_path", None)
+            model = self.config.actor_rollout_ref.model
+            return str(name or model.get("tokenizer_path", None) or model.get("path", None) or "") or None
 
         def _save_checkpoint(self):
             """Before verl saves checkpoint N: every worker commits its recorded steps (all <= N: whole

@@ -1,7 +1,8 @@
 """The toy task: "shifted lookup" with systematic confusions. Verifiable, cheap, ambiguous at start.
 
 Vocabulary (32 tokens): 20 symbols (ids 0..19), SEP (20), BOS (21), 10 unused filler ids that the
-policy can still emit (22..31), so full-vocabulary entropy is over 32 tokens.
+policy can still emit (22..31), so full-vocabulary entropy is over 32 tokens. Their texts
+(:data:`TOKEN_NAMES`): the symbols A..T, SEP '|', BOS '<s>', the fillers f22..f31.
 
 Prompt: BOS x_0 .. x_7 SEP, with x_i uniform over the 20 symbols.
 Response: 16 tokens. The correct token at position t is y_t = (x_{t mod 8} + 7 * (t div 8)) mod 20:
@@ -26,6 +27,15 @@ SEP, BOS = 20, 21
 VOCAB = 32
 PROMPT_LEN = 8
 RESPONSE_LEN = 16
+# each token id's text (what run.json's vocabulary and a token viewer show): symbols A..T, SEP '|', BOS '<s>',
+# the fillers f22..f31
+TOKEN_NAMES: tuple[str, ...] = (tuple(chr(ord("A") + s) for s in range(N_SYMBOLS)) + ("|", "<s>")
+                                + tuple(f"f{i}" for i in range(BOS + 1, VOCAB)))
+
+
+def decode(ids) -> str:
+    """The text of token ids (a list or a 1-D tensor): their TOKEN_NAMES joined with spaces ('A B |')."""
+    return " ".join(TOKEN_NAMES[int(i)] for i in ids)
 
 
 def make_prompts(n: int, gen: torch.Generator) -> torch.Tensor:

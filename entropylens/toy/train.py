@@ -4,8 +4,8 @@ Per step: prompts x G samples at temperature T -> rewards -> group-normalised ad
 one no-grad pass of the old policy (log-probs and full-vocabulary entropy) -> ``updates``
 mini-batch policy updates with ``policy_loss`` (any method, ERC, entropy bonus, dual-clip, a beta1
 schedule), each recorded with exact logit-gradient norms (policy_update: closed form from the
-sensitivity pass), the global grad norm before clipping and the lr; then the step's sequences and
-reward.
+sensitivity pass), the global grad norm before clipping and the lr; then the step's sequences (with each
+response's text) and reward. The vocabulary's texts (task.TOKEN_NAMES) go into run.json.
 """
 
 from __future__ import annotations
@@ -182,7 +182,8 @@ class ToyTrainer:
         r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
         if rec:
             rec.record_sequences(step, seq_ids=torch.arange(n), rewards=rewards, advantages=adv,
-                                 lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group)
+                                 lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group,
+                                 texts=[task.decode(r) for r in resp.tolist()])  # each response's text
             rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
         return r_mean, h_mean
 
@@ -230,7 +231,7 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
               "model": "toy-qwen2", "task": "shifted-lookup"}
     rewards_hist, ent_hist = [], []
     rec = (Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample, overwrite=overwrite,
-                    fsync=fsync) if record else None)
+                    fsync=fsync, tokenizer=list(task.TOKEN_NAMES)) if record else None)  # token texts: run.json
     try:
         for step in range(cfg.steps):
             r_mean, h_mean = trainer.rl_step(step, rec)
