@@ -365,7 +365,7 @@ def table_text(df) -> str:
 @app.command()
 def schema(
     table: Annotated[Optional[str], typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens, probes).")] = None,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Print Markdown tables (as in README).")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print Markdown tables (as in docs/schema.md).")] = False,
 ) -> None:
     """Print the column contract (name, dtype, meaning) of every table."""
     from entropylens.schema import SCHEMA_VERSION, TABLES, schema_markdown
@@ -515,8 +515,22 @@ def report(
     band: Annotated[Band, typer.Option(
         "--band", help="With --group-by: the band of a series, minmax (min to max over its runs) or sd (mean +- 1 sd).")]
     = Band.minmax,
+    responses: Annotated[int, typer.Option(
+        "--responses", metavar="N", min=0,
+        help="Responses per run on its token-viewer page (responses-RUN.html): from steps spread over the "
+             "run, the highest and lowest reward, most clipped, largest entropy effect, most ERC-dropped, "
+             "highest entropy. 0: no pages. Each page's data stays under 4 MB (fewer responses if needed).")] = 40,
+    where: Annotated[Optional[str], typer.Option(
+        "--where", metavar="SQL",
+        help="Only responses with a token row where this condition holds: a SQL condition on the tokens "
+             "columns and the response's reward and length, e.g. \"quadrant = 'PA&LP' AND clipped\".")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", metavar="PATH",
+        help="A tokenizer (a local folder, loaded offline) to show the tokens' text, in place of the one a run "
+             "names (TRL and verl runs name theirs; without any, token ids are shown).")] = None,
 ) -> None:
-    """Write the paper-style report (index.html, report.md, PNG figures) for the runs under PATH.
+    """Write the paper-style report (index.html, report.md, PNG figures, one token-viewer page per run)
+    for the runs under PATH.
 
     Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own.
 
@@ -528,7 +542,7 @@ def report(
     try:
         with _FileWarnings():
             index = write_report(path, out, runs=run or None, engine=engine.value, group_by=group_by,
-                                 band=band.value)
+                                 band=band.value, responses=responses, where=where, tokenizer=tokenizer)
     except _user_errors() as e:
         _fail(_os_error_line(e) if isinstance(e, OSError) else str(e))
     except BrokenPipeError:
@@ -536,6 +550,86 @@ def report(
     except OSError as e:  # e.g. an --out under /proc: the system's reason, one line
         _fail(f"--out {out}: {_os_error_line(e)}")
     typer.echo(f"report: {index}")
+
+
+@app.command()
+def show(
+    path: PathArg,
+    run: Annotated[Optional[str], typer.Option(
+        "--run", help="The run (may be left out when PATH holds one run).")] = None,
+    step: Annotated[Optional[int], typer.Option(
+        "--step", help="The step (default: the run's last step with token rows).")] = None,
+    seq: Annotated[Optional[int], typer.Option(
+        "--seq", help="One response: print its tokens coloured by --color. Without it: list the step's "
+                      "responses.")] = None,
+    rank: Annotated[Optional[int], typer.Option(
+        "--rank", help="The rank that recorded the response, where several ranks recorded that --seq; without "
+                       "--seq: list only this rank's responses.")] = None,
+    update: Annotated[Optional[int], typer.Option(
+        "--update", help="With --seq: the update to show (default: the step's last update with rows for the "
+                         "response).")] = None,
+    color: Annotated[Optional[str], typer.Option(
+        "--color", metavar="METRIC",
+        help="With --seq: the metric that colours the tokens (default entropy): entropy, old_entropy, prob, ratio, "
+             "entropy_ratio, quadrant, clip, erc, logit_grad_norm, grad_coef, entropy_effect, "
+             "entropy_effect_dropped.")] = None,
+    where: Annotated[Optional[str], typer.Option(
+        "--where", metavar="SQL",
+        help="Without --seq: list only the responses with a token row where this holds (the tokens view's "
+             "columns, plus the response's reward and length), e.g. \"quadrant = 'PA&LP' AND clipped\".")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        "--tokenizer", metavar="PATH",
+        help="With --seq: a tokenizer (a local directory, or a Hugging Face name already in the local cache) "
+             "for the tokens' text. Default: the one the run recorded; without any, token ids as ⟨id⟩.")] = None,
+) -> None:
+    """Read a step's responses in the terminal: a list of them, or one token by token, coloured.
+
+    Without --seq: one line per response of the step (rank, seq, group, reward, advantage, length, tokens, updates, mean entropy, clipped, ERC-dropped, entropy effect).
+
+    With --seq: the response's tokens at one update, each on a background colour from --color; the forking tokens (the top 20% by sampling entropy) bold and underlined; a legend; the response across its step's updates.
+
+    Colour scales run over the response's own values: low to high (entropy, prob, ...), around 1 on a log scale (ratio, entropy_ratio), around 0 (grad_coef, entropy_effect), or one colour per category (quadrant, clip, erc); grey: no value. Colours only on a terminal (or with FORCE_COLOR set). docs/viewer.md."""
+    import warnings
+
+    from rich.console import Console
+
+    from entropylens import show as view
+
+    if seq is None:
+        given = [name for name, v in (("--update", update), ("--color", color), ("--tokenizer", tokenizer))
+                 if v is not None]
+        if given:
+            _fail(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to one response: add --seq "
+                  "SEQ (without it the step's responses are listed)")
+    elif where is not None:
+        _fail("--where chooses which responses are listed: leave it out with --seq")
+    try:
+        view.metric_for(color or "entropy")  # an unknown --color before touching the data
+    except _user_errors() as e:
+        _fail(str(e))
+    con = _connect(path, [run] if run else None)
+    try:
+        names = view.runs_of(con)
+        if run is not None and run not in names and len(names) == 1:
+            run = names[0]  # --run named the run's directory; the views call it by its id
+        run = view.pick_run(con, run)
+        if seq is None:
+            out = view.list_step(con, run, step, where=where, rank=rank)
+        else:
+            from entropylens.token_text import TokenTextWarning, decoder_for_run
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", TokenTextWarning)
+                decoder = decoder_for_run(path, run, tokenizer)
+            for w in caught:
+                if issubclass(w.category, TokenTextWarning):
+                    typer.echo(f"warning: {str(w.message).removeprefix('entropylens: ')}", err=True)
+            out = view.show_response(con, run, step, seq, rank=rank, update=update, color=color or "entropy",
+                                     decoder=decoder)
+    except _user_errors() as e:
+        _fail(str(e))
+    wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
+    Console(highlight=False, width=None if wide else 120).print(out)
 
 
 @app.command()

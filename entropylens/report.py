@@ -91,6 +91,9 @@ FIGURES: tuple[Figure, ...] = (
            "budget above attributes the change to the tokens' own gradients."),
 )
 
+DEFAULT_RESPONSES = 40  # responses per run on its responses page (responses.DEFAULT_N)
+DEFAULT_PAGE_BYTES = 4_000_000  # the bound on one responses page's embedded data
+STEP_LINK_FIGURES = ("entropy", "clip_by_quadrant", "entropy_budget")  # figures that link to their steps
 SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",
                    "clip_low_frac", "clip_high_frac", "erc_drop_frac", "hyperparameters")
 _HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "kl_beta",
@@ -214,7 +217,9 @@ def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engin
 
 def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb",
                  group_by: str | None = None, band: str = "minmax",
-                 elsewhere: tuple[str, ...] = (), done=None, on_summary=None) -> Path:
+                 elsewhere: tuple[str, ...] = (), done=None, on_summary=None,
+                 responses: int = DEFAULT_RESPONSES, where: str | None = None, tokenizer=None,
+                 max_page_bytes: int = DEFAULT_PAGE_BYTES) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``. Returns the path of index.html.
 
@@ -224,7 +229,13 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
     uses is each run's own (runset.py). ``elsewhere``: names of figures drawn into ``out_dir`` by
     another process (:func:`render_figures`, with the same group_by / band); ``done`` gives their
     {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here.
-    ``on_summary``: called with the run table (:func:`summary_table`), e.g. to print it too."""
+    ``on_summary``: called with the run table (:func:`summary_table`), e.g. to print it too.
+
+    Token viewer: one page per run (``responses-<run>.html``, entropylens/viewer.py) with ``responses``
+    of its responses token by token (0: no pages), chosen by responses.select (``where``: only responses
+    with a token row where this SQL condition holds), each page's data under ``max_page_bytes``;
+    ``tokenizer`` (an object or a local path) decodes the tokens, in place of the one a run names. The entropy,
+    clip and entropy-budget figures link to the steps the pages hold."""
     con = _connect(path, runs, engine)
     rs = runset.from_connection(con, group_by=group_by, band=band)
     out = Path(out_dir)
@@ -243,10 +254,64 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
         else:
             rendered.append((f, png, caption))
     about = comparison_text(rs)
-    _write_markdown(out / "report.md", summary, rendered, not_shown, about)
+    pages = (response_pages(path, out, list(rs.method), n=responses, where=where, tokenizer=tokenizer,
+                            max_bytes=max_page_bytes, runs_filter=runs, con=con if engine == "duckdb" else None)
+             if responses else [])
+    _write_markdown(out / "report.md", summary, rendered, not_shown, about, pages)
     index = out / "index.html"
-    index.write_text(_html(summary, rendered, not_shown, about))
+    index.write_text(_html(summary, rendered, not_shown, about, pages))
     return index
+
+
+
+
+@dataclass(frozen=True)
+class ResponsePage:
+    run: str
+    file: str  # the page's file name in the report's folder
+    steps: tuple[int, ...]  # the steps it holds
+    responses: int
+    text: str  # how they were chosen (responses.Selection.text)
+
+
+def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | None, tokenizer, max_bytes: int,
+                   runs_filter=None, con=None) -> list[ResponsePage]:
+    """Each run's responses page (entropylens/viewer.py) in ``out``; ``con``: a DuckDB connection of the
+    report's runs (one is opened when None, e.g. when the figures ran on Spark)."""
+    from . import responses as resp
+    from . import viewer
+    from .token_text import decoder_for_run
+
+    con = con if con is not None else _connect(path, runs_filter, "duckdb")
+    methods = dict(run_sql_rows(con, "SELECT run, method FROM runs"))
+    table = resp.responses(con)
+    pages = []
+    for run in runs:
+        sel = resp.select(con, run, n=n, where=where, max_bytes=max_bytes, table=table[table["run"] == run])
+        data = resp.page_data(con, run, sel, decoder_for_run(path, run, tokenizer=tokenizer),
+                              method=methods.get(run))
+        name = viewer.page_name(run)
+        viewer.write_page(out / name, data, title=f"entropylens responses: {run}")
+        pages.append(ResponsePage(run, name, tuple(d["step"] for d in data["steps"]), len(sel.rows), sel.text))
+    return pages
+
+
+def run_sql_rows(con, sql: str) -> list[tuple]:
+    from .query import run_sql
+
+    return list(run_sql(con, sql).itertuples(index=False, name=None))
+
+
+def _step_links_md(pages) -> str:
+    parts = [f"{p.run}: " + " ".join(f"[{s}]({p.file}#step={s})" for s in p.steps) for p in pages if p.steps]
+    return ("Responses at step: " + "; ".join(parts) + ".") if parts else ""
+
+
+def _step_links_html(pages) -> str:
+    e = html.escape
+    parts = [f"{e(p.run)}: " + " ".join(f'<a href="{e(p.file)}#step={s}">{s}</a>' for s in p.steps)
+             for p in pages if p.steps]
+    return f'<p class="steps">Responses at step: {"; ".join(parts)}</p>' if parts else ""
 
 
 def comparison_text(rs: runset.RunSet) -> str:
@@ -282,7 +347,7 @@ def when_empty(analysis: str) -> str:
     return next((f.when_empty for f in FIGURES if f.analysis == analysis and f.when_empty), "")
 
 
-def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = "") -> None:
+def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = "", pages=()) -> None:
     cols = list(summary.columns)
     lines = ["# entropylens report", "", "## Runs", ""] + ([about, ""] if about else [])
     lines.append("| " + " | ".join(cols) + " |")
@@ -293,12 +358,17 @@ def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = ""
     for f, png, seen in rendered:
         lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
                   ""]
+        if f.name in STEP_LINK_FIGURES and _step_links_md(pages):
+            lines += [_step_links_md(pages), ""]
     if not_shown:
         lines += [_not_shown_text(not_shown), ""]
+    if pages:
+        lines += ["## Responses, token by token", ""]
+        lines += [f"- [{p.run}]({p.file}): {p.text}" for p in pages] + [""]
     path.write_text("\n".join(lines))
 
 
-def _html(summary, rendered, not_shown=(), about: str = "") -> str:
+def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
     e = html.escape
     cols = list(summary.columns)
     head = "".join(f"<th>{e(c)}</th>" for c in cols)
@@ -309,12 +379,20 @@ def _html(summary, rendered, not_shown=(), about: str = "") -> str:
     figs = "".join(
         f'<figure id="{e(f.name)}"><h2>{e(f.title)}</h2><img src="{e(png)}" alt="{e(f.title)}">'
         f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
-        "</figcaption></figure>"
+        "</figcaption>" + (_step_links_html(pages) if f.name in STEP_LINK_FIGURES else "") + "</figure>"
         for f, png, seen in rendered
     )
     if not_shown:
         figs += f"<p>{e(_not_shown_text(not_shown).replace('`', ''))}</p>"
     toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, *_ in rendered)
+    if pages:
+        items = "".join(f'<li><a href="{e(p.file)}">{e(p.run)}</a>: {e(p.text)}</li>' for p in pages)
+        figs += f'<section id="responses"><h2>Responses, token by token</h2><ul>{items}</ul></section>'
+        toc += ' · <a href="#responses">Responses</a>'
+        pages_line = ("<p>Responses token by token (coloured by entropy, ratio, quadrant, clip, ERC, gradient): "
+                      + " · ".join(f'<a href="{e(p.file)}">{e(p.run)}</a>' for p in pages) + "</p>")
+    else:
+        pages_line = ""
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>entropylens report</title>
 <style>
@@ -322,10 +400,12 @@ body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px;
 table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px solid #ccc; padding: 3px 6px; }}
 th {{ background: #f3f3f3; }} figure {{ margin: 2em 0; }} img {{ max-width: 100%; }}
 figcaption {{ color: #444; font-size: 14px; }} nav {{ font-size: 13px; margin: 1em 0; }}
+p.steps {{ font-size: 13px; color: #444; }}
 </style></head>
 <body><h1>entropylens report</h1>
 <nav>{toc}</nav>
 <h2>Runs</h2><p id="comparison">{e(about)}</p><table><tr>{head}</tr>{rows}</table>
+{pages_line}
 {figs}
 </body></html>
 """
