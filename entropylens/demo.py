@@ -12,17 +12,15 @@ steps); ``steps=`` (``--steps``) runs longer. The toy's training maths are the f
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
-from .workers import available_cores, start_fork_server
+from .workers import available_cores
 from .workers import one_thread_env as _one_thread_env
 from .workers import quiet_resource_tracker
 from .workers import worker_context as _worker_context

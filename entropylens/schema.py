@@ -314,7 +314,7 @@ def arrow_type(dtype: str):
 
 
 def schema_markdown(only: str | None = None) -> str:
-    """The column contract as Markdown tables (README embeds this text verbatim; a test checks it);
+    """The column contract as Markdown tables (docs/schema.md embeds this text verbatim; a test checks it);
     ``only``: that table alone."""
     lines: list[str] = []
     for table, cols in TABLES.items():

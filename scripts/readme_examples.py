@@ -1,13 +1,15 @@
-"""Regenerate the committed demo report AND the README's example outputs from the same demo runs.
+"""Regenerate the committed demo report AND the example outputs of docs/analyses.md from the same demo runs.
 
     python scripts/readme_examples.py                      # train the default demo (~1 min), then all below
     python scripts/readme_examples.py --demo-dir DIR       # reuse a demo already made with `entropylens demo --out DIR`
 
 1. `entropylens demo --out <tmp>/entropylens-demo` (unless --demo-dir holds one already);
 2. its report/ replaces reports/demo/;
-3. every command in EXAMPLES runs in the demo's parent directory exactly as README shows it, and its
-   output goes to reports/demo/cli-examples.md and between README's `<!-- cli-examples -->` markers.
-tests/test_readme_examples.py checks that README and the committed report agree, so they cannot drift.
+3. every command in EXAMPLES runs in the demo's parent directory exactly as docs/analyses.md shows it,
+   and its output goes to reports/demo/cli-examples.md and between the `<!-- cli-examples -->` markers
+   of docs/analyses.md (DOC).
+tests/test_readme_examples.py checks that the page and the committed report agree, so they cannot drift.
+(The name is historical: the examples lived in README.md until README became a front page.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "analyses.md"  # the page that shows the example outputs
 REPORT = ROOT / "reports" / "demo"
 EXAMPLES_MD = REPORT / "cli-examples.md"
 START, END = "<!-- cli-examples -->", "<!-- cli-examples:end -->"
@@ -49,7 +51,7 @@ def run_example(cmd: str, cwd: Path) -> str:
 
 
 def blocks(cwd: Path) -> str:
-    """The README's console blocks, one per example, each `$ command` then its real output."""
+    """The page's console blocks, one per example, each `$ command` then its real output."""
     out = []
     for cmd in EXAMPLES:
         text = run_example(cmd, cwd).rstrip("\n")
@@ -57,10 +59,10 @@ def blocks(cwd: Path) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def splice(readme: str, body: str) -> str:
-    if START not in readme or END not in readme:
-        raise SystemExit(f"README.md lacks the markers {START} ... {END}")
-    head, rest = readme.split(START, 1)
+def splice(page: str, body: str) -> str:
+    if START not in page or END not in page:
+        raise SystemExit(f"{DOC.relative_to(ROOT)} lacks the markers {START} ... {END}")
+    head, rest = page.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{body}{END}{tail}"
 
@@ -84,10 +86,10 @@ def main(argv=None) -> None:
             shutil.rmtree(REPORT)
         shutil.copytree(demo / "report", REPORT)
         body = blocks(tmp)
-        EXAMPLES_MD.write_text("# The README's example commands, run on this demo\n\n"
+        EXAMPLES_MD.write_text("# The example commands of docs/analyses.md, run on this demo\n\n"
                                "Written by `python scripts/readme_examples.py` with the report beside it.\n\n" + body)
-        README.write_text(splice(README.read_text(), body))
-        print(f"wrote {REPORT.relative_to(ROOT)}/ and the README examples ({len(EXAMPLES)} commands)")
+        DOC.write_text(splice(DOC.read_text(), body))
+        print(f"wrote {REPORT.relative_to(ROOT)}/ and the examples of {DOC.relative_to(ROOT)} ({len(EXAMPLES)} commands)")
     finally:
         if a.keep:
             print(f"demo kept in {tmp}")

@@ -138,7 +138,7 @@ def test_same_rules_on_object_storage():
     assert catalog.find_runs(f"{url}/a") == [storage.location(f"{url}/a")]  # a run itself
 
 
-def test_same_rules_on_s3(s3):
+def test_same_rules_on_s3(s3):  # noqa: F811 - the s3 fixture, imported above
     """The same on moto's S3 server (one LIST walk of the prefix, filtered)."""
     url = _remote_tree(s3())
     found = catalog.find_runs(url)

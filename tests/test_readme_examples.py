@@ -1,7 +1,9 @@
-"""README's example outputs come from scripts/readme_examples.py, run on the committed demo (#13.8).
+"""The example outputs of docs/analyses.md come from scripts/readme_examples.py, run on the committed demo.
 
-The script writes the same console blocks into README.md and reports/demo/cli-examples.md, next to
-the report it copies; these tests fail when README drifts from the committed report.
+The script writes the same console blocks between the `<!-- cli-examples -->` markers of
+docs/analyses.md and into reports/demo/cli-examples.md, next to the report it copies; these tests fail
+when the page drifts from the committed report. (The file names are historical: the examples lived in
+README.md until README became a front page.)
 """
 
 import importlib.util
@@ -16,16 +18,21 @@ rex = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rex)
 
 
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert rex.START in text and rex.END in text, "README lacks the cli-examples markers"
+def examples_block() -> str:
+    text = rex.DOC.read_text()
+    assert rex.START in text and rex.END in text, f"{rex.DOC.name} lacks the cli-examples markers"
     return text.split(rex.START, 1)[1].split(rex.END, 1)[0].strip("\n")
 
 
-def test_readme_examples_equal_the_committed_report_examples():
+def test_the_script_writes_the_examples_into_docs_analyses():
+    assert rex.DOC == ROOT / "docs" / "analyses.md"
+    assert rex.START not in (ROOT / "README.md").read_text()  # one copy of the outputs, on the page
+
+
+def test_page_examples_equal_the_committed_report_examples():
     committed = rex.EXAMPLES_MD.read_text()
-    assert readme_block() + "\n" in committed  # byte for byte what the script wrote beside the report
-    shown = re.findall(r"^\$ (.*)$", readme_block(), flags=re.M)
+    assert examples_block() + "\n" in committed  # byte for byte what the script wrote beside the report
+    shown = re.findall(r"^\$ (.*)$", examples_block(), flags=re.M)
     assert shown == list(rex.EXAMPLES)  # exactly the script's commands, none hand-edited
 
 
@@ -36,9 +43,9 @@ def _summary_rows(md: str) -> dict[str, dict[str, str]]:
             if len(r) == len(head)}
 
 
-def test_readme_runs_output_matches_the_committed_report_summary():
+def test_page_runs_output_matches_the_committed_report_summary():
     report = _summary_rows((rex.REPORT / "report.md").read_text().split("## ", 2)[1])
-    block = readme_block().split("```")[1]  # the first console block: `entropylens runs`
+    block = examples_block().split("```")[1]  # the first console block: `entropylens runs`
     lines = block.strip().splitlines()[1:]  # drop "console"
     assert lines[0] == f"$ {rex.EXAMPLES[0]}"
     head = lines[1].split()

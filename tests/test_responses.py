@@ -11,7 +11,6 @@ import pytest
 from entropylens import responses as R
 from entropylens.query import QueryError, connect, run_analysis
 from entropylens.writer import write_sequences, write_steps, write_tokens
-from fixture_runs import build
 
 
 class Ids:  # no tokenizer: ids shown
@@ -61,21 +60,6 @@ def _run(root, name="r", steps=10, seqs=6, length=5, updates=(0, 1), run_unique=
                                     for q in range(seqs)], np.int32),
                 "text": [f"step {s} seq {q}" for q in range(seqs)]})
     return root
-
-
-def test_one_line_per_response_with_the_fixture_values(tmp_path):
-    """Fixture run a, step 0 (updates 0 and 1), sequence 0 = tokens t0 (p 0.95, PA&HP, inside) and t1 (p 0.15,
-    PA&LP, clipped high): clipped = t1 at both updates = 2; mean_entropy = mean old_entropy over the 4 token
-    rows = (0.5 + 1.0 + 0.5 + 1.0) / 4 = 0.75; entropy_effect = 2 x (-0.1 + 0) = -0.2; dropped = 2 x 0.4 = 0.8
-    (t0's null is left out); reward 0.25 from sequences."""
-    con = connect(build(tmp_path / "runs"))
-    df = run_analysis(con, "responses")
-    row = df[(df.run == "a") & (df.step == 0) & (df.seq == 0)].iloc[0]
-    assert (row.gen_step, row.reward, row.length, row.tokens, row.updates, row.clipped) == (0, 0.25, 2, 2, 2, 2)
-    assert row.mean_entropy == pytest.approx(0.75) and row.max_entropy == pytest.approx(1.0)
-    assert row.entropy_effect == pytest.approx(-0.2) and row.entropy_effect_dropped == pytest.approx(0.8)
-    assert row.erc_dropped == 0  # no ERC: erc_kept is null, nothing dropped
-    assert len(df) == 6  # a: 2 + 2, b: 2
 
 
 def test_later_steps_tokens_join_the_generation_step_as_trl_numbers_them(tmp_path):

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from entropylens import Recorder, stats
-from entropylens.integrations.torch import policy_update
 from entropylens.toy import config_for
 from entropylens.toy.train import ToyTrainer
 
@@ -87,7 +86,7 @@ def test_trl_trainer_trains_the_same_weights_as_plain_trl(tmp_path):
     """EntropyLensGRPOTrainer (recording on TRL's own fused LM head) and TRL's plain GRPOTrainer, same seed,
     gradient accumulation 2, num_iterations 2: the same weights after 2 steps, bit for bit.
     (attribution=True computes the log-probs with entropylens.stats.head_stats instead of TRL's fused head:
-    the same values to float32 rounding, ~1e-6 in the weights here, not the same bits; README says so.)"""
+    the same values to float32 rounding, ~1e-6 in the weights here, not the same bits; docs/trl.md says so.)"""
     import sys
     from pathlib import Path
 

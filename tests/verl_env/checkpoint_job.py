@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -513,10 +513,10 @@ def _tiny_overrides() -> list[str]:
     return out.splitlines()
 
 
-@pytest.mark.parametrize("source", ["README.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh",
+@pytest.mark.parametrize("source", ["README.md", "docs/verl.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh",
                                     "examples/gpu_check_verl.sh"])
 def test_documented_command_lines_compose_in_verl(source):
-    """The overrides users copy (README, examples) compose with verl's own hydra config and build the
+    """The overrides users copy (README, docs/verl.md, examples) compose with verl's own hydra config and build the
     ActorConfig (with our EntropyLensLossConfig) the way the worker does; the trainer mode exists."""
     import verl
     from hydra import compose, initialize_config_dir
