@@ -238,6 +238,10 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
     clip and entropy-budget figures link to the steps the pages hold."""
     con = _connect(path, runs, engine)
     rs = runset.from_connection(con, group_by=group_by, band=band)
+    if responses and where is not None and rs.method:  # a bad --where fails now, before any figure is drawn
+        from .responses import matching
+
+        matching(con if engine == "duckdb" else _connect(path, runs, "duckdb"), next(iter(rs.method)), where)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con, rs)

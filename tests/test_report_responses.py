@@ -5,7 +5,7 @@ import json
 import re
 
 from cli_calls import err, ok
-from entropylens.report import STEP_LINK_FIGURES, write_report
+from entropylens.report import DEFAULT_PAGE_BYTES, STEP_LINK_FIGURES, response_pages, write_report
 from fixture_runs import build
 
 
@@ -36,16 +36,23 @@ def test_each_run_gets_a_page_linked_from_the_index_and_the_step_figures(tmp_pat
 def test_responses_and_where_choose_what_the_pages_hold(tmp_path):
     runs = build(tmp_path / "runs")
     out = tmp_path / "rep"
-    ok("report", runs, "--out", out, "--responses", "1")
-    assert sum(len(s["responses"]) for s in _data(out / "responses-a.html")["steps"]) == 1
+    out.mkdir()
+    (page,) = response_pages(runs, out, ["a"], n=1, where=None, tokenizer=None, max_bytes=DEFAULT_PAGE_BYTES)
+    assert page.responses == 1 and sum(len(s["responses"]) for s in _data(out / page.file)["steps"]) == 1
     # fixture run a: the clipped tokens are t1 (seq 0 / 2, PA&LP) and t2 (seq 1 / 3, NA&LP)
-    ok("report", runs, "--out", out, "--where", "quadrant = 'PA&LP' AND clipped")
-    data = _data(out / "responses-a.html")
+    where = "quadrant = 'PA&LP' AND clipped"
+    (page,) = response_pages(runs, out, ["a"], n=40, where=where, tokenizer=None, max_bytes=DEFAULT_PAGE_BYTES)
+    data = _data(out / page.file)
     assert sorted((s["step"], r["seq"]) for s in data["steps"] for r in s["responses"]) == [(0, 0), (1, 2)]
-    assert "quadrant = 'PA&LP' AND clipped" in data["selection"]
+    assert where in data["selection"] and page.steps == (0, 1)
+
+
+def test_report_cli_options(tmp_path):
+    runs = build(tmp_path / "runs")
     ok("report", runs, "--out", tmp_path / "none", "--responses", "0")
     assert not list((tmp_path / "none").glob("responses-*.html"))
     assert "responses-" not in (tmp_path / "none" / "index.html").read_text()
-    line = err("report", runs, "--out", out, "--where", "nosuch = 1")
-    assert "--where" in line and "nosuch" in line
-    assert "unbalanced" in err("report", runs, "--out", out, "--where", "(clipped")
+    # a bad condition fails at once (before the figures), one line naming it
+    line = err("report", runs, "--out", tmp_path / "bad", "--where", "nosuch = 1")
+    assert "--where" in line and "nosuch" in line and not (tmp_path / "bad" / "index.html").exists()
+    assert "unbalanced" in err("report", runs, "--out", tmp_path / "bad", "--where", "(clipped")
