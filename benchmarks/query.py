@@ -25,7 +25,7 @@ from writer import toy_like_rows  # noqa: E402
 from entropylens.compact import compact  # noqa: E402
 from entropylens.query import connect, list_analyses, run_analysis  # noqa: E402
 from entropylens.report import write_report  # noqa: E402
-from entropylens.tokenbatch import AGG_NAMES  # noqa: E402
+from entropylens.aggregates import AGG_NAMES  # noqa: E402
 from entropylens.writer import write_sequences, write_steps, write_tokens  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.tokenbatch import AGG_NAMES
+from entropylens.aggregates import AGG_NAMES
 from entropylens.writer import (TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, steps_table_by_values, tokens_table,
                                 write_parquet_atomic, write_steps)
 

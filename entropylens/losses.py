@@ -61,7 +61,7 @@ The loss is built in three stages, each a small function (torchtune style):
   entropy bonus - entropy_coef * sum_t e_t H_t (gradient through H, not through logp); e =
                 ``entropy_weights`` (scale included) or c w.
 4. columns and metrics: per-token [B,T] columns named as the schema's token columns, and the step
-   metrics named as the schema's steps columns (computed by tokenbatch.step_aggregates). The modifiers'
+   metrics named as the schema's steps columns (computed by aggregates.step_aggregates). The modifiers'
    columns, each only when its modifier is given: dual_clipped (dual-clip or delta capped the token),
    token_kept, seq_kept (bool, broadcast), is_weight (all stored in tokens), grad_coef_before_erc
    (with erc: grad_coef just before ERC acted; the recorder splits the dropped entropy effect by cause
@@ -137,7 +137,7 @@ class PolicyLossOutput:
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
         if self._metrics is None:
-            from .tokenbatch import step_metrics
+            from .aggregates import step_metrics
 
             self._metrics = step_metrics(self.columns, self.mask, self.loss)
         return self._metrics

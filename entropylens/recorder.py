@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from . import run_claim, storage, tokenbatch
+from .aggregates import AGG_NAMES
 from .host_copy import DeferredBlock, HostCopy
 from .losses import METHODS, RUN_SETTINGS, resolve_eps, update_settings
 from .writer_thread import RunInfo, WriterThread, caller_stacklevel, utc_now
@@ -935,7 +936,7 @@ _PLAIN_NAMES = frozenset(("grad_norm", "lr"))
 # steps columns the recorder fills from the updates (or keys rows by): a metric of that name would
 # overwrite or be dropped, so record_step refuses it (grad_norm, lr, reward_mean and the loss
 # settings are the caller's to give)
-_RECORDER_COLUMNS = frozenset(tokenbatch.AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
+_RECORDER_COLUMNS = frozenset(AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
 
 

@@ -161,7 +161,7 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     # the dropped effect by cause (why): a partition of entropy_effect_dropped. With g_u = grad_coef_unclipped,
     # g_e = the token's grad_coef just before ERC acted (grad_coef without ERC) and g = grad_coef, ERC's share is
     # (g_e - g) s / T^2; the rest, (g_u - g_e) s / T^2, goes to dual-clip on tokens PPO-clip did not clip that are
-    # dual-clipped or inside the band, else to the token's clip side (tokenbatch.entropy_budget; the loss's
+    # dual-clipped or inside the band, else to the token's clip side (aggregates.entropy_budget; the loss's
     # masks and IS weight are in g_u as in g: they drop nothing)
     _c("entropy_effect_dropped_clip_low", "float32", "by cause: the part of entropy_effect_dropped PPO-clip's low "
        "side took away ((g_u - g_e) s / T^2 summed over tokens with clip = -1 whose gradient clipping changed: "
@@ -180,7 +180,7 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
        "dropped (clipping's part included): readers null it in runs of version < 3"),
 )
 
-# The steps columns computed from an update's tokens (tokenbatch.step_aggregates), in the order it
+# The steps columns computed from an update's tokens (aggregates.step_aggregates), in the order it
 # computes them. One name per quantity: policy_loss(...).metrics, the recorder's steps rows and
 # step_summary, trainer logs ("entropylens/<name>": a prefix, as TRL's and verl's loggers group by
 # it) and the SQL analyses all use these names.

@@ -1,6 +1,6 @@
 """The steps table in the making: one row per (step, update) until the step is closed.
 
-A row gathers the update's exact aggregates (tokenbatch.step_aggregates), the scalars recorded for
+A row gathers the update's exact aggregates (aggregates.step_aggregates), the scalars recorded for
 that update (grad norm, lr, settings) and the step's own scalars (reward mean, ...), which every
 update row of the step carries. Pure host bookkeeping: no I/O, no threads (the writer thread owns
 one table). With ``histograms`` on, it also counts each step's entropy ratio and importance ratio per
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from .schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
-from .tokenbatch import AGG_NAMES
+from .aggregates import AGG_NAMES
 
 QUANTILES = {"entropy_ratio_p05": 0.05, "entropy_ratio_p50": 0.5, "entropy_ratio_p95": 0.95}
 

@@ -206,11 +206,11 @@ def test_entropy_effect_columns_against_autograd_of_the_loss(method, kw, tempera
 
 
 def test_entropy_budget_sums():
-    from entropylens import tokenbatch
+    from entropylens import aggregates
     from entropylens.schema import CLIP_HIGH, CLIP_LOW, QUADRANT_CODES, QUADRANTS
 
     _, _, mask, out, cols, _ = _update("grpo", 1.0, seed=3, erc=(0.95, 1.05))
-    budget = dict(zip(tokenbatch.BUDGET_NAMES, tokenbatch.entropy_budget(cols, mask).tolist()))
+    budget = dict(zip(aggregates.BUDGET_NAMES, aggregates.entropy_budget(cols, mask).tolist()))
     eff, drop = cols["entropy_effect"].double(), cols["entropy_effect_dropped"].double()
     drop0 = torch.nan_to_num(drop, nan=0.0)
     q, clip = cols["quadrant"], cols["clip"]

@@ -121,7 +121,7 @@ def _batch(seed, b=8, t=12, v=23):
 
 
 def _hand_split(out, s, mask, temperature=1.0):
-    """The four parts in float64 from the loss's own columns and s (the rule of tokenbatch.entropy_budget)."""
+    """The four parts in float64 from the loss's own columns and s (the rule of aggregates.entropy_budget)."""
     c = {k: v for k, v in out.columns.items()}
     k = 1.0 / temperature**2
     changed = c["grad_changed"] & mask

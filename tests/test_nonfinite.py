@@ -12,7 +12,7 @@ import torch
 from entropylens import Recorder
 from entropylens.alarms import NonFiniteWarning
 from entropylens.query import connect, list_analyses, run_analysis, run_sql
-from entropylens.tokenbatch import AGG_NAMES
+from entropylens.aggregates import AGG_NAMES
 from entropylens.writer import nan_is_null, steps_table, steps_table_by_values
 
 NAN, INF = float("nan"), float("inf")

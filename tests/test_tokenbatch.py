@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens import tokenbatch
+from entropylens import aggregates, tokenbatch
 from entropylens.schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 
@@ -21,14 +21,14 @@ def test_pack_unpack_round_trip_with_flags_and_selection():
         "clipped": torch.tensor([[False, False, True], [False, True, True]]),
         "erc_kept": torch.tensor([[True, False, True], [False, True, False]]),
     }
-    aggs = torch.arange(len(tokenbatch.AGG_NAMES), dtype=torch.float64) / 8  # 0, 0.125, ... exact in float64
+    aggs = torch.arange(len(aggregates.AGG_NAMES), dtype=torch.float64) / 8  # 0, 0.125, ... exact in float64
     finite = {"logprobs": torch.tensor(True), "entropy": torch.tensor(False)}
     packed, layout = tokenbatch.pack(cols, selected, aggs, finite, seq=torch.tensor([10, 11]),
                                      group=torch.tensor([5, 6]), tokens=torch.tensor([[7, 8, 9], [1, 2, 3]]))
     assert packed.dtype == torch.int32 and packed.shape == (layout.size,)
     # sizes in int32 words: aggregates 2 each, 2 finite flags x 2, 4 float columns x 6, 6 token ids,
     # 6 flags, 2 seq ids, 2 group ids
-    assert layout.size == 2 * len(tokenbatch.AGG_NAMES) + 4 + 24 + 6 + 6 + 2 + 2
+    assert layout.size == 2 * len(aggregates.AGG_NAMES) + 4 + 24 + 6 + 6 + 2 + 2
     host = tokenbatch.unpack(packed.numpy(), layout)
     assert host.finite == {"logprobs": True, "entropy": False}
     assert tokenbatch.read_finite(packed.numpy(), layout) == host.finite
@@ -52,7 +52,7 @@ def test_pack_without_tokens_or_erc():
     selected = torch.tensor([[True, False]])
     cols = {"logprob": torch.zeros(1, 2), "quadrant": torch.zeros(1, 2, dtype=torch.int8),
             "clip": torch.zeros(1, 2, dtype=torch.int8), "clipped": torch.zeros(1, 2, dtype=torch.bool)}
-    packed, layout = tokenbatch.pack(cols, selected, torch.zeros(len(tokenbatch.AGG_NAMES)), {},
+    packed, layout = tokenbatch.pack(cols, selected, torch.zeros(len(aggregates.AGG_NAMES)), {},
                                      seq=torch.tensor([3]), group=torch.tensor([-1]), tokens=None)
     rows = tokenbatch.unpack(packed.numpy(), layout).rows()
     assert rows["token_id"].tolist() == [-1] and rows["seq"].tolist() == [3] and "erc_kept" not in rows
@@ -71,7 +71,7 @@ def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
                                      entropy=None, old_entropy=None, loss_columns=None, eps_low=0.2,
                                      eps_high=0.2, tau=0.5)
     lgn = torch.tensor([[1.0, float("inf"), float("nan"), 3.0]])
-    agg = tokenbatch.step_metrics(cols, mask, lgn=lgn)
+    agg = aggregates.step_metrics(cols, mask, lgn=lgn)
     assert agg["n_tokens"].item() == 4 and agg["n_pa_hp"].item() == 4
     assert agg["n_nonfinite_ratio"].item() == 1
     assert agg["ratio_mean"].item() == pytest.approx(4 / 3, rel=1e-6)
@@ -79,7 +79,7 @@ def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
     assert agg["n_nonfinite_lgn"].item() == 2
     assert agg["lgn_mean_pa_hp"].item() == pytest.approx(2.0)
     # without non-finite values the counts are 0
-    agg2 = tokenbatch.step_metrics(cols, mask & torch.tensor([[True, True, False, True]]), lgn=torch.ones(1, 4))
+    agg2 = aggregates.step_metrics(cols, mask & torch.tensor([[True, True, False, True]]), lgn=torch.ones(1, 4))
     assert agg2["n_nonfinite_ratio"].item() == 0 and agg2["n_nonfinite_lgn"].item() == 0
     assert agg2["ratio_mean"].item() == pytest.approx(4 / 3, rel=1e-6)
 
@@ -199,15 +199,15 @@ def test_batched_aggregates_and_quantiles_match_each_update():
     stacked = {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
     masks = torch.stack([a[1] for a in inputs])
     losses = torch.stack([a[2] for a in inputs])
-    batched = tokenbatch.step_aggregates(stacked, masks, stacked["logit_grad_norm"], losses)
+    batched = aggregates.step_aggregates(stacked, masks, stacked["logit_grad_norm"], losses)
     for u, (c, a) in enumerate(zip(cols, inputs)):
-        alone = tokenbatch.step_aggregates(c, a[1], c["logit_grad_norm"], a[2])
+        alone = aggregates.step_aggregates(c, a[1], c["logit_grad_norm"], a[2])
         assert torch.equal(batched[u].nan_to_num(123.0), alone.nan_to_num(123.0))
-    q = tokenbatch.masked_quantiles(stacked["entropy_ratio"], masks, (0.05, 0.5, 0.95))
+    q = aggregates.masked_quantiles(stacked["entropy_ratio"], masks, (0.05, 0.5, 0.95))
     assert q.shape == (3, 3) and torch.isnan(q[1]).all() and not torch.isnan(q[0]).any()
     ref = torch.quantile(cols[0]["entropy_ratio"][inputs[0][1]], torch.tensor([0.05, 0.5, 0.95]))
     torch.testing.assert_close(q[0], ref)
-    agg = dict(zip(tokenbatch.AGG_NAMES, batched[1].tolist()))
+    agg = dict(zip(aggregates.AGG_NAMES, batched[1].tolist()))
     assert agg["n_tokens"] == 0.0 and agg["entropy_effect"] == 0.0
 
 

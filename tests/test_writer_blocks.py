@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from entropylens import tokenbatch
+from entropylens import aggregates
 
 
 def test_masked_quantiles_on_cpu_are_torch_quantile_of_the_masked_values():
@@ -17,13 +17,13 @@ def test_masked_quantiles_on_cpu_are_torch_quantile_of_the_masked_values():
     mask[2] = False
     mask[2, 1, 3] = True  # one token: every quantile is that token
     qs = (0.0, 0.05, 0.5, 0.95, 1.0)
-    got = tokenbatch.masked_quantiles(x, mask, qs)  # [U, 5]
+    got = aggregates.masked_quantiles(x, mask, qs)  # [U, 5]
     for u in range(3):
         want = torch.quantile(x[u][mask[u]].double(), torch.tensor(qs, dtype=torch.float64))
         assert torch.allclose(got[u].double(), want, rtol=1e-6, atol=0), (u, got[u], want)
         assert got[u][0] == x[u][mask[u]].min() and got[u][-1] == x[u][mask[u]].max()  # ranks 0 and n-1 exactly
     assert got[2].tolist() == [x[2, 1, 3].item()] * len(qs)
-    empty = tokenbatch.masked_quantiles(x[0], torch.zeros(4, 37, dtype=torch.bool), qs)
+    empty = aggregates.masked_quantiles(x[0], torch.zeros(4, 37, dtype=torch.bool), qs)
     assert torch.isnan(empty).all()
 
 
@@ -43,7 +43,7 @@ def test_quadrant_sums_and_budget_groups_equal_their_definitions():
     }
     cols["ratio"] = torch.exp(cols["logprob"] - cols["old_logprob"])
     lgn = torch.rand(b, t, generator=g)
-    agg = dict(zip(tokenbatch.AGG_NAMES, tokenbatch.step_aggregates(cols, mask, lgn, None).tolist()))
+    agg = dict(zip(aggregates.AGG_NAMES, aggregates.step_aggregates(cols, mask, lgn, None).tolist()))
     m = mask.numpy()
     q, c, h, eff, lg = quad.numpy(), clip.numpy(), cols["entropy"].double().numpy(), \
         cols["entropy_effect"].double().numpy(), lgn.double().numpy()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens import tokenbatch
+from entropylens import aggregates, tokenbatch
 from entropylens.token_buffer import TokenBuffer
 
 
@@ -22,7 +22,7 @@ def packed_update(seed: int, b: int = 3, t: int = 5, *, tokens: bool = True, erc
     cols["clipped"] = torch.rand(b, t, generator=g) < 0.3
     if erc:
         cols["erc_kept"] = torch.rand(b, t, generator=g) < 0.7
-    aggs = torch.randn(len(tokenbatch.AGG_NAMES), generator=g, dtype=torch.float64)
+    aggs = torch.randn(len(aggregates.AGG_NAMES), generator=g, dtype=torch.float64)
     packed, layout = tokenbatch.pack(cols, selected, aggs, {}, seq=torch.arange(b) + 10 * seed,
                                      group=torch.arange(b) // 2, mask=mask,
                                      tokens=torch.randint(0, 50, (b, t), generator=g) if tokens else None)

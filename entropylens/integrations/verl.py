@@ -318,7 +318,7 @@ VERL_CLIP_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"
 # logit-gradient norms per quadrant do not add up: they are in the steps table, not in the logs.
 def _metric_rule(name: str) -> tuple[str, str | None] | None:
     """(kind, denominator) of a step metric for exact aggregation; None: not logged (not additive)."""
-    from ..tokenbatch import BUDGET_NAMES
+    from ..aggregates import BUDGET_NAMES
 
     if name == "n_tokens" or name.startswith("n_"):
         return ("count", None)

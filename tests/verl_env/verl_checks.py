@@ -877,7 +877,7 @@ def test_every_step_metric_has_an_aggregation_rule():
     verl's pg_loss aggregation) are the steps table's only."""
     from entropylens.integrations.verl import _metric_rule
     from entropylens.schema import STEP_METRICS
-    from entropylens.tokenbatch import BUDGET_NAMES
+    from entropylens.aggregates import BUDGET_NAMES
 
     left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if _metric_rule(n) is None}
     assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",
