@@ -62,7 +62,7 @@ _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def view_tables(snap: cat.Catalog, materialized) -> list[str]:
     """The tables that stay views over files (not read into tables at connect)."""
-    from .query import PARTITIONED
+    from .views import PARTITIONED
 
     return sorted((set(PARTITIONED) | set(snap.tables())) - set(materialized))
 
@@ -72,7 +72,7 @@ def _view_files(snap: cat.Catalog, tables) -> set[str]:
 
 
 def remember(con, path, runs, storage_options, snap: cat.Catalog) -> Plan:
-    from .query import MATERIALIZED
+    from .views import MATERIALIZED
 
     plan = Plan(path, runs, storage_options, _view_files(snap, view_tables(snap, MATERIALIZED)))
     _PLANS[con] = plan
@@ -82,7 +82,7 @@ def remember(con, path, runs, storage_options, snap: cat.Catalog) -> Plan:
 def lock_down(con, snap: cat.Catalog, temp_directory: str | None = None) -> None:
     """Lock ``con`` (module docstring). Call after every view of ``snap`` exists. ``temp_directory``:
     where DuckDB may spill (default: a fresh private folder, removed with the connection)."""
-    from .query import MATERIALIZED
+    from .views import MATERIALIZED
 
     tables = view_tables(snap, MATERIALIZED)
     paths = sorted({f for r in snap.runs for t in tables for f in (*r.files.get(t, ()), *r.compacted.get(t, ()))})
@@ -126,7 +126,7 @@ def vanished(e: BaseException, plan: Plan | None = None) -> bool:
 def replan(con) -> bool:
     """Re-create the file views of ``con`` from a fresh listing (module docstring). False if ``con``
     was not made by :func:`entropylens.query.connect`."""
-    from .query import MATERIALIZED, _views
+    from .views import MATERIALIZED, _views
 
     plan = _PLANS.get(con)
     if plan is None:

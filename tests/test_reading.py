@@ -172,12 +172,13 @@ def test_steps_read_in_parts_equal_one_read(tmp_path, monkeypatch):
     held >13 GB): read 2 files at a time, the table is the one a single read gives, a later file's
     extra metric column included (NULL in the files without it), in the same column order."""
     import entropylens.query as q
+    import entropylens.views as views
     from entropylens.writer import write_steps
 
     d = make_run(tmp_path, "r", steps=5, rows=16)
     write_steps(d, 5, 0, [{"update": 0, "n_tokens": 16, "my_metric": 2.5}])  # a column only this file has
     whole = q.connect(tmp_path).execute("SELECT * FROM steps ORDER BY step, rank, update").df()
-    monkeypatch.setattr(q, "MATERIALIZE_FILES", 2)
+    monkeypatch.setattr(views, "MATERIALIZE_FILES", 2)
     con = q.connect(tmp_path)
     parts = con.execute("SELECT * FROM steps ORDER BY step, rank, update").df()
     assert len(whole) == 6 and list(parts.columns) == list(whole.columns)
