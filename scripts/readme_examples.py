@@ -36,6 +36,8 @@ EXAMPLES = (
     f"entropylens analyze {RUNS} entropy_ratio_by_step --run erc_dapo-s0 --format csv | head -4",
     f"entropylens report {RUNS} --run grpo-s0 --run ce_gppo-s0 --out grpo-vs-ce",
     f"entropylens analyze {RUNS} drift_by_prob_bin --param bins=0",
+    f"entropylens show {RUNS} --run ce_gppo-s0 --step 31 | head -9",
+    f"entropylens show {RUNS} --run ce_gppo-s0 --step 31 --seq 0 --color quadrant",
 )
 
 
