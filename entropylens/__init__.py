@@ -11,7 +11,7 @@ from ._source_layout import install as _source_layout
 _source_layout()  # a source checkout on sys.path (python in the repo root): entropylens.cli / .analyses too
 
 __version__ = "0.1.0"
-__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis"]
+__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis", "open"]
 
 _LAZY = {
     "Recorder": ("entropylens.recorder", "Recorder"),
@@ -19,6 +19,7 @@ _LAZY = {
     "logprobs_and_entropy": ("entropylens.stats", "logprobs_and_entropy"),
     "connect": ("entropylens.query", "connect"),
     "run_analysis": ("entropylens.query", "run_analysis"),
+    "open": ("entropylens.query", "open"),  # entropylens.open(path).sql(...) / .analysis(...): pandas or polars
 }
 _SUBMODULES = ("report", "query", "stats", "losses", "recorder", "toy", "integrations")  # entropylens.report etc.
 

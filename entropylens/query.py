@@ -186,4 +186,58 @@ def run_sql(con, sql: str):
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 
 
-__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError"]
+__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "Runs", "open"]
+
+
+class Runs:
+    """The runs under ``path`` for Python: ``entropylens.open(path)``.
+
+        runs = entropylens.open("runs")
+        runs.sql("SELECT run, avg(entropy) FROM tokens GROUP BY run")          # pandas
+        runs.sql("SELECT ...", polars=True)                                     # polars (from DuckDB's Arrow)
+        runs.analysis("clip_by_quadrant", polars=True)                          # an analysis, either kind
+
+    ``runs.con`` is the DuckDB connection (:func:`connect`, locked the same way). polars is optional
+    (``pip install polars``); DuckDB hands its result over as an Arrow table, which polars takes without
+    copying (no detour through pandas)."""
+
+    def __init__(self, path, *, runs: list[str] | None = None, **connect_kwargs):
+        self.path = path
+        self.con = connect(path, runs=runs, **connect_kwargs)
+
+    def sql(self, query: str, *, polars: bool = False):
+        """A read-only query's result: a pandas DataFrame, or a polars one with ``polars=True``."""
+        return _result(self.con, query, polars, lambda: run_sql(self.con, query))
+
+    def analysis(self, name: str, *, polars: bool = False, **params):
+        """Analysis ``name`` (analyses/<name>.sql) with its parameters: pandas, or polars."""
+        return _result(self.con, render_analysis(name, **params), polars,
+                       lambda: run_analysis(self.con, name, **params), what=f"analysis {name!r}")
+
+    def __repr__(self) -> str:
+        return f"entropylens.open({self.path!r})"
+
+
+def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL"):
+    if not polars:
+        return as_pandas()
+    try:
+        import polars as pl
+    except ImportError:
+        raise QueryError("polars=True needs polars: pip install polars") from None
+    import duckdb
+
+    from .lockdown import run_replanning
+
+    if not sql.strip().strip(";").strip():
+        raise QueryError("SQL error: the query is empty")
+    try:
+        return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
+    except duckdb.Error as e:
+        prefix = "SQL error" if what == "SQL" else f"{what} failed"
+        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}") from None
+
+
+def open(path, *, runs: list[str] | None = None, **connect_kwargs) -> Runs:  # noqa: A001 - entropylens.open
+    """The runs under ``path`` (see :class:`Runs`): ``.sql(...)`` and ``.analysis(...)`` as pandas or polars."""
+    return Runs(path, runs=runs, **connect_kwargs)
