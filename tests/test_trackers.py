@@ -10,6 +10,7 @@ import os
 import struct
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -233,9 +234,26 @@ def wandb_records(path):
             yield record
 
 
+def wandb_run_file(wandb_dir) -> str:
+    """The (one) offline run file under wandb_dir, once wandb's service has written it whole: its last
+    record is the run's exit record. run.finish() returns before the service process has flushed the file
+    (under load the history was read half written: no rows, or step 1 alone). A liveness bound, not a
+    timing: a file never finished fails here."""
+    (path,) = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
+    for _ in range(600):
+        try:
+            records = list(wandb_records(path))
+        except (AssertionError, ValueError):  # a header or chunk still being written
+            records = []
+        if records and records[-1].WhichOneof("record_type") == "exit":
+            return path
+        time.sleep(0.1)
+    raise AssertionError(f"{path}: wandb never wrote the run's exit record")
+
+
 def wandb_history(wandb_dir) -> list[dict]:
     """Every history row of the (one) offline run under wandb_dir, with its step as "_step"."""
-    (path,) = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
+    path = wandb_run_file(wandb_dir)
     rows = []
     for r in wandb_records(path):
         if r.WhichOneof("record_type") == "history":
@@ -250,7 +268,7 @@ def wandb_run_dir(wandb_dir) -> Path:
 
 
 def wandb_alerts(wandb_dir) -> list:
-    (path,) = glob.glob(f"{wandb_dir}/wandb/offline-run-*/run-*.wandb")
+    path = wandb_run_file(wandb_dir)
     return [r.alert for r in wandb_records(path) if r.WhichOneof("record_type") == "alert"]
 
 
