@@ -226,14 +226,14 @@ def test_demo_start_time_counts_from_the_cli_import_when_a_shell_execd_it_late(m
     # started with pip; the demo's "start" then counts from the CLI's import, not from pip's start
     import time
 
-    from entropylens.cli import main as cli_main
+    from entropylens.cli import process
 
-    age = cli_main._process_seconds()  # this pytest process: started long before the CLI module's import
-    monkeypatch.setattr(cli_main, "_IMPORTED_AT", time.perf_counter() - 0.5)
-    monkeypatch.setattr(cli_main, "_EXEC_GAP_S", 1e9)
-    assert cli_main._process_seconds() >= age  # the process's own age
-    monkeypatch.setattr(cli_main, "_EXEC_GAP_S", 0.0)
-    assert 0.5 <= cli_main._process_seconds() < 5.0  # since the import
+    age = process.process_seconds()  # this pytest process: started long before the CLI module's import
+    monkeypatch.setattr(process, "_IMPORTED_AT", time.perf_counter() - 0.5)
+    monkeypatch.setattr(process, "_EXEC_GAP_S", 1e9)
+    assert process.process_seconds() >= age  # the process's own age
+    monkeypatch.setattr(process, "_EXEC_GAP_S", 0.0)
+    assert 0.5 <= process.process_seconds() < 5.0  # since the import
 
 
 def test_out_that_is_a_file_or_cannot_be_made_is_one_line(runs, tmp_path):
@@ -275,7 +275,7 @@ def test_table_format_prints_missing_values_as_null():
     import numpy as np
     import pandas as pd
 
-    from entropylens.cli.main import table_text
+    from entropylens.cli.output import table_text
 
     df = pd.DataFrame({"grad_norm": [0.5, np.nan], "n_tokens": pd.array([43, None], dtype="Int64"),
                        "run": ["r", None], "step": [0, 1]})
