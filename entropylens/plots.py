@@ -711,18 +711,16 @@ def probe_vs_measured(df, *, band: str | None = None, legend_title: str = "run")
 
 
 # ------------------------------------------------------------------ panels per series
-def _bottom_labels(axes, used: int, xlabel: str) -> None:
-    """Hide the unused panels of a grid; the lowest used panel of each column gets x ticks and label."""
-    rows, cols = axes.shape
-    for k, ax in enumerate(axes.flat):
-        if k >= used:
-            ax.set_visible(False)
-    for c in range(cols):
-        below = [r for r in range(rows) if r * cols + c < used]
-        if below:
-            ax = axes[below[-1], c]
-            ax.xaxis.set_tick_params(labelbottom=True)
-            ax.set_xlabel(xlabel)
+def _series_grid(d, shown, *, cols: int, width: float, height: float, sharey: bool = True):
+    """One panel per series of ``shown`` (seaborn's FacetGrid over ``_s``, wrapped after ``cols``, x shared,
+    inner tick labels hidden; unused slots are not drawn): the grid and its number of rows."""
+    import seaborn as sns
+
+    _plt()
+    cols = min(cols, len(shown))
+    grid = sns.FacetGrid(d[d["_s"].isin(shown)], col="_s", col_order=shown, col_wrap=cols, height=height,
+                         aspect=width / height, sharex=True, sharey=sharey)
+    return grid, math.ceil(len(shown) / cols)
 
 
 def _not_shown(names: list, n_shown: int, legend_title: str) -> str:
@@ -737,69 +735,56 @@ def _not_shown(names: list, n_shown: int, legend_title: str) -> str:
 
 
 def ratio_vs_prob(df, *, span: float = 3.0, band: str | None = None, legend_title: str = "run"):
-    """ratio_vs_prob -> importance ratio vs sampling probability by quadrant, with each run's clip interval
-    [1-eps_low, 1+eps_high] (its eps_low / eps_high columns) shaded (CE-GPPO Fig. 1 left). One panel
-    per series (its runs' points pooled; at most 6, the figure says how many are not shown), shared
+    """ratio_vs_prob -> importance ratio vs sampling probability, hue by quadrant, with each run's clip
+    interval [1-eps_low, 1+eps_high] (its eps_low / eps_high columns) shaded (CE-GPPO Fig. 1 left). One
+    panel per series (its runs' points pooled; at most 6, the figure says how many are not shown), shared
     linear y axis centred on 1 and ``span`` times the widest clip interval wide; points beyond it are
     drawn on the edge as triangles (counted in the panel title); one legend for the figure. ``band``:
     accepted for the common signature (points have no spread)."""
     import numpy as np
+    import seaborn as sns
     from matplotlib.lines import Line2D
 
     _check_band(band)
     plt = _plt()
-    d = _prep(df) if not df.empty else df
-    names = sorted(d["_s"].unique()) if not df.empty else []
-    shown = names[:MAX_PANELS]
-    n = max(1, len(shown))
-    cols = min(3, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows + 0.5), squeeze=False,
-                             sharex=True, sharey=True)
-    if not names:
-        for ax in axes.flat:
-            ax.set_visible(False)
+    if df.empty:
+        fig, _ = plt.subplots(figsize=(4.2, 3.8))
         return _empty(fig)
+    d = _prep(df)
+    names = sorted(d["_s"].unique())
+    shown = names[:MAX_PANELS]
     lows, highs = d["eps_low"].astype(float), d["eps_high"].astype(float)
+    r = d["ratio"].astype(float)
     if lows.notna().any() and highs.notna().any():
         y_lo, y_hi = max(0.0, 1 - span * lows.max()), 1 + span * highs.max()
     else:  # no run says its clip interval: the axis follows the data
-        r = d["ratio"].astype(float)
         y_lo, y_hi = max(0.0, float(np.nanpercentile(r, 1))), float(np.nanpercentile(r, 99))
-    for ax, s in zip(axes.flat, shown):
+    # a point beyond the axis is drawn on its edge, as a triangle pointing the way it left
+    d = d.assign(ratio=r.clip(y_lo, y_hi), _edge=np.select([r > y_hi, r < y_lo], ["above", "below"], "in"))
+    grid, rows = _series_grid(d, shown, cols=3, width=4.2, height=3.3)
+    kw = dict(x="prob", y="ratio", hue="quadrant", hue_order=QUAD_ORDER, palette=QUAD_COLORS, legend=False)
+    for s, ax in grid.axes_dict.items():
         g = d[d["_s"] == s]
         for lo, hi in g[["eps_low", "eps_high"]].astype(float).drop_duplicates().itertuples(index=False):
             if lo == lo and hi == hi:
                 ax.axhspan(1 - lo, 1 + hi, color="0.85", alpha=0.6, lw=0, zorder=0)
                 ax.axhline(1 - lo, color="k", ls="--", lw=0.8)
                 ax.axhline(1 + hi, color="k", ls="--", lw=0.8)
-        outside = 0
-        for q in QUAD_ORDER:
-            h = g[g["quadrant"] == q]
-            ratio = h["ratio"].to_numpy(dtype=float)
-            inside = (ratio >= y_lo) & (ratio <= y_hi)
-            ax.scatter(h["prob"].to_numpy()[inside], ratio[inside], s=5, alpha=0.5, color=QUAD_COLORS[q], lw=0,
-                       rasterized=True)
-            above, below = ratio > y_hi, ratio < y_lo
-            ax.scatter(h["prob"].to_numpy()[above], np.full(above.sum(), y_hi), marker="^", s=14,
-                       color=QUAD_COLORS[q], clip_on=False)
-            ax.scatter(h["prob"].to_numpy()[below], np.full(below.sum(), y_lo), marker="v", s=14,
-                       color=QUAD_COLORS[q], clip_on=False)
-            outside += int(above.sum() + below.sum())
-        share = outside / max(1, len(g))
+        inside, edge = g[g["_edge"] == "in"], g[g["_edge"] != "in"]
+        sns.scatterplot(inside, ax=ax, s=5, alpha=0.5, lw=0, rasterized=True, **kw)
+        if len(edge):
+            sns.scatterplot(edge, ax=ax, style="_edge", markers={"above": "^", "below": "v"}, s=14, lw=1.5,
+                            edgecolor="face", clip_on=False, **kw)
         k = g["_r"].nunique()
         runs = f", {k} runs" if k > 1 else ""
-        ax.set_title(f"{s}  ({len(g)} tokens{runs}, {share:.1%} off the axis)", fontsize=9)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(y_lo, y_hi)
-    _bottom_labels(axes, len(shown), "sampling probability p = pi_old(a)")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("importance ratio r")
+        ax.set_title(f"{s}  ({len(g)} tokens{runs}, {len(edge) / max(1, len(g)):.1%} off the axis)", fontsize=9)
+    grid.set(xlim=(0, 1), ylim=(y_lo, y_hi))
+    grid.set_axis_labels("sampling probability p = pi_old(a)", "importance ratio r")
     handles = [Line2D([], [], ls="", marker="o", color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
     handles.append(Line2D([], [], ls="--", color="k", lw=0.8, label="the run's 1 - eps_low, 1 + eps_high"))
     handles.append(Line2D([], [], ls="", marker="^", color="0.4", label="beyond the axis"))
-    _legend_top(fig, handles, panels_height=3.3 * rows, header=_not_shown(names, len(shown), legend_title))
-    return fig
+    _legend_top(grid.figure, handles, panels_height=3.3 * rows, header=_not_shown(names, len(shown), legend_title))
+    return grid.figure
 
 
 def _erc_bands(g) -> tuple[list, list]:
@@ -865,18 +850,14 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
 
     band = _check_band(band)
     plt = _plt()
-    d = _prep(df) if not df.empty else df
-    names = sorted(d["_s"].unique()) if not df.empty else []
-    shown = names[:MAX_PANELS]
-    n = max(1, len(shown))
-    cols = min(2, n)
-    rows = math.ceil(n / cols)
-    height = 2.7 * rows
-    fig, axes = plt.subplots(rows, cols, figsize=(5.4 * cols, height), squeeze=False, sharex=True, sharey=True)
-    if not names:
-        for ax in axes.flat:
-            ax.set_visible(False)
+    if df.empty:
+        fig, _ = plt.subplots(figsize=(5.4, 2.7))
         return _empty(fig)
+    d = _prep(df)
+    names = sorted(d["_s"].unique())
+    shown = names[:MAX_PANELS]
+    grid, rows = _series_grid(d, shown, cols=2, width=5.4, height=2.7)
+    height = 2.7 * rows
     window = smooth_window(steps_per_series(df))
     colors = series_colors(names)
     d = d[d["_s"].isin(shown)]
@@ -888,7 +869,7 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
     y_hi = max([hi_edge] + edges) + 0.02
     shared = False
     wrap = int(5.4 * 12)
-    for ax, s in zip(axes.flat, shown):
+    for s, ax in grid.axes_dict.items():
         g = d[d["_s"] == s]
         c = colors[s]
         stats, nruns = _per_series(g, "step", ["p05", "p50", "p95"], band, window)
@@ -925,10 +906,8 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
         title = f"{s}: {_band_title(bands, refs, g['_r'].nunique(), out)}"
         title += f" ({off} step(s) beyond the axis)" if off else ""
         ax.set_title(textwrap.fill(title, wrap), fontsize=9)
-        ax.set_ylim(y_lo, y_hi)
-    _bottom_labels(axes, len(shown), "training step")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("entropy ratio rho")
+    grid.set(ylim=(y_lo, y_hi))
+    grid.set_axis_labels("training step", "entropy ratio rho")
     handles = [Line2D([], [], color="0.2", lw=1.8, label="median" + (" (mean over runs)" if shared else "")),
                Patch(color="0.2", alpha=0.2, lw=0, label="p05-p95 of the step's tokens")]
     if shared:
@@ -943,8 +922,8 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
     if window > 1:
         header += f" (bold: rolling mean of {window} steps, faint: per step)"
     more = _not_shown(names, len(shown), legend_title)
-    _legend_top(fig, handles, panels_height=height, header=header + (f"\n{more}" if more else ""))
-    return fig
+    _legend_top(grid.figure, handles, panels_height=height, header=header + (f"\n{more}" if more else ""))
+    return grid.figure
 
 
 def drift_by_prob(df, *, band: str | None = None, legend_title: str = "run"):
@@ -979,17 +958,6 @@ def drift_by_prob(df, *, band: str | None = None, legend_title: str = "run"):
     return fig
 
 
-def _run_panels(n_panels: int, width: float = 5.2, height: float = 3.0, cols_max: int = 2):
-    plt = _plt()
-    n = max(1, n_panels)
-    cols = min(cols_max, n)
-    rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False, sharex=True)
-    for ax in list(axes.flat)[n:]:
-        ax.set_visible(False)
-    return fig, axes, rows
-
-
 def _stairs(ax, edges, lower, upper, color) -> None:
     """A filled staircase between ``lower`` and ``upper`` (one value per bin of ``edges``): one polygon
     (ax.stairs would cost seconds at thousands of steps: it updates the data limits per segment)."""
@@ -1012,28 +980,27 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
 
     band = _check_band(band)
     if df.empty or df["effect"].isna().all():
-        fig, _, _ = _run_panels(1, width=6.4, height=3.0)
+        fig, _ = _plt().subplots(figsize=(6.4, 3.0))
         return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
     d = _prep(df.dropna(subset=["effect"]))
     names = sorted(d["_s"].unique())
     shown = names[:MAX_PANELS]
-    fig, axes, rows = _run_panels(len(shown))
+    grid, rows = _series_grid(d, shown, cols=2, width=5.2, height=3.0, sharey=False)
     height = 3.0 * rows
     window = smooth_window(steps_per_series(df))
     shared = False
-    flat = list(axes.flat)
-    for ax, s in zip(flat, shown):
+    for s, ax in grid.axes_dict.items():
         g = d[d["_s"] == s]
         steps = np.array(sorted(g["step"].unique()))
         # one filled staircase per quadrant and side (bars of width 1 centred on each step, a step
         # without rows at 0): a few artists instead of one rectangle per step, quadrant and side
-        grid = np.arange(steps[0], steps[-1] + 1)
-        edges = np.append(grid - 0.5, grid[-1] + 0.5)
+        at = np.arange(steps[0], steps[-1] + 1)
+        edges = np.append(at - 0.5, at[-1] + 0.5)
         per_q = (g.groupby(["quadrant", "_r", "step"])["effect"].sum().groupby(level=["quadrant", "step"]).mean())
-        up, down = np.zeros(len(grid)), np.zeros(len(grid))
+        up, down = np.zeros(len(at)), np.zeros(len(at))
         for q in QUAD_ORDER:
             v = per_q.get(q)
-            v = (v.reindex(grid).fillna(0).to_numpy() if v is not None else np.zeros(len(grid)))
+            v = (v.reindex(at).fillna(0).to_numpy() if v is not None else np.zeros(len(at)))
             v = _roll(v, window)
             pos, neg = np.clip(v, 0, None), np.clip(v, None, 0)
             _stairs(ax, edges, up, up + pos, QUAD_COLORS[q])
@@ -1053,11 +1020,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
         k = g["_r"].nunique()
         ax.set_title(s + (f" (mean of {k} runs)" if k > 1 else ""), fontsize=11)
         ax.tick_params(labelsize=9)
-    _bottom_labels(axes, len(shown), "training step")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("entropy push\n(first-order, per unit step)", fontsize=10)
-    for ax in flat[:len(shown)]:
-        ax.xaxis.label.set_fontsize(10)
+    grid.set_axis_labels("training step", "entropy push\n(first-order, per unit step)", fontsize=10)
     handles = [Patch(color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
     handles.append(Line2D([], [], color="k", lw=1.6, label="step total"))
     if window > 1:
@@ -1068,5 +1031,6 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
     if window > 1:
         header += f" (rolling mean of {window} steps)"
     more = _not_shown(names, len(shown), legend_title)
-    _legend_top(fig, handles, panels_height=height, header=header + (f"\n{more}" if more else ""), fontsize=10)
-    return fig
+    _legend_top(grid.figure, handles, panels_height=height, header=header + (f"\n{more}" if more else ""),
+                fontsize=10)
+    return grid.figure
