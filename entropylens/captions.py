@@ -8,7 +8,12 @@ run's own. A claim that holds within one run ("the clipped tokens are mostly low
 checked per series; a verdict that compares methods ("CE-GPPO keeps entropy higher") is given only
 when the runs differ in the method and nothing else the configs record; otherwise the caption names
 what differs. Where a measurement goes against the paper it says so ("Here this differs from the
-paper: ..."). A figure without a function gets a plain count of what was measured.
+paper: ...").
+
+Every function has the one signature ``fn(df, rs) -> str`` (``rs`` None: a RunSet made from the
+frame's own run / method columns, for a frame outside a report); entropylens/figures.py names each
+figure's function (its ``observe``). A function that raises is a bug: the report shows a row count
+in its place and warns (figures.CaptionWarning), and the test suite fails on that warning.
 """
 
 from __future__ import annotations
@@ -493,24 +498,3 @@ def probe_vs_measured(df, rs: RunSet | None = None) -> str:
     text += (f"; mean predicted dH per quadrant: " + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
              + f" (law's sign in {len(agree)} of {len(q)}){_lp_note(rs)}.")
     return text
-
-
-OBSERVERS = {
-    "entropy": entropy, "reward": reward, "quadrant_share": quadrant_share, "clip_by_quadrant": clip_by_quadrant,
-    "ratio_vs_prob": ratio_vs_prob, "grad_share": grad_share, "entropy_ratio": entropy_ratio,
-    "drift_by_prob": drift_by_prob, "grad_norm": grad_norm, "kl": kl, "entropy_change": entropy_change,
-    "clipped_prob": clipped_prob, "entropy_budget": entropy_budget, "clipping_removed": clipping_removed,
-    "probe": probe_vs_measured,
-}
-
-
-def observed(name: str, df, rs: RunSet | None = None) -> str:
-    """The measured sentences for figure ``name`` over the runs of ``rs`` (a figure without an
-    observer, or one whose frame lacks a column it needs: a row count)."""
-    fn = OBSERVERS.get(name)
-    if fn is not None:
-        try:
-            return fn(df, rs)
-        except (KeyError, ValueError, ZeroDivisionError, IndexError, TypeError):
-            pass
-    return f"Here: {len(df)} rows of this figure's analysis."

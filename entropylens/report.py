@@ -7,93 +7,17 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import plots, runset
-from .captions import observed
+from . import runset
+from .figures import FIGURES, CaptionFailure, CaptionWarning, Figure, figure  # the report's figures, declared there
 from .query import connect, run_analysis
-
-
-@dataclass(frozen=True)
-class Figure:
-    name: str
-    analysis: str
-    plot: str  # function name in plots.py
-    title: str
-    caption: str
-    optional: bool = False  # left out (and named under "Not shown") when its analysis has no rows
-    when_empty: str = ""  # how to record what an opt-in analysis needs (report and `analyze` say it)
-
-
-FIGURES: tuple[Figure, ...] = (
-    Figure("entropy", "entropy_by_step", "entropy_vs_step", "Entropy vs step",
-           "Mean token entropy of the rollout policy per step. Mirrors CE-GPPO Fig. 2, 3 and 5: under GRPO / DAPO "
-           "entropy collapses, CE-GPPO keeps it higher."),
-    Figure("reward", "reward_by_step", "reward_vs_step", "Reward vs step",
-           "Mean reward of the step's responses. Mirrors CE-GPPO Fig. 2 (accuracy vs step)."),
-    Figure("quadrant_share", "quadrant_share_by_step", "quadrant_share", "Quadrant shares",
-           "Share of tokens in each quadrant (advantage sign x sampling probability) per step. "
-           "Mirrors CE-GPPO Fig. 1 (the four token types)."),
-    Figure("clip_by_quadrant", "clip_by_quadrant", "clip_by_quadrant", "Clip fractions by side and quadrant",
-           "Share of each quadrant's tokens whose gradient PPO-clip removes. The low side (r < 1 - eps_low) "
-           "removes it only where A < 0, so it shows NA&HP and NA&LP; the high side (r > 1 + eps_high) only "
-           "where A > 0: PA&HP and PA&LP. Mirrors CE-GPPO Sec. 3 / Fig. 1: the dropped gradients are mostly "
-           "those of low-probability tokens."),
-    Figure("ratio_vs_prob", "ratio_vs_prob", "ratio_vs_prob", "Importance ratio vs probability",
-           "Importance ratio against sampling probability, coloured by quadrant, with the clip interval "
-           "[1 - eps_low, 1 + eps_high] shaded (a bounded sample). Mirrors CE-GPPO Fig. 1 left: the tokens "
-           "that leave the interval are mostly low-probability."),
-    Figure("clipped_prob", "clipped_prob_distribution", "clipped_prob", "Probability of the clipped tokens",
-           "Sampling probability of the tokens whose gradient PPO-clip drops, low and high side. Mirrors "
-           "CE-GPPO Sec. 3: the clipped tokens are mostly low-probability (PA&LP on the high side, NA&LP on "
-           "the low side)."),
-    Figure("grad_share", "grad_share_by_quadrant", "grad_share", "Gradient share by quadrant",
-           "Each quadrant's share of the squared logit-gradient norm per step; dotted: the part carried by "
-           "tokens PPO-clip would drop. Mirrors CE-GPPO Sec. 3 (gradient of clipped tokens)."),
-    Figure("entropy_ratio", "entropy_ratio_by_step", "entropy_ratio_band", "Entropy-ratio band",
-           "Median and p05-p95 of the per-token entropy ratio H(pi)/H(pi_old) per step, one panel per run (or "
-           "group), each with its own ERC band dashed; a run without ERC shows a reference band, named below. "
-           "Mirrors ERC Sec. 3: the entropy ratio is a global trust region, and ERC keeps more tokens inside "
-           "the band."),
-    Figure("drift_by_prob", "drift_by_prob_bin", "drift_by_prob", "Drift by probability bin",
-           "Mean |log entropy ratio| by sampling-probability bin. The ERC paper reports drift strongest "
-           "for tokens below 0.2 and above 0.6 (dotted lines)."),
-    Figure("grad_norm", "grad_norm_by_step", "grad_norm_vs_step", "Gradient norm vs step",
-           "Global gradient norm before clipping, mean over the step's updates. Mirrors CE-GPPO Fig. 4 right."),
-    Figure("kl", "kl_by_step", "kl_vs_step", "KL vs step",
-           "KL(pi_old || pi_theta), k3 estimator, token mean per step. Mirrors CE-GPPO Fig. 4 left."),
-    Figure("entropy_budget", "entropy_budget_by_step", "entropy_budget", "Entropy budget per step",
-           "How much each quadrant's gradients push the entropy up (above 0) or down (below 0) per step, "
-           "stacked; black: the step's total. Exactly: the sum over the quadrant's tokens of "
-           "entropy_effect = g_t s_t / T^2, with g_t = dLoss/dlogp_t (grad_coef), "
-           "s_t = p_a (log p_a + H) - sum_j p_j^2 (log p_j + H) and T the sampling temperature: the first-order "
-           "change of the token's own position's entropy for a unit step along its logit gradient "
-           "(dH_t = eta g_t s_t / T^2 at step size eta); with an entropy bonus, plus the bonus's own push "
-           "through H (a step without it measured shows no budget). The covariance law (CE-GPPO Sec. 3) says "
-           "PA&HP and NA&LP lower entropy, PA&LP and NA&HP raise it."),
-    Figure("clipping_removed", "entropy_budget_by_step", "clipping_removed", "What clipping removed",
-           "The entropy effect that clipping, CE-GPPO's beta scaling, ERC or dual-clip took away, by quadrant, "
-           "beside the effect kept; the text below splits the same total by cause (clip low side, clip high side, "
-           "dual-clip, ERC's own share: the parts add up). CE-GPPO argues PPO-clip drops mostly PA&LP "
-           "(high side, raising entropy) and NA&LP (low side, lowering it) gradients."),
-    Figure("probe", "probe_vs_measured", "probe_vs_measured", "Parameter-space probe",
-           "The probe's first-order prediction grad(H) . optimizer step (Adam's own preconditioner) against "
-           "the entropy change measured after the real step, and each quadrant's share through the shared "
-           "parameters (demo --probe-every K).", optional=True,
-           when_empty="The parameter-space probe is opt-in: record it with `entropylens demo --probe-every K` "
-                      "or by calling `Recorder.probe` every K steps (entropylens/probe.py)."),
-    Figure("entropy_change", "entropy_change_by_quadrant", "entropy_change",
-           "Entropy drift by quadrant (confounded, not an attribution)",
-           "A position's entropy at its next update minus now, per quadrant of its sampled token, minus the "
-           "run's mean. Confounded: high-probability positions (low entropy) tend to rise and low-probability "
-           "ones to fall whatever the advantage sign, so this does not test the covariance law; the entropy "
-           "budget above attributes the change to the tokens' own gradients."),
-)
 
 DEFAULT_RESPONSES = 40  # responses per run on its responses page (responses.DEFAULT_N)
 DEFAULT_PAGE_BYTES = 4_000_000  # the bound on one responses page's embedded data
-STEP_LINK_FIGURES = ("entropy", "clip_by_quadrant", "entropy_budget")  # figures that link to their steps
+STEP_LINK_FIGURES = tuple(f.name for f in FIGURES if f.step_links)  # figures that link to their steps
 SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",
                    "clip_low_frac", "clip_high_frac", "erc_drop_frac", "hyperparameters")
 _HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "kl_beta",
@@ -157,14 +81,10 @@ def _connect(path, runs, engine: str):
     raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
 
 
-ANALYSIS_PARAMS = {"entropy_ratio": lambda rs: dict(zip(("band_low", "band_high"), rs.reference_band()[0]))}
-
-
 def _frame(con, f: Figure, rs: runset.RunSet):
     """The figure's analysis with the report's columns added: ``series`` (the line / bar / panel a row
     belongs to) and the run's own ``tau`` (the HP / LP split some figures draw)."""
-    params = ANALYSIS_PARAMS[f.name](rs) if f.name in ANALYSIS_PARAMS else {}
-    df = run_analysis(con, f.analysis, **params)
+    df = run_analysis(con, f.analysis, **(f.params(rs) if f.params else {}))
     if "run" in df:
         runs = df["run"].astype(str)
         df["series"] = runs.map(lambda r: rs.series.get(r, r))
@@ -182,11 +102,11 @@ def _render(con, out: Path, f: Figure, rs: runset.RunSet) -> tuple[str | None, s
     if f.optional and df.empty:
         return None, ""
     title = "run" if rs.group_by in (None, "run") else ("config" if rs.group_by == "config" else rs.group_by)
-    fig = getattr(plots, f.plot)(df, band=rs.band, legend_title=title)
+    fig = f.plot(df, band=rs.band, legend_title=title)
     png = f"{f.name}.png"
     fig.savefig(out / png, dpi=110)
     plt.close(fig)
-    return png, observed(f.name, df, rs)
+    return png, f.observed(df, rs)
 
 
 def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):
@@ -201,7 +121,7 @@ def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rs = rs or runset.from_connection(con, group_by=group_by, band=band)
-    return _render(con, out, next(f for f in FIGURES if f.name == name), rs)
+    return _render(con, out, figure(name), rs)
 
 
 def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb",
@@ -235,7 +155,10 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
     of its responses token by token (0: no pages), chosen by responses.select (``where``: only responses
     with a token row where this SQL condition holds), each page's data under ``max_page_bytes``;
     ``tokenizer`` (an object or a local path) decodes the tokens, in place of the one a run names. The entropy,
-    clip and entropy-budget figures link to the steps the pages hold."""
+    clip and entropy-budget figures link to the steps the pages hold.
+
+    A measured caption that raises (here or in the process that drew its figure) is replaced by a row
+    count that says so, with a :class:`~entropylens.figures.CaptionWarning` (an error in the tests)."""
     con = _connect(path, runs, engine)
     rs = runset.from_connection(con, group_by=group_by, band=band)
     if responses and where is not None and rs.method:  # a bad --where fails now, before any figure is drawn
@@ -249,7 +172,11 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
         on_summary(summary)
     drawn = {f.name: _render(con, out, f, rs) for f in FIGURES if f.name not in set(elsewhere)}
     if elsewhere:
-        drawn.update(done() if callable(done) else done)
+        theirs = done() if callable(done) else done
+        drawn.update(theirs)
+        for _, caption in theirs.values():  # a caption that failed in the process that drew it: warned here too
+            if isinstance(caption, CaptionFailure):
+                warnings.warn(CaptionWarning(caption.why + "; the report shows a row count in its place"), stacklevel=2)
     rendered, not_shown = [], []
     for f in FIGURES:
         png, caption = drawn[f.name]
@@ -362,7 +289,7 @@ def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = ""
     for f, png, seen in rendered:
         lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
                   ""]
-        if f.name in STEP_LINK_FIGURES and _step_links_md(pages):
+        if f.step_links and _step_links_md(pages):
             lines += [_step_links_md(pages), ""]
     if not_shown:
         lines += [_not_shown_text(not_shown), ""]
@@ -383,7 +310,7 @@ def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
     figs = "".join(
         f'<figure id="{e(f.name)}"><h2>{e(f.title)}</h2><img src="{e(png)}" alt="{e(f.title)}">'
         f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
-        "</figcaption>" + (_step_links_html(pages) if f.name in STEP_LINK_FIGURES else "") + "</figure>"
+        "</figcaption>" + (_step_links_html(pages) if f.step_links else "") + "</figure>"
         for f, png, seen in rendered
     )
     if not_shown:

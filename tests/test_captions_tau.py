@@ -3,6 +3,7 @@
 import pandas as pd
 
 from entropylens import captions, runset
+from entropylens.figures import figure
 
 
 def _entropy_df():
@@ -40,13 +41,13 @@ def test_captions_state_tau():
     clipped = pd.DataFrame({"run": ["a", "a"], "method": ["grpo", "grpo"], "side": ["low", "high"], "bin": [0, 1],
                             "prob_lo": [0.0, 0.5], "prob_hi": [0.5, 1.0], "tokens": [3, 1], "share": [1.0, 1.0],
                             "lp_share": [1.0, 0.0]})
-    assert "clipped tokens with p < tau = 0.3: a (grpo) 100.0% of 3 low-side" in captions.observed("clipped_prob", clipped, _rs({"a": 0.3}))
+    assert "clipped tokens with p < tau = 0.3: a (grpo) 100.0% of 3 low-side" in figure("clipped_prob").observe(clipped, _rs({"a": 0.3}))
     quad = pd.DataFrame({"run": "a", "method": "grpo", "step": 0, "quadrant": ["PA&HP", "PA&LP"], "tokens": [3, 1],
                          "share": [0.75, 0.25]})
-    assert "LP: p < tau = 0.3" in captions.observed("quadrant_share", quad, _rs({"a": 0.3}))
+    assert "LP: p < tau = 0.3" in figure("quadrant_share").observe(quad, _rs({"a": 0.3}))
     # ratio_vs_prob splits at each run's own tau: p = 0.4 is HP under tau = 0.3
     pts = pd.DataFrame({"run": "a", "prob": [0.2, 0.4], "ratio": [2.0, 1.0], "eps_low": 0.2, "eps_high": 0.2})
-    text = captions.observed("ratio_vs_prob", pts, _rs({"a": 0.3}))
+    text = figure("ratio_vs_prob").observe(pts, _rs({"a": 0.3}))
     assert "p < tau = 0.3 vs p >= tau: a (grpo) 100.0% vs 0.0%" in text
 
 

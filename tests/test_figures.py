@@ -90,7 +90,7 @@ def test_short_runs_are_drawn_as_markers_not_empty_axes():
 
 def test_clipped_token_probability_histogram_is_in_the_report():
     f = next(f for f in FIGURES if f.analysis == "clipped_prob_distribution")
-    assert f.plot == "clipped_prob"
+    assert f.plot is plots.clipped_prob and f.observe is captions.clipped_prob
     df = pd.DataFrame(dict(run="a", method="grpo", side=["low", "low", "high"], bin=[0, 9, 0], prob_lo=[0, 0.9, 0],
                            prob_hi=[0.1, 1.0, 0.1], tokens=[8, 2, 5], share=[0.8, 0.2, 1.0], lp_share=[0.8, 0.8, 1.0]))
     fig = plots.clipped_prob(df)
@@ -249,8 +249,9 @@ def test_band_is_an_aggregation_keyword_not_the_erc_band():
         plots.entropy_ratio_band(df, (0.95, 1.05))  # keyword-only
     import inspect
 
-    for name in {f.plot for f in FIGURES}:
-        params = inspect.signature(getattr(plots, name)).parameters
+    for fn in {f.plot for f in FIGURES}:
+        name = fn.__name__
+        params = inspect.signature(fn).parameters
         assert params["band"].kind is inspect.Parameter.KEYWORD_ONLY and params["band"].default is None, name
         assert params["legend_title"].default == "run", name
 
@@ -463,7 +464,7 @@ def test_50_runs_render_with_a_capped_legend(capsys):
     assert len(names) == 50
     t0 = time.perf_counter()
     for fig_spec in FIGURES:
-        fig = getattr(plots, fig_spec.plot)(f[fig_spec.analysis])
+        fig = fig_spec.plot(f[fig_spec.analysis])
         texts = legend_texts(fig)
         listed = [t for t in texts if t in names]
         assert len(listed) <= 12, fig_spec.name
@@ -498,3 +499,97 @@ def test_clip_by_quadrant_says_where_a_quadrant_has_no_tokens():
     fig = plots.clip_by_quadrant(df)
     notes = sorted(t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == "no tokens")
     assert notes == ["no NA&HP tokens", "no PA&HP tokens"]
+
+
+# ------------------------------------------------------------------ issue 32: one registry, a caption that raises fails
+def test_every_figure_is_declared_once_with_its_plot_and_observer():
+    import inspect
+
+    from entropylens import figures, report, runset
+
+    assert report.FIGURES is figures.FIGURES and report.Figure is figures.Figure
+    assert len({f.name for f in FIGURES}) == len(FIGURES)
+    for f in FIGURES:
+        assert figures.figure(f.name) is f
+        assert getattr(plots, f.plot.__name__) is f.plot, f.name  # the function object, not a name to look up
+        assert getattr(captions, f.observe.__name__) is f.observe, f.name
+        assert list(inspect.signature(f.observe).parameters) == ["df", "rs"], f.name  # one signature for all
+        one = runset.build(pd.DataFrame({"run": ["a"], "method": ["grpo"], "config": [None]}))
+        assert f.params is None or isinstance(f.params(one), dict), f.name  # the analysis's parameters
+    assert report.STEP_LINK_FIGURES == ("entropy", "clip_by_quadrant", "entropy_budget")
+    with pytest.raises(KeyError, match="unknown figure 'nope'"):
+        figures.figure("nope")
+
+
+def test_every_caption_measures_the_fixture_and_many_runs_without_raising(tmp_path):
+    """Each observer called directly (no fallback) on the report's own frames of the fixture runs, per run
+    and grouped, and on hand-made frames of 50 runs."""
+    from entropylens import report, runset
+    from fixture_runs import build
+
+    con = report.open_report(build(tmp_path / "runs"))
+    for group_by in (None, "method"):
+        rs = runset.from_connection(con, group_by=group_by)
+        for f in FIGURES:
+            text = f.observe(report._frame(con, f, rs), rs)
+            assert isinstance(text, str) and text and "rows of this figure" not in text, f.name
+    specs = [spec(f"run{k:02d}", ("grpo", "dapo", "erc_dapo", "ce_gppo")[k % 4], seed=k,
+                  erc=(0.9, 1.1) if k % 4 == 2 else None) for k in range(50)]
+    many = frames(specs)
+    for f in FIGURES:
+        assert isinstance(f.observe(many[f.analysis], None), str), f.name
+
+
+def _raising(name="kl"):
+    import dataclasses
+
+    from entropylens.figures import figure
+
+    def broken(df, rs):
+        return df["no such column"]
+
+    return dataclasses.replace(figure(name), observe=broken)
+
+
+def test_a_caption_that_raises_fails_the_tests_and_warns_a_user():
+    import pickle
+
+    from entropylens.figures import CaptionFailure, CaptionWarning
+
+    df = pd.DataFrame(dict(run=["a", "a"], method="grpo", step=[0, 1], kl=[0.1, 0.2]))
+    bad = _raising()
+    with pytest.raises(CaptionWarning, match=r"figure 'kl': its measured caption \(broken\) raised KeyError"):
+        bad.observed(df, None)  # the suite's filterwarnings (pyproject): the warning is an error
+    with pytest.warns(CaptionWarning, match="row count in its place"):  # a user's run: warned, and said so
+        text = bad.observed(df, None)
+    assert text == "Here: 2 rows of this figure's analysis (its measured caption failed: KeyError)."
+    assert isinstance(text, CaptionFailure) and "KeyError" in text.why
+    back = pickle.loads(pickle.dumps(text))  # from a demo worker to the process that writes the report
+    assert isinstance(back, CaptionFailure) and back == text and back.why == text.why
+
+
+def test_a_caption_that_failed_in_another_process_is_warned_by_the_report(tmp_path):
+    from entropylens.figures import CaptionFailure, CaptionWarning
+    from entropylens.report import write_report
+    from fixture_runs import build
+
+    runs = build(tmp_path / "runs")
+    failed = CaptionFailure("Here: 2 rows of this figure's analysis (its measured caption failed: KeyError).",
+                            "figure 'kl': its measured caption (kl) raised KeyError: 'kl'")
+    done = {f.name: (f"{f.name}.png", "Here, drawn elsewhere.") for f in FIGURES} | {"kl": ("kl.png", failed)}
+    with pytest.raises(CaptionWarning, match="figure 'kl'"):  # every figure drawn "elsewhere": none drawn here
+        write_report(runs, tmp_path / "rep", elsewhere=tuple(done), done=done, responses=0)
+    with pytest.warns(CaptionWarning, match="figure 'kl'"):
+        md = write_report(runs, tmp_path / "rep", elsewhere=tuple(done), done=done, responses=0).parent / "report.md"
+    assert "(its measured caption failed: KeyError). (analysis: `kl_by_step`)" in md.read_text()
+
+
+def test_the_registry_imports_no_matplotlib():
+    """FIGURES holds the plots functions themselves: importing the report still imports no matplotlib
+    (plots.py imports it when a figure is drawn)."""
+    import subprocess
+    import sys
+
+    code = "import sys, entropylens.report; print('matplotlib' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr
