@@ -92,7 +92,7 @@ def test_one_warning_per_run_naming_the_step_and_the_value(tmp_path):
 
 def test_a_device_scalar_is_checked_once_its_copy_lands(tmp_path, monkeypatch):
     # CPU tensors take the CUDA path (a non-blocking HostCopy the writer thread reads): stored NaN, warned
-    import entropylens.recorder as recorder
+    import entropylens.recorder_steps as recorder  # where record_step reads it
 
     monkeypatch.setattr(recorder, "_DEFERRED_DEVICES", ("cuda", "cpu"))
     with warnings.catch_warnings(record=True) as caught:

@@ -411,7 +411,7 @@ def test_device_scalars_of_record_step_arrive_through_the_writer_thread(tmp_path
     # on CUDA a tensor grad norm is not read on the caller's thread (that would synchronise): it goes
     # by a non-blocking copy the writer thread waits for. Take that path with CPU tensors and check
     # the stored values: float32(v) for every tensor, floats as they are, per update and per step.
-    from entropylens import recorder as recorder_module
+    from entropylens import recorder_steps as recorder_module  # where record_step reads it
 
     monkeypatch.setattr(recorder_module, "_DEFERRED_DEVICES", ("cpu",))
     norms = [torch.tensor(1.2345678, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float32)]
