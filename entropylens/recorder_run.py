@@ -19,7 +19,7 @@ import os
 import secrets
 import warnings
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -29,8 +29,7 @@ from .losses import METHODS, resolve_eps
 from .recorder_steps import StepState
 from .writer_thread import RunInfo, WriterThread, utc_now
 
-if TYPE_CHECKING:
-    from .recorder import Recorder
+_Self = TypeVar("_Self", bound="RunLifecycle")  # the Recorder (the facade above this part: not imported here)
 
 
 class RecorderError(RuntimeError):
@@ -214,7 +213,7 @@ class RunLifecycle:
             run_id = box[0]
         return run_id
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
