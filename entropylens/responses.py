@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from .query import QueryError, render_analysis, run_sql
+from .views import sql_str
 
 # Per-token columns a viewer shows, in the order of each embedded row. "pos" first.
 TOKEN_COLUMNS: tuple[str, ...] = (
@@ -90,15 +91,11 @@ PAGE_DATA_OVERHEAD = 20_000  # bytes of a page's data besides its responses (met
 FORKING_SHARE = 0.2  # "forking" tokens: the top 20% of a response by sampling entropy (Wang et al. 2025)
 
 
-def _sql_str(s: str) -> str:
-    return "'" + str(s).replace("'", "''") + "'"
-
-
 def responses(con, run: str | None = None, step: int | None = None):
     """``analyses/responses.sql`` on ``con``, restricted to one run and step where given (a DataFrame)."""
     conds = []
     if run is not None:
-        conds.append(f"run = {_sql_str(run)}")
+        conds.append(f"run = {sql_str(run)}")
     if step is not None:
         conds.append(f"step = {int(step)}")
     where = f" WHERE {' AND '.join(conds)}" if conds else ""
@@ -134,7 +131,7 @@ def matching(con, run: str, where: str, step: int | None = None) -> set[tuple[in
     at = f" AND t.step = {int(step)}" if step is not None else ""
     sql = (f"SELECT DISTINCT t.step, t.rank, t.seq FROM (SELECT t.*, r.reward, r.length FROM tokens AS t "
            f"JOIN ({render_analysis('responses')}) AS r ON r.run = t.run AND r.step = t.step AND r.rank = t.rank "
-           f"AND r.seq = t.seq) AS t WHERE t.run = {_sql_str(run)}{at} AND ({w})")
+           f"AND r.seq = t.seq) AS t WHERE t.run = {sql_str(run)}{at} AND ({w})")
     try:
         if len(duckdb.extract_statements(sql)) != 1:
             raise QueryError(f"--where {where!r}: one condition, not a statement")
@@ -253,7 +250,7 @@ def token_rows(con, run: str, step: int, keys: list[tuple[int, int]] | None = No
     """The token rows of ``run`` at ``step`` (every update), ``keys`` = (rank, seq) pairs to keep (all
     when None): TOKEN_COLUMNS plus rank, seq, update; sorted by rank, seq, update, pos."""
     cols = ", ".join(f"t.{c}" for c in TOKEN_COLUMNS)
-    sql = f"SELECT t.rank, t.seq, t.update, {cols} FROM tokens AS t WHERE t.run = {_sql_str(run)} AND t.step = {int(step)}"
+    sql = f"SELECT t.rank, t.seq, t.update, {cols} FROM tokens AS t WHERE t.run = {sql_str(run)} AND t.step = {int(step)}"
     if keys:
         pairs = " OR ".join(f"(t.rank = {int(r)} AND t.seq = {int(q)})" for r, q in keys)
         sql += f" AND ({pairs})"
@@ -269,7 +266,7 @@ def texts(con, run: str, rows) -> dict[tuple[int, int, int], str | None]:
     if not pairs:
         return out
     cond = " OR ".join(f"(step = {g} AND seq = {q})" for g, q in sorted(pairs))
-    df = run_sql(con, f"SELECT step, rank, seq, text FROM sequences WHERE run = {_sql_str(run)} AND ({cond})")
+    df = run_sql(con, f"SELECT step, rank, seq, text FROM sequences WHERE run = {sql_str(run)} AND ({cond})")
     by_gen = {(int(s), int(r), int(q)): t for s, r, q, t in df.itertuples(index=False)}
     by_gen_seq = {(int(s), int(q)): t for s, r, q, t in df.itertuples(index=False)}
     for g, s, r, q in zip(rows["gen_step"], rows["step"], rows["rank"], rows["seq"]):

@@ -18,6 +18,7 @@ import math
 
 from . import responses as R
 from .query import QueryError, run_sql
+from .views import sql_str
 
 NULL_COLOUR = "#808080"  # a token without a value for the metric
 # low -> high (viridis' stops); diverging: blue (below the centre) -> near white -> red (above)
@@ -34,10 +35,6 @@ FORK_STYLE = "bold underline"
 
 
 # ------------------------------------------------------------------------------------- values
-def _sql_str(s: str) -> str:
-    return "'" + str(s).replace("'", "''") + "'"
-
-
 def _num(v) -> float | None:
     """A cell as a float; None for null / NaN (inf stays)."""
     if v is None:
@@ -109,12 +106,12 @@ def pick_run(con, run: str | None = None) -> str:
 
 def steps_of(con, run: str) -> list[int]:
     """The steps of ``run`` with token rows, ascending."""
-    df = run_sql(con, f"SELECT DISTINCT step FROM tokens WHERE run = {_sql_str(run)} ORDER BY step")
+    df = run_sql(con, f"SELECT DISTINCT step FROM tokens WHERE run = {sql_str(run)} ORDER BY step")
     return [int(s) for s in df["step"]]
 
 
 def _has_tokens(con, run: str, step: int) -> bool:
-    df = run_sql(con, f"SELECT 1 AS x FROM tokens WHERE run = {_sql_str(run)} AND step = {int(step)} LIMIT 1")
+    df = run_sql(con, f"SELECT 1 AS x FROM tokens WHERE run = {sql_str(run)} AND step = {int(step)} LIMIT 1")
     return len(df) > 0
 
 
@@ -133,7 +130,7 @@ def pick_step(con, run: str, step: int | None = None) -> int:
         if not _has_tokens(con, run, step):
             raise QueryError(f"run {run} has no token rows at step {int(step)}; {_steps_line(con, run)}")
         return int(step)
-    last = run_sql(con, f"SELECT max(step) AS s FROM steps WHERE run = {_sql_str(run)}")["s"]
+    last = run_sql(con, f"SELECT max(step) AS s FROM steps WHERE run = {sql_str(run)}")["s"]
     s = _num(last.iloc[0]) if len(last) else None
     if s is not None and _has_tokens(con, run, int(s)):
         return int(s)
@@ -386,7 +383,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
         update = mine[-1]
     elif int(update) not in mine:
         at_step = [int(u) for u in run_sql(con, f"SELECT DISTINCT \"update\" AS u FROM tokens WHERE run = "
-                                                f"{_sql_str(run)} AND step = {step} ORDER BY u")["u"]]
+                                                f"{sql_str(run)} AND step = {step} ORDER BY u")["u"]]
         if int(update) not in at_step:
             raise QueryError(f"update {int(update)} is not at step {step} of run {run}; its updates: "
                              f"{', '.join(map(str, at_step))}")
@@ -404,7 +401,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
     scale = Scale(metric, cells)
     sep = _separator(decoder)
 
-    method = run_sql(con, f"SELECT method FROM runs WHERE run = {_sql_str(run)}")["method"]
+    method = run_sql(con, f"SELECT method FROM runs WHERE run = {sql_str(run)}")["method"]
     method = method.iloc[0] if len(method) and isinstance(method.iloc[0], str) else None
     head = Text.assemble(("run ", "dim"), (run, "bold"), (f" ({method})" if method else ""),
                          ("  step ", "dim"), (str(step), "bold"),

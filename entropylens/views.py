@@ -43,12 +43,13 @@ def find_runs(path, runs: list[str] | None = None, storage_options: dict | None 
     return [Path(d.path) if not d.remote else d for d in cat.find_runs(path, runs, storage_options)]
 
 
-def _sql_str(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
+def sql_str(s) -> str:
+    """``s`` as a SQL string literal (single quotes doubled)."""
+    return "'" + str(s).replace("'", "''") + "'"
 
 
 def _sql_list(files: list[str]) -> str:
-    return "[" + ", ".join(_sql_str(f) for f in files) + "]"
+    return "[" + ", ".join(sql_str(f) for f in files) + "]"
 
 
 def _duck_type(dtype: str) -> str:
@@ -140,7 +141,7 @@ def _complete_table(con, table: str, runs) -> None:
             old.setdefault(col, []).append(r.id)
     for col, ids in old.items():
         if col in have:
-            con.execute(f'UPDATE {table} SET "{col}" = NULL WHERE run IN ({", ".join(map(_sql_str, ids))})')
+            con.execute(f'UPDATE {table} SET "{col}" = NULL WHERE run IN ({", ".join(map(sql_str, ids))})')
 
 
 def _sources(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[str]:
@@ -188,7 +189,7 @@ def _views(snap: cat.Catalog, con, only: set[str] | None = None):
             for src in _sources(r, table, chunk):
                 have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()} if derived else set()
                 extra = _derived_sql(table, have) + _missing_sql(table, have) if derived else ""
-                selects.append(f"SELECT {_sql_str(r.id)} AS run, *{extra} FROM {src}")
+                selects.append(f"SELECT {sql_str(r.id)} AS run, *{extra} FROM {src}")
         if table in MATERIALIZED and len(selects) > 1:  # each part read by its own statement (bounded memory)
             parts = [f"_{table}_part{i}" for i in range(len(selects))]
             for part, sel in zip(parts, selects):
