@@ -1,1 +1,1 @@
-"""SQL analyses, one question per file; read by entropylens.query (installed as entropylens.analyses)."""
+"""SQL analyses, one question per file; read by entropylens.read.query (installed as entropylens.analyses)."""

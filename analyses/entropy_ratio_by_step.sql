@@ -8,7 +8,7 @@
 -- low < rho < high).
 -- p05 / p50 / p95 are exact quantiles over the step's tokens, interpolated linearly between the order
 -- statistics at rank q * (n - 1) (DuckDB quantile_cont / median; on Spark percentile / median, which
--- entropylens.portable writes for them). Exact sorting costs less CPU than DuckDB's t-digest
+-- entropylens.read.portable writes for them). Exact sorting costs less CPU than DuckDB's t-digest
 -- (approx_quantile), used here before.
 WITH bands AS (
     SELECT

@@ -29,9 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import median_ci  # noqa: E402
 
-from entropylens.toy import config_for  # noqa: E402
-from entropylens.toy.train import ToyTrainer  # noqa: E402
-from entropylens.writer_thread import WRITER_IDLE, WRITER_NICE, lower_priority  # noqa: E402
+from entropylens.demo.toy import config_for  # noqa: E402
+from entropylens.demo.toy.train import ToyTrainer  # noqa: E402
+from entropylens.record.writer_thread import WRITER_IDLE, WRITER_NICE, lower_priority  # noqa: E402
 
 _BUFFER = os.urandom(1 << 20)
 

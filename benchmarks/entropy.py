@@ -11,7 +11,7 @@ entropylens' single chunked `logprobs_and_entropy`. Prints tables; asserts nothi
 5. entropy attribution: the fused pass with the entropy sensitivity (two more reductions per row,
    logprobs_and_entropy(..., sensitivity=True)) against the same pass without it (target <= 1.15x), with no
    grad and in the training pass (forward + backward: where the recorder's s_t is computed), under the
-   native CPU row pass (entropylens/native.py, opted in here) and the eager chunks (the default), and the
+   native CPU row pass (entropylens/rl/native.py, opted in here) and the eager chunks (the default), and the
    recorder's whole training pass with attribution (s_t, and the logit-gradient norm from the same
    sums) against the pass before attribution (a hook reading the gradient's row norms); 5b. the same
    in head_stats from hidden states (TRL attribution=True, policy_update(hidden=, head=)), training pass.
@@ -66,8 +66,8 @@ except Exception:  # pragma: no cover - reproduced faithfully (TRL 0.2x / 1.x, t
 
 
 os.environ.setdefault("ENTROPYLENS_NATIVE", "1")  # the native pass is opt-in; this benchmark measures it
-from entropylens import native  # noqa: E402
-from entropylens.stats import logprobs_and_entropy  # noqa: E402
+from entropylens.rl import native  # noqa: E402
+from entropylens.rl.stats import logprobs_and_entropy  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -194,7 +194,7 @@ def sensitivity_section(shapes, repeats: int) -> float:
     recorder's training pass with attribution (s_t and d_t from the same sums, the logit-gradient norm
     in closed form) against the same pass before it (no s_t, a hook reading the gradient's row
     norms); medians of the per-pair time ratios over ``repeats`` alternating pairs. Each under the
-    CPU row pass that runs by default (native: entropylens/native.py, when it builds) and under the
+    CPU row pass that runs by default (native: entropylens/rl/native.py, when it builds) and under the
     eager chunked pass (ENTROPYLENS_NATIVE=0), then the native pass with the sensitivity against the
     eager pass without it. Returns the no-grad ratio at the first shape under the default pass."""
     passes = ["native", "eager"] if native.status() == "native" else ["eager"]
@@ -270,7 +270,7 @@ def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:
     tiles: the pass of TRL ``attribution=True`` and of ``policy_update(hidden=, head=)``), forward +
     backward (s_t is computed only in a training pass), with and without ``sensitivity``; medians of
     per-pair ratios. Returns the ratio at the first shape."""
-    from entropylens.stats import head_stats
+    from entropylens.rl.stats import head_stats
 
     print(f"\n5b. the same in head_stats (hidden {hidden_size} -> V through the LM head, fp32, forward + backward), "
           f"medians over {repeats} alternating pairs")

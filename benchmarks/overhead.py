@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from entropylens import Recorder
-from entropylens.toy import config_for
-from entropylens.toy.train import ToyTrainer
-from entropylens.writer import write_tokens
-from entropylens.writer_thread import WRITER_IDLE, WRITER_NICE
+from entropylens.demo.toy import config_for
+from entropylens.demo.toy.train import ToyTrainer
+from entropylens.record.writer import write_tokens
+from entropylens.record.writer_thread import WRITER_IDLE, WRITER_NICE
 
 
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:

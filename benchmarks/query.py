@@ -22,11 +22,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from writer import toy_like_rows  # noqa: E402
 
-from entropylens.compact import compact  # noqa: E402
-from entropylens.query import connect, list_analyses, run_analysis  # noqa: E402
-from entropylens.report import write_report  # noqa: E402
-from entropylens.aggregates import AGG_NAMES  # noqa: E402
-from entropylens.writer import write_sequences, write_steps, write_tokens  # noqa: E402
+from entropylens.read.compact import compact  # noqa: E402
+from entropylens.read.query import connect, list_analyses, run_analysis  # noqa: E402
+from entropylens.report.build import write_report  # noqa: E402
+from entropylens.rl.aggregates import AGG_NAMES  # noqa: E402
+from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
 
 
 def build_run(root: Path, rows: int, steps: int, files_per_step: int, run: str = "synthetic") -> Path:

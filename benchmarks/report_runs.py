@@ -1,4 +1,4 @@
-"""The report over many runs: the whole report (entropylens.report.write_report) over 1 run and over N
+"""The report over many runs: the whole report (entropylens.report.build.write_report) over 1 run and over N
 copies of it (default 50), each copy its own run id, method cycled so figures hold N series.
 
   python benchmarks/report_runs.py RUN_DIR [--copies 50] [--group-by method]
@@ -36,7 +36,7 @@ def copies(src: Path, dst: Path, n: int) -> None:
 
 
 def timed(path, out, **kw) -> float:
-    from entropylens.report import write_report
+    from entropylens.report.build import write_report
 
     t = time.perf_counter()
     with warnings.catch_warnings():

@@ -6,7 +6,7 @@ and after compaction, and the arithmetic for a 7B DAPO run.
   python benchmarks/scale.py --data DIR --phase before|compact|after   (reuse a --keep'd DIR)
         [--memory-limit 4GB] [--threads N] [--before-cap-cpu SECONDS] [--before-json PATH]
 
-Token rows are written by entropylens.writer (write_tokens / write_steps / write_sequences: the
+Token rows are written by entropylens.record.writer (write_tokens / write_steps / write_sequences: the
 recorder's Hive layout, encodings and atomic writes), one file per (step, rank) holding all the
 step's updates (``updates-0-U.parquet``, as the recorder coalesces small updates), with values shaped
 like a toy GRPO run (benchmarks/writer.py's ``toy_like_rows``; a 2M-row pool generated once per
@@ -17,8 +17,8 @@ the arithmetic printed at the end). Small mode for tests: ``--rows 20000 --ranks
 --rows-per-file 2048 --workers 1``.
 
 Printed: bytes per token row (Parquet, before / after compaction); the whole report
-(entropylens.report.write_report: connect, every analysis it runs, figures, HTML) before compaction,
-the compaction time (entropylens.compact), the report after; inside the report the connect and each
+(entropylens.report.build.write_report: connect, every analysis it runs, figures, HTML) before compaction,
+the compaction time (entropylens.read.compact), the report after; inside the report the connect and each
 analysis are timed, the analyses the report does not run are timed after it; then the per-query
 ratios. Each timing is wall-clock and CPU seconds of this process (DuckDB's threads included): on a
 shared machine the wall time is inflated by others' load (printed), the CPU time much less so;
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from writer import toy_like_rows  # noqa: E402
 
 from entropylens.schema import STEPS  # noqa: E402
-from entropylens.writer import write_sequences, write_steps, write_tokens  # noqa: E402
+from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
 
 POOL_ROWS = 1 << 21
 UPDATES = 4  # policy updates per step (mini-batches), all in the (step, rank) file
@@ -161,14 +161,14 @@ def _settings(memory_limit: str | None, threads: int | None, spill: Path) -> dic
 def measure(run_dir: Path, out: Path, *, memory_limit: str | None = "4GB", threads: int | None = None,
             cap_cpu: float | None = None) -> dict:
     """Wall and CPU seconds (this process, all DuckDB threads) of the whole report
-    (entropylens.report.write_report: connect, every analysis it runs, figures, HTML), split into
+    (entropylens.report.build.write_report: connect, every analysis it runs, figures, HTML), split into
     connect, each analysis (timed inside the report) and the rest (figures, HTML); then the analyses
     the report does not run, on one more connection. ``memory_limit`` / ``threads``: DuckDB settings
     of those connections (spilling under out/../duckdb-spill). ``cap_cpu``: stop the report once it
     has spent that many CPU seconds (a watchdog interrupts the running query); the result then has
     ``capped`` = True and its CPU time is a lower bound."""
-    import entropylens.report as report
-    from entropylens.query import QueryError, connect, list_analyses, run_analysis
+    import entropylens.report.build as report
+    from entropylens.read.query import QueryError, connect, list_analyses, run_analysis
 
     parts: dict[str, list[float]] = {}
     spill = out.parent / "duckdb-spill"
@@ -349,7 +349,7 @@ def main() -> None:
             _show("original files", before)
             (base / "before.json").write_text(json.dumps(before))
         if a.phase in ("all", "compact"):
-            from entropylens.compact import compact
+            from entropylens.read.compact import compact
 
             c0 = _cpu()
             res, t_compact = timed(lambda: compact(run_dir, grace_s=0))

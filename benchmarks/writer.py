@@ -25,9 +25,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.aggregates import AGG_NAMES
-from entropylens.writer import (TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, steps_table_by_values, tokens_table,
-                                write_parquet_atomic, write_steps)
+from entropylens.rl.aggregates import AGG_NAMES
+from entropylens.record.writer import (
+    TOKEN_DICT_COLUMNS,
+    TOKEN_FLOAT_COLUMNS,
+    steps_table_by_values,
+    tokens_table,
+    write_parquet_atomic,
+    write_steps,
+)
 
 
 def toy_like_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:

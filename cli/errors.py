@@ -22,7 +22,7 @@ def os_error_line(e: OSError) -> str:
 def user_error_types() -> tuple[type[Exception], ...]:
     """The exception types that are the user's to fix (printed as one line, exit 2). A missing path, not
     a run, bad SQL (QueryError, NotReadOnly: ValueErrors), an unknown analysis, a bad parameter."""
-    from entropylens.query import QueryError
+    from entropylens.read.query import QueryError
 
     return (QueryError, ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
 
@@ -72,7 +72,7 @@ class FileWarnings:
         return self
 
     def __exit__(self, *exc):
-        from entropylens.query import UnreadableFileWarning
+        from entropylens.read.query import UnreadableFileWarning
 
         self._cm.__exit__(*exc)
         for w in self._caught:

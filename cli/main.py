@@ -39,15 +39,15 @@ def _root() -> None:
 
 def _connect(path: str, runs: list[str] | None = None):
     """The DuckDB views over the runs under PATH; its errors end the command as one line (user_errors)."""
-    from entropylens.query import connect
+    from entropylens.read.query import connect
 
     with FileWarnings():
         return connect(path, runs=runs or None)
 
 
 def _spark_connect(path, runs: list[str] | None = None):
-    """Spark views over the runs under PATH (entropylens.spark); a one-line error if Spark cannot start."""
-    from entropylens.spark import connect
+    """Spark views over the runs under PATH (entropylens.read.spark); a one-line error if Spark cannot start."""
+    from entropylens.read.spark import connect
 
     return connect(path, runs=runs or None)
 
@@ -74,7 +74,7 @@ def runs(path: PathArg) -> None:
 
     Not searched, as they cannot hold a run: the folders of a run (nothing below a run), hidden folders (.git, .venv, .cache, ...), __pycache__, node_modules, site-packages, dist-packages, virtual environments (pyvenv.cfg), and folders that cannot be read (skipped silently). Symbolic links to folders are not followed. Warnings name files of runs only.
     """
-    from entropylens.query import run_analysis
+    from entropylens.read.query import run_analysis
 
     con = _connect(path)
     df = run_analysis(con, "run_summary")
@@ -97,12 +97,12 @@ def query(
 
     Statements that write or change the session (COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ...) are refused, and so is EXPLAIN [ANALYZE] around any of them.
 
-    The connection is also locked down (DuckDB's enable_external_access off, configuration locked): a query can read only the files of the runs under PATH, not other files of yours (read_csv, read_parquet, read_text of other paths fail), cannot write any file, attach a database, install or load an extension, or reach the network. To join runs with your own files use the Python API: entropylens.query.connect(PATH, lock=False). Save a result with --output FILE.
+    The connection is also locked down (DuckDB's enable_external_access off, configuration locked): a query can read only the files of the runs under PATH, not other files of yours (read_csv, read_parquet, read_text of other paths fail), cannot write any file, attach a database, install or load an extension, or reach the network. To join runs with your own files use the Python API: entropylens.read.query.connect(PATH, lock=False). Save a result with --output FILE.
 
     SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
     """
     from entropylens.cli.sql_guard import check_read_only
-    from entropylens.query import run_sql
+    from entropylens.read.query import run_sql
 
     check_output(fmt, output)  # a bad --output fails before the query runs
     if sql == "-":
@@ -116,7 +116,7 @@ def query(
 @app.command()
 def analyses() -> None:
     """List the named analyses (one SQL file each) with their titles and parameters."""
-    from entropylens.query import analysis_info
+    from entropylens.read.query import analysis_info
 
     for name, info in analysis_info().items():
         params = ", ".join(f"{k}={v}" for k, v in info["params"].items())
@@ -135,7 +135,7 @@ def analyze(
     engine: EngineOpt = Engine.duckdb,
 ) -> None:
     """Run a named analysis over the runs under PATH."""
-    from entropylens.query import render_analysis, run_analysis
+    from entropylens.read.query import render_analysis, run_analysis
 
     params = {}
     for p in param or []:
@@ -149,7 +149,7 @@ def analyze(
     df = run_analysis(con, name, **params)
     emit(df, fmt, output)
     if df.empty:
-        from entropylens.report import when_empty
+        from entropylens.report.build import when_empty
 
         if when_empty(name):  # an opt-in analysis: say how to record what it needs
             typer.echo(f"note: no rows: {when_empty(name)}", err=True)
@@ -190,7 +190,7 @@ def report(
     Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own.
 
     Verdicts against the papers only where the runs differ in the method alone; else captions name what differs."""
-    from entropylens.report import write_report
+    from entropylens.report.build import write_report
 
     _connect(path, run)  # path errors first, as one line
     check_out_dir(out)
@@ -242,7 +242,7 @@ def show(
 
     from rich.console import Console
 
-    from entropylens import show as view
+    from entropylens.report import show as view
 
     if seq is None:
         given = [name for name, v in (("--update", update), ("--color", color), ("--tokenizer", tokenizer))
@@ -364,8 +364,8 @@ def watch(
     the ERC band, and the alarms of `entropylens check` (default thresholds). Reads the steps table
     only, reconnecting every --interval seconds; leaves when every run is finished or failed (a
     summary line) or on Ctrl-C (exit 0). docs/watch.md."""
-    from entropylens.watch import snapshot, summary_line
-    from entropylens.watch import watch as live
+    from entropylens.report.watch import snapshot, summary_line
+    from entropylens.report.watch import watch as live
 
     if not (interval > 0 and interval < float("inf")):
         fail(f"--interval must be a number of seconds > 0, got {interval}")
@@ -384,7 +384,7 @@ def watch(
 @user_errors
 def verify(path: PathArg) -> None:
     """Check every file under PATH: list the unreadable ones (exit 1), or say all is whole (exit 0)."""
-    from entropylens.catalog import verify as check
+    from entropylens.read.catalog import verify as check
 
     res = check(path)
     for f, why in res.bad:
@@ -408,8 +408,8 @@ def compact(
         = 512,
 ) -> None:
     """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
-    from entropylens.compact import compact as run_compact
-    from entropylens.query import find_runs
+    from entropylens.read.compact import compact as run_compact
+    from entropylens.read.query import find_runs
 
     find_runs(path, runs=run or None)  # path errors first, as one line (before the banner); a listing, no reading
     if grace > 0:  # new-user trial: the waits looked like a hang
@@ -456,14 +456,14 @@ def demo(
     if not overwrite:  # a second `entropylens demo` is refused before seconds of imports and a fork server
         taken = [f"{n}-s{k}" for n in names for k in range(max(1, seeds)) if (out / "runs" / f"{n}-s{k}").exists()]
         if taken:
-            from entropylens.run_claim import runs_exist_message
+            from entropylens.record.run_claim import runs_exist_message
 
             fail(runs_exist_message(out / "runs", taken))
-    from entropylens.workers import start_fork_server
+    from entropylens.demo.workers import start_fork_server
 
     start_fork_server(len(names) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
-    from entropylens.demo import run_demo
-    from entropylens.toy.config import config_for
+    from entropylens.demo.runner import run_demo
+    from entropylens.demo.toy.config import config_for
 
     with writing("--out", out):  # the output directory (a full disk, a read-only or pseudo file system)
         for n in names:
@@ -498,7 +498,7 @@ def _summary(runs_dir: Path, runs: list[str], table=None):
     if table is not None:
         df = table
     else:
-        from entropylens.query import connect, run_analysis
+        from entropylens.read.query import connect, run_analysis
 
         df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
     return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",

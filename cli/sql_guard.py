@@ -8,7 +8,7 @@ Everything else (COPY, CREATE, INSERT, UPDATE, DELETE, DROP, ALTER, ATTACH, DETA
 SET, CALL, EXPORT, IMPORT, several statements) is refused before it runs, with a one-line reason.
 
 This check is the first of two layers: the connection itself is locked down after its views are
-built (entropylens.query.lock_down: no file access beyond the runs' own files, no network, no
+built (entropylens.read.query.lock_down: no file access beyond the runs' own files, no network, no
 extension install or load, configuration locked), so a statement this parser check lets through
 still cannot write elsewhere or reach the network.
 """

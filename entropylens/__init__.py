@@ -11,17 +11,19 @@ from ._source_layout import install as _source_layout
 _source_layout()  # a source checkout on sys.path (python in the repo root): entropylens.cli / .analyses too
 
 __version__ = "0.1.0"
-__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis", "open"]
+__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis", "open",
+           "write_report"]
 
 _LAZY = {
-    "Recorder": ("entropylens.recorder", "Recorder"),
-    "policy_loss": ("entropylens.losses", "policy_loss"),
-    "logprobs_and_entropy": ("entropylens.stats", "logprobs_and_entropy"),
-    "connect": ("entropylens.query", "connect"),
-    "run_analysis": ("entropylens.query", "run_analysis"),
-    "open": ("entropylens.query", "open"),  # entropylens.open(path).sql(...) / .analysis(...): pandas or polars
+    "Recorder": ("entropylens.record.recorder", "Recorder"),
+    "policy_loss": ("entropylens.rl.losses", "policy_loss"),
+    "logprobs_and_entropy": ("entropylens.rl.stats", "logprobs_and_entropy"),
+    "connect": ("entropylens.read.query", "connect"),
+    "run_analysis": ("entropylens.read.query", "run_analysis"),
+    "open": ("entropylens.read.query", "open"),  # entropylens.open(path).sql(...) / .analysis(...): pandas or polars
+    "write_report": ("entropylens.report.build", "write_report"),
 }
-_SUBMODULES = ("report", "query", "stats", "losses", "recorder", "toy", "integrations")  # entropylens.report etc.
+_SUBMODULES = ("rl", "record", "read", "report", "demo", "integrations")  # the stages, trainers, demo
 
 
 def __getattr__(name: str):
@@ -30,7 +32,7 @@ def __getattr__(name: str):
 
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
-    if name in _SUBMODULES:  # `import entropylens; entropylens.report.write_report(...)` works as documented
+    if name in _SUBMODULES:  # `import entropylens; entropylens.rl.losses.policy_loss(...)` works
         import importlib
 
         return importlib.import_module(f"entropylens.{name}")

@@ -280,7 +280,7 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
 def _run_dir(path, run: str, storage_options: dict | None):
     """The run's directory (a storage.Location) under the runs root ``path``: the run whose id (catalog.run_ids)
     is ``run``, else the one whose directory is named so. Raises catalog.QueryError (bad path, unknown run)."""
-    from .catalog import QueryError, find_runs, run_ids
+    from .read.catalog import QueryError, find_runs, run_ids
     from .storage import location
 
     root = location(path, storage_options)

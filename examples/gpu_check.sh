@@ -12,8 +12,8 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { echo "gpu_check: no NVIDIA GPU"; exit 1; }
 status=0
 echo "== 1. record_update does not synchronise (CUDA tests)"
-timeout 120 python -m pytest -q -p no:cacheprovider -k "cuda" tests/test_recorder.py tests/test_stats.py \
-  tests/test_head_stats.py || status=1
+timeout 120 python -m pytest -q -p no:cacheprovider -k "cuda" tests/record/test_recorder.py tests/rl/test_stats.py \
+  tests/rl/test_head_stats.py || status=1
 echo "== 2. TRL fused-head step, recorded against TRL's own"
 timeout 240 python examples/gpu_trl_step.py --steps 8 || status=1
 echo "== 3. verl end to end (trainer_mode=entropylens, CE-GPPO + ERC) and the report"

@@ -39,7 +39,7 @@ gpu_check_verl() {
   fi
   python - "$runs/gpu-check-verl" "$work/metrics.jsonl" <<'PY' || { echo "FAIL verl: recorded run / logged metrics"; return 1; }
 import json, math, sys
-from entropylens import query
+from entropylens.read import query
 run, log = sys.argv[1], sys.argv[2]
 con = query.connect(run)
 n, steps, lgn, rho, twice = con.execute(

@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entropylens import Recorder
-from entropylens.losses import METHODS
+from entropylens.rl.losses import METHODS
 from entropylens.integrations.torch import old_policy_pass, policy_update
 
 V, P, T, G = 24, 4, 8, 8  # vocab, prompt length, answer length, samples per prompt
@@ -89,8 +89,8 @@ def train(a):
 
 
 if __name__ == "__main__":
-    from entropylens.recorder import RecorderError
-    from entropylens.run_claim import RunExistsError
+    from entropylens.record.recorder import RecorderError
+    from entropylens.record.run_claim import RunExistsError
 
     try:
         main()

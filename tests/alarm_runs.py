@@ -16,7 +16,7 @@ import math
 import torch
 
 from entropylens import Recorder
-from entropylens.losses import policy_loss
+from entropylens.rl.losses import policy_loss
 
 B, T = 4, 5
 N = B * T

@@ -8,8 +8,8 @@ import pytest
 @pytest.fixture(params=["native", "eager"])
 def row_pass(request, monkeypatch):
     """Runs a test under both CPU row passes of stats._forward: the native C loop
-    (entropylens/native.py, opted in with ENTROPYLENS_NATIVE=1) and the eager torch chunks (the default)."""
-    from entropylens import native
+    (entropylens/rl/native.py, opted in with ENTROPYLENS_NATIVE=1) and the eager torch chunks (the default)."""
+    from entropylens.rl import native
 
     if request.param == "eager":
         monkeypatch.setenv("ENTROPYLENS_NATIVE", "0")

@@ -1,4 +1,4 @@
-"""Hand-made analysis frames of many runs for the figure tests (tests/test_figures.py).
+"""Hand-made analysis frames of many runs for the figure tests (tests/report/test_figures.py).
 
 ``frames(specs)`` returns {analysis name: DataFrame} with the columns of analyses/<name>.sql (plus the
 columns report.py adds: ``series``, and per run ``band_low`` / ``band_high`` for the entropy ratio and

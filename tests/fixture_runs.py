@@ -1,4 +1,4 @@
-"""Hand-built runs whose analysis answers are known by construction (see tests/test_analyses.py).
+"""Hand-built runs whose analysis answers are known by construction (see tests/read/test_analyses.py).
 
 Run "a" (grpo, eps 0.2 / 0.2), step 0 with updates 0 and 1 (the same four tokens seen twice), step 1
 with update 0. The four tokens (seq, pos), advantage A, sampling prob p, ratio r, quadrant, clip:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from entropylens.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writer import write_sequences, write_steps, write_tokens
 
 P = [0.95, 0.15, 0.12, 0.85]  # bin centres away from float32 bin edges
 R = [1.0, 1.5, 0.5, 1.0]

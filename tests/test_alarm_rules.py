@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from alarm_runs import B, BUDGET, ERC, N, OLD_LOGP, T, k3, record_run, stable_grad_norm
 from entropylens.alarms import RULES, EntropyAlarm, NonFiniteWarning, check
 from entropylens.cli.main import app
-from entropylens.query import connect, run_analysis
+from entropylens.read.query import connect, run_analysis
 
 runner = CliRunner()
 F32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731 - steps columns are float32

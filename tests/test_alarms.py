@@ -130,7 +130,7 @@ def _hand_run(root, run="g", entropies=(1.2, 1.1, 1.0, 0.9, 0.5, 0.2, 0.1), erc=
     """A recorded run written with the project's own writer: one steps row per step."""
     import json
 
-    from entropylens.writer import write_steps
+    from entropylens.record.writer import write_steps
 
     d = root / run
     d.mkdir(parents=True)
@@ -197,7 +197,7 @@ def test_grpo_collapse_fires_on_a_real_toy_run(tmp_path):
     """GRPO on a smaller, faster toy (lr 2e-3, 64 sequences, 4 updates per step) collapses within 60 steps
     (measured: entropy 1.15 -> 0.17, the default rule first fires at step 39); with probes every 6 steps."""
     from entropylens.alarms import check
-    from entropylens.toy import config_for, train
+    from entropylens.demo.toy import config_for, train
 
     train(config_for("grpo", steps=60, prompts=8, group=8, minibatches=2, epochs=2, lr=2e-3, probe_every=6), tmp_path)
     found = [f for f in check(tmp_path) if f.rule == "collapse"]

@@ -20,7 +20,10 @@ for name in ("entropylens", "entropylens.cli", "entropylens.cli.main", "entropyl
     out[name] = spec.origin if spec else None
 import importlib.resources as r
 out["sql"] = sorted(p.name for p in r.files("entropylens.analyses").iterdir() if p.name.endswith(".sql"))
-out["native_src"] = r.files("entropylens").joinpath("_row_sums.c").is_file()
+out["native_src"] = r.files("entropylens.rl").joinpath("_row_sums.c").is_file()
+out["viewer_assets"] = all(r.files("entropylens.report").joinpath(n).is_file() for n in ("viewer.js", "viewer.css"))
+out["stages"] = [bool(importlib.util.find_spec(f"entropylens.{s}")) for s in ("rl", "record", "read", "report", "demo",
+                                                                               "demo.toy", "integrations.verl")]
 sp = site.getsitepackages()[0]
 out["site"] = sorted(os.listdir(sp))
 print(json.dumps(out))
@@ -46,6 +49,7 @@ def test_install_layout(tmp_path, editable):
     sql = sorted(p.name for p in (ROOT / "analyses").glob("*.sql"))
     assert out["sql"] == sql
     assert out["native_src"]  # the native row pass's C source ships with the package
+    assert out["viewer_assets"] and all(out["stages"])  # the token viewer's script and style; every subpackage
     if not editable:
         assert "/site-packages/entropylens/cli/" in out["entropylens.cli"]
 

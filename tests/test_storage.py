@@ -18,8 +18,8 @@ from s3_server import s3_environment  # noqa: E402
 
 from entropylens import storage  # noqa: E402
 from entropylens.cli.main import app  # noqa: E402
-from entropylens.compact import compact  # noqa: E402
-from entropylens.query import connect, run_analysis  # noqa: E402
+from entropylens.read.compact import compact  # noqa: E402
+from entropylens.read.query import connect, run_analysis  # noqa: E402
 
 HELPERS = Path(__file__).parent / "helpers"
 EXAMPLES = Path(__file__).parent.parent / "examples"

@@ -12,10 +12,17 @@ import pytest
 import torch
 
 from entropylens import Recorder, storage
-from entropylens.query import connect
-from entropylens.token_text import (HOW_TO_GET_TEXT, Decoder, TokenTextWarning, decoder_for_run, make_decoder,
-                                    save_tokenizer, tokenizer_info)
-from entropylens.toy import config_for, task, train
+from entropylens.read.query import connect
+from entropylens.token_text import (
+    HOW_TO_GET_TEXT,
+    Decoder,
+    TokenTextWarning,
+    decoder_for_run,
+    make_decoder,
+    save_tokenizer,
+    tokenizer_info,
+)
+from entropylens.demo.toy import config_for, task, train
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from entropylens import Recorder
-from entropylens.losses import policy_loss
+from entropylens.rl.losses import policy_loss
 
 STEPS, UPDATES, B, T, GROUP = 12, 2, 8, 6, 2
 NAN_STEP = 6

@@ -10,7 +10,7 @@
         rec.record_step(step, update=u, grad_norm=clip_grad_norm_(params, 1.0), lr=lr)
 
 Without logits (large vocabularies): pass the hidden states and the LM head instead; the fused head
-``entropylens.stats.head_stats`` projects them in tiles, so no [B, T, V] tensor ever exists:
+``entropylens.rl.stats.head_stats`` projects them in tiles, so no [B, T, V] tensor ever exists:
 
     hidden = model.model(mb.input_ids).last_hidden_state[:, P - 1 : -1]  # [B, T, H]
     out = policy_update(rec, step, u, None, mb.tokens, mb.mask, mb.adv, mb.old_lp, hidden=hidden,
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..losses import PolicyLossOutput, policy_loss
-from ..recorder import Recorder
-from ..stats import _chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
+from ..rl.losses import PolicyLossOutput, policy_loss
+from ..record.recorder import Recorder
+from ..rl.stats import _chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:

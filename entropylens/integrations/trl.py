@@ -22,7 +22,7 @@ What it changes in TRL (private methods, hence the version check):
   (local index * world_size + rank) to the batch and records the sequences (reward, advantage, length).
 - ``_compute_loss``: ``loss=None`` keeps TRL's loss and records the update (with the top-entropy
   and off-policy masks TRL computed, and the vLLM weight, as ``token_kept`` / ``seq_kept`` /
-  ``is_weight``); ``loss="ce_gppo"`` (or any method of ``entropylens.losses``) replaces it with
+  ``is_weight``); ``loss="ce_gppo"`` (or any method of ``entropylens.rl.losses``) replaces it with
   ``policy_loss`` (eps from GRPOConfig's epsilon / epsilon_high), every option of TRL's loss composed
   as TRL applies it (KL with or without bias correction, vLLM importance-sampling weight, top-entropy
   mask over all processes, off-policy mask, delta, sequence-level ratio, static or adaptive entropy
@@ -48,11 +48,11 @@ What it changes in TRL (private methods, hence the version check):
   refuses, before training, a checkpoint that is not the one ``resume`` named.
 
 Where TRL's fused head is not on the model (a model TRL did not patch), the passes fall back to the
-backbone's hidden states and :func:`entropylens.stats.head_stats` (a warning says so once).
+backbone's hidden states and :func:`entropylens.rl.stats.head_stats` (a warning says so once).
 
 ``attribution=True`` records the entropy attribution (``entropy_effect`` = g_t s_t / T^2 per token and
 the steps' budget sums; DESIGN.md): TRL's fused head gives sum_j p_j^2 but not sum_j p_j^2 log p_j,
-so every pass then goes through :func:`entropylens.stats.head_stats` on the backbone's hidden states
+so every pass then goes through :func:`entropylens.rl.stats.head_stats` on the backbone's hidden states
 (tiled, no [b, K, V] logits either), which also returns s_t in the training pass. With ``loss=...``
 ``entropy_effect_dropped`` (what clipping / beta / ERC took away) is recorded too; with TRL's own loss
 it stays null (the unclipped coefficient of TRL's loss is not known).
@@ -67,7 +67,7 @@ module imports no TRL until ``EntropyLensGRPOTrainer`` is asked for.
 
 from __future__ import annotations
 
-from ..stats import logit_grad_norm_from_sum_p2
+from ..rl.stats import logit_grad_norm_from_sum_p2
 from .trl_loss import (PPO_CLIP_LOSS_TYPES, TRL_NORMALISATION, WINDOW_LOSS_TYPES, trl_clip_columns, trl_loss_weights,
                        unsupported_trl_options)
 from .trl_run import TRL_TESTED, check_trl_version, checkpoint_last_step, completion_texts

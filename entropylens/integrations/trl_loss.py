@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..stats import clip_region, clipped_mask
+from ..rl.stats import clip_region, clipped_mask
 
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # TRL loss types that clip like PPO
 

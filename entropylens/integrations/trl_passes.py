@@ -1,12 +1,12 @@
 """The per-token passes of the TRL trainer, with no TRL import: the batch keys of a multimodal model, sum
 p^2 from what TRL's fused head captured, and the fallback through the backbone's hidden states and
-:func:`entropylens.stats.head_stats` (``attribution=True``, or a model without TRL's fused head)."""
+:func:`entropylens.rl.stats.head_stats` (``attribution=True``, or a model without TRL's fused head)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..stats import head_stats
+from ..rl.stats import head_stats
 
 MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
            "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")

@@ -18,11 +18,11 @@ import warnings
 
 import torch
 
-from ..losses import METHODS, policy_loss
-from ..recorder import Recorder
-from ..stats import logit_grad_norm_from_sum_p2
+from ..rl.losses import METHODS, policy_loss
+from ..record.recorder import Recorder
+from ..rl.stats import logit_grad_norm_from_sum_p2
 from ..token_text import save_tokenizer as save_tokenizer_copy  # the trainer's argument is save_tokenizer
-from ..trackers import SUMMARY_NAMES, EXTRA_NAMES, StepLog, step_metrics, trl_trackers
+from ..record.trackers import SUMMARY_NAMES, EXTRA_NAMES, StepLog, step_metrics, trl_trackers
 from .trl_loss import (LossColumns, refuse_unsupported, trl_loss_metrics, trl_loss_weights, trl_own_loss_columns,
                        unsupported_trl_options)
 from .trl_passes import MM_KEYS, captured_sum_sq, head_stats_pass
@@ -163,7 +163,7 @@ class _Passes:
         with ``attribution``."""
         if not self._el_attribution:
             _warn_once(self._el_warned, "fallback", "TRL's fused LM head is not on this model; log-probs, entropies "
-                                                    "and sum p^2 come from entropylens.stats.head_stats on the hidden "
+                                                    "and sum p^2 come from entropylens.rl.stats.head_stats on the hidden "
                                                     "states")
         return head_stats_pass(self._el_base_model(), self.accelerator.autocast, input_ids, attention_mask, k,
                                batch_size, compute_aux_loss=compute_aux_loss, temperature=self.temperature,

@@ -28,7 +28,7 @@ grep -q "entropylens/clipped_frac" "$work/train.log" || { echo "FAIL: no entropy
 test -s "$work/checkpoints/global_step_3/entropylens.json" || { echo "FAIL: checkpoint 3 names no run"; exit 1; }
 python - "$runs/gpu-check" <<'PY'
 import sys
-from entropylens import query
+from entropylens.read import query
 con = query.connect(sys.argv[1])
 n, steps, lgn, rho, ids = con.execute(
     "select count(*), count(distinct step), count(logit_grad_norm), count(entropy_ratio), count(distinct seq) "
@@ -46,7 +46,7 @@ grep -q "entropylens: run 'gpu-check' continues after step 3" "$work/train2.log"
   || { echo "FAIL: the restarted job did not continue the run"; exit 1; }
 python - "$runs/gpu-check" <<'PY'
 import json, sys
-from entropylens import query
+from entropylens.read import query
 con = query.connect(sys.argv[1])
 steps = [s for (s,) in con.execute("select distinct step from steps order by step").fetchall()]
 twice = con.execute("select count(*) - count(distinct (step, seq, pos)) from tokens").fetchone()[0]

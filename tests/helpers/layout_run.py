@@ -1,4 +1,4 @@
-"""Runs in the recorder's real file layout, written with entropylens.writer (no training): for the
+"""Runs in the recorder's real file layout, written with entropylens.record.writer (no training): for the
 reading-layer, storage and compaction tests. ``rows`` token rows per (step, rank), one file each."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from entropylens.storage import location
-from entropylens.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writer import write_sequences, write_steps, write_tokens
 
 
 def token_arrays(n: int, seed: int) -> dict:

@@ -16,8 +16,8 @@ import sys
 import torch
 
 from entropylens import Recorder
-from entropylens.losses import policy_loss
-from entropylens.stats import logprobs_and_entropy
+from entropylens.rl.losses import policy_loss
+from entropylens.rl.stats import logprobs_and_entropy
 
 
 def one_update(rec, step, update, b, t, v, gen, seq_offset=0):

@@ -1,4 +1,4 @@
-"""Checks that run INSIDE the verl virtualenv (tests/verl_env/build.sh), driven by tests/test_verl.py.
+"""Checks that run INSIDE the verl virtualenv (tests/verl_env/build.sh), driven by tests/integrations/test_verl.py.
 
 Real verl 0.9.1, no mocks: its policy-loss registry, its hydra config composed as the trainer composes
 it, ActorConfig built the way the actor worker builds it (omega_conf_to_dataclass), its TensorDict
@@ -131,7 +131,7 @@ def test_registered_ce_gppo_equals_policy_loss_float64(agg):
     global normalisation (dp_size=2 and global counts) folded into ``scale``."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from entropylens.losses import policy_loss
+    from entropylens.rl.losses import policy_loss
 
     cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=0.8, clip_ratio_low=0.2, clip_ratio_high=0.28,
                        loss_agg_mode=agg)
@@ -335,7 +335,7 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     re-ordering), grad_coef == autograd dLoss/dlogp, logit_grad_norm == ||dLoss/dz|| from autograd."""
     from verl.utils import tensordict_utils as tu
 
-    from entropylens import query
+    from entropylens.read import query
     from entropylens.integrations.verl import EntropyLensLoss, close_recorders
 
     cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=1.0, erc_low=0.8, erc_high=1.25,
@@ -425,7 +425,7 @@ def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
     holds every step once, with the tokens and sample ids of the job that recorded it last."""
     import json
 
-    from entropylens import query
+    from entropylens.read import query
 
     rc, first, err = _job(tmp_path, "first")
     assert rc == -9, err[-3000:]  # killed as planned, mid-step 4
@@ -624,7 +624,7 @@ def test_trainer_update_actor_records_the_step(tmp_path, store):
     into TransferQueue, asks for sum pi^2, and every worker records the step: one row per response
     token, joined by sample id, old entropy == entropy (lr 0: the old policy is the current one),
     logit_grad_norm from sum pi^2, the step written when the update is done."""
-    from entropylens import query
+    from entropylens.read import query
 
     ca = store
     work = tmp_path / "w"
@@ -675,9 +675,9 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from entropylens import query
+    from entropylens.read import query
     from entropylens.integrations.verl import _metric_rule
-    from entropylens.losses import policy_loss
+    from entropylens.rl.losses import policy_loss
 
     ca = store
     work = tmp_path / "m"
@@ -737,7 +737,7 @@ def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
     prepare_model_outputs); it says so once, and logit_grad_norm is null."""
     import warnings
 
-    from entropylens import query
+    from entropylens.read import query
 
     ca = store
     work = tmp_path / "f"
@@ -763,7 +763,7 @@ def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
 def test_trainer_entropy_bonus_leaves_entropy_effect_null(tmp_path, store):
     """verl's entropy_coeff reaches the loss config (steps.entropy_coef), so the recorder's entropy-bonus
     rule applies: no token's entropy_effect and no budget sum is the policy term alone (null)."""
-    from entropylens import query
+    from entropylens.read import query
 
     ca = store
     work = tmp_path / "e"
@@ -790,7 +790,7 @@ def test_dapo_eps_high_is_dapos_or_refused(tmp_path):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     from entropylens.integrations.verl import EntropyLensLoss, _trainer_class, close_recorders
-    from entropylens.losses import policy_loss
+    from entropylens.rl.losses import policy_loss
 
     cfg = actor_config(loss_mode="entropylens_dapo")
     old, logp, adv, mask = region_batch(seed=4)
@@ -855,7 +855,7 @@ def test_megatron_pipeline_ranks_record_once_per_dp_rank(tmp_path):
     installed: its parallel_state module is stood in for with real torch.distributed groups): the loss
     runs on the last stage (global ranks 2, 3, whose data-parallel group excludes global rank 0) and each
     of them records as its data-parallel rank; the first stage records nothing."""
-    from entropylens import query
+    from entropylens.read import query
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -877,7 +877,7 @@ def test_every_step_metric_has_an_aggregation_rule():
     verl's pg_loss aggregation) are the steps table's only."""
     from entropylens.integrations.verl import _metric_rule
     from entropylens.schema import STEP_METRICS
-    from entropylens.aggregates import BUDGET_NAMES
+    from entropylens.rl.aggregates import BUDGET_NAMES
 
     left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if _metric_rule(n) is None}
     assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",

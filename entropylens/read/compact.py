@@ -1,0 +1,275 @@
+"""Compaction: a run's many small per-step files rewritten into few large ones, without a reader
+ever double-counting or missing rows.
+
+Layout and commit rule (readers: catalog.py):
+
+    RUN/compacted/tokens/steps-LO-HI.part-K.parquet      step and rank stored as columns,
+    RUN/compacted/sequences/steps-LO-HI.part-K.parquet   sorted by (step, rank, file), large row groups
+    RUN/compacted/steps/steps-LO-HI.parquet              the steps rows of LO..HI: THE COMMIT
+
+1. Only *final* steps are compacted: every step of a run that is no longer running, or, while it
+   runs, a step that every rank has committed (its steps file exists) — the recorder never writes
+   a committed step again.
+2. The data parts are written first (each atomically: rename, or one PUT / a completed multipart
+   upload), then the compacted steps file, which commits LO..HI. Before the commit readers use the
+   originals; after it they use the compacted files and ignore the originals of LO..HI.
+3. After ``grace_s`` seconds (queries planned on the old listing finish) the originals of LO..HI
+   are removed. A reader that lists while they vanish sees the commit too (catalog lists
+   ``compacted/`` before and after the originals and lists again if it changed).
+4. Parts without a commit file belong to a compaction that died; the next compaction removes them.
+   Parts whose commit file exists but is unreadable (truncated) are kept: with the originals gone they
+   are the only copy (readers warn); with the originals still there readers use those, and the range
+   is not compacted again until the unreadable commit file and its parts are removed by hand.
+   One compactor per run at a time.
+5. A step with an unreadable file (a damaged steps file, token or sequence file), or with token or
+   sequence files but no steps file for some rank (#31: its intact token files were counted as hidden,
+   compacted over and deleted), is left alone: no range includes or straddles it, nothing of it is
+   removed, and a :class:`StepLeftAloneWarning` names it. Only files whose rows are in the compacted
+   output are ever removed.
+
+Readers that planned on the originals before a compaction removed them re-plan once when a query
+finds a file gone (entropylens/read/lockdown.py, ``replan``); the compactor keeps no registry of readers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import warnings
+
+from . import catalog as cat
+from .query import UnreadableFileWarning, run_status
+from ..storage import Location, location
+from ..record.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, _META, parquet_options
+
+ROW_GROUP_ROWS = 1 << 20  # ~1M rows per row group: large sequential reads, still prunable by step
+FILE_BYTES = 512 << 20  # compacted part size target (bytes of the original files it replaces)
+_DICT = {"tokens": TOKEN_DICT_COLUMNS, "sequences": ("group",)}
+_FLOAT = {"tokens": TOKEN_FLOAT_COLUMNS}
+
+
+class StepLeftAloneWarning(UnreadableFileWarning):
+    """A step was not compacted: one of its files is unreadable, or a rank of it has no steps file."""
+
+
+@dataclass
+class Compacted:
+    run: str
+    steps: tuple[int, int] | None  # the range committed by this call (None: nothing to do)
+    files_in: int = 0
+    files_out: int = 0
+    rows: int = 0  # token rows rewritten
+    removed: int = 0  # original files removed
+    note: str = ""
+
+    def summary(self) -> str:
+        if self.steps is None:
+            return f"{self.run}: nothing to compact ({self.note})"
+        lo, hi = self.steps
+        return (f"{self.run}: steps {lo}-{hi}: {self.files_in} files -> {self.files_out} "
+                f"({self.rows:,} token rows), {self.removed} originals removed")
+
+
+def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_bytes: int = FILE_BYTES,
+            row_group_rows: int = ROW_GROUP_ROWS, storage_options: dict | None = None) -> list[Compacted]:
+    """Compact every run under ``path`` (or only ``runs``); see the module docstring."""
+    snap = cat.scan(path, runs, storage_options=storage_options)
+    out = []
+    for r in snap.runs:
+        _remove_orphans(r)
+        blocked = _blocked_steps(r, snap.bad)
+        final = _final_steps(r)
+        for s, why in sorted(blocked.items()):
+            if final and s <= max(final) or run_status(r.info) != "running":
+                warnings.warn(f"{r.id}: step {s} not compacted, its files are left as they are: {why}",
+                              StepLeftAloneWarning, stacklevel=2)
+        segments = _segments(r, set(blocked))
+        if not segments:
+            out.append(Compacted(r.id, None, note="no final uncompacted step"))
+            continue
+        for lo, hi in segments:
+            out.append(_compact_range(r, lo, hi, grace_s, file_bytes, row_group_rows))
+    return out
+
+
+def _step_rank(url: str) -> tuple[int, int]:
+    m = cat._HIVE.search(url)
+    return int(m.group(1)), int(m.group(2))
+
+
+def _final_steps(r: cat.RunFiles) -> list[int]:
+    """Committed steps that no writer will touch again (rule 1)."""
+    committed: dict[int, set[int]] = {}
+    for u in r.files.get("steps", []):
+        s, k = _step_rank(u)
+        committed.setdefault(k, set()).add(s)
+    steps = sorted(set().union(*committed.values())) if committed else []
+    if run_status(r.info) != "running":
+        return steps
+    ranks = set(range(int(r.info.get("world_size") or 1))) | set(committed)
+    if any(k not in committed for k in ranks):
+        return []
+    upto = min(max(v) for v in committed.values())
+    return [s for s in steps if s <= upto]
+
+
+def _blocked_steps(r: cat.RunFiles, bad: list[tuple[str, str]]) -> dict[int, str]:
+    """Steps left alone (rule 5) -> why: a file of the step is unreadable, or a (step, rank) has token /
+    sequence files but no steps file (catalog: ``hidden``)."""
+    out: dict[int, str] = {}
+    prefix = r.dir.url().rstrip("/") + "/"
+    for u, why in bad:
+        m = cat._HIVE.search(u)
+        if m and u.startswith(prefix):
+            out.setdefault(int(m.group(1)), f"{u}: {why}")
+    for u in r.hidden:
+        out.setdefault(_step_rank(u)[0], f"{u} has no readable steps file for its step and rank")
+    return out
+
+
+def _segments(r: cat.RunFiles, blocked: set[int] = frozenset()) -> list[tuple[int, int]]:
+    """Final steps not yet compacted, as ranges that do not straddle a compacted range or a step
+    left alone (``blocked``, rule 5)."""
+    segs: list[list[int]] = []
+    done = r.ranges + r.broken  # a broken commit's range is left alone (its parts are not overwritten)
+    done = done + [(b, b) for b in blocked]
+    for s in _final_steps(r):
+        if any(lo <= s <= hi for lo, hi in done):
+            continue
+        if segs and not any(segs[-1][-1] < lo <= s for lo, _ in done):
+            segs[-1].append(s)
+        else:
+            segs.append([s])
+    return [(g[0], g[-1]) for g in segs]
+
+
+def _remove_orphans(r: cat.RunFiles) -> None:
+    comp = r.dir / cat.COMPACTED
+    if not comp.exists():
+        return
+    for p in comp.files():
+        m = cat._COMPACT_NAME.search(p)
+        rng = (int(m.group(1)), int(m.group(2))) if m else None
+        if m and rng not in r.ranges and rng not in r.broken:  # a broken commit's parts may be the only copy
+            r.dir.at(p).remove()
+
+
+def _read(loc: Location, url: str) -> pa.Table:
+    if not loc.remote:
+        return pq.ParquetFile(url).read()
+    with loc.fs.open(loc.at(url.split("://", 1)[1]).path, "rb") as f:
+        return pq.ParquetFile(f).read()
+
+
+def _with_keys(t: pa.Table, step: int, rank: int) -> pa.Table:
+    n = t.num_rows
+    t = t.drop_columns([c for c in ("step", "rank") if c in t.column_names])
+    return t.add_column(0, "rank", pa.array([rank] * n, pa.int16())).add_column(0, "step", pa.array([step] * n, pa.int32()))
+
+
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``t`` with ``schema``'s columns in order (absent ones as nulls)."""
+    extra = set(t.column_names) - set(schema.names)
+    if extra:
+        raise ValueError(f"files of one run disagree on columns ({', '.join(sorted(extra))}); not compacted")
+    cols = [t.column(f.name) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in schema]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int, file_bytes: int,
+                 row_group_rows: int) -> tuple[int, int]:
+    """The files of one table for steps lo..hi -> compacted parts. Returns (parts, rows)."""
+    files = sorted(files, key=lambda u: (*_step_rank(u), u))
+    groups, cur, size = [], [], 0
+    for u in files:  # parts of about file_bytes, never splitting a (step, rank)
+        if cur and size >= file_bytes and _step_rank(u) != _step_rank(cur[-1]):
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += r.sizes.get(u, 0)
+    if cur:
+        groups.append(cur)
+    rows = 0
+    for k, group in enumerate(groups):
+        dest = r.dir / cat.COMPACTED / table / f"steps-{lo}-{hi}.part-{k}.parquet"
+
+        def fill(tmp: str, group=group) -> None:
+            writer, schema, buf, n = None, None, [], 0
+            for u in group:
+                t = _with_keys(_read(r.dir, u), *_step_rank(u))
+                if schema is None:
+                    schema = t.schema.with_metadata({**(t.schema.metadata or {}), **_META})
+                    opts = parquet_options(schema.names, dict_columns=(*_DICT.get(table, ()), "step", "rank"),
+                                           float_columns=_FLOAT.get(table, ()))
+                    writer = pq.ParquetWriter(tmp, schema, **opts)
+                buf.append(_conform(t, schema))
+                n += t.num_rows
+                if n >= row_group_rows:
+                    writer.write_table(pa.concat_tables(buf), row_group_size=row_group_rows)
+                    buf, n = [], 0
+            if buf:
+                writer.write_table(pa.concat_tables(buf), row_group_size=row_group_rows)
+            writer.close()
+
+        dest.write_with(fill)
+        if table == "tokens":
+            rows += _rows(dest)
+    return len(groups), rows
+
+
+def _rows(loc: Location) -> int:
+    if not loc.remote:
+        return pq.read_metadata(loc.path).num_rows
+    with loc.fs.open(loc.path, "rb") as f:
+        return pq.ParquetFile(f).metadata.num_rows
+
+
+def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int,
+                   row_group_rows: int) -> Compacted:
+    res = Compacted(r.id, (lo, hi))
+    chosen = {t: [u for u in files if lo <= _step_rank(u)[0] <= hi] for t, files in r.files.items()}
+    for table in sorted(t for t in chosen if t != "steps"):  # data parts first ...
+        if chosen[table]:
+            parts, rows = _write_parts(r, table, chosen[table], lo, hi, file_bytes, row_group_rows)
+            res.files_out += parts
+            res.rows += rows
+    steps = [_with_keys(_read(r.dir, u), *_step_rank(u)) for u in sorted(chosen.get("steps", []), key=_step_rank)]
+    commit = pa.concat_tables(steps, promote_options="default")
+    commit = commit.replace_schema_metadata({**(commit.schema.metadata or {}), **_META})
+    (r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet").write_with(
+        lambda tmp: pq.write_table(commit, tmp, **parquet_options(commit.column_names)))  # ... the commit last
+    res.files_out += 1
+    originals = [u for files in chosen.values() for u in files]  # exactly the files whose rows were written
+    # (never r.hidden: an uncommitted (step, rank)'s rows are in no compacted file; rule 5)
+    originals += [u for u in r.superseded if lo <= _step_rank(u)[0] <= hi]
+    res.files_in = sum(len(v) for v in chosen.values())
+    if grace_s > 0:
+        time.sleep(grace_s)  # queries planned on the old listing finish
+    for u in originals:
+        location(u, r.dir.options).remove()
+        res.removed += 1
+    if not r.dir.remote:
+        _prune_empty_dirs(r.dir)
+    return res
+
+
+def _prune_empty_dirs(d: Location) -> None:
+    import os
+
+    for table in os.listdir(d.path):
+        top = os.path.join(d.path, table)
+        if table == cat.COMPACTED or not os.path.isdir(top):
+            continue
+        for dirpath, _, _ in sorted(os.walk(top), key=lambda x: -len(x[0])):
+            if dirpath != top:
+                try:
+                    os.rmdir(dirpath)  # only succeeds when empty
+                except OSError:
+                    pass
+
+
+__all__ = ["Compacted", "compact"]

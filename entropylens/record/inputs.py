@@ -1,0 +1,142 @@
+"""The Recorder's checks of what it is given: an update's tensors, a step's scalars, a step's sequences.
+
+Part of :class:`entropylens.record.recorder.Recorder`. :class:`InputChecks` (a mixin) holds
+``_validate_update``: shapes, the order of steps and updates, seq_ids where a step has several updates
+with tokens; it reads the step state (``_steps``) and the logit hook (``_watch``) and owns no state.
+:func:`step_values` and :func:`sequence_arrays` check ``record_step``'s metrics and
+``record_sequences``'s arrays. Every check runs before anything of the call is recorded, and none
+synchronises with a device except where its message says so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..rl.aggregates import AGG_NAMES
+
+_PLAIN_NAMES = frozenset(("grad_norm", "lr"))
+# steps columns the recorder fills from the updates (or keys rows by): a metric of that name would
+# overwrite or be dropped, so record_step refuses it (grad_norm, lr, reward_mean and the loss
+# settings are the caller's to give)
+_RECORDER_COLUMNS = frozenset(AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
+
+
+class InputChecks:
+    """record_update's checks (module docstring)."""
+
+    def _validate_update(self, step, update, mask, advantages, logprobs, old_logprobs, entropy, old_entropy,
+                         tokens, seq_ids, group_ids, entropy_sensitivity, temperature) -> None:
+        steps = self._steps
+        if step < 0 or update < 0:
+            raise ValueError(f"step and update must be >= 0, got step={step} update={update}")
+        if step < steps.last:
+            raise ValueError(f"step {step} recorded after step {steps.last}: steps must not go back"
+                             + (f" (the run resumed after step {steps.resumed_after})"
+                                if steps.resumed_after is not None and step <= steps.resumed_after else ""))
+        if step <= steps.closed_upto:
+            raise ValueError(f"step {step} was already written (steps <= {steps.closed_upto} are closed: by a later "
+                             "step, by end_step(), commit() or resume=); record into later steps")
+        same_step = steps.updates if step == steps.last else {}
+        if update in same_step:
+            raise ValueError(f"step {step} update {update} was already recorded")
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+        shape = tuple(mask.shape)
+        for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("entropy", entropy),
+                        ("old_entropy", old_entropy), ("tokens", tokens)):
+            if x is not None and tuple(x.shape) != shape:
+                raise ValueError(f"{name} shape {tuple(x.shape)} does not match mask shape {shape}")
+        if tuple(advantages.shape) not in ((shape[0],), shape):
+            raise ValueError(f"advantages must be [B] or [B, T] = {shape}, got {tuple(advantages.shape)}")
+        for name, x in (("seq_ids", seq_ids), ("group_ids", group_ids)):
+            if x is not None and tuple(x.shape) != (shape[0],):
+                raise ValueError(f"{name} must be [B] = ({shape[0]},), got {tuple(x.shape)}")
+        if same_step and (seq_ids is None or not all(had for had, _ in same_step.values())):
+            # rows without seq_ids are numbered 0..B-1: they collide with another update's rows. An update
+            # whose mask selects no token (a micro-batch of truncated or tool-only completions: TRL and
+            # verl hand those over as any other) makes no rows, so it needs no ids and collides with none
+            with_rows = [u for u in sorted(same_step) if steps.selects_a_token(u)]
+            if bool(mask.bool().any()):  # host syncs, only on this path
+                with_rows.append(update)
+            unnamed = [u for u in with_rows if not (same_step[u][0] if u in same_step else seq_ids is not None)]
+            if unnamed and len(with_rows) > 1:
+                raise ValueError(
+                    f"seq_ids: step {step} has more than one update with tokens and update{'s' * (len(unnamed) > 1)} "
+                    f"{', '.join(map(str, unnamed))} came without seq_ids; pass seq_ids [B] to every update of such "
+                    "a step (unique within the step, the same id for the same sequence), or rows of different "
+                    "mini-batches would share ids 0..B-1")
+        watch = self._watch
+        if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
+            raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
+        if entropy_sensitivity is not None and tuple(entropy_sensitivity.shape) != shape:
+            raise ValueError(f"entropy_sensitivity shape {tuple(entropy_sensitivity.shape)} does not match mask "
+                             f"shape {shape}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def step_values(grad_norm, lr, metrics: dict) -> dict:
+    """record_step's values by steps column (None left out): each a name of letters, digits and '_', '/',
+    '.', '-' ('/', '.' and '-' become '_'), none a column of the recorder's own, each one number."""
+    values = {"grad_norm": grad_norm, "lr": lr, **metrics}
+    values = {k: v for k, v in values.items() if v is not None}
+    columns: dict[str, str] = {}  # column -> the name it came from
+    for k in values:
+        if k not in _PLAIN_NAMES and not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum():
+            raise ValueError(f"metric name {k!r}: use letters, digits, '_', '/', '.', '-'")
+        col = k.replace("/", "_").replace(".", "_").replace("-", "_")
+        if col in _RECORDER_COLUMNS:
+            raise ValueError(f"metric name {k!r}: the steps column {col!r} is the recorder's own (from the "
+                             "recorded updates); record it under another name")
+        if col in columns:
+            raise ValueError(f"metric names {columns[col]!r} and {k!r} are both the steps column {col!r}")
+        columns[col] = k
+    values = {col: values[k] for col, k in columns.items()}
+    for k, v in values.items():
+        if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
+            raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")
+        size = v.size if isinstance(v, np.ndarray) else v.numel() if isinstance(v, torch.Tensor) else 1
+        if size != 1:
+            raise ValueError(f"metric {columns[k]!r}: expected one number, got a tensor of shape {tuple(v.shape)}")
+    return values
+
+
+def sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts) -> dict:
+    """record_sequences's columns on the host: seq, reward, advantage, length, group (-1 without
+    group_ids), all 1-D of one length B, rewards finite; text (B strings) where texts are given."""
+    arrays = {
+        "seq": _host_arg("seq_ids", seq_ids, np.int32),
+        "reward": _host_arg("rewards", rewards, np.float32),
+        "advantage": _host_arg("advantages", advantages, np.float32),
+        "length": _host_arg("lengths", lengths, np.int32),
+    }
+    if arrays["seq"].ndim != 1:
+        raise ValueError(f"record_sequences: seq_ids must be 1-D [B], got shape {arrays['seq'].shape}")
+    n = len(arrays["seq"])
+    arrays["group"] = _host_arg("group_ids", group_ids, np.int32) if group_ids is not None else np.full(n, -1, np.int32)
+    for k, v in arrays.items():
+        if v.ndim != 1 or len(v) != n:
+            raise ValueError(f"record_sequences: {k} must be 1-D of length {n}, got shape {v.shape}")
+    if not np.isfinite(arrays["reward"]).all():
+        raise ValueError("record_sequences: rewards contain NaN or Inf")
+    if texts is not None and len(texts) != n:
+        raise ValueError(f"record_sequences: texts has {len(texts)} entries for {n} sequences")
+    if texts is not None:
+        arrays["text"] = list(texts)
+    return arrays
+
+
+def _host_arg(name: str, x, dtype) -> np.ndarray:
+    """:func:`_host`, with a one-line error naming the argument when ``x`` is not numbers."""
+    try:
+        return _host(x, dtype)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"record_sequences: {name} must be [B] numbers (a tensor, array or list), got "
+                         f"{type(x).__name__}: {e}") from None
+
+
+def _host(x, dtype) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x).astype(dtype, copy=False)

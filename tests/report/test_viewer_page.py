@@ -1,0 +1,160 @@
+"""The token viewer's page file (entropylens/report/viewer.py), without a browser: one self-contained, offline
+HTML file whose embedded data reads back equal to what was given, that no text can break out of, under
+a file name that is safe and distinct per run (tests/report/test_viewer_browser.py drives it in Chromium)."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from importlib import resources
+
+import pytest
+
+from entropylens.report import responses
+from entropylens.read.query import connect
+from entropylens.report.viewer import page_name, render_page, write_page
+from fixture_runs import build
+
+HOSTILE = ["</script><script>window.PWNED=1</script>", "</SCRIPT >", "<!--<script>", "<\\/script>", "-->",
+           "]]>", "\u2028\u2029", "\ud7ff\ue000", "a\nb\tc\r", "<style></style>", "&lt;&amp;", "'\"`"]
+
+
+def small_data(text: str | None = "hello") -> dict:
+    """A page's data of the format page_data writes (two responses, one without text), by hand."""
+    cols = list(responses.TOKEN_COLUMNS)
+    row = [0, 17, 0.5, -0.6931472, -0.6931472, 1.0, 0.25, "PA&HP", 0, False, 1.25, 1.5, 0.8333333, True, None,
+           None, None, None, -0.125, 0.33, 1e-07, None]
+    assert len(row) == len(cols)
+    resp = {"seq": 3, "rank": 0, "group": 1, "gen_step": 4, "why": ["highest reward"], "text": text,
+            "summary": {"reward": 1.0, "advantage": 0.25, "length": 2, "tokens": 2, "updates": 1,
+                        "mean_entropy": 1.5, "max_entropy": 1.5, "clipped": 0, "erc_dropped": 0,
+                        "entropy_effect": 1e-07, "entropy_effect_dropped": None},
+            "pos": [0, 1], "tokens": [text or "", "</script>"], "forking": [0],
+            "rows": {"0": [row, [1] + row[1:5] + ["inf", "-inf"] + row[7:]]}}
+    return {"run": "r", "method": "grpo", "columns": cols, "summary_columns": list(responses.SUMMARY_COLUMNS),
+            "metrics": [{"key": m.key, "label": m.label, "scale": m.scale, "center": m.center,
+                         "categories": [[v, lab] for v, lab in m.categories]} for m in responses.METRICS],
+            "has_text": True, "text_source": "a vocabulary", "text_hint": "", "selection": "2 of 2 responses",
+            "where": None, "candidates": 2, "max_bytes": 4_000_000, "forking_share": 0.2,
+            "steps": [{"step": 4, "updates": [0], "responses": [resp, {**resp, "seq": 5, "text": None}]}]}
+
+
+class Scripts(HTMLParser):
+    """The page's elements as an HTML parser reads them: scripts (attributes, text), links, styles."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.scripts: list[tuple[dict, str]] = []
+        self.tags: list[tuple[str, dict]] = []
+        self._in: dict | None = None
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "script":
+            self._in = dict(attrs)
+            self.scripts.append((self._in, ""))
+
+    def handle_data(self, data):
+        if self._in is not None:
+            attrs, text = self.scripts[-1]
+            self.scripts[-1] = (attrs, text + data)
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._in = None
+
+
+def embedded(html: str) -> tuple[dict, Scripts]:
+    p = Scripts()
+    p.feed(html)
+    data = [t for a, t in p.scripts if a.get("id") == "el-data"]
+    assert len(data) == 1 and [a.get("type") for a, _ in p.scripts] == ["application/json", None]
+    return json.loads(data[0]), p
+
+
+def test_one_offline_file_with_its_data(tmp_path):
+    data = small_data()
+    out = write_page(tmp_path / "sub" / "page.html", data, title="T <1>", back_href="../index.html")
+    assert out == tmp_path / "sub" / "page.html"
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["page.html"]  # one file, nothing beside it
+    html = out.read_text(encoding="utf-8")
+    assert "http://" not in html and "https://" not in html and "//" + "cdn" not in html
+    got, parsed = embedded(html)
+    assert got == json.loads(json.dumps(data)) == data
+    # nothing loaded from elsewhere: no src=, no <link>, no url() in the style, no import
+    assert not [t for t, a in parsed.tags if "src" in a or t in ("link", "iframe", "img", "object", "embed")]
+    js = resources.files("entropylens.report").joinpath("viewer.js").read_text(encoding="utf-8")
+    css = resources.files("entropylens.report").joinpath("viewer.css").read_text(encoding="utf-8")
+    assert js in html and css in html  # inlined, read from the package
+    for asset in (js, css):
+        assert "http" not in asset and "url(" not in asset and "@import" not in asset and "fetch(" not in asset
+    assert "<title>T &lt;1&gt;</title>" in html and 'href="../index.html"' in html
+    assert 'id="el-app"' in html and 'id="el-back"' in html
+
+
+def test_hostile_texts_cannot_break_out(tmp_path):
+    for s in HOSTILE:
+        data = small_data(s)
+        data["run"] = s
+        data["selection"] = s
+        html = render_page(data, title=s, back_href='x"><script>window.PWNED=1</script>')
+        got, parsed = embedded(html)
+        assert got == data, s
+        # the data element ends at its own end tag: only two script end tags in the page, no "<!--" at all
+        assert len(re.findall(r"</script", html, flags=re.I)) == 2, s
+        assert "<!--" not in html, s
+        start = html.index('id="el-data">')
+        assert "<" not in html[start + len('id="el-data">'):html.index("</script>", start)], s
+        assert 'href="x&quot;&gt;&lt;script&gt;' in html  # the back link escaped
+
+
+def test_a_real_runs_page_data_reads_back(tmp_path):
+    from entropylens.token_text import decoder_for_run
+
+    root = build(tmp_path / "runs")
+    con = connect(root)
+    sel = responses.select(con, "a")
+    data = responses.page_data(con, "a", sel, decoder_for_run(root, "a"), method="grpo")
+    path = write_page(tmp_path / "rep" / page_name("a"), data)
+    got, _ = embedded(path.read_text(encoding="utf-8"))
+    assert got == json.loads(json.dumps(data))
+    assert got["steps"] and all(r["rows"] for s in got["steps"] for r in s["responses"])
+    assert path.stat().st_size < 200_000
+
+
+NAMES = ["grpo-s0", "a", "A", "a/b", "a\\b", "a b", "a_b", "a-b", "a--b", "a---b", "a-b-", "-a", "../etc/passwd", "..",
+         ".", "", " ", "ü", "u", "Ü", "run.1", "run.1.", "x" * 60, "x" * 61, "x" * 300, "con", "CON", "nul:", "a:b",
+         "a*b", "a?b", 'a"b', "a<b>", "a|b", "\x00", "\n", "日本語", "run 1", "run%201", "responses-a",
+         "a--0123456789"]
+
+
+def test_page_names_are_safe_stable_and_distinct():
+    names = [page_name(n) for n in NAMES]
+    for n, f in zip(NAMES, names):
+        assert re.fullmatch(r"responses-[a-z0-9][a-z0-9._-]*\.html", f), (n, f)
+        assert len(f) <= 100 and ".." not in f.removesuffix(".html") and page_name(n) == f
+    assert len(set(names)) == len(NAMES)
+    assert len({f.lower() for f in names}) == len(NAMES)  # also on a case-insensitive file system
+    assert page_name("grpo-s0") == "responses-grpo-s0.html"  # a plain name stays readable
+    assert page_name("erc_dapo.v2") == "responses-erc_dapo.v2.html"
+    assert page_name("My Run").startswith("responses-my-run--")
+
+
+def test_assets_are_package_data():
+    text = (resources.files("entropylens.report") / "viewer.js").read_text(encoding="utf-8")
+    assert "el-data" in text and "</script" not in text.lower() and "<!--" not in text
+    assert "</style" not in (resources.files("entropylens.report") / "viewer.css").read_text(encoding="utf-8").lower()
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert re.search(r'"entropylens.report" = \[[^\]]*"viewer\.js"[^\]]*"viewer\.css"', pyproject)
+
+
+@pytest.mark.parametrize("run", ["a", "Weird / run"])
+def test_write_page_title_default(tmp_path, run):
+    data = small_data()
+    data["run"] = run
+    html = write_page(tmp_path / page_name(run), data).read_text(encoding="utf-8")
+    assert f"<title>entropylens responses: {run}</title>" in html
+    assert 'href="index.html"' in html
