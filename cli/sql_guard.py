@@ -4,6 +4,8 @@ DuckDB's own parser splits and classifies the SQL (``duckdb.extract_statements``
 one SELECT-class statement (SELECT, WITH ..., VALUES, FROM ..., DESCRIBE, SHOW, SUMMARIZE, PIVOT /
 UNPIVOT), EXPLAIN [ANALYZE] [(options)] of a statement that passes this same rule (EXPLAIN ANALYZE
 runs what it wraps: #31, ``EXPLAIN ANALYZE COPY ... TO`` wrote files), or a PRAGMA from READ_PRAGMAS.
+A SELECT-class statement whose parse tree holds a writing query node (DuckDB 2.0: ``WITH a AS (COPY ... TO
+...) SELECT 1``, INSERT / UPDATE / DELETE as a CTE body) is refused too.
 Everything else (COPY, CREATE, INSERT, UPDATE, DELETE, DROP, ALTER, ATTACH, DETACH, INSTALL, LOAD,
 SET, CALL, EXPORT, IMPORT, several statements) is refused before it runs, with a one-line reason.
 
@@ -45,6 +47,46 @@ def _explained(query: str) -> str | None:
     return query[m.end():] if m else None
 
 
+# the query nodes that only read; DuckDB 2.0 also takes COPY TO / INSERT / UPDATE / DELETE as a CTE body
+# (COPY_QUERY_NODE, ...) inside a statement it classifies as SELECT
+_READING_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_NODE", "CTE_NODE"}
+_NODE_WORD = {"COPY_QUERY_NODE": "COPY", "INSERT_QUERY_NODE": "INSERT", "UPDATE_QUERY_NODE": "UPDATE",
+              "DELETE_QUERY_NODE": "DELETE"}
+
+
+def _node_types(tree, acc: set) -> set:
+    if isinstance(tree, dict):
+        if isinstance(tree.get("type"), str) and tree["type"].endswith("_NODE"):
+            acc.add(tree["type"])
+        for v in tree.values():
+            _node_types(v, acc)
+    elif isinstance(tree, list):
+        for v in tree:
+            _node_types(v, acc)
+    return acc
+
+
+def _check_query_nodes(query: str) -> None:
+    """Refuse a SELECT-class statement whose parse tree (DuckDB's json_serialize_sql) holds a query node
+    that writes, e.g. ``WITH a AS (COPY ... TO 'file') SELECT 1`` (#31); fail closed if it cannot be read."""
+    import json
+
+    import duckdb
+
+    try:
+        tree = json.loads(duckdb.connect().execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0])
+    except (duckdb.Error, ValueError, TypeError):
+        tree = {"error": True}
+    if tree.get("error"):
+        raise NotReadOnly(f"cannot check this statement's parts: `entropylens query` runs one read-only statement "
+                          f"({READ_ONLY})")
+    bad = sorted(_node_types(tree, set()) - _READING_NODES)
+    if bad:
+        shown = ", ".join(_NODE_WORD.get(b, b) for b in bad)
+        raise NotReadOnly(f"{shown} inside a query is not allowed: `entropylens query` is read-only ({READ_ONLY}); "
+                          "to save a result use --output FILE")
+
+
 def check_read_only(sql: str, _depth: int = 0) -> None:
     """Raise NotReadOnly unless ``sql`` is one read-only statement (a parse error is left to DuckDB,
     which reports it when the query runs). EXPLAIN is allowed only around a statement that passes
@@ -65,6 +107,7 @@ def check_read_only(sql: str, _depth: int = 0) -> None:
     words = _strip_comments(st.query).split(None, 2)
     first = words[0].upper() if words else ""
     if kind == "SELECT":
+        _check_query_nodes(st.query)
         return
     if kind == "EXPLAIN" or first == "EXPLAIN":  # (EXPLAIN [ANALYZE] PIVOT parses as MULTI)
         inner = _explained(st.query)

@@ -60,6 +60,29 @@ def test_explain_is_checked_around_what_it_wraps(runs, tmp_path):
     assert res.exit_code == 0, res.output
 
 
+def test_a_writing_cte_is_refused(runs, tmp_path):
+    """DuckDB 2.0 takes COPY TO / INSERT / UPDATE / DELETE as a CTE body and classifies the statement as
+    SELECT: `WITH a AS (COPY ... TO '<a run's token file>' (USE_TMP_FILE false)) SELECT 1` passed the parser
+    check, and the lockdown allows the runs' own files: that step's token rows were overwritten."""
+    own = runs / "a" / "tokens" / "step=0" / "rank=0" / "update-0.parquet"
+    before = _digest(runs)
+    for sql, word in (
+        (f"WITH a AS (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) SELECT 1", "COPY"),
+        (f"WITH a AS MATERIALIZED (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) "
+         "SELECT 1", "COPY"),
+        (f"EXPLAIN ANALYZE WITH a AS (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) "
+         "SELECT 1", "COPY"),
+        ("WITH d AS (DELETE FROM steps RETURNING *) SELECT count(*) FROM d", "DELETE"),
+        ("SELECT * FROM (WITH i AS (INSERT INTO steps BY NAME SELECT 0 AS step RETURNING *) SELECT 1)", "INSERT"),
+        ("WITH s AS (SELECT 1), u AS (UPDATE steps SET step = 0 RETURNING *) SELECT 1", "UPDATE"),
+    ):
+        line = err("query", runs, sql)
+        assert word in line and "read-only" in line, (sql, line)
+    assert _digest(runs) == before
+    res = runner.invoke(app, ["query", str(runs), "WITH a AS (SELECT 1 AS x) SELECT x FROM a"])
+    assert res.exit_code == 0, res.output
+
+
 @pytest.fixture()
 def con(runs):
     return connect(runs)
