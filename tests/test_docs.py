@@ -66,6 +66,18 @@ def test_readme_is_a_front_page():
     assert len(README.splitlines()) < 250, "README is the front page: move details into docs/"
 
 
+def test_readme_says_what_query_can_do_and_which_passes_use_native_code():
+    """#31's done-when: README's own security paragraph (lost when README became a front page) says what
+    `query` can and cannot do, and README says which passes may use native code."""
+    text = " ".join(README.split())
+    para = text.split("**Security of `entropylens query`.**", 1)[1].split("## ", 1)[0]
+    for words in ("one read-only statement", "EXPLAIN", "WITH", "only the files of the runs", "cannot write",
+                  "attach a database", "install or load an extension", "network", "lock=False"):
+        assert words in para, words
+    native = text.split("**Native code.**", 1)[1].split("## ", 1)[0]
+    assert "ENTROPYLENS_NATIVE=1" in native and "training" in native and "eager" in native
+
+
 def test_every_cli_command_in_readme():
     for name in _cli_names():
         assert f"entropylens {name}" in README, f"README does not document `entropylens {name}`"
