@@ -115,3 +115,33 @@ exec {CC} "$@"
     monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp))
     assert native.library() is not None, native.status()
     assert list(tmp.glob("entropylens-native-*/row_sums-*.so"))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to another user needs root")
+def test_a_cache_folder_another_user_owns_is_refused(monkeypatch, tmp_path, fresh):
+    """#31: a folder not owned by this user is not built in nor loaded from; the fresh private folder is."""
+    cache = tmp_path / "cache" / "entropylens" / "native"
+    cache.mkdir(parents=True, mode=0o700)
+    os.chown(cache, 54321, 54321)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp))
+    with pytest.raises(PermissionError, match="not private"):
+        native._private_folder(cache)
+    assert native.library() is not None and list(cache.iterdir()) == []
+    assert list(tmp.glob("entropylens-native-*/row_sums-*.so"))
+
+
+def test_the_native_pass_is_off_unless_asked(monkeypatch):
+    """#31: by default (ENTROPYLENS_NATIVE unset) every pass, training included, runs torch's eager kernels."""
+    import torch
+
+    from entropylens import stats
+
+    monkeypatch.delenv("ENTROPYLENS_NATIVE")
+    monkeypatch.setattr(native, "row_sums", lambda *a, **k: pytest.fail("the native row pass ran by default"))
+    assert not native.enabled() and native.status().startswith("eager (the default")
+    z = torch.randn(2, 3, 50, requires_grad=True)
+    lp, h = stats.logprobs_and_entropy(z, torch.randint(0, 50, (2, 3)))
+    (lp.sum() + h.sum()).backward()
