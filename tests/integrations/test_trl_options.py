@@ -238,3 +238,18 @@ def test_texts_and_the_tokenizer_are_kept(tmp_path, model_dir):
 
     back = AutoTokenizer.from_pretrained(str(tmp_path / "txt" / "tokenizer"))
     assert back.decode(ids["token_id"].tolist(), skip_special_tokens=True) == first["text"]
+
+
+@pytest.mark.parametrize("loss", [None, "ce_gppo"])
+def test_entropy_bonus_leaves_entropy_effect_null_with_attribution(tmp_path, model_dir, loss):
+    # TRL's entropy bonus reaches the logits through H, a term the TRL path does not measure: with
+    # attribution=True the tokens' entropy_effect and the steps' budget stay null (as in the torch helper
+    # and verl)
+    tr = trl_tiny.trainer(tmp_path, "bonus", model=model_dir, **{**BASE, "max_steps": 2}, entropy_coef=0.05,
+                          el=dict(attribution=True, **({"loss": loss} if loss else {})))
+    tr.train()
+    con = connect(tmp_path / "bonus")
+    n, eff = con.execute("SELECT count(*), count(entropy_effect) FROM tokens").fetchone()
+    assert n > 0 and eff == 0
+    coef, budget = con.execute("SELECT min(entropy_coef), count(entropy_effect) FROM steps").fetchone()
+    assert coef == pytest.approx(0.05) and budget == 0
