@@ -38,12 +38,16 @@ def model_dir(tmp_path_factory):
 class _VllmWeight:
     """Stands in for vLLM's sampler only: a seeded importance-sampling ratio per token (what TRL computes
     from vLLM's logprobs, in [0.5, 1.5]) is put in the batch, and ``use_vllm`` is on while the loss runs,
-    so TRL's own loss and entropylens' read the same weight (vLLM cannot run here)."""
+    so TRL's own loss and entropylens' read the same weight (vLLM cannot run here). ``level``: a [B, T]
+    weight (TRL's token_* modes) or a [B, 1] one (its sequence_truncate / sequence_mask modes)."""
+
+    level = "token"
 
     def _generate_and_score_completions(self, inputs):
         out = super()._generate_and_score_completions(inputs)
         g = torch.Generator().manual_seed(int(out["completion_ids"].sum()))
-        out["importance_sampling_ratio"] = 0.5 + torch.rand(out["completion_ids"].shape, generator=g)
+        b, t = out["completion_ids"].shape
+        out["importance_sampling_ratio"] = 0.5 + torch.rand((b, t if self.level == "token" else 1), generator=g)
         return out
 
     def _compute_loss(self, model, inputs):
@@ -57,7 +61,8 @@ class _VllmWeight:
 def _train(out, run, model_dir, el_loss=None, vllm_weight=False, model=None, **opts):
     from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
-    cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {}) if vllm_weight else None
+    level = vllm_weight if isinstance(vllm_weight, str) else "token"
+    cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {"level": level}) if vllm_weight else None
     cfg = {**BASE, **opts}
     tr = trl_tiny.trainer(out, run, cls=cls, model=model if model is not None else model_dir,
                           el=dict(loss=el_loss) if el_loss else None, **cfg)
@@ -137,6 +142,7 @@ OPTIONS = {
     "entropy_bonus": dict(entropy_coef=0.05),
     "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_target=10.0, entropy_coef=0.0, entropy_coef_delta=0.02),
     "vllm_is_weight": dict(vllm_weight=True),
+    "vllm_is_weight_sequence": dict(vllm_weight="sequence"),
     "dr_grpo": dict(loss_type="dr_grpo"),
     "bnpo": dict(loss_type="bnpo"),
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
@@ -151,6 +157,10 @@ ACTED = {
     "sequence_level": "SELECT bool_or(clipped) FROM tokens",
     "entropy_bonus": "SELECT bool_and(entropy_coef = 0.05) FROM steps",
     "vllm_is_weight": "SELECT bool_and(is_weight BETWEEN 0.5 AND 1.5) AND count(is_weight) = count(*) FROM tokens",
+    "vllm_is_weight_sequence": """SELECT bool_and(lo BETWEEN 0.5 AND 1.5) AND max(hi - lo) = 0 AND bool_and(n = k)
+                                         AND count(DISTINCT lo) > 1
+                                  FROM (SELECT min(is_weight) lo, max(is_weight) hi, count(is_weight) n, count(*) k
+                                        FROM tokens GROUP BY step, "update", seq)""",
 }
 
 
