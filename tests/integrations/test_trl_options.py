@@ -263,3 +263,27 @@ def test_entropy_bonus_leaves_entropy_effect_null_with_attribution(tmp_path, mod
     assert n > 0 and eff == 0
     coef, budget = con.execute("SELECT min(entropy_coef), count(entropy_effect) FROM steps").fetchone()
     assert coef == pytest.approx(0.05) and budget == 0
+
+
+@pytest.mark.slow
+def test_dapo_equals_trls_dapo_over_two_processes(tmp_path, model_dir):
+    # two processes: dapo's normaliser is num_items_in_batch (both ranks' tokens) / processes, and the
+    # top-entropy quantile is taken over both ranks' entropies (TRL's get_high_entropy_mask gathers them)
+    import os
+    import subprocess
+
+    child = Path(__file__).parent / "helpers" / "trl_two_ranks_oracle.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    w = {}
+    for loss in ("trl", "dapo"):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            str(child), str(tmp_path / loss), model_dir, loss], env=env, capture_output=True,
+                           text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-4000:]
+        w[loss] = torch.load(tmp_path / loss / "weights.pt")
+        con = connect(tmp_path / loss / "r")
+        assert {x for (x,) in con.execute("SELECT DISTINCT rank FROM tokens").fetchall()} == {0, 1}
+        kept = con.execute("SELECT avg(token_kept::int) FROM tokens").fetchone()[0]
+        assert 0.1 < kept < 0.4, (loss, kept)
+    assert _moved(model_dir, w["dapo"]) > 1e-3
+    _assert_same_weights(w["dapo"], w["trl"])
