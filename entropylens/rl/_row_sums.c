@@ -1,4 +1,4 @@
-/* One pass over each row of logits for entropylens.stats._forward (CPU): the row's max, then in a
+/* One pass over each row of logits for entropylens.rl.stats._forward (CPU): the row's max, then in a
  * single streaming loop u_j = max(z_j/T - m, FLOOR), e_j = exp(u_j) and the sums
  *     S = sum e_j,  D = sum e_j u_j,  R = sum e_j^2 u_j,  Q = sum e_j^2
  * (with `split`: over j != a, the sampled token's e_a returned apart, as the Python pass does).

@@ -137,7 +137,7 @@ def test_the_native_pass_is_off_unless_asked(monkeypatch):
     """#31: by default (ENTROPYLENS_NATIVE unset) every pass, training included, runs torch's eager kernels."""
     import torch
 
-    from entropylens import stats
+    from entropylens.rl import stats
 
     monkeypatch.delenv("ENTROPYLENS_NATIVE")
     monkeypatch.setattr(native, "row_sums", lambda *a, **k: pytest.fail("the native row pass ran by default"))
