@@ -122,7 +122,7 @@ def policy_update(
     (:func:`entropy_bonus_effect`: dLoss/dH_t from autograd, one more chunked pass over the logits for
     sum_j p_j^2 (log p_j + H)^2) is added to grad_coef s / T^2, as the loss column
     ``entropy_effect_bonus``; from ``hidden`` + ``head`` it is not measured and entropy_effect is null
-    (the recorder's rule, tokenbatch.entropy_bonus_rule)."""
+    (the recorder's rule, token_columns.entropy_bonus_rule)."""
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
     sum_p2, sens, dist = None, [None], None
     if logits is None:

@@ -5,8 +5,8 @@ recorded behind the copy on the current stream; whoever reads the block (the wri
 on that event. Nothing here synchronises the caller.
 
 On the CPU the tensors already are host memory: :class:`DeferredBlock` holds a private copy of the
-update (tokenbatch.snapshot) and the writer thread builds the packed block from it when it reads
-it (tokenbatch.update_block), so the aggregates and the packing cost the training thread nothing.
+update (blocks.snapshot) and the writer thread builds the packed block from it when it reads
+it (blocks.update_block), so the aggregates and the packing cost the training thread nothing.
 Both classes answer ``on_host``, ``finite()``, ``wait()`` and ``layout`` alike.
 """
 
@@ -17,13 +17,13 @@ import time
 import numpy as np
 import torch
 
-from . import tokenbatch
+from . import blocks, packed_block
 
 
 class HostCopy:
     """An int32 block on its way to the host. ``ready`` without waiting; ``wait()`` -> numpy."""
 
-    def __init__(self, packed: torch.Tensor, layout: "tokenbatch.Layout | None" = None):
+    def __init__(self, packed: torch.Tensor, layout: "packed_block.Layout | None" = None):
         self.layout = layout
         self._event = None
         if packed.device.type == "cuda":
@@ -43,7 +43,7 @@ class HostCopy:
 
     def finite(self) -> dict[str, bool]:
         """The input finite flags (read from the block: call only when ``on_host``)."""
-        return tokenbatch.read_finite(self.wait(), self.layout)
+        return packed_block.read_finite(self.wait(), self.layout)
 
     @property
     def ready(self) -> bool:
@@ -60,20 +60,20 @@ class HostCopy:
 
 class DeferredBlock:
     """A CPU update whose packed block is built when it is read: ``wait()`` runs
-    tokenbatch.update_block on the snapshot (on the writer thread) and returns the int32 block,
+    blocks.update_block on the snapshot (on the writer thread) and returns the int32 block,
     unless :func:`build_blocks` built it already together with other updates."""
 
-    def __init__(self, snap: "tokenbatch.Snapshot", salt: int, sample: float):
+    def __init__(self, snap: "blocks.Snapshot", salt: int, sample: float):
         self._snap, self._salt, self._sample = snap, salt, sample
         self._block: np.ndarray | None = None  # set by build_blocks
-        self.layout: tokenbatch.Layout | None = None  # known once the block is built
+        self.layout: packed_block.Layout | None = None  # known once the block is built
 
     on_host = True  # the finite flags are host memory already
 
     def finite(self) -> dict[str, bool]:
         """The input finite flags, from the snapshot (no block needed)."""
         finite = self._snap.finite
-        if isinstance(finite, tokenbatch.FiniteFlags):
+        if isinstance(finite, packed_block.FiniteFlags):
             if finite.flags is None:  # nothing left to check (policy_loss checked these inputs)
                 return {}
             return dict(zip(finite.names, (bool(v) for v in finite.flags.tolist())))
@@ -89,7 +89,7 @@ class DeferredBlock:
 
 def build_blocks(copies: list) -> None:
     """Builds the blocks of the DeferredBlocks among ``copies`` (a hand-over's updates, on the writer
-    thread) with one set of ops per group of same-shaped updates (tokenbatch.stack_snapshots):
+    thread) with one set of ops per group of same-shaped updates (blocks.stack_snapshots):
     ~130 small ops per group instead of per update. Each block equals the one ``wait()`` builds
     alone, word for word; ``wait()`` then returns it. Other copies are left as they are."""
     groups: dict[tuple, list[DeferredBlock]] = {}
@@ -100,7 +100,7 @@ def build_blocks(copies: list) -> None:
         if len(group) < 2:
             continue  # built alone by its wait()
         with torch.inference_mode():
-            packed, layout = tokenbatch.stack_snapshots([c._snap for c in group]).block(group[0]._salt,
+            packed, layout = blocks.stack_snapshots([c._snap for c in group]).block(group[0]._salt,
                                                                                          group[0]._sample)
         host = packed.numpy()  # [U, layout.size]
         for c, row in zip(group, host):

@@ -24,7 +24,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from . import run_claim, tokenbatch
+from . import blocks, run_claim
 from .. import storage
 from ..rl.losses import METHODS, resolve_eps
 from .steps import StepState
@@ -139,13 +139,13 @@ class RunLifecycle:
             from ..token_text import save_tokenizer
 
             save_tokenizer(tokenizer, self.dir)
-        self._salt = tokenbatch.run_hash(run)
+        self._salt = blocks.run_hash(run)
         self._disabled = False
         self._closed = False
         self._probing = False  # probe(): its record_step may name an update without token rows
         self._warned_rescalar = False
-        self._pending = None  # recorder_update._Pending: an update waiting for its backward
-        self._watch = None  # recorder_update.LogitWatch
+        self._pending = None  # update._Pending: an update waiting for its backward
+        self._watch = None  # update.LogitWatch
         self._info = self._run_info(earlier)
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync,

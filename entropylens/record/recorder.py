@@ -20,14 +20,16 @@ step is written after all its token files, so a present ``steps`` row implies al
 
 This module is the public API: :class:`Recorder`, put together from one part per job (each a mixin
 in its own module, whose docstring says its job and the state it owns):
-  recorder_run.py        the run: arguments, claim or resume, the writer thread, close (RecorderError)
-  recorder_inputs.py     the checks of an update's tensors, a step's scalars and sequences
-  recorder_update.py     watch_logits, record_update, the pending update (LogitWatch); the hot path
-  recorder_steps.py      the step state (StepState), record_step, record_sequences, probe, end_step, commit
-  recorder_summaries.py  step_summary(_later) (PendingSummary), live alarms (alarms=, stop_on), log_to
-  loss_output.py         what record_update(loss=...) reads (LossOutput: a Protocol)
-Below them:
-  tokenbatch.py     the device work of an update: columns, exact aggregates, sample, one packed block
+  lifecycle.py      the run: arguments, claim or resume, the writer thread, close (RecorderError)
+  inputs.py         the checks of an update's tensors, a step's scalars and sequences
+  update.py         watch_logits, record_update, the pending update (LogitWatch); the hot path
+  steps.py          the step state (StepState), record_step, record_sequences, probe, end_step, commit
+  summaries.py      step_summary(_later) (PendingSummary), live alarms (alarms=, stop_on), log_to
+  loss_output.py    what record_update(loss=...) reads (LossOutput: a Protocol)
+Below them, one way down, each stage handing the next what it needs:
+  token_columns.py  an update's token columns on its device (ratio, quadrant, clip, attribution)
+  blocks.py         the update's block: sample, exact aggregates, packed (on the device, or from a snapshot)
+  packed_block.py   the packed block's format: one int32 tensor per update, split back on the host
   host_copy.py      the one device -> host copy of that block, without a sync on this thread
   writer_thread.py  the queue, back-pressure, error surfacing, heartbeat and run.json; row selection
   step_table.py     steps rows (aggregates + scalars), closing steps, summaries

@@ -2,8 +2,8 @@
 
 Small updates share a file: rows are buffered until ``rows_per_file`` or the end of their step
 (one file per update at scale, a handful of files per step for small batches). An update arrives
-as its unpacked block (tokenbatch.HostUpdate) and its rows are selected when its file is
-complete, together with the other updates of the file (tokenbatch.rows_of: one selection for a
+as its unpacked block (packed_block.HostUpdate) and its rows are selected when its file is
+complete, together with the other updates of the file (packed_block.rows_of: one selection for a
 step's same-shaped mini-batches instead of one per update); ready rows (a dict of columns) are
 taken as they are. The blocks held so are bounded: past 2 x ``rows_per_file`` positions their
 rows are selected at once (a sparse sample keeps few rows of many positions). Pure host
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tokenbatch import HostUpdate, rows_of
+from .packed_block import HostUpdate, rows_of
 
 # (step, (first update, last update), column arrays) of one file to write
 FileRows = tuple[int, tuple[int, int], dict[str, np.ndarray]]
@@ -59,7 +59,7 @@ class TokenBuffer:
 
     def _rows(self) -> dict[str, np.ndarray]:
         """The buffered rows as one set of columns, in order: runs of consecutive HostUpdates selected
-        together (tokenbatch.rows_of)."""
+        together (packed_block.rows_of)."""
         parts: list[dict[str, np.ndarray]] = []
         run: list[tuple[int, HostUpdate]] = []
         for update, _, rows in self._updates + [(0, 0, None)]:

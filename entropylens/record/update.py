@@ -2,9 +2,9 @@
 
 Part of :class:`entropylens.record.recorder.Recorder`. :class:`UpdateRecording` (a mixin) holds
 ``watch_logits`` and ``record_update`` (the hot path: no host sync, checks in
-``recorder_inputs.InputChecks``). An update waits as a :class:`_Pending` until its backward has run
+``inputs.InputChecks``). An update waits as a :class:`_Pending` until its backward has run
 (the hook has fired) or the next recorder call; ``_finalize_pending`` then does the device work
-(tokenbatch.py), the one host copy (host_copy.py) and hands the block to the writer thread. It owns
+(token_columns.py, blocks.py), the one host copy (host_copy.py) and hands the block to the writer thread. It owns
 ``_pending`` and ``_watch``, and run.json's loss block (``_info.loss``, from the first loss given).
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import tokenbatch
+from . import blocks, packed_block, token_columns
 from .host_copy import DeferredBlock, HostCopy
 from .loss_output import LossOutput
 from ..rl.losses import RUN_SETTINGS, update_settings
@@ -60,7 +60,7 @@ class _Pending:
     update: int
     columns: dict  # name -> [B, T]
     mask: torch.Tensor  # [B, T] bool
-    finite: tokenbatch.FiniteFlags  # per checked input: all masked-in values finite (CPU: flags None, see snapshot)
+    finite: packed_block.FiniteFlags  # per checked input: all masked-in values finite (CPU: flags None, see snapshot)
     seq: torch.Tensor  # [B]
     group: torch.Tensor  # [B]
     tokens: torch.Tensor | None  # [B, T]
@@ -118,7 +118,7 @@ class UpdateRecording:
         entropy attribution: tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums (a loss
         with an entropy bonus, ``loss.config['entropy_coef']`` != 0, needs the bonus's own term as the loss column
         ``entropy_effect_bonus`` [B, T], as ``policy_update`` measures it: without it entropy_effect is null,
-        tokenbatch.entropy_bonus_rule). ``seq_ids`` (unique within the step, the same id for the
+        token_columns.entropy_bonus_rule). ``seq_ids`` (unique within the step, the same id for the
         same sequence in every update) may be left out only when the step has one update with tokens:
         then the sequences are 0..B-1. A mask that selects no token is a legitimate update (TRL and verl hand
         over such micro-batches: all completions truncated or tool output): it makes no token rows,
@@ -145,14 +145,14 @@ class UpdateRecording:
         per_update = update_settings(settings)  # beta1 etc.: they may change over a run -> steps rows
         if per_update:
             self._writer.scalars(step, update, per_update)
-        columns = tokenbatch.derive_columns(
+        columns = token_columns.derive_columns(
             mask=m, advantages=advantages, logprobs=logprobs, old_logprobs=old_logprobs, entropy=entropy,
             old_entropy=old_entropy, loss_columns=getattr(loss, "columns", None),
             eps_low=settings.get("eps_low", self.eps_low), eps_high=settings.get("eps_high", self.eps_high),
             tau=settings.get("tau", self.tau),
-        )  # the attribution columns (entropy_sensitivity) are added with the aggregates (tokenbatch.update_block)
+        )  # the attribution columns (entropy_sensitivity) are added with the aggregates (blocks.update_block)
         if entropy_sensitivity is not None:  # an entropy bonus whose own term the loss did not measure: null effect
-            tokenbatch.entropy_bonus_rule(columns, settings)
+            token_columns.entropy_bonus_rule(columns, settings)
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]
         group = group_ids.to(dev).long() if group_ids is not None else torch.full((b,), -1, device=dev)  # [B]
         inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "entropy": entropy,
@@ -163,7 +163,7 @@ class UpdateRecording:
         checked = {name: (columns["advantage"] if name == "advantages" else x) for name, x in inputs.items()
                    if x is not None and not (same_mask and pre.get(name) is x)}
         if dev.type == "cpu" or not checked:
-            # checked on the snapshot's own copies of these columns (tokenbatch.snapshot, when the update is
+            # checked on the snapshot's own copies of these columns (blocks.snapshot, when the update is
             # finalised; the error is raised there, as before): the same test in 3 ops instead of ~15
             finite = None
         else:
@@ -172,7 +172,7 @@ class UpdateRecording:
         watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
             else None
         self._pending = _Pending(
-            step=step, update=update, columns=columns, mask=m, finite=tokenbatch.FiniteFlags(tuple(checked), finite),
+            step=step, update=update, columns=columns, mask=m, finite=packed_block.FiniteFlags(tuple(checked), finite),
             seq=seq, group=group,
             tokens=tokens.to(dev) if tokens is not None else None,
             loss_value=getattr(loss, "loss", None), watch=watch, sensitivity=entropy_sensitivity,
@@ -219,12 +219,12 @@ class UpdateRecording:
         if pending.mask.device.type == "cpu":
             # the host is the device: the writer thread does the sample, the aggregates and the packing
             # (off the training thread) on a private copy of the update (three stacked copies)
-            copy = DeferredBlock(tokenbatch.snapshot(columns, pending.mask, pending.loss_value, pending.finite,
+            copy = DeferredBlock(blocks.snapshot(columns, pending.mask, pending.loss_value, pending.finite,
                                                      pending.seq, pending.group, pending.tokens, pending.sensitivity,
                                                      pending.temperature),
                                  self._salt, self.sample)
         else:
-            packed, layout = tokenbatch.update_block(columns, pending.mask, pending.loss_value, pending.finite,
+            packed, layout = blocks.update_block(columns, pending.mask, pending.loss_value, pending.finite,
                                                      pending.seq, pending.group, pending.tokens, self._salt,
                                                      self.sample, pending.sensitivity, pending.temperature)
             copy = HostCopy(packed, layout)

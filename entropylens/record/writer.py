@@ -75,7 +75,7 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
 
 
 # NaN on the device = null in the file: a gradient unchanged (entropy_effect_dropped), an entropy bonus's
-# own term not measured (entropy_effect: tokenbatch.entropy_bonus_rule)
+# own term not measured (entropy_effect: token_columns.entropy_bonus_rule)
 NAN_IS_NULL = ("entropy_effect", "entropy_effect_dropped")
 
 

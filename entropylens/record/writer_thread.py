@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import storage
-from . import tokenbatch
+from . import packed_block
 from . import writer as parquet
 from .host_copy import DeferredBlock, HostCopy, build_blocks
 from ..schema import QUADRANT_NAMES, SCHEMA_VERSION
@@ -429,7 +429,7 @@ class WriterThread:
 
     def _on_update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
         block = copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
-        host = tokenbatch.unpack(block, copy.layout)
+        host = packed_block.unpack(block, copy.layout)
         bad = [name for name, ok in host.finite.items() if not ok]
         if bad:  # the update is dropped; the caller raises this at its next call
             self._rejected.append(ValueError(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.record import tokenbatch
+from entropylens.record import blocks, packed_block
 from entropylens.rl.losses import policy_loss
 from entropylens.read.query import connect
 
@@ -74,10 +74,10 @@ def test_device_path_block_and_stacked_updates_equal():
                 clip=torch.zeros(2, 3, dtype=torch.int8), clipped=torch.zeros(2, 3, dtype=torch.bool))
     base["ratio"] = torch.exp(base["logprob"] - base["old_logprob"])
     full = {**base, **cols}
-    finite = tokenbatch.FiniteFlags((), None)
+    finite = packed_block.FiniteFlags((), None)
     seq, group = torch.tensor([3, 4]), torch.tensor([0, 0])
-    block, layout = tokenbatch.update_block(dict(full), mask, torch.tensor(0.0), finite, seq, group, None, 0, 1.0)
-    host = tokenbatch.unpack(block.numpy(), layout)
+    block, layout = blocks.update_block(dict(full), mask, torch.tensor(0.0), finite, seq, group, None, 0, 1.0)
+    host = packed_block.unpack(block.numpy(), layout)
     assert layout.bool_names == ("dual_clipped", "token_kept", "seq_kept")
     assert [host.aggregates[n] for n in FRACTIONS] == pytest.approx([0.4, 0.2, 0.4, 1.6], rel=1e-12)
     r = host.rows()
@@ -87,12 +87,12 @@ def test_device_path_block_and_stacked_updates_equal():
     # two same-shaped updates stacked: row u == update u's own block, word for word
     other = {**full, "is_weight": full["is_weight"] * 2, "token_kept": ~full["token_kept"]}
     stacked = {k: torch.stack([full[k], other[k]]) for k in full}
-    blocks, layout2 = tokenbatch.update_block(stacked, torch.stack([mask, mask]), torch.tensor([0.0, 0.0]),
-                                              tokenbatch.FiniteFlags((), None), torch.stack([seq, seq + 2]),
+    stacked_blocks, layout2 = blocks.update_block(stacked, torch.stack([mask, mask]), torch.tensor([0.0, 0.0]),
+                                              packed_block.FiniteFlags((), None), torch.stack([seq, seq + 2]),
                                               torch.stack([group, group]), None, 0, 1.0)
-    alone, _ = tokenbatch.update_block(dict(other), mask, torch.tensor(0.0), finite, seq + 2, group, None, 0, 1.0)
-    assert torch.equal(blocks[0], block) and torch.equal(blocks[1], alone) and layout2 == layout
-    rows = tokenbatch.rows_of([tokenbatch.unpack(b.numpy(), layout) for b in blocks], [0, 1])
+    alone, _ = blocks.update_block(dict(other), mask, torch.tensor(0.0), finite, seq + 2, group, None, 0, 1.0)
+    assert torch.equal(stacked_blocks[0], block) and torch.equal(stacked_blocks[1], alone) and layout2 == layout
+    rows = packed_block.rows_of([packed_block.unpack(b.numpy(), layout) for b in stacked_blocks], [0, 1])
     assert rows["token_kept"].tolist() == r["token_kept"].tolist() + (~r["token_kept"]).tolist()
     assert rows["is_weight"].tolist() == pytest.approx(r["is_weight"].tolist() + (2 * r["is_weight"]).tolist())
 

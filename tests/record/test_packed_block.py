@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from entropylens.rl import aggregates
-from entropylens.record import tokenbatch
+from entropylens.record import blocks, packed_block, token_columns
 from entropylens.schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 
@@ -24,15 +24,15 @@ def test_pack_unpack_round_trip_with_flags_and_selection():
     }
     aggs = torch.arange(len(aggregates.AGG_NAMES), dtype=torch.float64) / 8  # 0, 0.125, ... exact in float64
     finite = {"logprobs": torch.tensor(True), "entropy": torch.tensor(False)}
-    packed, layout = tokenbatch.pack(cols, selected, aggs, finite, seq=torch.tensor([10, 11]),
+    packed, layout = packed_block.pack(cols, selected, aggs, finite, seq=torch.tensor([10, 11]),
                                      group=torch.tensor([5, 6]), tokens=torch.tensor([[7, 8, 9], [1, 2, 3]]))
     assert packed.dtype == torch.int32 and packed.shape == (layout.size,)
     # sizes in int32 words: aggregates 2 each, 2 finite flags x 2, 4 float columns x 6, 6 token ids,
     # 6 flags, 2 seq ids, 2 group ids
     assert layout.size == 2 * len(aggregates.AGG_NAMES) + 4 + 24 + 6 + 6 + 2 + 2
-    host = tokenbatch.unpack(packed.numpy(), layout)
+    host = packed_block.unpack(packed.numpy(), layout)
     assert host.finite == {"logprobs": True, "entropy": False}
-    assert tokenbatch.read_finite(packed.numpy(), layout) == host.finite
+    assert packed_block.read_finite(packed.numpy(), layout) == host.finite
     assert list(host.aggregates.values()) == aggs.tolist()
     rows = host.rows()
     # row order: (seq 0, pos 0), (seq 0, pos 1), (seq 1, pos 2)
@@ -53,9 +53,9 @@ def test_pack_without_tokens_or_erc():
     selected = torch.tensor([[True, False]])
     cols = {"logprob": torch.zeros(1, 2), "quadrant": torch.zeros(1, 2, dtype=torch.int8),
             "clip": torch.zeros(1, 2, dtype=torch.int8), "clipped": torch.zeros(1, 2, dtype=torch.bool)}
-    packed, layout = tokenbatch.pack(cols, selected, torch.zeros(len(aggregates.AGG_NAMES)), {},
+    packed, layout = packed_block.pack(cols, selected, torch.zeros(len(aggregates.AGG_NAMES)), {},
                                      seq=torch.tensor([3]), group=torch.tensor([-1]), tokens=None)
-    rows = tokenbatch.unpack(packed.numpy(), layout).rows()
+    rows = packed_block.unpack(packed.numpy(), layout).rows()
     assert rows["token_id"].tolist() == [-1] and rows["seq"].tolist() == [3] and "erc_kept" not in rows
 
 
@@ -68,7 +68,7 @@ def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
     old = torch.log(torch.full((1, 4), 0.6))
     logp = old + torch.tensor([[0.0, np.log(2.0), 100.0, 0.0]])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    cols = tokenbatch.derive_columns(mask=mask, advantages=torch.ones(1), logprobs=logp, old_logprobs=old,
+    cols = token_columns.derive_columns(mask=mask, advantages=torch.ones(1), logprobs=logp, old_logprobs=old,
                                      entropy=None, old_entropy=None, loss_columns=None, eps_low=0.2,
                                      eps_high=0.2, tau=0.5)
     lgn = torch.tensor([[1.0, float("inf"), float("nan"), 3.0]])
@@ -104,20 +104,20 @@ def test_snapshot_block_equals_update_block_and_ignores_later_changes(sample):
     old = lp.detach() + 0.3 * torch.randn(b, t, generator=g)
     old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
     out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h, erc=(0.95, 1.05))
-    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
+    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
                                      old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
     cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
-    finite = tokenbatch.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, False]))
+    finite = packed_block.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, False]))
     seq, group = torch.arange(b) * 7, torch.arange(b) // 2
-    expected, layout = tokenbatch.update_block(dict(cols), mask, out.loss, finite, seq, group, tokens, 12345, sample,
+    expected, layout = blocks.update_block(dict(cols), mask, out.loss, finite, seq, group, tokens, 12345, sample,
                                                sens, 0.7)
-    snap = tokenbatch.snapshot(cols, mask, out.loss, finite, seq, group, tokens, sens, 0.7)
+    snap = blocks.snapshot(cols, mask, out.loss, finite, seq, group, tokens, sens, 0.7)
     for x in (*cols.values(), mask, seq, group, tokens, sens):
         x.detach().zero_()  # the caller reuses its buffers
     got, got_layout = snap.block(12345, sample)
     assert got_layout == layout
     assert torch.equal(got, expected)
-    host = tokenbatch.unpack(expected.numpy(), layout)
+    host = packed_block.unpack(expected.numpy(), layout)
     assert "entropy_effect" in host.columns and "entropy_effect_dropped" in host.columns
     assert host.selected.sum() < host.masked.sum() if sample < 1 else (host.selected == host.masked).all()
 
@@ -140,11 +140,11 @@ def _update_inputs(seed: int, b: int = 6, t: int = 5, v: int = 11, erc: bool = T
     old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
     out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h,
                       erc=(0.95, 1.05) if erc else None)
-    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
+    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
                                      old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
     cols = {k: x.detach() for k, x in cols.items()}
     cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
-    finite = tokenbatch.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, True]))
+    finite = packed_block.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, True]))
     seq, group = torch.arange(b) * 7 + 100 * seed, torch.arange(b) // 2
     return cols, mask, out.loss.detach(), finite, seq, group, tokens, sens.detach()
 
@@ -156,18 +156,18 @@ def test_stacked_snapshots_give_each_update_its_own_block(sample):
     # alone (update_block on its own tensors, the CUDA path): aggregates, quantiles, the entropy
     # budget, the sample and the packed columns, including an update with an infinite ratio.
     inputs = [_update_inputs(seed) for seed in range(4)]
-    alone = [tokenbatch.update_block(dict(a[0]), *a[1:7], 777, sample, a[7], 0.7) for a in inputs]
-    snaps = [tokenbatch.snapshot(*a[:7], a[7], 0.7) for a in inputs]
+    alone = [blocks.update_block(dict(a[0]), *a[1:7], 777, sample, a[7], 0.7) for a in inputs]
+    snaps = [blocks.snapshot(*a[:7], a[7], 0.7) for a in inputs]
     assert len({s.signature() for s in snaps}) == 1
-    stacked, layout = tokenbatch.stack_snapshots(snaps).block(777, sample)
+    stacked, layout = blocks.stack_snapshots(snaps).block(777, sample)
     assert stacked.shape == (4, layout.size)
     for u, (expected, expected_layout) in enumerate(alone):
         assert expected_layout == layout
         assert torch.equal(stacked[u], expected), f"update {u}"
-    agg = tokenbatch.unpack(stacked[2].numpy(), layout).aggregates
+    agg = packed_block.unpack(stacked[2].numpy(), layout).aggregates
     assert agg["n_nonfinite_ratio"] == 1.0 and np.isfinite(agg["ratio_mean"])
     # the updates differ: a batched op that mixed them would show here
-    assert len({tokenbatch.unpack(stacked[u].numpy(), layout).aggregates["entropy_mean"] for u in range(4)}) == 4
+    assert len({packed_block.unpack(stacked[u].numpy(), layout).aggregates["entropy_mean"] for u in range(4)}) == 4
 
 
 def test_build_blocks_groups_same_shaped_updates_and_leaves_each_block_as_alone():
@@ -178,7 +178,7 @@ def test_build_blocks_groups_same_shaped_updates_and_leaves_each_block_as_alone(
 
     specs = [dict(seed=0), dict(seed=1), dict(seed=2, b=4), dict(seed=3, b=4), dict(seed=4, erc=False),
              dict(seed=5)]
-    snaps = [tokenbatch.snapshot(*a[:7], a[7], 1.0) for a in (_update_inputs(**s) for s in specs)]
+    snaps = [blocks.snapshot(*a[:7], a[7], 1.0) for a in (_update_inputs(**s) for s in specs)]
     together = [DeferredBlock(s, 9, 1.0) for s in snaps]
     build_blocks([*together, "not a block"])
     assert all(c._block is not None for i, c in enumerate(together) if i != 4)  # the lone no-ERC one waits
@@ -196,7 +196,7 @@ def test_batched_aggregates_and_quantiles_match_each_update():
     inputs[1][1].zero_()  # update 1: every token masked out
     cols = [dict(a[0]) for a in inputs]
     for c, a in zip(cols, inputs):
-        tokenbatch.add_attribution(c, a[7], 0.7)
+        token_columns.add_attribution(c, a[7], 0.7)
     stacked = {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
     masks = torch.stack([a[1] for a in inputs])
     losses = torch.stack([a[2] for a in inputs])
@@ -225,6 +225,6 @@ def test_snapshot_computes_missing_finite_flags_from_its_copies():
     cols["old_logprob"][oi, oj] = float("nan")
     cols["advantage"][i, j] = float("nan")
     names = ("logprobs", "old_logprobs", "advantages", "entropy", "old_entropy")
-    snap = tokenbatch.snapshot(cols, mask, loss, tokenbatch.FiniteFlags(names, None), seq, group, tokens, sens)
+    snap = blocks.snapshot(cols, mask, loss, packed_block.FiniteFlags(names, None), seq, group, tokens, sens)
     assert dict(zip(names, snap.finite.flags.tolist())) == {
         "logprobs": True, "old_logprobs": True, "advantages": False, "entropy": False, "old_entropy": True}

@@ -512,12 +512,12 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
     # policy_loss checks its inputs (one sync); the recorder skips the very tensors it checked (same
     # objects, same mask) and still checks the rest: a float64 input whose finite values overflow
     # float32 (the loss checked it as float64; its stored float32 column is -inf)
-    from entropylens.record import tokenbatch
+    from entropylens.record import blocks
     from entropylens.rl.losses import policy_loss
 
     names = []
-    snapshot = tokenbatch.snapshot
-    monkeypatch.setattr(tokenbatch, "snapshot", lambda cols, mask, loss, finite, *a: names.append(finite.names)
+    snapshot = blocks.snapshot
+    monkeypatch.setattr(blocks, "snapshot", lambda cols, mask, loss, finite, *a: names.append(finite.names)
                         or snapshot(cols, mask, loss, finite, *a))
     m = torch.ones(2, 3, dtype=torch.bool)
     lp, old, adv = torch.full((2, 3), -1.0), torch.full((2, 3), -1.1), torch.tensor([1.0, -1.0])

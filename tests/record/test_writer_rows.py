@@ -1,4 +1,4 @@
-"""Token rows selected for a whole file at once (tokenbatch.rows_of, token_buffer.TokenBuffer) equal
+"""Token rows selected for a whole file at once (packed_block.rows_of, token_buffer.TokenBuffer) equal
 the rows each update gives alone (HostUpdate.rows), in the same order, column for column."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from entropylens.rl import aggregates
-from entropylens.record import tokenbatch
+from entropylens.record import packed_block
 from entropylens.record.token_buffer import TokenBuffer
 
 
@@ -24,10 +24,10 @@ def packed_update(seed: int, b: int = 3, t: int = 5, *, tokens: bool = True, erc
     if erc:
         cols["erc_kept"] = torch.rand(b, t, generator=g) < 0.7
     aggs = torch.randn(len(aggregates.AGG_NAMES), generator=g, dtype=torch.float64)
-    packed, layout = tokenbatch.pack(cols, selected, aggs, {}, seq=torch.arange(b) + 10 * seed,
+    packed, layout = packed_block.pack(cols, selected, aggs, {}, seq=torch.arange(b) + 10 * seed,
                                      group=torch.arange(b) // 2, mask=mask,
                                      tokens=torch.randint(0, 50, (b, t), generator=g) if tokens else None)
-    return tokenbatch.unpack(packed.numpy(), layout)
+    return packed_block.unpack(packed.numpy(), layout)
 
 
 def one_by_one(hosts, updates) -> dict[str, np.ndarray]:
@@ -50,7 +50,7 @@ def assert_rows_equal(got: dict, want: dict) -> None:
 def test_rows_of_equals_each_update_alone(tokens, erc):
     hosts = [packed_update(s, tokens=tokens, erc=erc) for s in range(4)]
     updates = [3, 4, 5, 7]
-    got = tokenbatch.rows_of(hosts, updates)
+    got = packed_block.rows_of(hosts, updates)
     want = one_by_one(hosts, updates)
     assert len(want["seq"]) > 0
     assert_rows_equal(got, want)
@@ -64,10 +64,10 @@ def test_rows_of_equals_each_update_alone(tokens, erc):
 
 def test_rows_of_updates_of_different_shapes_and_one_update():
     hosts = [packed_update(0, b=2, t=4), packed_update(1, b=3, t=5), packed_update(2, b=2, t=4)]
-    assert_rows_equal(tokenbatch.rows_of(hosts, [0, 1, 2]), one_by_one(hosts, [0, 1, 2]))
-    assert_rows_equal(tokenbatch.rows_of(hosts[:1], [9]), one_by_one(hosts[:1], [9]))
+    assert_rows_equal(packed_block.rows_of(hosts, [0, 1, 2]), one_by_one(hosts, [0, 1, 2]))
+    assert_rows_equal(packed_block.rows_of(hosts[:1], [9]), one_by_one(hosts[:1], [9]))
     none = packed_update(3, sample=0.0)  # nothing selected
-    got = tokenbatch.rows_of([none, none], [0, 1])
+    got = packed_block.rows_of([none, none], [0, 1])
     assert all(len(v) == 0 for v in got.values()) and set(got) == set(one_by_one([none], [0]))
 
 

@@ -46,7 +46,7 @@ def assert_same(got: pa.Table, want: pa.Table) -> None:
 
 
 ROWS = [
-    # an aggregates-like row: floats (counts as floats, as tokenbatch.unpack gives them), NaN = not measured
+    # an aggregates-like row: floats (counts as floats, as packed_block.unpack gives them), NaN = not measured
     {"update": 0, "n_tokens": 4096.0, "n_pa_hp": 1000.0, "n_pa_lp": 24.0, "n_na_hp": 2000.0, "n_na_lp": 72.0,
      "n_za": 1000.0, "entropy_mean": 3.4114692211151123, "old_entropy_mean": 0.1 + 0.2, "ratio_mean": 1.0000001,
      "lgn_mean_pa_hp": float("nan"), "kl_k3": 1e-9, "loss": -0.0, "entropy_effect": float("inf"),

@@ -153,7 +153,7 @@ def test_neg_inf_logits_backward_against_finite_part(g_ent):
 # ------------------------------------------------------------------ token columns and the budget
 def _update(method="grpo", temperature=1.0, seed=0, **kw):
     """A real update: logits [B, T, V] -> policy_loss -> derive_columns with the sensitivity."""
-    from entropylens.record import tokenbatch
+    from entropylens.record import token_columns
     from entropylens.rl.losses import policy_loss
 
     g = torch.Generator().manual_seed(seed)
@@ -168,7 +168,7 @@ def _update(method="grpo", temperature=1.0, seed=0, **kw):
     x = z.float().clone().requires_grad_(True)
     lp, h, s = stats.logprobs_and_entropy(x, tok, temperature=temperature, sensitivity=True)
     out = policy_loss(lp, old_lp, adv, mask, method=method, entropy=h, old_entropy=old_h, **kw)
-    cols = tokenbatch.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
+    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
                                      old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2,
                                      tau=0.5, sensitivity=s, temperature=temperature)
     return z.float().double(), tok, mask, out, cols, x

@@ -1,0 +1,99 @@
+"""An update's token columns on the device, as pure tensor functions (no I/O): ratio, quadrant, clip,
+entropy ratio (DESIGN.md's definitions) from the raw tensors, or taken as they are from a ``policy_loss``
+output, and the entropy attribution columns (entropy_effect, entropy_effect_dropped)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..rl import stats
+
+
+def derive_columns(
+    *,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    old_entropy: torch.Tensor | None,
+    loss_columns: dict[str, torch.Tensor] | None,
+    eps_low: float,
+    eps_high: float,
+    tau: float,
+    sensitivity: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> dict[str, torch.Tensor]:
+    """All token columns as [B, T] detached tensors. Columns the loss computed are used as they are
+    (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions.
+    With ``sensitivity`` (stats.entropy_sensitivity, [B, T]): entropy_effect = grad_coef s / T^2 and,
+    where the loss reports grad_changed, entropy_effect_dropped = (grad_coef_unclipped - grad_coef)
+    s / T^2 on changed tokens (NaN, stored as null, elsewhere)."""
+    cols: dict[str, torch.Tensor] = dict(loss_columns or {})
+    shape = logprobs.shape
+    if "advantage" not in cols:
+        adv = advantages.detach().float()
+        cols["advantage"] = adv.unsqueeze(1).expand(shape) if adv.dim() == 1 else adv
+    if "logprob" not in cols:
+        cols["logprob"] = logprobs.detach().float()
+    if "old_logprob" not in cols:
+        cols["old_logprob"] = old_logprobs.detach().float()
+    if "prob" not in cols:
+        cols["prob"] = torch.exp(cols["old_logprob"])
+    if "ratio" not in cols:
+        cols["ratio"] = torch.exp(cols["logprob"] - cols["old_logprob"])
+    if "clip" not in cols:
+        cols["clip"] = stats.clip_region(cols["ratio"], eps_low, eps_high)
+    if "clipped" not in cols:
+        cols["clipped"] = stats.clipped_mask(cols["clip"], cols["advantage"])
+    if "quadrant" not in cols:
+        cols["quadrant"] = stats.quadrant(cols["advantage"], cols["prob"], tau=tau)
+    if entropy is not None and "entropy" not in cols:
+        cols["entropy"] = entropy.detach().float()
+    if old_entropy is not None and "old_entropy" not in cols:
+        cols["old_entropy"] = old_entropy.detach().float()
+    if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
+        cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
+    if sensitivity is not None:
+        add_attribution(cols, sensitivity.reshape(shape), temperature)
+    return cols
+
+
+def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, temperature: float) -> None:
+    """Adds entropy_effect = grad_coef s / T^2 (+ the loss column entropy_effect_bonus, an entropy
+    bonus's own term, where given: :func:`entropy_bonus_rule`) and, where the loss reports grad_changed,
+    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN, stored as
+    null, elsewhere) to ``cols`` (nothing without a grad_coef column). With ERC (erc_kept) and the
+    loss's grad_coef_before_erc (g_e) also ERC's own share of it, (g_e - grad_coef) s / T^2 on the
+    changed tokens (NaN where unchanged; nonzero where ERC dropped the token, or, at sequence level,
+    a token of its sequence: the gradient runs through the sequence mean), as the internal
+    column ``_dropped_by_erc`` (the budget splits by it; never stored). sensitivity [B, T]."""
+    if "grad_coef" not in cols:
+        return
+    sens = sensitivity.detach().float()
+    effect = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+    if "entropy_effect_bonus" in cols:
+        effect = effect + cols["entropy_effect_bonus"].float()
+    cols["entropy_effect"] = effect
+    if "grad_coef_unclipped" in cols and "grad_changed" in cols:
+        changed = cols["grad_changed"]
+        lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
+        nan = torch.full_like(lost, float("nan"))
+        cols["entropy_effect_dropped"] = torch.where(changed, lost, nan)
+        if "erc_kept" in cols and "grad_coef_before_erc" in cols:
+            by_erc = stats.entropy_effect(cols["grad_coef_before_erc"] - cols["grad_coef"], sens,
+                                          temperature=temperature)
+            cols["_dropped_by_erc"] = torch.where(changed, by_erc, nan)
+
+
+def entropy_bonus_rule(cols: dict[str, torch.Tensor], config: dict | None) -> None:
+    """The attribution's entropy-bonus rule (schema: tokens.entropy_effect), keyed on the loss config:
+    a loss with an entropy bonus (``config['entropy_coef']`` != 0) reaches the logits through H as
+    well, so grad_coef s / T^2 leaves out part of the entropy change. Unless ``cols`` carries that
+    part (the loss column ``entropy_effect_bonus`` [B, T]: -dLoss/dH_t * sum_j p_j^2 (log p_j + H)^2
+    / T^2, as integrations.torch.policy_update measures it), a NaN one is added (one value broadcast,
+    no [B, T] allocation): entropy_effect and its budget sums are then null, never the policy term
+    alone. entropy_effect_dropped is unaffected (the bonus is in both gradients and cancels)."""
+    if (config or {}).get("entropy_coef") and "entropy_effect_bonus" not in cols and "grad_coef" in cols:
+        g = cols["grad_coef"]
+        cols["entropy_effect_bonus"] = torch.full((), float("nan"), device=g.device).expand(g.shape)
