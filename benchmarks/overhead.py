@@ -37,7 +37,7 @@ from entropylens import Recorder
 from entropylens.demo.toy import config_for
 from entropylens.demo.toy.train import ToyTrainer
 from entropylens.record.writer import write_tokens
-from entropylens.record.writer_thread import WRITER_IDLE, WRITER_NICE
+from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
 
 
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:

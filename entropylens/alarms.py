@@ -314,7 +314,7 @@ class ScalarLog:
             return
         bad = [(k, v) for k, v in values.items() if isinstance(v, float) and not math.isfinite(v)]
         if bad:
-            from .record.writer_thread import caller_stacklevel
+            from .caller import caller_stacklevel
 
             self.warned = True
             where = f"record_step({step}" + (f", update={update})" if update is not None else ")")
@@ -381,7 +381,7 @@ class LiveAlarms:
                     warnings.warn(f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}")
             if f.rule not in self.warned:
                 self.warned.add(f.rule)
-                from .record.writer_thread import caller_stacklevel
+                from .caller import caller_stacklevel
 
                 # the user's line that led here (record_update, end_step, close, ...), not ours
                 warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=caller_stacklevel())

@@ -28,7 +28,8 @@ from . import blocks, run_claim
 from .. import storage
 from ..rl.losses import METHODS, resolve_eps
 from .steps import StepState
-from .writer_thread import RunInfo, WriterThread, utc_now
+from .run_info import RunInfo, utc_now
+from .writer_thread import WriterThread
 
 _Self = TypeVar("_Self", bound="RunLifecycle")  # the Recorder (the facade above this part: not imported here)
 

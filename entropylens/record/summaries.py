@@ -160,5 +160,5 @@ class StepReports:
         from .trackers import EXTRA_NAMES, SUMMARY_NAMES
 
         self._steps.logged = step
-        names = SUMMARY_NAMES + EXTRA_NAMES if self._writer.histograms or self._writer.table_every else SUMMARY_NAMES
+        names = SUMMARY_NAMES + EXTRA_NAMES if self._writer.work.histograms or self._writer.work.table_every else SUMMARY_NAMES
         self._step_log.add(step, PendingSummary(self._writer.summary_request(step, names), self._writer))

@@ -19,7 +19,7 @@ from . import blocks, packed_block, token_columns
 from .host_copy import DeferredBlock, HostCopy
 from .loss_output import LossOutput
 from ..rl.losses import RUN_SETTINGS, update_settings
-from .writer_thread import caller_stacklevel
+from ..caller import caller_stacklevel
 
 
 class LogitWatch:

@@ -417,7 +417,7 @@ def test_histograms_and_table_options(tmp_path):
             seen[step] = (histograms, table)
 
     with Recorder(tmp_path, run="plain") as rec:
-        assert not rec._writer.histograms and rec._writer.table_every == 0
+        assert not rec._writer.work.histograms and rec._writer.work.table_every == 0
     record_loop(tmp_path, Catch(), run="default")
     assert all(len(h) >= 3 for h, _ in seen.values())  # rho and the quadrants with tokens
     assert [s for s, (_, t) in seen.items() if t is not None] == [0]  # every 50 steps: step 0

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from entropylens import Recorder
-from entropylens.record import writer_thread
+from entropylens.record import file_work, scheduling, writer_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 
@@ -24,7 +24,7 @@ def test_writer_thread_runs_at_lower_priority_than_the_trainer(tmp_path):
     try:
         rec._writer.drain()  # the thread has started and handled a message: its priority is set
         tid = rec._writer._thread.native_id
-        assert _nice(tid) == max(writer_thread.WRITER_NICE, main_before)
+        assert _nice(tid) == max(scheduling.WRITER_NICE, main_before)
         assert _nice(threading.get_native_id()) == main_before  # the training thread is untouched
     finally:
         rec.close()
@@ -37,11 +37,11 @@ def test_lower_priority_never_lowers_and_zero_disables():
 
     def body():
         tid = threading.get_native_id()
-        done["off"] = writer_thread.lower_priority(0)
+        done["off"] = scheduling.lower_priority(0)
         done["after_off"] = _nice(tid)
-        writer_thread.lower_priority(5)
+        scheduling.lower_priority(5)
         done["five"] = _nice(tid)
-        writer_thread.lower_priority(3)  # asking for a higher priority again is a no-op, not an error
+        scheduling.lower_priority(3)  # asking for a higher priority again is a no-op, not an error
         done["three"] = _nice(tid)
 
     base = _nice(threading.get_native_id())
@@ -62,13 +62,13 @@ def test_a_long_back_pressure_wait_warns_once_and_drops_nothing(tmp_path, monkey
 
     import torch
 
-    slow = writer_thread.WriterThread._on_update
+    slow = file_work.FileWork.update
 
     def on_update(self, *args):
         time.sleep(0.6)
         return slow(self, *args)
 
-    monkeypatch.setattr(writer_thread.WriterThread, "_on_update", on_update)
+    monkeypatch.setattr(file_work.FileWork, "update", on_update)
     monkeypatch.setattr(writer_thread, "BACKPRESSURE_WARN_S", 0.5)
     lp = torch.zeros(2, 3)
     kw = dict(mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
@@ -87,7 +87,7 @@ def test_a_long_back_pressure_wait_warns_once_and_drops_nothing(tmp_path, monkey
     assert connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchone() == (24,)
 
 
-needs_idle = pytest.mark.skipif(not writer_thread.WRITER_IDLE or not hasattr(os, "SCHED_IDLE"),
+needs_idle = pytest.mark.skipif(not scheduling.WRITER_IDLE or not hasattr(os, "SCHED_IDLE"),
                                 reason="SCHED_IDLE writer switched off or not available")
 
 
@@ -120,16 +120,19 @@ def test_a_rescue_in_the_middle_of_a_hand_over_keeps_every_message_in_order(tmp_
     import threading
 
     handled = []
-    original = writer_thread.WriterThread._on_update
+    original = file_work.FileWork.update
 
-    def on_update(self, step, update, copy):
-        handled.append((update, threading.current_thread().name))
-        original(self, step, update, copy)
-        if update == 2 and not self.rescued:
-            self._rescue()  # as a waiting caller would, while this thread is busy with update 2
+    writers = []
 
-    monkeypatch.setattr(writer_thread.WriterThread, "_on_update", on_update)
+    def on_update(self, m):
+        handled.append((m.update, threading.current_thread().name))
+        original(self, m)
+        if m.update == 2 and not writers[0].rescued:
+            writers[0]._rescue()  # as a waiting caller would, while this thread is busy with update 2
+
+    monkeypatch.setattr(file_work.FileWork, "update", on_update)
     with Recorder(tmp_path, run="r") as rec:
+        writers.append(rec._writer)
         _record(rec, 0, 6)
         rec.commit()  # one hand-over: updates 0-5 and the close
         writer = rec._writer
@@ -152,15 +155,15 @@ def test_check_starved_rescues_only_a_runnable_writer_that_did_not_run(tmp_path,
     import time
 
     cpu = {"t": 0.0}
-    monkeypatch.setattr(writer_thread, "idle_policy", lambda tid: True)
-    monkeypatch.setattr(writer_thread, "thread_cpu", lambda thread: cpu["t"])
+    monkeypatch.setattr(scheduling, "idle_policy", lambda tid: True)
+    monkeypatch.setattr(scheduling, "thread_cpu", lambda thread: cpu["t"])
     with Recorder(tmp_path, run="r") as rec:
         w = rec._writer
         for is_runnable, ran, expect in ((False, 0.0, False), (True, 0.2, False), (True, 0.0, True)):
-            monkeypatch.setattr(writer_thread, "runnable", lambda thread, r=is_runnable: r)
-            w._last_check = None
+            monkeypatch.setattr(scheduling, "runnable", lambda thread, r=is_runnable: r)
+            w._starvation = scheduling.StarvationCheck()
             w.check_starved()  # the first sample opens the window
-            time.sleep(writer_thread.RESCUE_CHECK_S)
+            time.sleep(scheduling.RESCUE_CHECK_S)
             cpu["t"] += ran  # 0.2 s of CPU in a 0.25 s window: it ran
             w.check_starved()
             assert w.rescued is expect, (is_runnable, ran)
@@ -186,7 +189,7 @@ def test_a_writer_starved_by_busy_cores_is_rescued_and_nothing_is_lost(tmp_path)
             w = rec._writer
             assert w.rescued
             tid = w._thread.native_id
-            assert os.sched_getscheduler(tid) == os.SCHED_OTHER and _nice(tid) == max(writer_thread.WRITER_NICE, 0)
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER and _nice(tid) == max(scheduling.WRITER_NICE, 0)
     finally:
         for h in hogs:
             h.kill()

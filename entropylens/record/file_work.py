@@ -1,0 +1,84 @@
+"""What each message does on the writer thread: the step table, the token buffer and the Parquet files.
+
+:class:`FileWork` holds the writer thread's state (steps rows in the making, token rows waiting for
+their file, inputs rejected once on the host) and one method per message kind (messages.py);
+WriterThread's loop hands it each message in queue order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import packed_block
+from . import writer as parquet
+from .messages import Close, Probes, Rewards, Scalars, Sequences, Summary, Update
+from .step_table import StepTable
+from .token_buffer import TokenBuffer
+
+
+class FileWork:
+    def __init__(self, run_dir: Path, rank: int, *, rows_per_file: int, fsync: bool, histograms: bool,
+                 table_every: int):
+        self.run_dir, self.rank = run_dir, rank
+        # fsync: every file (and its directory) reaches the disk before the steps file that commits its
+        # step is renamed into place, and that steps file before the next one: safe against power loss
+        self.fsync = fsync
+        # for the trackers (Recorder(log_histograms=, log_table_every=)): each update's tokens counted into
+        # the step's histograms; on steps divisible by table_every (> 0) a sample of its token rows
+        self.histograms, self.table_every = bool(histograms), int(table_every)
+        self.rejected: list[ValueError] = []  # bad inputs found once the block reached the host
+        self._steps = StepTable()
+        self._tokens = TokenBuffer(rows_per_file)
+
+    def handlers(self) -> dict:
+        """Message type -> the method that handles it."""
+        return {Update: self.update, Scalars: self.scalars, Rewards: self.rewards, Sequences: self.sequences,
+                Probes: self.probes, Close: self.close, Summary: self.summary}
+
+    def update(self, m: Update) -> None:
+        block = m.copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
+        host = packed_block.unpack(block, m.copy.layout)
+        bad = [name for name, ok in host.finite.items() if not ok]
+        if bad:  # the update is dropped; the caller raises this at its next call
+            self.rejected.append(ValueError(
+                f"{bad[0]} contains NaN or Inf at masked-in positions (step {m.step}, update {m.update})"))
+            return
+        self._steps.add_aggregates(m.step, m.update, host.aggregates)
+        ratios = host.entropy_ratios()
+        if ratios is not None:
+            self._steps.add_entropy_ratios(m.step, ratios)
+        if self.histograms:  # counts per update (bincount): no token arrays kept for them
+            self._steps.add_histograms(m.step, ratios, *host.importance_ratios())
+        if self.table_every > 0 and m.step % self.table_every == 0:
+            self._steps.add_sample(m.step, m.update, host)
+        # its rows are selected when its file is complete, with the file's other updates (token_buffer.py)
+        for file_step, updates, arrays in self._tokens.add(m.step, m.update, host):
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
+
+    def scalars(self, m: Scalars) -> None:
+        values = m.values
+        if isinstance(values, tuple):  # (floats, names, HostCopy of device scalars [k] float64)
+            floats, names, copy = values
+            values = {**floats, **dict(zip(names, copy.wait().tolist()))}
+        if m.update is None:
+            self._steps.add_step_scalars(m.step, values)
+        else:
+            self._steps.add_update_scalars(m.step, m.update, values)
+
+    def rewards(self, m: Rewards) -> None:
+        self._steps.add_rewards(m.step, m.total, m.count)
+
+    def sequences(self, m: Sequences) -> None:
+        parquet.write_sequences(self.run_dir, m.step, self.rank, m.part, m.arrays, fsync=self.fsync)
+
+    def probes(self, m: Probes) -> None:
+        parquet.write_probes(self.run_dir, m.step, self.rank, m.update, m.rows, fsync=self.fsync)
+
+    def close(self, m: Close) -> None:
+        for file_step, updates, arrays in self._tokens.flush(m.upto):
+            parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
+        for step, rows in self._steps.close(m.upto):
+            parquet.write_steps(self.run_dir, step, self.rank, rows, fsync=self.fsync)
+
+    def summary(self, m: Summary) -> None:
+        m.reply.set(self._steps.summary(m.step, m.names))
