@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rl import stats
 from ..rl.aggregates import step_aggregates
 from .packed_block import BOOL_SHIFTS, FLOAT_COLS, FiniteFlags, Layout, pack
-from .token_columns import add_attribution
 
 
 def run_hash(run: str) -> int:
@@ -30,6 +30,33 @@ def sample_keep(seq_ids: torch.Tensor, salt: int, sample: float) -> torch.Tensor
         x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mul
     u = ((x >> 40) & 0xFFFFFF).double() / float(1 << 24)  # 24 uniform bits in [0, 1)
     return u < sample
+
+
+def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, temperature: float) -> None:
+    """Adds entropy_effect = grad_coef s / T^2 (+ the loss column entropy_effect_bonus, an entropy
+    bonus's own term, where given: :func:`entropy_bonus_rule`) and, where the loss reports grad_changed,
+    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN, stored as
+    null, elsewhere) to ``cols`` (nothing without a grad_coef column). With ERC (erc_kept) and the
+    loss's grad_coef_before_erc (g_e) also ERC's own share of it, (g_e - grad_coef) s / T^2 on the
+    changed tokens (NaN where unchanged; nonzero where ERC dropped the token, or, at sequence level,
+    a token of its sequence: the gradient runs through the sequence mean), as the internal
+    column ``_dropped_by_erc`` (the budget splits by it; never stored). sensitivity [B, T]."""
+    if "grad_coef" not in cols:
+        return
+    sens = sensitivity.detach().float()
+    effect = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
+    if "entropy_effect_bonus" in cols:
+        effect = effect + cols["entropy_effect_bonus"].float()
+    cols["entropy_effect"] = effect
+    if "grad_coef_unclipped" in cols and "grad_changed" in cols:
+        changed = cols["grad_changed"]
+        lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
+        nan = torch.full_like(lost, float("nan"))
+        cols["entropy_effect_dropped"] = torch.where(changed, lost, nan)
+        if "erc_kept" in cols and "grad_coef_before_erc" in cols:
+            by_erc = stats.entropy_effect(cols["grad_coef_before_erc"] - cols["grad_coef"], sens,
+                                          temperature=temperature)
+            cols["_dropped_by_erc"] = torch.where(changed, by_erc, nan)
 
 
 def update_block(

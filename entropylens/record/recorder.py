@@ -27,8 +27,8 @@ in its own module, whose docstring says its job and the state it owns):
   summaries.py      step_summary(_later) (PendingSummary), live alarms (alarms=, stop_on), log_to
   loss_output.py    what record_update(loss=...) reads (LossOutput: a Protocol)
 Below them, one way down, each stage handing the next what it needs:
-  token_columns.py  an update's token columns on its device (ratio, quadrant, clip, attribution)
-  blocks.py         the update's block: sample, exact aggregates, packed (on the device, or from a snapshot)
+  token_columns.py  an update's token columns on its device (ratio, quadrant, clip, entropy ratio)
+  blocks.py         the update's block: attribution, sample, exact aggregates, packed (on the device, or from a snapshot)
   packed_block.py   the packed block's format: one int32 tensor per update, split back on the host
   host_copy.py      the one device -> host copy of that block, without a sync on this thread
   writer_thread.py  the queue, back-pressure, error surfacing, heartbeat and run.json; row selection

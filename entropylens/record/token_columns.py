@@ -1,6 +1,6 @@
 """An update's token columns on the device, as pure tensor functions (no I/O): ratio, quadrant, clip,
 entropy ratio (DESIGN.md's definitions) from the raw tensors, or taken as they are from a ``policy_loss``
-output, and the entropy attribution columns (entropy_effect, entropy_effect_dropped)."""
+output; the entropy-bonus rule of the attribution."""
 
 from __future__ import annotations
 
@@ -21,14 +21,10 @@ def derive_columns(
     eps_low: float,
     eps_high: float,
     tau: float,
-    sensitivity: torch.Tensor | None = None,
-    temperature: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """All token columns as [B, T] detached tensors. Columns the loss computed are used as they are
     (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions.
-    With ``sensitivity`` (stats.entropy_sensitivity, [B, T]): entropy_effect = grad_coef s / T^2 and,
-    where the loss reports grad_changed, entropy_effect_dropped = (grad_coef_unclipped - grad_coef)
-    s / T^2 on changed tokens (NaN, stored as null, elsewhere)."""
+    The attribution columns come with the update's block (blocks.add_attribution)."""
     cols: dict[str, torch.Tensor] = dict(loss_columns or {})
     shape = logprobs.shape
     if "advantage" not in cols:
@@ -54,36 +50,7 @@ def derive_columns(
         cols["old_entropy"] = old_entropy.detach().float()
     if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
         cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
-    if sensitivity is not None:
-        add_attribution(cols, sensitivity.reshape(shape), temperature)
     return cols
-
-
-def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, temperature: float) -> None:
-    """Adds entropy_effect = grad_coef s / T^2 (+ the loss column entropy_effect_bonus, an entropy
-    bonus's own term, where given: :func:`entropy_bonus_rule`) and, where the loss reports grad_changed,
-    entropy_effect_dropped = (grad_coef_unclipped - grad_coef) s / T^2 on changed tokens (NaN, stored as
-    null, elsewhere) to ``cols`` (nothing without a grad_coef column). With ERC (erc_kept) and the
-    loss's grad_coef_before_erc (g_e) also ERC's own share of it, (g_e - grad_coef) s / T^2 on the
-    changed tokens (NaN where unchanged; nonzero where ERC dropped the token, or, at sequence level,
-    a token of its sequence: the gradient runs through the sequence mean), as the internal
-    column ``_dropped_by_erc`` (the budget splits by it; never stored). sensitivity [B, T]."""
-    if "grad_coef" not in cols:
-        return
-    sens = sensitivity.detach().float()
-    effect = stats.entropy_effect(cols["grad_coef"], sens, temperature=temperature)
-    if "entropy_effect_bonus" in cols:
-        effect = effect + cols["entropy_effect_bonus"].float()
-    cols["entropy_effect"] = effect
-    if "grad_coef_unclipped" in cols and "grad_changed" in cols:
-        changed = cols["grad_changed"]
-        lost = stats.entropy_effect(cols["grad_coef_unclipped"] - cols["grad_coef"], sens, temperature=temperature)
-        nan = torch.full_like(lost, float("nan"))
-        cols["entropy_effect_dropped"] = torch.where(changed, lost, nan)
-        if "erc_kept" in cols and "grad_coef_before_erc" in cols:
-            by_erc = stats.entropy_effect(cols["grad_coef_before_erc"] - cols["grad_coef"], sens,
-                                          temperature=temperature)
-            cols["_dropped_by_erc"] = torch.where(changed, by_erc, nan)
 
 
 def entropy_bonus_rule(cols: dict[str, torch.Tensor], config: dict | None) -> None:

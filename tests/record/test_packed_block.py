@@ -196,7 +196,7 @@ def test_batched_aggregates_and_quantiles_match_each_update():
     inputs[1][1].zero_()  # update 1: every token masked out
     cols = [dict(a[0]) for a in inputs]
     for c, a in zip(cols, inputs):
-        token_columns.add_attribution(c, a[7], 0.7)
+        blocks.add_attribution(c, a[7], 0.7)
     stacked = {k: torch.stack([c[k] for c in cols]) for k in cols[0]}
     masks = torch.stack([a[1] for a in inputs])
     losses = torch.stack([a[2] for a in inputs])

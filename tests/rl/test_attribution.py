@@ -152,8 +152,8 @@ def test_neg_inf_logits_backward_against_finite_part(g_ent):
 
 # ------------------------------------------------------------------ token columns and the budget
 def _update(method="grpo", temperature=1.0, seed=0, **kw):
-    """A real update: logits [B, T, V] -> policy_loss -> derive_columns with the sensitivity."""
-    from entropylens.record import token_columns
+    """A real update: logits [B, T, V] -> policy_loss -> derive_columns -> the attribution columns."""
+    from entropylens.record import blocks, token_columns
     from entropylens.rl.losses import policy_loss
 
     g = torch.Generator().manual_seed(seed)
@@ -170,7 +170,8 @@ def _update(method="grpo", temperature=1.0, seed=0, **kw):
     out = policy_loss(lp, old_lp, adv, mask, method=method, entropy=h, old_entropy=old_h, **kw)
     cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
                                      old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2,
-                                     tau=0.5, sensitivity=s, temperature=temperature)
+                                     tau=0.5)
+    blocks.add_attribution(cols, s, temperature)
     return z.float().double(), tok, mask, out, cols, x
 
 
@@ -473,7 +474,7 @@ def test_far_tail_logits_against_float64(temperature, row_pass):
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 def test_far_tail_head_stats_against_float64(temperature):
     """head_stats on the same tails through the bias (a -inf bias bans a token; a sampled banned token
-    gives log p = -inf and a finite s, which was NaN before the floor), floored exps, float64 values."""
+    gives log p = -inf and a finite s, which would be NaN without the floor), floored exps, float64 values."""
     z, tok = _far_tail_logits(temperature)
     g = torch.Generator().manual_seed(6)
     hidden = torch.randn(4, 8, generator=g)
@@ -516,10 +517,10 @@ def _offset_reference(z: torch.Tensor, tok, temperature, w_lp, w_h):
 
 @pytest.mark.parametrize("offset,temperature", [(0.0, 0.5), (30.0, 0.5), (100.0, 0.5), (1e4, 1.0), (1e4, 0.5)])
 def test_backward_at_large_logit_offsets_against_float64(offset, temperature):
-    """A constant added to every logit changes nothing mathematically. The backward's log p = z/T - lse
-    used lse = m + log S rounded to float32 (half an ulp: ~1e-3 nats at |lse| ~ 2e4), and the error
-    grew with the offset (4e-3 at 1e4, T = 0.5; torch's log_softmax: 2e-7). Now the residual is
-    folded into the row coefficients (stats._lse_fix): float32-level at every offset. T = 0.5 and 1
+    """A constant added to every logit changes nothing mathematically. In the backward's log p = z/T - lse,
+    lse = m + log S rounded to float32 is off by half an ulp (~1e-3 nats at |lse| ~ 2e4), an error that
+    grows with the offset (4e-3 at 1e4, T = 0.5; torch's log_softmax: 2e-7); the residual is folded
+    into the row coefficients (stats._lse_fix), so the gradient is float32-level at every offset. T = 0.5 and 1
     divide exactly, so the reference sees the same tempered logits."""
     g = torch.Generator().manual_seed(12)
     z = (torch.randn(6, 50, generator=g, dtype=torch.float64) * 2 + offset).float()
