@@ -412,7 +412,7 @@ def compact(
     from entropylens.read.query import find_runs
 
     find_runs(path, runs=run or None)  # path errors first, as one line (before the banner); a listing, no reading
-    if grace > 0:  # new-user trial: the waits looked like a hang
+    if grace > 0:  # say why it waits, so the waits do not look like a hang
         typer.echo(f"compacting: each run waits --grace {grace:g} s after its commit before removing the originals "
                    "(queries already planned on them finish)", err=True)
     with FileWarnings():

@@ -29,8 +29,8 @@ def check_out_dir(out: Path, option: str = "--out") -> None:
 
 
 # --output's extension names its format when --format is not given. A text name (.txt, or no extension)
-# holds a table by default and any text format with --format; any other extension is refused (#27: an
-# .xlsx file received a text table): the file would not be what its name says.
+# holds a table by default and any text format with --format; any other extension is refused (an
+# .xlsx file holding a text table): the file would not be what its name says.
 _SUFFIX_FORMATS = {".csv": Format.csv, ".json": Format.json, ".parquet": Format.parquet, ".pq": Format.parquet}
 _TEXT_SUFFIXES = (".txt", "")
 

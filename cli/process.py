@@ -11,7 +11,7 @@ import typer.core
 
 
 def _plain_metavars() -> None:
-    """Help as users expect it (#13): `--quick` (no `<bool>`), `PATH` (no `{PATH}` / `<str>`), `--run RUN`
+    """Help as users expect it: `--quick` (no `<bool>`), `PATH` (no `{PATH}` / `<str>`), `--run RUN`
     (no `<list[str]>`), choices as `[table|csv]`. Typer 0.29 has no setting for this; its display hooks
     are wrapped once here (skipped where a Typer version lacks them)."""
     from typer import core
@@ -61,7 +61,7 @@ class OneLineErrors(typer.core.TyperGroup):
         try:
             rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                               standalone_mode=False, **extra)
-        except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, as before
+        except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, in click's standalone mode
             return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
                                 standalone_mode=standalone_mode, **extra)
         except click.ClickException as e:

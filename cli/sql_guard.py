@@ -3,7 +3,7 @@
 DuckDB's own parser splits and classifies the SQL (``duckdb.extract_statements``); allowed are exactly
 one SELECT-class statement (SELECT, WITH ..., VALUES, FROM ..., DESCRIBE, SHOW, SUMMARIZE, PIVOT /
 UNPIVOT), EXPLAIN [ANALYZE] [(options)] of a statement that passes this same rule (EXPLAIN ANALYZE
-runs what it wraps: #31, ``EXPLAIN ANALYZE COPY ... TO`` wrote files), or a PRAGMA from READ_PRAGMAS.
+runs what it wraps: ``EXPLAIN ANALYZE COPY ... TO`` writes files), or a PRAGMA from READ_PRAGMAS.
 A SELECT-class statement whose parse tree holds a writing query node (DuckDB 2.0: ``WITH a AS (COPY ... TO
 ...) SELECT 1``, INSERT / UPDATE / DELETE as a CTE body) is refused too.
 Everything else (COPY, CREATE, INSERT, UPDATE, DELETE, DROP, ALTER, ATTACH, DETACH, INSTALL, LOAD,
@@ -68,7 +68,7 @@ def _node_types(tree, acc: set) -> set:
 
 def _check_query_nodes(query: str) -> None:
     """Refuse a SELECT-class statement whose parse tree (DuckDB's json_serialize_sql) holds a query node
-    that writes, e.g. ``WITH a AS (COPY ... TO 'file') SELECT 1`` (#31); fail closed if it cannot be read."""
+    that writes, e.g. ``WITH a AS (COPY ... TO 'file') SELECT 1``; fail closed if it cannot be read."""
     import json
 
     import duckdb

@@ -99,7 +99,7 @@ def test_erc_drop_rate_range_and_one_line_per_finding():
                    for x in (0.2, 0.6, 0.7, 0.2, 0.0)])
     assert [(f.step, f.rule, f.threshold) for f in found] == [(1, "erc_drop_rate", 0.5), (4, "erc_drop_rate", 0.001)]
     assert found[0].line() == "run=r step=1 rule=erc_drop_rate value=0.6 threshold=0.5"
-    # nothing dropped while every entropy ratio stays inside the band: healthy (was an alarm before #27)
+    # nothing dropped while every entropy ratio stays inside the band: healthy, no alarm
     inside = _feed([{"erc_drop_frac": 0.0, **band, "entropy_ratio_p05": 0.97, "entropy_ratio_p95": 1.03}] * 10)
     assert inside == []
     # nothing dropped although ratios leave the band (p95 1.2 > 1.05): ERC is not applied as configured
@@ -189,7 +189,7 @@ def test_recorder_warns_live(tmp_path, end_steps):
     alarms = [str(w.message) for w in caught if issubclass(w.category, EntropyAlarm)]
     assert alarms == ["entropylens alarm: run=live step=2 rule=collapse value=0.1 threshold=0.25"]
     where = [w.filename for w in caught if issubclass(w.category, EntropyAlarm)]
-    assert where == [__file__]  # the warning names the user's line (new-user trial: it named recorder.py)
+    assert where == [__file__]  # the warning names the user's line, not recorder.py
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def test_readme_is_a_front_page():
 
 
 def test_readme_says_what_query_can_do_and_which_passes_use_native_code():
-    """#31's done-when: README's own security paragraph (lost when README became a front page) says what
+    """README's own security paragraph says what
     `query` can and cannot do, and README says which passes may use native code."""
     text = " ".join(README.split())
     para = text.split("**Security of `entropylens query`.**", 1)[1].split("## ", 1)[0]

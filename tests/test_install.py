@@ -55,10 +55,10 @@ def test_install_layout(tmp_path, editable):
 
 
 def test_python_started_in_the_repository_root_has_the_cli_and_the_analyses():
-    """New-user trial: `python` in the repository root (where the README's install leaves you) imports the
-    checkout's entropylens/ folder, which lacked entropylens.cli and entropylens.analyses (pyproject maps
-    the top-level cli/ and analyses/ into the package only in an install): run_analysis raised
-    ModuleNotFoundError. The checkout's own folders now serve those two names."""
+    """`python` in the repository root (where the README's install leaves you) imports the checkout's
+    entropylens/ folder, and pyproject maps the top-level cli/ and analyses/ into the package only in an
+    install: the checkout's own folders serve entropylens.cli and entropylens.analyses (its SQL files
+    included) there too."""
     probe = PROBE.replace("sp = site.getsitepackages()[0]\nout[\"site\"] = sorted(os.listdir(sp))\n", "")
     probe = probe.replace("print(json.dumps(out))\n", "import entropylens\nprint(json.dumps({**out, 'file': entropylens.__file__}))\n")
     # -S: no site-packages, so no install (an editable one has a finder of its own) can answer for the checkout
@@ -72,8 +72,8 @@ def test_python_started_in_the_repository_root_has_the_cli_and_the_analyses():
 
 
 def test_every_runtime_dependency_is_imported():
-    """New-user trial: polars and seaborn were installed for every user though nothing imported them.
-    Each entry of [project].dependencies must be imported by the package's own sources."""
+    """Each entry of [project].dependencies is imported by the package's own sources (no dependency is
+    installed for every user that nothing imports)."""
     import ast
     import re
     import tomllib

@@ -2,7 +2,7 @@
 
 Runs go to worker processes (one per core by default), each with ONE intra-op torch thread: the
 toy model is far too small to gain from threads, and spare threads spin against other jobs on a
-busy machine (issue #13: 2.1x slower under load). The supervised warm-up, shared by every run with
+busy machine (docs/design.md). The supervised warm-up, shared by every run with
 the same seed, is computed once per seed and its weights handed to the runs: the first seed's in this
 process while the workers start (spawning a worker imports torch: seconds), the others in the workers.
 
@@ -35,8 +35,8 @@ DEMO_STEPS = 32
 # The demo records without fsync (Recorder(fsync=False)): a killed demo still leaves only whole files
 # (each is written under a temporary name, then renamed) and a run's steps stay committed by their steps
 # file; fsync adds durability against an OS crash or power loss only, which a demo's disposable output
-# does not need, at 6-8 fsyncs per step that the training thread waits on at step boundaries (with other
-# jobs writing to the disk: 21.4 vs 15.5-16.3 s wall for one 32-step run, measured alternating).
+# does not need, at 6-8 fsyncs per step that the training thread waits on at step boundaries (measured in
+# docs/performance.md).
 DEMO_FSYNC = False
 
 
@@ -318,7 +318,7 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
 def _stop_workers(pool) -> None:
     """Abandon the workers' jobs and stop them now. Leaving the pool's ``with`` waits for every running
     job, and a worker whose progress events nobody reads any more cannot even exit (its queue's
-    feeder thread waits to flush them into a full pipe): `entropylens demo | head` used to hang there."""
+    feeder thread waits to flush them into a full pipe): `entropylens demo | head` would hang there."""
     processes = list((getattr(pool, "_processes", None) or {}).values())  # shutdown() forgets them
     pool.shutdown(wait=False, cancel_futures=True)
     for p in processes:

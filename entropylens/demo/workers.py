@@ -71,8 +71,8 @@ def quiet_resource_tracker() -> None:
     """Start multiprocessing's resource tracker (the process that removes the semaphores of the workers'
     queues when the demo ends) with its stderr on /dev/null. When the demo stops at once (its reader went
     away: `entropylens demo | head`), a queue's semaphore can be mid-cleanup as the process exits; the
-    tracker then removes it and said so on the user's terminal ("There appear to be 1 leaked semaphore
-    objects", seen once in CI). It still removes them; it no longer speaks. Idempotent (a tracker already
+    tracker then removes it, and would say so on the user's terminal ("There appear to be 1 leaked
+    semaphore objects"). It still removes them, silently. Idempotent (a tracker already
     running is left as it is)."""
     from multiprocessing import resource_tracker
 

@@ -22,8 +22,8 @@ Layout and commit rule (readers: catalog.py):
    is not compacted again until the unreadable commit file and its parts are removed by hand.
    One compactor per run at a time.
 5. A step with an unreadable file (a damaged steps file, token or sequence file), or with token or
-   sequence files but no steps file for some rank (#31: its intact token files were counted as hidden,
-   compacted over and deleted), is left alone: no range includes or straddles it, nothing of it is
+   sequence files but no steps file for some rank (its intact token files must not be taken for hidden
+   ones, compacted over and deleted), is left alone: no range includes or straddles it, nothing of it is
    removed, and a :class:`StepLeftAloneWarning` names it. Only files whose rows are in the compacted
    output are ever removed.
 

@@ -1,7 +1,7 @@
 """What a query connection may do once its views are built, and how it survives a compaction.
 
-**Lockdown** (#31). ``entropylens query`` checks the SQL with DuckDB's parser (cli/sql_guard.py), but
-a parser check alone let ``EXPLAIN ANALYZE COPY ... TO`` through, which wrote files. So
+**Lockdown**. ``entropylens query`` checks the SQL with DuckDB's parser (cli/sql_guard.py), but
+a parser check alone can miss a statement that writes (``EXPLAIN ANALYZE COPY ... TO`` did). So
 :func:`entropylens.read.query.connect` also locks the connection with DuckDB's own settings, after the
 views are built:
 
@@ -20,12 +20,12 @@ views are built:
 What DuckDB still allows on a locked connection: reading the allowed files (and, with a statement
 the parser check would refuse, writing them: DuckDB's allow-lists do not distinguish reading from
 writing, so the parser check is what keeps the run's own files intact), in-memory temporary tables
-and views, and everything that computes. Measured on DuckDB 2.0.1: views created before the
-lockdown read their files only if those paths are allowed; ``SET allowed_paths = ?`` costs about
-12 microseconds per path (25k files: 0.3 s).
+and views, and everything that computes. On DuckDB 2.0.1, views created before the
+lockdown read their files only if those paths are allowed (the cost of ``SET allowed_paths``:
+docs/security.md).
 
 **Re-plan on a vanished file.** Views hold explicit file lists, so a connection opened before a
-compaction removed the originals failed afterwards (``No files found that match ...``). The
+compaction removed the originals would fail afterwards (``No files found that match ...``). The
 connection remembers how it was made; when a query fails because a file of its views is gone,
 :func:`replan` lists the run again *once*, keeps the files it had (the snapshot) plus the compacted
 files that replace the vanished ones, re-creates the file views, and the query is run again. The

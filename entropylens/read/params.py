@@ -1,4 +1,4 @@
-"""Ranges of the analyses' parameters, checked before any SQL runs (one-line errors, #13).
+"""Ranges of the analyses' parameters, checked before any SQL runs (one-line errors).
 
 A parameter is known by its name across every analysis (``bins`` means the same everywhere).
 Values arrive as strings from the CLI or as numbers from Python.

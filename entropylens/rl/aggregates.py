@@ -115,7 +115,7 @@ def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...])
     u = mask.shape[0] if batched else 1
     m = mask.reshape(u, -1)  # [U, N]
     flat = torch.where(m, x.reshape(u, -1).float(), torch.full_like(m, float("inf"), dtype=torch.float32))
-    if flat.device.type == "cpu":  # the same sorted values; numpy's sort is ~3x cheaper on small rows
+    if flat.device.type == "cpu":  # the same sorted values; numpy's sort is cheaper than torch's on small rows
         srt = torch.from_numpy(np.sort(flat.numpy(), axis=1))
     else:
         srt, _ = torch.sort(flat, dim=1)  # masked-out values sort to the end

@@ -5,7 +5,7 @@ entropies, and ~10 more for the entropy sensitivity's two extra reductions. The 
 twice (its max, then one streaming loop of exp and four sums), vectorised, so the sensitivity costs a
 few multiply-adds per element beside the exp (benchmarks/entropy.py section 5).
 
-Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers: ~0.4 s)
+Built at first use with the system C compiler (``$CC`` or ``cc``; plain C, no torch headers)
 into ``$XDG_CACHE_HOME/entropylens/native/`` (default ``~/.cache``; where that cannot be written,
 is full or cannot be run from, a fresh ``mkdtemp`` folder for this process), keyed by the source, the
 flags and the CPU; symbolic links and folders others own or may write to are refused, and a library
@@ -39,7 +39,7 @@ _SOURCE = Path(__file__).with_name("_row_sums.c")
 _FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared"]
 _ARCH_FLAGS = (["-march=native"], [])  # the second: a compiler without -march=native
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_PARALLEL_MIN = 1 << 16  # elements per thread at least (a thread start costs ~20-50 us; 64k elements ~30 us)
+_PARALLEL_MIN = 1 << 16  # elements per thread at least: fewer cost less than starting the thread
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -75,7 +75,7 @@ _FOLDER_TROUBLE = ("No space left on device", "Disk quota exceeded", "Read-only 
 def _cache_dirs() -> list:
     """Where the built library goes: the user's cache (reused by later processes), else (read-only,
     full or noexec home) :data:`_FRESH`: a new folder made by ``mkdtemp`` (0700, unpredictable name)
-    for this process only, never one found there (#31: a predictable name under the shared temporary
+    for this process only, never one found there (a predictable name under the shared temporary
     directory could be a symlink to a folder holding a planted library)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return [Path(base) / "entropylens" / "native", _FRESH]
@@ -136,7 +136,7 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             complaint = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
-            if any(t in complaint for t in _FOLDER_TROUBLE):  # a full disk is an unwritable folder (#31)
+            if any(t in complaint for t in _FOLDER_TROUBLE):  # a full disk is an unwritable folder
                 raise OSError(f"cannot build in {out.parent}: {complaint.splitlines()[-1]}")
             return complaint
         fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))

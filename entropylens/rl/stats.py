@@ -8,7 +8,7 @@ O(chunk x V) float32, never a second [N, V] tensor.
 
 Every exp over the vocabulary takes a floored argument (``_exp_floor``: -87 in float32, just above
 log of the smallest normal float, -708 in float64). Below it torch's CPU exp leaves its vector path
-(measured 5-25x slower per element whose result underflows, benchmarks/entropy.py section 6), and
+(several times slower per element whose result underflows: docs/performance.md), and
 such elements are common: -inf logits (vocabulary padding, banned tokens) and the far tail of a
 wide distribution at a low temperature. The floored terms are at most exp(-87) = 1.6e-38 each, so
 over V <= 10^6 tokens they move S = sum_j exp(u_j) >= 1 (the max term is 1) and its companions by
@@ -26,8 +26,7 @@ from . import native
 from ..schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, NA_HP, NA_LP, PA_HP, PA_LP, ZA
 
 # Bytes of one float32 [chunk, V] buffer (two are live). On CPU a chunk that fits in L2 keeps the
-# several passes over it in cache (measured 0.15x of TRL's two passes at 2 MiB vs 0.21x at 64 MiB);
-# on an accelerator larger chunks amortise kernel launches.
+# several passes over it in cache; on an accelerator larger chunks amortise kernel launches.
 _CHUNK_BYTES_CPU = 2 * 2**20
 _CHUNK_BYTES_DEVICE = 128 * 2**20
 

@@ -40,7 +40,7 @@ def test_query_formats(runs, tmp_path):
     assert "wrote 2 rows" in ok("query", runs, sql, "--format", "parquet", "--output", out)
     assert pd.read_parquet(out)["n"].tolist() == [12, 4]
     assert ok("query", runs, sql, "--run", "b").split() == ["run", "n", "b", "4"]
-    # without --format the extension of --output decides (new-user trial: out.csv held a text table)
+    # without --format the extension of --output decides (q.csv holds CSV, not a text table)
     ok("query", runs, sql, "--output", tmp_path / "q.csv")
     assert (tmp_path / "q.csv").read_text() == "run,n\na,12\nb,4\n"
     ok("analyze", runs, "kl_by_step", "-o", tmp_path / "k.PQ")
@@ -107,7 +107,8 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
 
 
 def test_usage_errors_are_one_line_exit_2(runs):
-    """New-user trial: a bad --format choice printed Typer's boxed multi-line usage error."""
+    """A usage error (a bad --format choice, an unknown option, command or missing argument) is one line,
+    exit 2, not Typer's boxed multi-line usage error."""
     line = err("query", runs, "SELECT 1", "--format", "bogus")
     assert "--format" in line and "'bogus'" in line and "table" in line and "entropylens query --help" in line
     assert "--format" in err("analyze", runs, "run_summary", "-f", "xml")
@@ -118,7 +119,8 @@ def test_usage_errors_are_one_line_exit_2(runs):
 
 
 def test_empty_opt_in_analysis_says_how_to_enable_it(runs):
-    """New-user trial: `analyze PATH probe_vs_measured` printed only `(no rows)` on runs without probes."""
+    """`analyze PATH probe_vs_measured` on runs without probes prints `(no rows)` and one line on how to
+    enable the opt-in analysis; an analysis with rows prints no note."""
     res = runner.invoke(app, ["analyze", str(runs), "probe_vs_measured"])
     assert res.exit_code == 0 and "(no rows)" in res.stdout
     lines = [x for x in res.stderr.splitlines() if x.strip()]
@@ -128,7 +130,7 @@ def test_empty_opt_in_analysis_says_how_to_enable_it(runs):
 
 
 def test_help_shows_plain_metavars():
-    """#13.8: `--quick`, `PATH`, `--run RUN`; never `<bool>`, `{path}`, `<list[str]>`."""
+    """Help shows `--quick`, `PATH`, `--run RUN`; never `<bool>`, `{path}`, `<list[str]>`."""
     for cmd in ("demo", "query", "analyze", "report", "runs", "schema"):
         text = ok(cmd, "--help")
         for bad in ("<bool>", "{", "<list[str]>", "<str>", "<path>", "<int>"):
@@ -140,7 +142,8 @@ def test_help_shows_plain_metavars():
 
 
 def test_bad_parameter_values_are_refused(runs):
-    """#13.7: bins=0 used to return `bin -1 prob_lo -inf` with exit 0."""
+    """Out-of-range parameters (bins=0, tau=1.5, band_low above band_high, points=0) are refused with the
+    parameter's name, not answered with rows like `bin -1 prob_lo -inf`; the edge values pass."""
     assert "bins" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=0")
     assert "bins" in err("analyze", runs, "clipped_prob_distribution", "--param", "bins=-3")
     assert "whole number" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins=2.5")
@@ -155,7 +158,7 @@ def test_bad_parameter_values_are_refused(runs):
 
 
 def test_table_prints_integers_as_integers_and_folds_wide_text(runs):
-    """#13.7: a sum of counts prints as 1966080, not 1.96608e+06; a config JSON is folded in tables."""
+    """A sum of counts prints as 1966080, not 1.96608e+06; a config JSON is folded in tables."""
     n = int(ok("query", runs, "SELECT sum(n_tokens) AS n FROM steps", "--format", "csv").split()[1])
     out = ok("query", runs, "SELECT sum(n_tokens) * 49152 AS big, 0.25 AS f FROM steps")  # HUGEINT -> float64
     assert out.split() == ["big", "f", str(n * 49152), "0.25"]
@@ -168,7 +171,7 @@ def test_table_prints_integers_as_integers_and_folds_wide_text(runs):
 
 
 def test_query_is_read_only(runs, tmp_path):
-    """New-user trial: `query` ran COPY / CREATE / INSERT / ATTACH / INSTALL, which write files. Only one
+    """`query` does not run COPY / CREATE / INSERT / ATTACH / INSTALL, which write files. Only one
     read-only statement runs; the others are refused (one line, exit 2) before anything is written."""
     target = tmp_path / "out.csv"
     for sql, word in ((f"COPY (SELECT 1) TO '{target}'", "COPY"),
@@ -197,7 +200,7 @@ def test_query_is_read_only(runs, tmp_path):
 
 
 def test_query_sql_may_start_with_a_comment_or_come_from_stdin(runs, tmp_path):
-    """New-user trial: SQL starting with `--` (an SQL comment) was taken for an unknown option."""
+    """SQL starting with `--` (an SQL comment) is SQL, not an unknown option; SQL may also come from stdin."""
     sql = "-- tokens per run\nSELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
     want = ["run", "n", "a", "12", "b", "4"]
     assert ok("query", runs, sql).split() == want
@@ -210,7 +213,7 @@ def test_query_sql_may_start_with_a_comment_or_come_from_stdin(runs, tmp_path):
 
 
 def test_runs_shows_long_run_ids_whole(runs, tmp_path):
-    """New-user trial: `runs` cut long run names ('...'), so a run id could not be copied."""
+    """`runs` shows long run ids whole (not cut with '...'), so a run id can be copied."""
     import shutil
 
     name = "grpo-lr7e-4-eps0.2-0.28-beta1-0.5-a-very-long-sweep-name-so-it-can-be-copied-s0"
@@ -237,7 +240,7 @@ def test_demo_start_time_counts_from_the_cli_import_when_a_shell_execd_it_late(m
 
 
 def test_out_that_is_a_file_or_cannot_be_made_is_one_line(runs, tmp_path):
-    """New-user trial: `report --out README.md` and `demo --out README.md` ended in tracebacks."""
+    """`report --out FILE` and `demo --out FILE` are one-line errors, not tracebacks, and write nothing."""
     afile = tmp_path / "notes.md"
     afile.write_text("x")
     assert err("report", runs, "--out", afile) == f"error: --out {afile} is a file; give a directory"
@@ -274,7 +277,7 @@ def test_submodules_reachable_from_the_package():
 
 
 def test_table_format_prints_missing_values_as_null():
-    # a float NULL printed as NaN and an integer NULL as <NA> (new-user trial); csv leaves them empty, json null
+    # NULL in a table, not NaN (float) or <NA> (integer); csv leaves them empty, json null
     import numpy as np
     import pandas as pd
 
@@ -287,7 +290,7 @@ def test_table_format_prints_missing_values_as_null():
 
 
 def test_output_extension_decides_or_is_refused(runs, tmp_path):
-    """#27: `--output x.xlsx` wrote a text table into an .xlsx file. An extension entropylens does not write
+    """`--output x.xlsx` writes no text table into an .xlsx file: an extension entropylens does not write
     is one line, exit 2, before the query runs and without a file; .txt and no extension are text names."""
     sql = "SELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
     line = err("query", runs, sql, "--output", tmp_path / "x.xlsx")

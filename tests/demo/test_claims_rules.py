@@ -78,7 +78,7 @@ def test_welch_hand_worked():
 def test_welch_two_se_is_not_the_rule_at_n5():
     # a = 1.0, 1.2, 1.4, 1.6, 1.8 (mean 1.4, var 0.1); b = a shifted down by a gap (same var 0.1).
     # se = sqrt(0.1/5 + 0.1/5) = 0.2, df = 0.04^2 / (2 x 0.02^2 / 4) = 8.
-    # gap 0.38: t = 1.9 < 2 (the old flat 2-SE rule fails) but P(T_8 > 1.9) = 0.047 < 0.05: Welch holds;
+    # gap 0.38: t = 1.9 < 2 (a flat 2-SE rule would fail) but P(T_8 > 1.9) = 0.047 < 0.05: Welch holds;
     # gap 0.37: t = 1.85, P(T_8 > 1.85) = 0.0507: fails. The rule is the t distribution, not 2 SE.
     a = [1.0, 1.2, 1.4, 1.6, 1.8]
     w = rules.welch(a, [x - 0.38 for x in a])
@@ -116,7 +116,7 @@ def test_spikes_against_rolling_median():
 
 
 def _blow_up_run():
-    """The issue's CE-GPPO beta1 = 0.75 seed 0: pre-clip grad norm 1.4-7 until step 44, then 33.9 at
+    """A CE-GPPO beta1 = 0.75 seed 0 run: pre-clip grad norm 1.4-7 until step 44, then 33.9 at
     steps 45-49; KL ~0.01-0.02, then 0.31-0.67."""
     steps = list(range(50))
     gn = [1.4 + 5.6 * ((s * 7) % 10) / 10 for s in steps[:45]] + [33.9] * 5  # 1.4 .. 6.44, then 33.9
@@ -157,7 +157,7 @@ def test_blow_up_is_never_read_as_entropy_preserved():
     # Welch would call it "entropy kept higher" (t ~ 18); the flag removes them and the claim is inconclusive.
     blown = [(1.18, 0.6 + 0.05 * i, 0.43, True) for i in range(5)]
     agg = _agg({"ce_gppo": blown, "grpo": COLLAPSED, "dapo": COLLAPSED})
-    assert rules.welch(agg["ce_gppo"]["h_final"], agg["grpo"]["h_final"]).holds  # what the old rule saw
+    assert rules.welch(agg["ce_gppo"]["h_final"], agg["grpo"]["h_final"]).holds  # what Welch alone says
     c = claims.claim_ce_gppo(agg)
     assert c.verdict.startswith("inconclusive") and "reproduced" not in c.verdict
     assert any("destabilised 5/5 seeds (first spike at step 45)" in b and "final reward 0.430" in b for b in c.beside)
@@ -180,7 +180,7 @@ def test_collapse_claim():
 
 def test_bonus_claim_cannot_hold_by_default():
     # GRPO collapses; the 0.001 bonus keeps entropy at 0.8 x initial and 0.003 at 0.9 x initial: neither
-    # "still collapsed" nor "exploded" -> not reproduced (the old rule's "or GRPO-like" branch is gone).
+    # "still collapsed" nor "exploded" -> not reproduced (looking GRPO-like is not enough).
     steady = [(1.18, 0.94 + 0.01 * i, 0.9, False) for i in range(5)]  # ratio ~0.80-0.83
     higher = [(1.18, 1.06 + 0.01 * i, 0.9, False) for i in range(5)]  # ratio ~0.90-0.93
     agg = _agg({"grpo": COLLAPSED, "entropy_bonus_0.001": steady, "entropy_bonus_0.003": higher})

@@ -89,7 +89,7 @@ def test_bad_config_fails_before_training(tmp_path):
 
 
 def test_demo_trains_runs_in_worker_processes_with_one_thread(tmp_path):
-    """#13.1: one intra-op thread per toy run, runs in parallel worker processes (config, not timing)."""
+    """One intra-op thread per toy run, runs in parallel worker processes (config, not timing)."""
     import torch
 
     from entropylens.demo.runner import available_cores, default_workers, run_demo
@@ -109,7 +109,7 @@ def test_demo_trains_runs_in_worker_processes_with_one_thread(tmp_path):
 
 
 def test_demo_progress_lines_through_a_pipe(tmp_path):
-    """#13.2: stdout is a pipe: plain progress lines arrive while the demo runs, warm-up named as such."""
+    """Stdout is a pipe: plain progress lines arrive while the demo runs, warm-up named as such."""
     cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--quick", "--steps", "2", "--methods", "grpo",
            "--workers", "1", "--out", str(tmp_path)]
     # cwd: `python -m` puts it first on sys.path; the repository root's entropylens/ would shadow the install
@@ -132,10 +132,9 @@ def test_demo_progress_lines_through_a_pipe(tmp_path):
 
 
 def test_demo_stops_quietly_when_its_reader_goes_away(tmp_path):
-    """`entropylens demo | head -2`: the reader closes the pipe while the workers train. The demo used
-    to say `error: --out DIR: Broken pipe` (a closed pipe taken for the output directory's error), print
-    workers' tracebacks, or hang for good (its workers could not exit with unread progress events); now
-    it stops at once, says nothing, exits 1 (click's code for a closed pipe) and leaves no worker."""
+    """`entropylens demo | head -2`: the reader closes the pipe while the workers train. The demo stops at
+    once, says nothing (no `--out DIR: Broken pipe`, no workers' tracebacks), does not hang on unread
+    progress events, exits 1 (click's code for a closed pipe) and leaves no worker."""
     cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--quick", "--workers", "2", "--out", str(tmp_path)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     for _ in range(2):
@@ -153,7 +152,7 @@ def test_demo_stops_quietly_when_its_reader_goes_away(tmp_path):
 
 
 def test_demo_refuses_an_existing_run_then_overwrites_cleanly(tmp_path):
-    """#13.4: re-running into an output directory never mixes runs: refused, or replaced with --overwrite;
+    """Re-running into an output directory never mixes runs: refused, or replaced with --overwrite;
     the summary and the report cover exactly the runs this demo made."""
     tiny = dict(prompts=4, group=4, minibatches=2, epochs=1, sft_steps=5)
     train(config_for("grpo", steps=3, **tiny), tmp_path / "runs", run="grpo-s0")
@@ -179,7 +178,7 @@ def test_demo_refuses_an_existing_run_then_overwrites_cleanly(tmp_path):
 
 
 def test_default_demo_is_the_short_fast_regime_and_steps_runs_longer():
-    """#13.1: the default demo trains DEMO_STEPS (32) steps per run of the fast regime's maths; --steps N
+    """The default demo trains DEMO_STEPS (32) steps per run of the fast regime's maths; --steps N
     keeps the full length available. (Config, not timing.)"""
     from dataclasses import replace
 
@@ -252,7 +251,7 @@ def test_demo_cli_exits_with_its_code_without_teardown(tmp_path):
 
 
 def test_demo_workers_start_with_one_thread_environment(monkeypatch):
-    """#13.1 under load: the workers' runtimes (torch's OpenMP, pyarrow, MKL) start as under
+    """Under load, the workers' runtimes (torch's OpenMP, pyarrow, MKL) start as under
     OMP_NUM_THREADS=1, whatever the caller's environment; the caller's is restored. (Config, not timing.)"""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor

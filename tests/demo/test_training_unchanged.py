@@ -23,9 +23,9 @@ def _logits(seed: int, with_neg_inf: bool) -> torch.Tensor:
 @pytest.mark.parametrize("with_neg_inf", [False, True])
 def test_training_pass_is_the_same_bits_with_the_sensitivity(temperature, entropy_grad, with_neg_inf):
     """The training pass with the sensitivity and the one-hot distance (what the recorder asks for) gives
-    the same log-probs, entropies and logit gradient as the pass without them, bit for bit. Before,
-    the sensitivity's split sums (S = S_rest + e_a) rounded differently: log p differed by ~1e-6 and
-    the toy's weights by a few ulps after one step."""
+    the same log-probs, entropies and logit gradient as the pass without them, bit for bit (split sums
+    such as S = S_rest + e_a would round differently: log p by ~1e-6, the toy's weights by a few ulps
+    after one step)."""
     tok = torch.randint(1, 17, (3, 7), generator=torch.Generator().manual_seed(1))
     g_lp = torch.randn(3, 7, generator=torch.Generator().manual_seed(2))
     g_h = torch.randn(3, 7, generator=torch.Generator().manual_seed(3))

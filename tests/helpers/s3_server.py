@@ -48,7 +48,7 @@ def moto_server():
 @contextmanager
 def s3_environment():
     """:func:`moto_server` with its env vars set in this process (s3fs and entropylens' filesystem
-    caches cleared on the way in and out, the old env restored): ``with s3_environment(): ...``."""
+    caches cleared on the way in and out, the previous env restored): ``with s3_environment(): ...``."""
     import s3fs
 
     from entropylens import storage

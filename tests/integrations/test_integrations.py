@@ -44,8 +44,8 @@ def test_torch_loop_example(tmp_path):
 
 
 def test_torch_loop_example_refuses_bad_options_before_any_run(tmp_path, capsys):
-    """New-user trial: --method foo ended in a traceback and left an empty failed run behind; --steps 0
-    made a finished run with no steps. Both are argparse usage errors now, and nothing is written."""
+    """--method foo and --steps 0 are argparse usage errors: no traceback, and nothing is written (no empty
+    failed run, no finished run with no steps)."""
     import pytest
     import torch_loop
 
@@ -58,8 +58,8 @@ def test_torch_loop_example_refuses_bad_options_before_any_run(tmp_path, capsys)
 
 
 def test_torch_loop_example_run_ids(tmp_path):
-    """New-user trial: the example used a fixed run id while its refusal said 'the default id is new each
-    time'. Now it is: two runs side by side; a fixed --run is refused the second time, --overwrite replaces."""
+    """The example's default run id is new each time, as its refusal says: two runs side by side; a fixed
+    --run is refused the second time, --overwrite replaces."""
     import pytest
     import torch_loop
 

@@ -150,7 +150,7 @@ def test_trl_logs_every_step_once_with_logging_steps_1(tmp_path):
     assert Counting.logged == list(enumerate(t.groupby("step").size().tolist())) and not tr._el_summaries
     assert sorted(h["step"] for h in tr.state.log_history if "entropylens/share_pa_hp" in h) == [1, 2, 3]
     # the learning rate each optimizer step used: TRL's default linear decay from 5e-3 over 3 steps, no
-    # warm-up (lr_k = 5e-3 (1 - k/3)); it was read after the scheduler had stepped (one step late)
+    # warm-up (lr_k = 5e-3 (1 - k/3)), read before the scheduler steps (after it, it would be one step late)
     lrs = connect(tmp_path / "logs1").execute("SELECT step, max(lr) FROM steps GROUP BY step ORDER BY step").fetchall()
     assert [s for s, _ in lrs] == [0, 1, 2]
     np.testing.assert_allclose([lr for _, lr in lrs], [5e-3, 5e-3 * 2 / 3, 5e-3 / 3], rtol=1e-6)
@@ -208,7 +208,7 @@ def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
     kept = con.execute('SELECT step, "update", n_tokens, grad_norm FROM steps WHERE step <= 1 ORDER BY ALL').fetchall()
     assert sorted({r[0] for r in con.execute("SELECT step FROM steps").fetchall()}) == [0, 1, 2, 3]
     ckpt = tmp_path / ".trl" / "checkpoint-2"
-    # new-user trial: an off-by-one resume= recorded a step twice or lost steps; refused before any file goes
+    # an off-by-one resume= would record a step twice or lose steps: refused before any file goes
     with pytest.raises(ValueError, match=r"resume=2: no checkpoint in .* ends at step 2 \(checkpoint-2: steps 0-1, "
                                          r"checkpoint-4: steps 0-3\)"):
         trl_tiny.trainer(tmp_path, "res", max_steps=3, el=dict(resume=2))

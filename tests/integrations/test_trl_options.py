@@ -19,7 +19,7 @@ from entropylens.read.query import connect
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 import trl_tiny  # noqa: E402
 
-# The run the issue names: GA 2, num_iterations 2, KL beta 0.04, top_entropy_quantile 0.2. Four optimizer
+# A run with GA 2, num_iterations 2, KL beta 0.04, top_entropy_quantile 0.2. Four optimizer
 # steps = two generations, each used by two iterations (steps 1 and 3 update with old != current).
 BASE = dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04, top_entropy_quantile=0.2, max_steps=4,
             optim="sgd", learning_rate=0.5, max_completion_length=12, per_device_train_batch_size=4)

@@ -1,5 +1,5 @@
 """TRL's own trackers get entropylens' step metrics at every logged step, at the step they describe
-(issue #30's first finding: in a 6-step TensorBoard run they came at steps 3, 4 and 6 only). A real
+(a 6-step run: each of the 6 steps, none skipped or shifted). A real
 TensorBoard run through TRL's report_to, offline; the event files read back with tensorboard's
 EventAccumulator and checked against the steps table; the step histograms (written through TRL's own
 TensorBoard writer) against numpy's histogram of the Parquet token rows, and a live alarm as a text

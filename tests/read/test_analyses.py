@@ -65,7 +65,7 @@ def test_clip_by_quadrant_by_step(con):
     per_step = run_analysis(con, "clip_by_quadrant_by_step")
     assert per_step["step"].notna().all()
     assert one(per_step, "tokens", run="a", step=0, quadrant="NA&HP") == 2
-    # summing the per-step rows gives the whole-run count (#13: they used to share one table)
+    # summing the per-step rows gives the whole-run count (the per-step and whole-run analyses agree)
     total = per_step.groupby(["run", "quadrant"])["tokens"].sum()
     whole = run_analysis(con, "clip_by_quadrant").set_index(["run", "quadrant"])["tokens"]
     assert (total.sort_index() == whole.sort_index()).all()

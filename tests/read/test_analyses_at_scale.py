@@ -1,8 +1,8 @@
-"""The analyses rewritten for scale (#12) give the same rows as their plain formulations.
+"""Each analysis that takes a shortcut at scale gives the rows of its plain SQL definition.
 
 ratio_vs_prob ranks only the rows of the first hash buckets instead of every row, and
 entropy_change_by_quadrant runs its per-token window only over sequences seen at more than one
-(step, update). Here both are compared with the plain SQL they replaced (a row_number over every
+(step, update). Here both are compared with their plain definitions (a row_number over every
 row; a lead() over every token) on random runs: one where tokens are seen again (the same sequences
 at two updates and at the next step), one where every token is seen once, several ranks and steps.
 """
@@ -124,8 +124,8 @@ def test_entropy_change_same_rows_as_window_over_every_token(con):
 
 
 def test_entropy_ratio_quantiles_are_exact(con):
-    """entropy_ratio_by_step's p05 / p50 / p95 (quantile_cont / median, once approx_quantile for p05 /
-    p95) are numpy's exact linear-interpolation quantiles of the step's float32 entropy ratios."""
+    """entropy_ratio_by_step's p05 / p50 / p95 (quantile_cont / median, not an approximate quantile)
+    are numpy's exact linear-interpolation quantiles of the step's float32 entropy ratios."""
     got = run_analysis(con, "entropy_ratio_by_step")
     rho = run_sql(con, "SELECT run, step, entropy_ratio FROM tokens WHERE entropy_ratio IS NOT NULL")
     assert len(got) == 9  # 3 runs x 3 steps
@@ -141,8 +141,8 @@ def test_entropy_ratio_quantiles_are_exact(con):
 
 @pytest.mark.parametrize("bins", [1, 7, 10])
 def test_drift_by_prob_bin_same_rows_as_least(con, bins):
-    """drift_by_prob_bin's bin is a CASE (DuckDB's least() costs ~3x more CPU per row); the rows are
-    those of the least(floor(prob * bins), bins - 1) it replaced."""
+    """drift_by_prob_bin's bin is a CASE (cheaper per row than DuckDB's least()); its rows are those of
+    the plain definition least(floor(prob * bins), bins - 1)."""
     from entropylens.read.query import render_analysis
 
     sql = render_analysis("drift_by_prob_bin", bins=bins)

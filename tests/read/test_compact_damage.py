@@ -1,4 +1,4 @@
-"""#31: compaction with a damaged step, and readers that connected before a compaction."""
+"""Compaction with a damaged step, and readers that connected before a compaction."""
 
 import sys
 import warnings

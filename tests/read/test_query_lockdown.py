@@ -1,4 +1,4 @@
-"""#31: `entropylens query` could write files. EXPLAIN is checked around what it wraps (cli/sql_guard.py),
+"""`entropylens query` cannot write files. EXPLAIN is checked around what it wraps (cli/sql_guard.py),
 and the connection is locked down with DuckDB's own settings once its views exist
 (entropylens/read/lockdown.py), so a statement the parser lets through still cannot write or reach the network."""
 
@@ -27,8 +27,9 @@ def _digest(root: Path) -> dict:
 
 
 def test_explain_is_checked_around_what_it_wraps(runs, tmp_path):
-    """The bypass found: EXPLAIN ANALYZE runs the statement it wraps, and EXPLAIN was allowed whatever it
-    wrapped. Pointed at a run's own steps file it destroyed that step's rows."""
+    """EXPLAIN ANALYZE runs the statement it wraps, so EXPLAIN (with or without ANALYZE) around a writing
+    statement is refused; a COPY onto a run's own steps file leaves the run's files untouched, and
+    reading EXPLAINs still run."""
     own = runs / "a" / "steps" / "step=0" / "rank=0" / "steps.parquet"
     target = tmp_path / "out.csv"
     before = _digest(runs)

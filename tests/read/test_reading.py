@@ -1,4 +1,4 @@
-"""The reading layer (#13 items 3 and 5): bad files skipped with one warning, `verify`, the step
+"""The reading layer: bad files skipped with one warning, `verify`, the step
 commit rule in the views, stale heartbeats. Runs are written with entropylens.record.writer in the
 recorder's layout (tests/helpers/layout_run.py)."""
 

@@ -189,7 +189,7 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
 
 
 def test_a_run_compacted_while_it_trained_resumes_after_its_compacted_steps(tmp_path):
-    """New-user trial: one `entropylens compact` of a live or killed run made it unresumable. Compacted steps
+    """A run compacted while it trained (or after it was killed) stays resumable. Compacted steps
     stay (their parts span steps and ranks); resuming after them removes only later, uncompacted steps."""
     import pytest
     import torch

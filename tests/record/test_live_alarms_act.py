@@ -1,4 +1,4 @@
-"""Alarms that act (#30): a live rule in ``stop_on`` makes ``Recorder.should_stop`` true (a plain loop
+"""Alarms that act: a live rule in ``stop_on`` makes ``Recorder.should_stop`` true (a plain loop
 reads it and stops), and the TRL trainer stops training through its callback
 (``control.should_training_stop``), on every process alike. Real Recorder, real TRL, real files."""
 

@@ -1,4 +1,4 @@
-"""NaN and inf given to record_step are stored as they are (#27): Parquet keeps them, DuckDB reads them,
+"""NaN and inf given to record_step are stored as they are: Parquet keeps them, DuckDB reads them,
 the analyses show them; the recorder's own "not measured" aggregates stay null; one warning per run;
 a NaN, infinite or negative lr is refused."""
 

@@ -565,8 +565,8 @@ def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_pa
 
 
 def test_record_step_refuses_an_update_that_was_not_recorded(tmp_path):
-    # record_step(4, update=99) used to add a steps row of its own (n_tokens null) and put the grad norm there,
-    # silently: with gradient accumulation an off-by-one in update= lost it from the real update's row
+    # record_step(4, update=99) would add a steps row of its own (n_tokens null) holding the grad norm: with
+    # gradient accumulation an off-by-one in update= would lose it from the real update's row
     lp = torch.zeros(2, 3)
     kw = dict(mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
     with Recorder(tmp_path, run="r") as rec:
@@ -598,8 +598,8 @@ def test_record_step_names_a_metric_that_is_not_one_number(tmp_path):
 
 def test_record_step_warns_once_when_a_whole_step_scalar_is_replaced(tmp_path):
     # two optimizer steps in one RL step, each calling record_step(step, grad_norm=...) without update=:
-    # the second value replaced the first on every update row, silently (new-user trial). Now a warning
-    # (once per run) names the columns and the fix; update= per optimizer step keeps both values.
+    # the second value replaces the first on every update row: a warning (once per run) names the columns
+    # and the fix; update= per optimizer step keeps both values.
     lp = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     kw = dict(mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
@@ -689,7 +689,7 @@ def test_end_step_closes_the_step_without_waiting(tmp_path):
 
 def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
     # config says grpo, the loss is ce_gppo: the runs table names the run by config's method, run.json's loss
-    # block by the loss's; the mismatch used to pass silently (new-user trial)
+    # block by the loss's; the mismatch warns
     from entropylens.integrations.torch import policy_update
 
     x, tokens, mask, adv, old = make_batch(0)
@@ -711,7 +711,7 @@ def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
 
 
 def test_all_masked_update_needs_no_seq_ids(tmp_path):
-    """#27: an update whose mask selects no token (TRL / verl hand over such micro-batches) makes no rows,
+    """An update whose mask selects no token (TRL / verl hand over such micro-batches) makes no rows,
     so it needs no seq_ids and its ids collide with none; rows without ids still may not share a step."""
     lp = torch.zeros(2, 3)
     m, empty = torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.bool)

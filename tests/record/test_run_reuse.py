@@ -1,5 +1,5 @@
-"""#13.4: a run directory is written by one run. Re-using a run id is refused, or replaced whole
-with overwrite=True; never mixed (a 2-step run over a 5-step one used to report 5 steps, 2-4 stale)."""
+"""A run directory is written by one run. Re-using a run id is refused, or replaced whole
+with overwrite=True; never mixed (a 2-step run over a 5-step one must report 2 steps, none stale)."""
 
 import json
 

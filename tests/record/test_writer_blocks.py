@@ -1,5 +1,5 @@
-"""The writer thread's block building (tokenbatch on CPU tensors): its cheaper ops give the values
-of the plain definitions."""
+"""The writer thread's block building (blocks.py on CPU tensors): its cheaper ops give the values of the
+plain definitions."""
 
 from __future__ import annotations
 

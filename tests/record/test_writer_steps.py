@@ -1,6 +1,8 @@
-"""The steps file built column-wise (writer.steps_table) equals the value-by-value construction it
-replaced: values, column names, types and nulls, for rows with missing keys, None, NaN, inf, extra
-metrics, Python ints in integer columns, and values only the value-by-value path takes."""
+"""The steps file (writer.steps_table) holds exactly the rows given, by the schema's rules: every schema
+column with its arrow type (step and rank aside), then the extra metrics as float64 in name order; a
+missing key or None is null; a recorder aggregate's NaN ("not measured") is null, a caller's NaN stays
+NaN; inf stays; integer columns round. Checked for rows with missing keys, None, NaN, inf, extra
+metrics, Python ints in integer columns and integers beyond float64's exact ones."""
 
 from __future__ import annotations
 
@@ -14,12 +16,12 @@ from entropylens.schema import STEP_METRICS, STEPS, arrow_type
 from entropylens.record.writer import steps_table, write_steps
 
 
-# the recorder's own aggregates: NaN there means "not measured" (null); the caller's scalars keep NaN (#27)
+# the recorder's own aggregates: NaN there means "not measured" (null); the caller's scalars keep NaN
 AGGREGATES = set(STEP_METRICS) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
 
 
-def reference_table(rows: list[dict]) -> pa.Table:
-    """The construction write_steps used before (one Python list per column), kept as the reference."""
+def by_the_schema(rows: list[dict]) -> pa.Table:
+    """The table the module docstring's rules give, one Python list per column."""
     known = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
     names = list(known) + sorted({k for r in rows for k in r} - set(known))
     cols = {}
@@ -63,11 +65,11 @@ ROWS = [
 
 
 def test_steps_table_equals_the_value_by_value_construction():
-    assert_same(steps_table(ROWS), reference_table(ROWS))
+    assert_same(steps_table(ROWS), by_the_schema(ROWS))
     # the same with each row alone (single-row files) and in reverse order
     for r in ROWS:
-        assert_same(steps_table([r]), reference_table([r]))
-    assert_same(steps_table(ROWS[::-1]), reference_table(ROWS[::-1]))
+        assert_same(steps_table([r]), by_the_schema([r]))
+    assert_same(steps_table(ROWS[::-1]), by_the_schema(ROWS[::-1]))
 
 
 def test_values_only_the_slow_path_takes():
@@ -75,14 +77,14 @@ def test_values_only_the_slow_path_takes():
 
     rows = [{"update": 0, "n_tokens": np.float64(12.0), "entropy_mean": np.float32(0.5), "accuracy": True},
             {"update": np.int16(1), "n_tokens": 3, "extra": np.float64("nan")}]
-    assert_same(steps_table(rows), reference_table(rows))
+    assert_same(steps_table(rows), by_the_schema(rows))
     assert steps_table(rows).column("extra").null_count == 1  # a caller's NaN (np.float64 is a float) stays NaN
 
 
 @pytest.mark.parametrize("bad", [{"update": 40000}, {"n_tokens": float("inf")}, {"entropy_mean": "x"}])
 def test_bad_values_fail_as_before(bad):
     with pytest.raises(Exception) as want:
-        reference_table([{"update": 0}, bad])
+        by_the_schema([{"update": 0}, bad])
     with pytest.raises(type(want.value)):
         steps_table([{"update": 0}, bad])
 
@@ -123,8 +125,8 @@ def test_small_files_skip_compression_and_statistics_tokens_files_keep_them(tmp_
             "clip": np.zeros(n, np.int8), "clipped": np.zeros(n, bool)}
     tok = write_tokens(tmp_path, 0, 0, 0, rows)
     assert meta(tok) == ("ZSTD", True)  # DuckDB's filter pushdown reads the tokens files' min/max
-    # the small files read back as before: values, types and nulls
+    # the small files read back whole: values, types and nulls
     back = pq.read_table(tmp_path / "sequences" / "step=0" / "rank=0" / "part-0.parquet")
     assert back.column("seq").to_pylist() == list(range(n)) and back.column("text").null_count == n
     assert_same(pq.read_table(tmp_path / "steps" / "step=0" / "rank=0" / "steps.parquet").replace_schema_metadata(),
-                reference_table(ROWS[:3]))
+                by_the_schema(ROWS[:3]))

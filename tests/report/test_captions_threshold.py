@@ -1,4 +1,4 @@
-"""Captions state the runs' HP / LP threshold tau, and the entropy caption compares every method (new-user trial)."""
+"""Captions state the runs' HP / LP threshold tau, and the entropy caption compares every method."""
 
 import pandas as pd
 
@@ -19,7 +19,7 @@ def test_entropy_caption_compares_every_method_of_the_run_set():
     text = captions.entropy(_entropy_df())
     tail = text[text.index("last 10% of steps"):]
     for m, v in (("ce_gppo", "0.5"), ("dapo", "0.31"), ("erc_dapo", "0.45"), ("grpo", "0.3")):
-        assert f"{m}-s0 {v}" in tail, text  # ERC included (it used to be left out); one entry per run
+        assert f"{m}-s0 {v}" in tail, text  # ERC included; one entry per run
     assert "CE-GPPO is above GRPO / DAPO" in text  # no config recorded: the runs differ only in the method
     only = captions.entropy(_entropy_df().query("method in ['erc_dapo', 'dapo']"))  # no CE-GPPO: still compared
     assert "last 10% of steps: dapo-s0 0.31; erc_dapo-s0 0.45." in only
@@ -65,7 +65,7 @@ def test_report_captions_state_the_runs_tau(tmp_path):
 
 
 def test_clip_caption_with_no_clipped_token_draws_no_conclusion():
-    # a run where nothing was clipped: "low 0.0% vs high 0.0%" used to be read as differing from the paper
+    # a run where nothing was clipped: "low 0.0% vs high 0.0%" is not read as differing from the paper
     df = pd.DataFrame({"quadrant": ["PA&HP", "PA&LP", "NA&HP", "NA&LP"], "tokens": [10, 5, 8, 2],
                        "clipped_frac": [0.0, 0.0, 0.0, 0.0]})
     text = captions.clip_by_quadrant(df, _rs({"a": 0.5}))

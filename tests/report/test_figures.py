@@ -1,4 +1,4 @@
-"""#13.6: the figures users see first are readable, and their captions say what THIS run shows.
+"""The figures users see first are readable, and their captions say what THIS run shows.
 
 Unit tests on the matplotlib Figure objects (axes, scales, legends, markers) and on the measured
 captions (hand-made frames whose answer is known); tests/report/test_report_browser.py checks the page.
@@ -49,7 +49,7 @@ def test_entropy_ratio_one_linear_panel_per_method_with_its_median():
     df = ratio_frame()
     fig = plots.entropy_ratio_band(df)
     axes = visible(fig)
-    assert len(axes) == 4  # four bands no longer merge into one grey blob
+    assert len(axes) == 4  # one panel per method: four bands in one panel merge into a grey blob
     for ax, m in zip(axes, METHODS):
         assert ax.get_yscale() == "linear" and m in ax.get_title()
         want = df[df["method"] == m]["p50"].to_numpy()
@@ -134,7 +134,8 @@ def _inside_figure(fig, artist) -> bool:
 
 
 def test_ratio_vs_prob_legend_inside_the_figure_for_one_to_four_runs():
-    """New-user trial: a single-run report cropped the legend (six entries in one row, one panel wide)."""
+    """The legend of one to four runs lies inside the figure, above every panel (six entries in one row
+    one panel wide would be cropped)."""
     rng = np.random.default_rng(1)
     for n_runs in (1, 2, 4):
         n = 50
@@ -149,7 +150,7 @@ def test_ratio_vs_prob_legend_inside_the_figure_for_one_to_four_runs():
         assert top <= legend.get_window_extent(fig.canvas.get_renderer()).y0 + 1  # no panel under the legend
 
 
-# ------------------------------------------------------------------ issue 27: series, bands, smoothing, thresholds
+# ------------------------------------------------------------------ series, bands, smoothing, thresholds
 from matplotlib.colors import to_hex  # noqa: E402
 
 from figure_frames import QUADS, frames, spec  # noqa: E402
@@ -186,7 +187,7 @@ def test_two_runs_of_one_method_get_their_own_colour_and_legend_entry():
         assert set(lines) == {"grpo-lr1e-3", "grpo-lr3e-4", "dapo-a"}, fn.__name__
         assert len({to_hex(ln.get_color()) for ln in lines.values()}) == 3, fn.__name__
         assert set(legend_texts(fig)) == set(lines) and fig.legends[0].get_title().get_text() == "run"
-    # a run whose id does not name its method is labelled with it, as before
+    # a run whose id does not name its method is labelled with it
     d = f["entropy_by_step"].replace({"run": {"dapo-a": "baseline"}})
     assert "baseline (dapo)" in series_lines(plots.entropy_vs_step(d).axes[0])
 
@@ -501,7 +502,7 @@ def test_clip_by_quadrant_says_where_a_quadrant_has_no_tokens():
     assert notes == ["no NA&HP tokens", "no PA&HP tokens"]
 
 
-# ------------------------------------------------------------------ issue 32: one registry, a caption that raises fails
+# ------------------------------------------------------------------ one registry, a caption that raises fails
 def test_every_figure_is_declared_once_with_its_plot_and_observer():
     import inspect
 

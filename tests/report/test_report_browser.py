@@ -56,7 +56,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
 
 @pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"), reason="chromium not installed (CI installs it)")
 def test_every_figure_decodes_in_chromium_with_content(tmp_path):
-    """#13.6: each figure of the page loads in the real browser at a readable size, and is not blank."""
+    """Each figure of the page loads in the real browser at a readable size, and is not blank."""
     assert CHROMIUM, "chromium must be installed in CI (.ci/run installs Debian's chromium)"
     from PIL import Image, ImageStat
 

@@ -1,4 +1,4 @@
-"""#27: the report is right for a user's own runs (tests/user_runs.py), not only for the demo's.
+"""The report is right for a user's own runs (tests/user_runs.py), not only for the demo's.
 
 Every number a caption states is computed here again from what the fixture recorded.
 """

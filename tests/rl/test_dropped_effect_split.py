@@ -202,7 +202,7 @@ def test_policy_update_parts_add_up_and_step_totals(tmp_path):
 
 # ------------------------------------------------------------------ older runs
 def test_erc_part_of_older_runs_reads_null(tmp_path):
-    """A run of schema version 2 stored entropy_effect_dropped_erc with the old meaning (the whole dropped
+    """A run of schema version 2 stored entropy_effect_dropped_erc with another meaning (the whole dropped
     effect of the ERC-dropped tokens): the views null it there, and keep it in today's runs; runs that
     lack the newer columns altogether read them as null, also when every run lacks them."""
     old = tmp_path / "old"

@@ -270,8 +270,8 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_extreme_log_ratios_give_finite_exact_gradients(method):
-    # log r from -200 to +50: in float32 exp(-110) underflows to 0, so the old GPPO form
-    # -A (1-eps) / sg(r) * r was 0/0 = NaN. A alternates -1, +1, so both clipped sides occur:
+    # log r from -200 to +50: in float32 exp(-110) underflows to 0, so the naive GPPO form
+    # -A (1-eps) / sg(r) * r would be 0/0 = NaN. A alternates -1, +1, so both clipped sides occur:
     #   log r = -200, A = -1: r = 0 < 0.8, clipped_low: gppo g = -(1-0.2)(-1) = 0.8 (grpo 0)
     #   log r = +50,  A = +1: r = 5.2e21 > 1.2, clipped_high: gppo g = -(1.2)(1) = -1.2 (grpo 0)
     #   A = +1 at r ~ 0 (kept low side): g = -r A ~ 0; A = -1 at r = e^50 (kept high side): g = e^50.

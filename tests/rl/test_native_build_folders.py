@@ -1,5 +1,6 @@
-"""#31: the native row pass's build folders. A symlinked temporary folder with a planted library ran
-in-process; a full cache disk skipped the temporary-folder fallback."""
+"""The native row pass's build folders: a planted library in a symlinked temporary folder or under the
+cache's name is not loaded, a folder another user owns is refused, a full cache disk falls back to the
+temporary folder."""
 
 import hashlib
 import os
@@ -57,7 +58,7 @@ def test_a_symlinked_temporary_folder_with_a_planted_library_is_not_loaded(monke
     src.write_text(PLANT)
     plant = tmp_path / "plant.so"
     subprocess.run([CC, "-shared", "-fPIC", "-o", str(plant), str(src)], check=True)
-    # the library names the fallback used to look for: predictable (source, flags, machine, CPU)
+    # the library names anyone can predict (source, flags, machine, CPU): a planted copy under each
     source = native._SOURCE.read_bytes()
     for arch in (["-march=native"], []):
         key = hashlib.sha256(source + repr((["cc"], native._FLAGS + arch, platform.machine(),
@@ -119,7 +120,7 @@ exec {CC} "$@"
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="chown to another user needs root")
 def test_a_cache_folder_another_user_owns_is_refused(monkeypatch, tmp_path, fresh):
-    """#31: a folder not owned by this user is not built in nor loaded from; the fresh private folder is."""
+    """A folder not owned by this user is not built in nor loaded from; the fresh private folder is."""
     cache = tmp_path / "cache" / "entropylens" / "native"
     cache.mkdir(parents=True, mode=0o700)
     os.chown(cache, 54321, 54321)
@@ -134,7 +135,7 @@ def test_a_cache_folder_another_user_owns_is_refused(monkeypatch, tmp_path, fres
 
 
 def test_the_native_pass_is_off_unless_asked(monkeypatch):
-    """#31: by default (ENTROPYLENS_NATIVE unset) every pass, training included, runs torch's eager kernels."""
+    """By default (ENTROPYLENS_NATIVE unset) every pass, training included, runs torch's eager kernels."""
     import torch
 
     from entropylens.rl import stats

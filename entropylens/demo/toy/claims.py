@@ -372,7 +372,8 @@ def claim_drift(drift) -> Claim:
 
 
 def claim_quadrant_signs(ch) -> Claim:
-    """8. (old measure; the attribution issue replaces it) mean entropy change per quadrant at the next update."""
+    """8. Mean entropy change per quadrant at the next update: the measure for runs recorded without
+    attribution (claim_quadrant_signs_attributed where they have it)."""
     per_q = ch.groupby("quadrant")["relative_dh"].mean()
     # a quadrant without data never agrees
     agree = {q: not math.isnan(per_q.get(q, math.nan)) and (per_q.get(q) < 0) == (q in ("PA&HP", "NA&LP"))
