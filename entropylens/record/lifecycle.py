@@ -174,7 +174,7 @@ class RunLifecycle:
         files of later steps and takes the earlier job's config. Returns the earlier run.json ({})."""
         after = self._steps.resumed_after  # steps <= it are the earlier job's, committed
         if after is None:
-            run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory (#13)
+            run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory
             return {}
         run = self.run
         earlier = _earlier_run_info(self.dir)

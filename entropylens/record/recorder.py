@@ -43,7 +43,7 @@ from types import FunctionType
 from .loss_output import CheckedLossOutput, LossOutput
 from .inputs import InputChecks
 from .lifecycle import RecorderError, RunLifecycle
-from .steps import _DEFERRED_DEVICES, StepRecording, StepState  # noqa: F401 (record_step's, as before)
+from .steps import StepRecording, StepState
 from .summaries import PendingSummary, StepReports
 from .update import LogitWatch, UpdateRecording
 

@@ -1,4 +1,4 @@
-"""A run directory is written by one run (#13): a Recorder refuses a directory that already holds
+"""A run directory is written by one run: a Recorder refuses a directory that already holds
 a run of the same id unless told to overwrite, and then removes exactly the old run's files; or,
 told to resume, continues it after a committed step (:func:`resume`).
 

@@ -164,7 +164,7 @@ class UpdateRecording:
                    if x is not None and not (same_mask and pre.get(name) is x)}
         if dev.type == "cpu" or not checked:
             # checked on the snapshot's own copies of these columns (blocks.snapshot, when the update is
-            # finalised; the error is raised there, as before): the same test in 3 ops instead of ~15
+            # finalised; the error is raised there): the same test in 3 ops instead of ~15
             finite = None
         else:
             stacked = torch.stack([x.detach().float().reshape(m.shape) for x in checked.values()])  # [k, B, T]
