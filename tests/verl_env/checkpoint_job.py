@@ -95,7 +95,7 @@ def trainer(work: Path, run: str | None):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=cfg_dir, version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides)
-    t = el_verl._trainer_class()(cfg)
+    t = el_verl.EntropyLensTrainer(cfg)
     t.init()
     return t
 

@@ -346,7 +346,7 @@ def build_trainer(cfg, wg, *, global_steps: int = 1, trainer_cls=None):
     servers (on_init_end) left out."""
     import entropylens.integrations.verl as el_verl
 
-    base = trainer_cls or el_verl._trainer_class()
+    base = trainer_cls or el_verl.EntropyLensTrainer
 
     class Trainer(base):
         def _setup(self):

@@ -77,6 +77,8 @@ def test_entry_point_registers_on_import_verl():
         "for n in ('gppo', 'ce_gppo', 'entropylens_grpo', 'entropylens_dapo', 'entropylens_cispo'):\n"
         "    print(n, get_policy_loss_fn(n).entropylens_method)\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "import entropylens.integrations.verl as el_verl\n"
+        "assert get_trainer_cls('entropylens') is el_verl.EntropyLensTrainer\n"
         "print('trainer', get_trainer_cls('entropylens').__name__)\n"
     )
     env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "auto"}
@@ -642,6 +644,9 @@ def test_trainer_update_actor_records_the_step(tmp_path, store):
         assert "entropy" not in meta.fields
         t.global_steps = 5
         metrics = {}
+        from entropylens.integrations.verl import EntropyLensTrainer
+
+        assert type(t)._update_actor is EntropyLensTrainer._update_actor  # the trainer's own method, not a stand-in
         t._update_actor(meta, metrics)
         assert wg.calls.count("compute_log_prob") == 1 and wg.calls.count("update_actor") == 1
         got = ca.fetch(meta, ["entropylens_sample_id", "entropylens_step"])
@@ -676,7 +681,7 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
     from verl.workers.utils.losses import ppo_loss
 
     from entropylens.read import query
-    from entropylens.integrations.verl import _metric_rule
+    from entropylens.integrations.verl import metric_rule
     from entropylens.rl.losses import policy_loss
 
     ca = store
@@ -712,7 +717,7 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
                         agg="token-mean", entropy=x["h"], old_entropy=x["oh"]).scalars()
     logged = {k[len("entropylens/"):]: v for k, v in ours.items()
               if k.startswith("entropylens/") and k != "entropylens/loss"}
-    assert set(logged) == {k for k in whole if _metric_rule(k) is not None}, (sorted(logged), sorted(whole))
+    assert set(logged) == {k for k in whole if metric_rule(k) is not None}, (sorted(logged), sorted(whole))
     for k, v in logged.items():
         assert v == pytest.approx(whole[k], rel=1e-6, abs=1e-9), k
     assert logged["n_tokens"] == 2 * n_tok
@@ -789,7 +794,7 @@ def test_dapo_eps_high_is_dapos_or_refused(tmp_path):
 
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    from entropylens.integrations.verl import EntropyLensLoss, _trainer_class, close_recorders
+    from entropylens.integrations.verl import EntropyLensLoss, EntropyLensTrainer, close_recorders
     from entropylens.rl.losses import policy_loss
 
     cfg = actor_config(loss_mode="entropylens_dapo")
@@ -803,7 +808,7 @@ def test_dapo_eps_high_is_dapos_or_refused(tmp_path):
 
     overrides = [o for o in cpu_actor.trainer_overrides(tmp_path / "model", loss_mode="entropylens_dapo")]
     with pytest.raises(ValueError, match=r"clip_ratio_high=0\.28"):
-        _trainer_class()(cpu_actor.compose(overrides))
+        EntropyLensTrainer(cpu_actor.compose(overrides))
 
     cfg = actor_config(loss_mode="entropylens_dapo", clip_ratio_high=0.28, record_dir=str(tmp_path), run="dapo")
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
@@ -875,10 +880,10 @@ def test_every_step_metric_has_an_aggregation_rule():
     """The logs carry a metric only where its micro-batch values add up to the step's value; the ones that
     do not (quantiles, per-quadrant mean logit-gradient norms over finite values, the loss, which is
     verl's pg_loss aggregation) are the steps table's only."""
-    from entropylens.integrations.verl import _metric_rule
+    from entropylens.integrations.verl import metric_rule
     from entropylens.schema import STEP_METRICS
     from entropylens.rl.aggregates import BUDGET_NAMES
 
-    left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if _metric_rule(n) is None}
+    left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if metric_rule(n) is None}
     assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",
                         "lgn_mean_pa_hp", "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp"}

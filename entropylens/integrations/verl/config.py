@@ -1,0 +1,129 @@
+"""The settings: :class:`EntropyLensLossConfig` (verl's policy-loss config plus entropylens' fields) and
+what is read from verl's actor config: eps (:func:`eps_from`) and the aggregation with verl's global
+counts (:func:`agg_and_scale`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from verl.workers.config import ActorConfig, PolicyLossConfig
+
+from .names import check_registered, method_of, registered_names
+
+DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025): eps_low 0.2, eps_high 0.28
+
+
+@dataclass
+class EntropyLensLossConfig(PolicyLossConfig):
+    """verl's PolicyLossConfig plus entropylens' settings (``policy_loss._target_`` points here).
+
+    loss_mode: a verl loss name; ``gppo`` / ``ce_gppo`` / ``entropylens_grpo`` ... are ours.
+    beta1, beta2: CE-GPPO's scales of the low-side (A<0, r<1-eps_low) and high-side (A>0, r>1+eps_high)
+        clipped tokens' gradient (paper: 0.5 / 1.0 at 1.5B, 0.75 / 1.0 at 7B).
+    erc_low, erc_high: ERC band on rho = H / H_old (both set = ERC on; paper 0.95 / 1.05). Needs the
+        entropylens loss function (trainer_mode=entropylens), which sees the entropies.
+    record_dir: where runs are recorded (a path every actor worker can write; None = no recording).
+    run: run id (None: the trainer picks one, once, on the driver). sample: token-row keep fraction.
+    tau: HP/LP threshold. exact_logit_grad_norm: ask the engine for sum_pi^2 (an extra [N, V] pass).
+    tokenizer: the tokenizer (a local path or cached hub name) that decodes the responses' texts and that
+        run.json names for a token viewer; None: the one verl's trainer loaded (trainer_mode=entropylens).
+    """
+
+    beta1: float = 0.5
+    beta2: float = 1.0
+    erc_low: Optional[float] = None
+    erc_high: Optional[float] = None
+    record_dir: Optional[str] = None
+    run: Optional[str] = None
+    sample: float = 1.0
+    tau: float = 0.5
+    exact_logit_grad_norm: bool = True
+    tokenizer: Optional[str] = None
+
+    def __post_init__(self):
+        super_post = getattr(super(), "__post_init__", None)
+        if super_post is not None:
+            super_post()
+        check_registered()
+        method = method_of(self.loss_mode)
+        if (self.erc_low is None) != (self.erc_high is None):
+            raise ValueError("policy_loss.erc_low and policy_loss.erc_high must be set together (ERC band)")
+        if method is None and (self.erc is not None or self.record_dir):
+            raise ValueError(
+                f"policy_loss.loss_mode={self.loss_mode!r} is verl's own loss; ERC and recording need one of "
+                f"entropylens' losses: {', '.join(registered_names())}"
+            )
+        if self.erc is not None and not (0.0 <= self.erc[0] < 1.0 < self.erc[1]):
+            raise ValueError(f"ERC band must satisfy 0 <= erc_low < 1 < erc_high, got {self.erc}")
+        if not (self.beta1 >= 0 and self.beta2 >= 0):
+            raise ValueError(f"beta1 and beta2 must be >= 0, got {self.beta1}, {self.beta2}")
+        if not 0.0 < self.sample <= 1.0:
+            raise ValueError(f"policy_loss.sample must be in (0, 1], got {self.sample}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"policy_loss.tau must be in (0, 1], got {self.tau}")
+
+    @property
+    def erc(self) -> tuple[float, float] | None:
+        return None if self.erc_low is None else (float(self.erc_low), float(self.erc_high))
+
+
+def pl_get(config, key: str, default=None):
+    """A field of ``config.policy_loss`` (dataclass or DictConfig), or ``default``."""
+    pl = getattr(config, "policy_loss", None) if config is not None else None
+    if pl is None:
+        return default
+    v = pl.get(key, default) if hasattr(pl, "get") and not hasattr(pl, key) else getattr(pl, key, default)
+    return default if v is None and default is not None else v
+
+
+def verl_default(field: str):
+    """The default of one of verl's ActorConfig fields (its dataclass; actor.yaml sets the same values)."""
+    return {f.name: f.default for f in dataclasses.fields(ActorConfig)}[field]
+
+
+def eps_from(config, method: str | None = None) -> tuple[float, float]:
+    """verl's clip range: clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio.
+
+    ``method='dapo'``: DAPO is PPO-clip with a wider high side; verl's clip_ratio_high defaults to
+    0.2 (actor.yaml) and a composed config cannot tell that default from a user's 0.2, so a dapo loss
+    with clip_ratio_high at verl's default is refused (one line) instead of silently running as GRPO."""
+    clip = float(getattr(config, "clip_ratio", 0.2))
+    low = getattr(config, "clip_ratio_low", None)
+    high = getattr(config, "clip_ratio_high", None)
+    low, high = (clip if low is None else float(low)), (clip if high is None else float(high))
+    if method == "dapo" and abs(high - float(verl_default("clip_ratio_high"))) < 1e-12:
+        raise ValueError(
+            f"entropylens_dapo: actor.clip_ratio_high is {high:g}, verl's default, which makes DAPO plain GRPO (verl's "
+            f"config cannot tell its default from a setting): set actor_rollout_ref.actor.clip_ratio_high="
+            f"{DAPO_EPS_HIGH} (DAPO's clip-higher), or use loss_mode=entropylens_grpo for a symmetric clip")
+    return low, high
+
+
+def agg_and_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict) -> tuple[str, float | torch.Tensor]:
+    """Our aggregation (policy_loss's ``agg``: verl's five modes, seq-mean-token-sum-norm with
+    ``loss_scale_factor``) and the scale that turns it into verl's ``agg_loss`` with global counts
+    (docs/verl.md, "Aggregation"). ``info`` is ``config.global_batch_info`` (dp_size, batch_num_tokens,
+    global_batch_size, loss_scale_factor); missing entries fall back to local counts as verl does."""
+    dp = int(info.get("dp_size") or 1)
+    m = mask.bool()
+    n = m.sum()
+    n_seq = (m.sum(-1) > 0).sum()
+    if loss_agg_mode == "token-mean":
+        total = info.get("batch_num_tokens")
+        if total is None:
+            if dp > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            return "token-mean", 1.0
+        return "token-mean", n.double() * dp / float(total)
+    if loss_agg_mode == "token-sum":
+        return "token-sum", float(dp)
+    if loss_agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        gbs = info.get("global_batch_size")
+        if gbs is None and dp > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+        return loss_agg_mode, (1.0 if gbs is None else n_seq.double() * dp / float(gbs))
+    raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}")

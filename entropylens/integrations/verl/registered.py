@@ -1,0 +1,118 @@
+"""What this plug-in registers in verl: the policy losses (``loss_mode`` gppo, ce_gppo, entropylens_grpo /
+_dapo / _cispo, each :func:`compute_loss`, i.e. entropylens' ``policy_loss`` with verl's configuration)
+and the trainer mode ``entropylens`` (:func:`register_trainer`). Also verl's own clip diagnostics
+(:func:`verl_clip_metrics`), which the registered losses and the loss function both return.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+
+from ...rl.losses import policy_loss
+from .config import agg_and_scale, eps_from, pl_get
+from .metrics import METRIC_PREFIX, metric_rule
+from .names import METHODS, PREFIXED
+
+VERL_CLIP_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+logger = logging.getLogger(__name__)
+
+
+def compute_loss(method: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, *,
+                 entropy=None, old_entropy=None, erc=None, entropy_coef: float = 0.0):
+    """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high (:func:`eps_from`),
+    dual-clip from clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the
+    policy_loss config, aggregation with verl's global counts via ``scale``, ``entropy_coef`` (verl's
+    entropy_coeff: the bonus is in the loss and in its config, where the recorder's entropy-bonus
+    rule reads it). Returns the PolicyLossOutput."""
+    eps_low, eps_high = eps_from(config, method)
+    info = dict(getattr(config, "global_batch_info", None) or {})
+    agg, scale = agg_and_scale(loss_agg_mode, response_mask, info)
+    scale = float(scale)
+    scale = scale if scale > 0 else 1.0  # no token in this micro-batch: every weight is 0 anyway
+    dual = None if method == "cispo" else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
+    lsf = info.get("loss_scale_factor") if agg == "seq-mean-token-sum-norm" else None
+    kw = dict(method=method, eps_low=eps_low, eps_high=eps_high, dual_clip=dual, agg=agg,
+              beta1=float(pl_get(config, "beta1", 0.5)), beta2=float(pl_get(config, "beta2", 1.0)),
+              tau=float(pl_get(config, "tau", 0.5)), entropy=entropy, old_entropy=old_entropy, erc=erc,
+              entropy_coef=entropy_coef, loss_scale_factor=None if lsf is None else float(lsf))
+    return policy_loss(log_prob, old_log_prob, advantages, response_mask, scale=scale, **kw)
+
+
+def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: str) -> torch.Tensor:
+    """verl's own PPO diagnostics of one micro-batch, as compute_policy_loss_vanilla defines them
+    (log-ratio clamped to +-20): [pg_clipfrac, ppo_kl, pg_clipfrac_lower], float64 [3] on the device.
+    pg_clipfrac: share of tokens whose clipped surrogate exceeds the unclipped one (A > 0, r > 1+eps_high;
+    A < 0, r < 1-eps_low); pg_clipfrac_lower: share with A < 0 and r above the dual-clip bound
+    clip_ratio_c (entropylens' dual_clipped); ppo_kl: mean of log pi_old - log pi."""
+    eps_low, eps_high = eps_from(config, method)
+    c = float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
+    m = mask.bool()
+    denom = m.sum().clamp(min=1).double()
+    log_r = torch.clamp(log_prob.detach().double() - old_log_prob.double(), min=-20.0, max=20.0)
+    r = torch.exp(log_r)
+    a = advantages.double()
+    l1, l2 = -a * r, -a * torch.clamp(r, 1 - eps_low, 1 + eps_high)
+    clipfrac = ((l2 > l1) & m).sum() / denom
+    lower = ((torch.maximum(l1, l2) > -a * c) & (a < 0) & m).sum() / denom
+    kl = torch.where(m, -log_r, torch.zeros_like(log_r)).sum() / denom
+    return torch.stack([clipfrac.double(), kl, lower.double()])
+
+
+def _make_registered(method: str):
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None):
+        if config is None:
+            raise ValueError(f"entropylens {method}: verl passed no actor config")
+        if rollout_is_weights is not None:
+            raise ValueError(f"entropylens {method}: rollout correction weights (rollout_is_weights) are not supported; "
+                             "turn algorithm.rollout_correction off or use verl's own loss")
+        if method == "ce_gppo" and pl_get(config, "beta1") is None and not loss_fn.warned:
+            loss_fn.warned = True
+            logger.warning("entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
+                           "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0")
+        out = compute_loss(method, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config)
+        clip = verl_clip_metrics(log_prob, old_log_prob, advantages, response_mask, config, method)
+        scal = out.scalars()
+        # verl's ppo_loss averages these over micro-batches (Metric MEAN): only intensive values are
+        # returned (a count or the loss would come out divided by the number of micro-batches); exact step
+        # values need trainer.v1.trainer_mode=entropylens (EntropyLensLoss)
+        metrics = {METRIC_PREFIX + k: v for k, v in scal.items() if (metric_rule(k) or ("",))[0] == "mean"}
+        metrics.update(zip(VERL_CLIP_KEYS, clip.tolist()))
+        return out.loss, metrics
+
+    loss_fn.__name__ = f"entropylens_{method}_policy_loss"
+    loss_fn.__doc__ = f"entropylens' {method} as a verl policy loss (entropylens.rl.losses.policy_loss)."
+    loss_fn.entropylens_method = method
+    loss_fn.warned = False
+    return loss_fn
+
+
+def register() -> None:
+    """Register every entropylens loss in verl's POLICY_LOSS_REGISTRY (idempotent)."""
+    for method in (*METHODS, *PREFIXED):
+        fn = _make_registered(method)
+        names = [f"entropylens_{method}"] + ([method] if method in METHODS else [])
+        for name in names:
+            existing = POLICY_LOSS_REGISTRY.get(name)
+            if existing is not None and getattr(existing, "entropylens_method", None) is None:
+                raise RuntimeError(f"verl already has a policy loss named {name!r}; entropylens will not replace it")
+            register_policy_loss(name)(fn)
+
+
+def register_trainer() -> bool:
+    """Register ``trainer.v1.trainer_mode=entropylens``; False (logged) when verl's v1 trainer cannot be
+    imported here (e.g. TransferQueue missing)."""
+    try:
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer as _reg
+    except ImportError as e:
+        logger.info("entropylens: verl's v1 trainer is not importable (%s); trainer_mode=entropylens unavailable", e)
+        return False
+    if "entropylens" not in TRAINER_REGISTRY:
+        from .trainer import EntropyLensTrainer  # imports verl's v1 trainer: only once it is known to import
+
+        _reg("entropylens")(EntropyLensTrainer)
+    return True
