@@ -261,7 +261,8 @@ def show(
     if seq is None:
         out = view.list_step(con, run, step, where=where, rank=rank)
     else:
-        from entropylens.token_text import TokenTextWarning, decoder_for_run
+        from entropylens.read.run_decoder import decoder_for_run
+        from entropylens.token_text import TokenTextWarning
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", TokenTextWarning)
@@ -334,7 +335,7 @@ def check(
     its updates grad norm 0; fires at --no-signal-steps such steps in a row, or when they are at least
     that many and at least --no-signal-share of the last --window steps."""
     from entropylens.alarms import Thresholds
-    from entropylens.alarms import check as run_check
+    from entropylens.report.checks import check as run_check
 
     t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps,
                    budget_entropy=budget_entropy, clip_spike=clip_spike, kl_spike=kl_spike,

@@ -250,23 +250,6 @@ def evaluate(df, thresholds: Thresholds | None = None) -> list[Finding]:
     return out
 
 
-def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None = None) -> list[Finding]:
-    """Every run under ``path`` through the rules (analysis ``step_health`` over the steps table, read as
-    Python values so that NULL (not measured) stays None and NaN stays NaN)."""
-    import duckdb
-
-    from .read.query import QueryError, connect, render_analysis
-
-    con = connect(path, runs=runs)
-    try:
-        cur = con.execute(render_analysis("step_health"))
-        names = [d[0] for d in cur.description]
-        rows = [dict(zip(names, r)) for r in cur.fetchall()]
-    except duckdb.Error as e:
-        raise QueryError(f"analysis 'step_health' failed: {str(e).splitlines()[0]}") from None
-    return evaluate(rows, thresholds)
-
-
 class ScalarLog:
     """record_step's values as they reach the host: one :class:`NonFiniteWarning` per run at the first
     NaN / inf (naming the step and the value; it is stored as it is), and, for the live alarms

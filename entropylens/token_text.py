@@ -1,11 +1,12 @@
 """The text of recorded tokens: token ids (tokens.token_id) -> the strings a token viewer shows.
 
+    from entropylens.read.run_decoder import decoder_for_run
     dec = decoder_for_run("runs", "grpo-s0")        # what the run recorded, else ids as ⟨17⟩
     dec.tokens([15, 2, 9])  -> ['The', ' cat', ' sat']   # each id's own text (cached per id)
     dec.text([15, 2, 9])    -> 'The cat sat'
     dec.has_text, dec.source                         # False for the fallback; where the text comes from
 
-Where the text comes from (:func:`decoder_for_run`, first found wins):
+Where the text comes from (``read/run_decoder.decoder_for_run``, first found wins):
   1. a tokenizer passed by the caller (an object with ``decode``, a local path or a cached hub name, or a
      list of token strings);
   2. run.json's ``config.tokenizer`` (written by :func:`tokenizer_info`: the Recorder's ``tokenizer=``, TRL,
@@ -241,7 +242,7 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
     built in memory: no name_or_path), or when ``save=True`` (a path is then loaded and saved);
     ``save=False`` never; a vocabulary list is inline in run.json (nothing saved). A tokenizer that cannot
     be saved: a warning, training goes on. Returns whether a copy was saved. A token viewer decodes the
-    recorded ids with it (:func:`decoder_for_run`)."""
+    recorded ids with it (``read/run_decoder.decoder_for_run``)."""
     from pathlib import Path
 
     from .storage import location
@@ -276,90 +277,4 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------------- runs
-def _run_dir(path, run: str, storage_options: dict | None):
-    """The run's directory (a storage.Location) under the runs root ``path``: the run whose id (catalog.run_ids)
-    is ``run``, else the one whose directory is named so. Raises catalog.QueryError (bad path, unknown run)."""
-    from .read.catalog import QueryError, find_runs, run_ids
-    from .storage import location
-
-    root = location(path, storage_options)
-    every = find_runs(root)
-    ids = run_ids(every, root)
-    match = [d for d, rid in zip(every, ids) if rid == run] or [d for d in every if d.name == run]
-    if not match:
-        raise QueryError(f"unknown run {run}; runs here: {', '.join(ids)}")
-    return match[0]
-
-
-def _load_saved(d) -> object:
-    """The tokenizer saved in ``d`` (a Location: local, or copied from object storage to a temporary folder)."""
-    if not d.remote:
-        return load_tokenizer(d.path)
-    with tempfile.TemporaryDirectory(prefix="entropylens-tok-") as tmp:
-        for p in d.files():
-            with open(os.path.join(tmp, p.rsplit("/", 1)[-1]), "wb") as f:
-                f.write(d.at(p).read_bytes())
-        return load_tokenizer(tmp)  # the tokenizer is in memory once loaded
-
-
-def _from_run_json(d, info: dict) -> Decoder:
-    """The decoder run.json's tokenizer block names: saved copy, inline vocabulary, then name_or_path."""
-    tok = ((info.get("config") or {}).get("tokenizer") or info.get("tokenizer")) if isinstance(info, dict) else None
-    tok = tok if isinstance(tok, dict) else {}
-    saved = d / SAVED_DIR  # always there (TRL, Recorder): run.json says whether one was kept
-    try:
-        has_copy = (saved / "tokenizer_config.json").isfile() or (saved / "tokenizer.json").isfile()
-    except Exception:  # noqa: BLE001 - an unreachable store: no copy
-        has_copy = False
-    if has_copy:
-        try:
-            return TokenizerDecoder(_load_saved(saved), f"tokenizer saved with the run ({saved})")
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: the tokenizer saved with the run ({saved}) could not be loaded "
-                          f"({_one_line(e)})", TokenTextWarning, stacklevel=3)
-    vocab = tok.get("vocab")
-    if isinstance(vocab, list):
-        return VocabDecoder(vocab, "the run's vocabulary (run.json)")
-    name = tok.get("name_or_path")
-    if isinstance(name, str) and name:
-        try:
-            return TokenizerDecoder(load_tokenizer(name), f"tokenizer {name} (run.json)")
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: tokenizer {name} (run.json) could not be loaded ({_one_line(e)}); token "
-                          "ids are shown as ⟨id⟩", TokenTextWarning, stacklevel=3)
-    return Decoder()
-
-
-def decoder_for_run(path, run: str, tokenizer=None, *, storage_options: dict | None = None) -> Decoder:
-    """The decoder for run ``run`` under the runs root ``path`` (a local folder or an fsspec URL, as
-    ``query.connect`` takes it): ``tokenizer`` when given (an object, a local path / cached name, or a list of
-    strings), else what the run's run.json recorded (module docstring), else the fallback (ids as ⟨id⟩).
-    A tokenizer that cannot be loaded gives a warning (naming it and why), never an error: a given one
-    the fallback, run.json's saved copy its next source; an unknown run or path raises
-    ``catalog.QueryError``."""
-    import json
-
-    if tokenizer is not None:
-        return make_decoder(tokenizer, _given_source(tokenizer))
-    d = _run_dir(path, run, storage_options)
-    try:
-        info = json.loads((d / "run.json").read_text())
-    except Exception as e:  # noqa: BLE001 - a torn run.json: its tokenizer is not known
-        warnings.warn(f"entropylens: {d / 'run.json'} could not be read ({_one_line(e)}); token ids are shown "
-                      "as ⟨id⟩", TokenTextWarning, stacklevel=2)
-        return Decoder()
-    return _from_run_json(d, info)
-
-
-def _given_source(tokenizer) -> str:
-    if _is_vocab(tokenizer):
-        return "the given vocabulary"
-    if _is_path(tokenizer):
-        return f"tokenizer {os.fspath(tokenizer)} (given)"
-    name = _name_of(tokenizer_of(tokenizer)) if not isinstance(tokenizer, Decoder) else None
-    return f"tokenizer {name} (given)" if name else f"the given tokenizer ({type(tokenizer_of(tokenizer)).__name__})"
-
-
-__all__ = ["Decoder", "VocabDecoder", "TokenizerDecoder", "TokenTextWarning", "HOW_TO_GET_TEXT", "decoder_for_run",
-           "make_decoder", "load_tokenizer", "tokenizer_info", "save_tokenizer", "tokenizer_of"]
+__all__ = ["Decoder", "VocabDecoder", "TokenizerDecoder", "TokenTextWarning", "HOW_TO_GET_TEXT", "make_decoder", "load_tokenizer", "tokenizer_info", "save_tokenizer", "tokenizer_of"]

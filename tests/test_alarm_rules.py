@@ -1,4 +1,4 @@
-"""Every alarm rule on runs recorded with the real Recorder (tests/alarm_runs.py), through alarms.check and
+"""Every alarm rule on runs recorded with the real Recorder (tests/alarm_runs.py), through `check` (report/checks.py) and
 the real CLI: each fires on a run built to trigger it, at the step and with the value computed here from
 the run's construction, and none fires on the stable runs (exit 0 with every rule on)."""
 
@@ -11,9 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from alarm_runs import B, BUDGET, ERC, N, OLD_LOGP, T, k3, record_run, stable_grad_norm
-from entropylens.alarms import RULES, EntropyAlarm, NonFiniteWarning, check
+from entropylens.alarms import RULES, EntropyAlarm, NonFiniteWarning
 from entropylens.cli.main import app
 from entropylens.read.query import connect, run_analysis
+from entropylens.report.checks import check
 
 runner = CliRunner()
 F32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731 - steps columns are float32

@@ -196,7 +196,7 @@ def test_recorder_warns_live(tmp_path, end_steps):
 def test_grpo_collapse_fires_on_a_real_toy_run(tmp_path):
     """GRPO on a smaller, faster toy (lr 2e-3, 64 sequences, 4 updates per step) collapses within 60 steps
     (measured: entropy 1.15 -> 0.17, the default rule first fires at step 39); with probes every 6 steps."""
-    from entropylens.alarms import check
+    from entropylens.report.checks import check
     from entropylens.demo.toy import config_for, train
 
     train(config_for("grpo", steps=60, prompts=8, group=8, minibatches=2, epochs=2, lr=2e-3, probe_every=6), tmp_path)

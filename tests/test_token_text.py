@@ -13,11 +13,11 @@ import torch
 
 from entropylens import Recorder, storage
 from entropylens.read.query import connect
+from entropylens.read.run_decoder import decoder_for_run
 from entropylens.token_text import (
     HOW_TO_GET_TEXT,
     Decoder,
     TokenTextWarning,
-    decoder_for_run,
     make_decoder,
     save_tokenizer,
     tokenizer_info,

@@ -211,7 +211,7 @@ def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | Non
     report's runs (one is opened when None, e.g. when the figures ran on Spark)."""
     from . import responses as resp
     from . import viewer
-    from ..token_text import decoder_for_run
+    from ..read.run_decoder import decoder_for_run
 
     con = con if con is not None else _connect(path, runs_filter, "duckdb")
     methods = dict(run_sql_rows(con, "SELECT run, method FROM runs"))

@@ -94,7 +94,7 @@ def snapshot(path, runs: list[str] | None = None, thresholds: Thresholds | None 
     try:
         steps = con.execute(STEPS_SQL, [int(tail)]).df()
         info = {str(r): (m, s) for r, m, s in con.execute("SELECT run, method, status FROM runs ORDER BY run").fetchall()}
-        # the alarms exactly as `entropylens check` computes them (alarms.check): step_health read as
+        # the alarms exactly as `entropylens check` computes them (report/checks.py): step_health read as
         # Python values (NULL stays None, NaN stays NaN), the rules in alarms.evaluate
         cur = con.execute(render_analysis("step_health"))
         names = [d[0] for d in cur.description]

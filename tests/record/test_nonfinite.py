@@ -138,7 +138,7 @@ def test_a_nan_loss_from_record_update_is_stored_and_fires_nonfinite(tmp_path):
     without loss= stays null (not measured)."""
     from types import SimpleNamespace
 
-    from entropylens.alarms import check
+    from entropylens.report.checks import check
     from entropylens.rl.losses import policy_loss
 
     lp = torch.full((2, 3), -0.5)

@@ -76,7 +76,7 @@ def record(root: Path, run: str = RUN, *, b: int = B, t: int = T, steps: int = S
 
 
 def build_page(root: Path, out: Path, run: str = RUN, n: int = 12) -> tuple[Path, dict]:
-    from entropylens.token_text import decoder_for_run
+    from entropylens.read.run_decoder import decoder_for_run
 
     con = connect(root)
     sel = responses.select(con, run, n=n)

@@ -110,7 +110,7 @@ def test_hostile_texts_cannot_break_out(tmp_path):
 
 
 def test_a_real_runs_page_data_reads_back(tmp_path):
-    from entropylens.token_text import decoder_for_run
+    from entropylens.read.run_decoder import decoder_for_run
 
     root = build(tmp_path / "runs")
     con = connect(root)

@@ -21,7 +21,8 @@ from rich.console import Console
 
 from alarm_runs import record_run
 from cli_calls import err, ok
-from entropylens.alarms import Finding, check
+from entropylens.alarms import Finding
+from entropylens.report.checks import check
 from entropylens.read.query import connect
 from entropylens.report.watch import render, snapshot, sparkline, summary_line
 

@@ -9,6 +9,7 @@ reference (the three layers, aggregation, metrics, sequences, ranks, checkpoints
     names.py       loss-mode names, batch keys, run ids; the check that the losses are registered
     config.py      EntropyLensLossConfig; eps and aggregation from verl's actor config
     registered.py  layer 1: the registered policy losses (compute_loss), verl's clip metrics; registration
+    trainer_mode.py  the registration of trainer_mode=entropylens (imports trainer.py once verl's registry imports)
     metrics.py     which step metrics add up, their shares, the step values the trainer logs
     ranks.py       which processes record, as which rank (FSDP, Megatron)
     batch.py       a micro-batch as [B, T] response tensors
@@ -32,7 +33,8 @@ from .metrics import metric_rule, metric_shares, step_values  # noqa: E402
 from .names import check_registered, method_of, registered_names  # noqa: E402
 from .ranks import dp_rank, megatron_layout, recording_rank  # noqa: E402
 from .recorders import close_recorders, commit_recorders, end_step_recorders  # noqa: E402
-from .registered import compute_loss, register, register_trainer, verl_clip_metrics  # noqa: E402
+from .registered import compute_loss, register, verl_clip_metrics  # noqa: E402
+from .trainer_mode import register_trainer  # noqa: E402
 
 register()
 register_trainer()

@@ -1,7 +1,7 @@
-"""What this plug-in registers in verl: the policy losses (``loss_mode`` gppo, ce_gppo, entropylens_grpo /
-_dapo / _cispo, each :func:`compute_loss`, i.e. entropylens' ``policy_loss`` with verl's configuration)
-and the trainer mode ``entropylens`` (:func:`register_trainer`). Also verl's own clip diagnostics
-(:func:`verl_clip_metrics`), which the registered losses and the loss function both return.
+"""Layer 1, the policy losses this plug-in registers in verl (``loss_mode`` gppo, ce_gppo, entropylens_grpo /
+_dapo / _cispo, each :func:`compute_loss`, i.e. entropylens' ``policy_loss`` with verl's configuration),
+and verl's own clip diagnostics (:func:`verl_clip_metrics`), which the registered losses and the loss
+function both return. The trainer mode registers in trainer_mode.py.
 """
 
 from __future__ import annotations
@@ -101,18 +101,3 @@ def register() -> None:
             if existing is not None and getattr(existing, "entropylens_method", None) is None:
                 raise RuntimeError(f"verl already has a policy loss named {name!r}; entropylens will not replace it")
             register_policy_loss(name)(fn)
-
-
-def register_trainer() -> bool:
-    """Register ``trainer.v1.trainer_mode=entropylens``; False (logged) when verl's v1 trainer cannot be
-    imported here (e.g. TransferQueue missing)."""
-    try:
-        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer as _reg
-    except ImportError as e:
-        logger.info("entropylens: verl's v1 trainer is not importable (%s); trainer_mode=entropylens unavailable", e)
-        return False
-    if "entropylens" not in TRAINER_REGISTRY:
-        from .trainer import EntropyLensTrainer  # imports verl's v1 trainer: only once it is known to import
-
-        _reg("entropylens")(EntropyLensTrainer)
-    return True

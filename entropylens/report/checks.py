@@ -1,0 +1,21 @@
+"""`entropylens check`: every recorded run under a path through the alarm rules (entropylens/alarms.py)."""
+
+from __future__ import annotations
+
+import duckdb
+
+from ..alarms import Finding, Thresholds, evaluate
+from ..read.query import QueryError, connect, render_analysis
+
+
+def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None = None) -> list[Finding]:
+    """Every run under ``path`` through the rules (analysis ``step_health`` over the steps table, read as
+    Python values so that NULL (not measured) stays None and NaN stays NaN)."""
+    con = connect(path, runs=runs)
+    try:
+        cur = con.execute(render_analysis("step_health"))
+        names = [d[0] for d in cur.description]
+        rows = [dict(zip(names, r)) for r in cur.fetchall()]
+    except duckdb.Error as e:
+        raise QueryError(f"analysis 'step_health' failed: {str(e).splitlines()[0]}") from None
+    return evaluate(rows, thresholds)
