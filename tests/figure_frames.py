@@ -1,7 +1,7 @@
 """Hand-made analysis frames of many runs for the figure tests (tests/report/test_figures.py).
 
 ``frames(specs)`` returns {analysis name: DataFrame} with the columns of analyses/<name>.sql (plus the
-columns report.py adds: ``series``, and per run ``band_low`` / ``band_high`` for the entropy ratio and
+columns report/build.py adds: ``series``, and per run ``band_low`` / ``band_high`` for the entropy ratio and
 ``tau`` for the clipped-token histogram). One spec per run: a dict with run, method and optionally
 series, steps, lr, seed, erc (the run's ERC band or None), tau, eps_low, eps_high. Values are smooth
 functions of the step plus seeded noise, so a figure test can compute what a line must show.

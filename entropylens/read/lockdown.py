@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from . import catalog as cat
 
-ALLOWED_CONFIGS = ("enable_progress_bar",)  # harmless; report.py turns it off after connect
+ALLOWED_CONFIGS = ("enable_progress_bar",)  # harmless; report/build.py turns it off after connect
 
 
 @dataclass

@@ -208,7 +208,7 @@ class _Result:
 
 class SparkConnection:
     """Spark views over the runs under a path. ``execute(duckdb_sql)`` translates and runs SQL, so
-    ``query.run_analysis(con, name)`` / ``query.run_sql`` and report.py work unchanged."""
+    ``query.run_analysis(con, name)`` / ``query.run_sql`` and report/build.py work unchanged."""
 
     def __init__(self, spark, path, runs: list[str] | None = None, storage_options: dict | None = None):
         from functools import reduce

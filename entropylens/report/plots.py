@@ -1,6 +1,6 @@
 """One function per paper figure: a DataFrame from an analysis in, a matplotlib Figure out. No I/O.
 
-Lines, bars and panels are drawn per *series*: the frame's string column ``series`` (report.py sets
+Lines, bars and panels are drawn per *series*: the frame's string column ``series`` (report/build.py sets
 one label per run, or one per group with ``entropylens report --group-by KEY``); without it, per run
 (labelled by :func:`_label`). Colours follow the sorted series names. Where several runs share a
 series, a line is the mean over those runs per step with the runs' spread shaded (``band="minmax"``:
@@ -11,7 +11,7 @@ runs' own rows (eps, tau, the ERC band); the papers' numbers are drawn only as l
 
 Every plot function takes the keyword-only ``band`` and ``legend_title`` (the legend's heading, e.g.
 "run" or "lr"). Each function's docstring names the analysis it takes and the figure it mirrors;
-report.py writes the files.
+build.py writes the files.
 """
 
 from __future__ import annotations

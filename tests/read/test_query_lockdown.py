@@ -118,7 +118,7 @@ def test_locked_connection_refuses_what_the_parser_would(con, runs, tmp_path):
                                 "'autoload_known_extensions')").fetchall())
     assert settings == {"enable_external_access": "false", "lock_configuration": "true",
                         "autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
-    # what still works: the views, in-memory temporary tables, the progress bar switch (report.py)
+    # what still works: the views, in-memory temporary tables, the progress bar switch (report/build.py)
     assert run_sql(con, "SELECT count(*) AS n FROM tokens")["n"].tolist() == [16]
     run_sql(con, "SET enable_progress_bar = false")
     assert run_sql(con, "CREATE TEMP TABLE t AS SELECT 1 AS x; SELECT x FROM t")["x"].tolist() == [1]

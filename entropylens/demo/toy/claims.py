@@ -95,7 +95,7 @@ def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fa
     dirs = {regime: Path(runs_dir)} if not isinstance(runs_dir, dict) else {k: Path(v) for k, v in runs_dir.items()}
     jobs = [(n, s, str(d), reg, overrides) for s in range(seeds) for reg, d in dirs.items() for n in CONFIGS
             if not _finished(d / f"{n}-s{s}")]
-    # spawn, not Linux's default fork: a forked child inherits torch's native thread pool (see demo.py)
+    # spawn, not Linux's default fork: a forked child inherits torch's native thread pool (see demo/runner.py)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         for i, (d, run, sec) in enumerate(pool.map(_train_one, jobs), 1):
             t = timings(Path(d))
