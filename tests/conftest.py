@@ -20,3 +20,27 @@ def row_pass(request, monkeypatch):
                 pytest.skip("no C compiler on this machine: the native row pass cannot be built")
             pytest.fail(f"a C compiler is here but the native row pass did not build: {native.status()}")
     return request.param
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's real S3 server on loopback (helpers/s3_server.py), started for the module that asks, with the
+    environment pointing at it; yields a function that makes a fresh bucket and returns its runs URL."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+    from s3_server import s3_environment
+
+    from entropylens import storage
+
+    with s3_environment():
+        n = [0]
+
+        def bucket() -> str:
+            n[0] += 1
+            name = f"bucket{n[0]}"
+            storage.filesystem("s3").mkdir(name)
+            return f"s3://{name}/runs"
+
+        yield bucket

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from layout_run import make_run, write_step  # noqa: E402
-from s3_server import s3_environment  # noqa: E402
 
 from entropylens import storage  # noqa: E402
 from entropylens.cli.main import app  # noqa: E402
@@ -24,21 +23,6 @@ from entropylens.read.query import connect, run_analysis  # noqa: E402
 HELPERS = Path(__file__).parent / "helpers"
 EXAMPLES = Path(__file__).parent.parent / "examples"
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """Env pointing at a fresh server; yields a function making a fresh bucket URL."""
-    with s3_environment():
-        n = [0]
-
-        def bucket() -> str:
-            n[0] += 1
-            name = f"bucket{n[0]}"
-            storage.filesystem("s3").mkdir(name)
-            return f"s3://{name}/runs"
-
-        yield bucket
 
 
 def _keys(url: str) -> list[str]:

@@ -14,9 +14,9 @@ import pytest
 from entropylens.read.query import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "record"))  # test_trackers: the trackers' file readers
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import trl_tiny  # noqa: E402
-from test_trackers import ALERT_LINE, FIRING, assert_histograms, tensorboard_histograms, tensorboard_texts  # noqa: E402
+from tracker_files import ALERT_LINE, FIRING, assert_histograms, tensorboard_histograms, tensorboard_texts  # noqa: E402
 
 pytest.importorskip("tensorboard")
 

@@ -13,7 +13,6 @@ from typer.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
 from layout_run import make_run  # noqa: E402
 
-from test_storage import s3  # noqa: E402,F401 - the S3 server fixture
 
 from entropylens.read import catalog
 from entropylens import storage  # noqa: E402

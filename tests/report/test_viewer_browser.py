@@ -339,7 +339,7 @@ def test_thousands_of_tokens_stay_fast(tmp_path, browser):
 def test_ranks_infinities_and_hostile_text_by_hand(tmp_path, browser):
     """A hand-made page: the same seq on two ranks (the hash's rank picks one), "inf" values shown as
     embedded, a token text of "</script>" shown as text."""
-    from test_viewer_page import small_data
+    from viewer_data import small_data
 
     data = small_data("</script><script>window.PWNED=1</script>")
     resp = data["steps"][0]["responses"][0]
