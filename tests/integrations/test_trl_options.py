@@ -272,7 +272,7 @@ def test_dapo_equals_trls_dapo_over_two_processes(tmp_path, model_dir):
     import os
     import subprocess
 
-    child = Path(__file__).parent / "helpers" / "trl_two_ranks_oracle.py"
+    child = Path(__file__).parent.parent / "helpers" / "trl_two_ranks_oracle.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     w = {}
     for loss in ("trl", "dapo"):
