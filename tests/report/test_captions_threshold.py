@@ -25,6 +25,18 @@ def test_entropy_caption_compares_every_method_of_the_run_set():
     assert "last 10% of steps: dapo-s0 0.31; erc_dapo-s0 0.45." in only
 
 
+def test_entropy_caption_calls_a_small_gap_level():
+    df = _entropy_df()
+    # CE-GPPO's tail 0.318 against DAPO's 0.31: a gap of 0.008 nats, 2.6% of 0.31 (under the 5% of LEVEL)
+    df.loc[(df.method == "ce_gppo") & (df.step == 9), "old_entropy"] = 0.318
+    text = captions.entropy(df)
+    assert "CE-GPPO is above GRPO / DAPO by only 0.008 nats (under 5%): level" in text, text
+    assert "the paper's direction" not in text
+    # 0.33 against 0.31: a gap of 0.02, 6.5%: above
+    df.loc[(df.method == "ce_gppo") & (df.step == 9), "old_entropy"] = 0.33
+    assert "CE-GPPO is above GRPO / DAPO, the paper's direction" in captions.entropy(df)
+
+
 def _rs(taus: dict):
     """The report's RunSet of runs with these taus (method grpo)."""
     runs = pd.DataFrame({"run": list(taus), "method": "grpo", "config": None, "tau": list(taus.values()),
