@@ -8,6 +8,7 @@ in cli/options.py, the output formats in cli/output.py, Typer's adjustments and 
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from pathlib import Path
@@ -504,6 +505,18 @@ def _summary(runs_dir: Path, runs: list[str], table=None):
         df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
     return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",
                "clip_high_frac", "erc_drop_frac"]]
+
+
+def _reflow_help(typer_app: typer.Typer) -> None:
+    """Each command's help as its docstring with every paragraph on one line. Typer joins the wrapped
+    lines of a help text's first paragraph only; the later ones printed with the source's line breaks
+    inside the terminal's own wrapping (ragged lines in `check --help`)."""
+    for cmd in typer_app.registered_commands:
+        doc = cmd.help or inspect.getdoc(cmd.callback) or ""
+        cmd.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_reflow_help(app)
 
 
 def main() -> None:

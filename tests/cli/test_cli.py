@@ -1,9 +1,11 @@
 """Every CLI command's output and exit code on the hand-built fixture runs, and every error case."""
 
+import inspect
 import json
 
 import pandas as pd
 import pytest
+from typer.testing import CliRunner
 
 from cli_calls import err, ok, runner
 from entropylens.cli.main import app
@@ -20,6 +22,20 @@ def test_help_everywhere():
     for cmd in ("schema", "runs", "query", "analyses", "analyze", "report", "demo"):
         assert cmd in out
         assert "Usage" in ok(cmd, "--help")
+
+
+def test_help_paragraphs_are_wrapped_by_the_terminal_only():
+    """On a terminal wide enough for it, each paragraph of a command's help is one line: no line
+    break from the docstring's source wrapping (`check --help` printed ragged lines)."""
+    wide = CliRunner()
+    for cmd in app.registered_commands:
+        name = cmd.name or cmd.callback.__name__
+        res = wide.invoke(app, [name, "--help"], env={"COLUMNS": "4000"})
+        assert res.exit_code == 0, res.output
+        head = res.stdout.split("Usage:")[1].split("\u256d")[0]  # the prose, before the first panel
+        lines = [x.strip() for x in head.splitlines()[1:] if x.strip()]
+        paragraphs = [p for p in inspect.getdoc(cmd.callback).split("\n\n") if p.strip()]
+        assert len(lines) == len(paragraphs), (name, lines)
 
 
 def test_runs(runs):
