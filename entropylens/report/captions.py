@@ -197,7 +197,7 @@ def grad_norm(df, rs: RunSet | None = None) -> str:
         bad = df[bad].sort_values("step")
         first = bad.groupby(series(bad, rs), sort=True).agg(step=("step", "first"), n=("step", "size"))
         text += " Updates with a NaN / inf norm (x in the figure; left out of the step mean): " + "; ".join(
-            f"{s} at {int(r.n)} step(s) from step {int(r.step)}" for s, r in first.iterrows()) + "."
+            f"{s} at {int(r.n)} step{'s' if r.n != 1 else ''} from step {int(r.step)}" for s, r in first.iterrows()) + "."
     return text + _smooth_note(df, rs) + _group_note(rs)
 
 

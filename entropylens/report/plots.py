@@ -904,7 +904,7 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
             out = float("nan")
         off = int(((g["p05"] < y_lo) | (g["p95"] > y_hi)).sum())
         title = f"{s}: {_band_title(bands, refs, g['_r'].nunique(), out)}"
-        title += f" ({off} step(s) beyond the axis)" if off else ""
+        title += f" ({off} step{'s' if off != 1 else ''} beyond the axis)" if off else ""
         ax.set_title(textwrap.fill(title, wrap), fontsize=9)
     grid.set(ylim=(y_lo, y_hi))
     grid.set_axis_labels("training step", "entropy ratio rho")

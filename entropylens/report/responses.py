@@ -161,9 +161,9 @@ class Selection:
     @property
     def text(self) -> str:
         steps = self.rows["step"].nunique() if len(self.rows) else 0
-        what = f"{len(self.rows)} of {self.candidates} responses at {steps} step(s)"
+        what = (f"{len(self.rows)} of {self.candidates} responses at {steps} step{'s' if steps != 1 else ''}")
         if self.where:
-            what += f" (those with a token where {self.where})"
+            what += f" (those matching --where {self.where})"
         rules = ", ".join(r for r, _, _ in RULES)
         text = (f"{what}, chosen at steps spread over the run, one per rule in turn: {rules} "
                 f"(entropylens report --responses N --where SQL).")

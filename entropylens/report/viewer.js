@@ -783,7 +783,7 @@
     document.querySelector(".el-controls").hidden = true;
     document.querySelector(".el-listbox").hidden = true;
     var none = h("p", { id: "el-empty", "class": "el-hint" }, "No responses are embedded for this run" +
-      (D.where ? " (none has a token where " + D.where + ")" : "") + ".");
+      (D.where ? " (none matches --where " + D.where + ")" : "") + ".");
     document.getElementById("el-app").insertBefore(none, document.getElementById("el-app").firstChild);
     document.body.setAttribute("data-ready", "1");
     return;

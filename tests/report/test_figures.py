@@ -487,7 +487,7 @@ def test_grad_norm_marks_the_steps_with_a_nan_norm():
     marks = [c for c in fig.axes[0].collections if c.get_gid() == "nonfinite"]
     assert len(marks) == 1 and sorted(marks[0].get_offsets()[:, 0]) == [1, 2]  # run a's steps 1 and 2 only
     text = captions.grad_norm(df)
-    assert "Updates with a NaN / inf norm (x in the figure; left out of the step mean): a (grpo) at 2 step(s) " \
+    assert "Updates with a NaN / inf norm (x in the figure; left out of the step mean): a (grpo) at 2 steps " \
         "from step 1." in text
     assert not [c for c in plots.grad_norm_vs_step(df.assign(nonfinite=0)).axes[0].collections
                 if c.get_gid() == "nonfinite"]

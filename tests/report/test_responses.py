@@ -113,7 +113,7 @@ def test_selection_rules_pick_the_telling_responses(tmp_path):
     assert sorted(zip(*[R.select(con, "r", n=6).rows[c] for c in ("step", "seq")]))[:2] == [(0, 0), (0, 5)]
     sel = R.select(con, "r", n=40)
     assert sorted(set(sel.rows.step)) == list(range(10)) and len(sel.rows) == 40
-    assert "40 of 60 responses at 10 step(s)" in sel.text
+    assert "40 of 60 responses at 10 steps" in sel.text
 
 
 def test_where_keeps_responses_with_a_matching_token(tmp_path):
@@ -121,7 +121,7 @@ def test_where_keeps_responses_with_a_matching_token(tmp_path):
     assert R.matching(con, "r", "clipped AND update = 1", step=3) == {(3, 0, 2)}
     assert len(R.matching(con, "r", "reward >= 1.3")) == 3  # (q + s) / 10 >= 1.3: (9,4) (9,5) (8,5)
     sel = R.select(con, "r", n=40, where="clipped")
-    assert set(sel.rows.seq) == {2} and len(sel.rows) == 10 and "token where clipped" in sel.text
+    assert set(sel.rows.seq) == {2} and len(sel.rows) == 10 and "matching --where clipped" in sel.text
     for bad, says in (("1 = 1; DROP TABLE x", "without ';'"), ("clipped -- x", "without ';' or comments"),
                       ("(clipped", "unbalanced"), ("nosuch > 1", "nosuch"), ("", "empty")):
         with pytest.raises(QueryError, match=says):

@@ -152,13 +152,13 @@ def test_list_defaults_last_step_and_only_run(runs):
 def test_list_where(runs):
     where = "quadrant = 'PA&LP' AND clipped"
     out = ok("show", runs, "--run", "a", "--step", "0", "--where", where)
-    assert f"1 with a token where {where}" in flat(out)
+    assert f"1 matching --where {where}" in flat(out)
     assert [r[1] for r in table_rows(out, len(show.LIST_COLUMNS))] == ["0"]
     assert R.matching(connect(runs), "a", where, 0) == {(0, 0, 0)}
     out = ok("show", runs, "--run", "a", "--step", "0", "--where", "reward > 0.5 AND entropy > 2")  # t3 at update 1
     assert [r[1] for r in table_rows(out, len(show.LIST_COLUMNS))] == ["1"]
     out = ok("show", runs, "--run", "a", "--step", "0", "--where", "reward > 5")
-    assert "0 with a token where reward > 5" in flat(out) and not table_rows(out, len(show.LIST_COLUMNS))
+    assert "0 matching --where reward > 5" in flat(out) and not table_rows(out, len(show.LIST_COLUMNS))
 
 
 # --------------------------------------------------------------------------------------------- one response
