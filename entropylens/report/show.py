@@ -172,7 +172,8 @@ def list_step(con, run: str | None, step: int | None, *, where: str | None = Non
         df = df[[(step, int(r), int(q)) in keep for r, q in zip(df["rank"], df["seq"])]]
         title += f"; {len(df)} matching --where {where}"
     table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False,
-                  caption=("mean entropy: sampling entropy H(pi_old) over the tokens, nats; clipped / ERC-dropped: "
+                  caption=("rank: the training process that recorded the response (seq counts within it, --rank picks "
+                           "one); mean entropy: sampling entropy H(pi_old) over the tokens, nats; clipped / ERC-dropped: "
                            "token rows whose gradient PPO-clip / ERC removed, over the step's updates; entropy "
                            "effect: summed over them. One response: --seq SEQ"),
                   caption_justify="left")
