@@ -160,6 +160,8 @@ class Selection:
 
     @property
     def text(self) -> str:
+        if not self.candidates:
+            return f"No response matches --where {self.where}." if self.where else "No responses recorded."
         steps = self.rows["step"].nunique() if len(self.rows) else 0
         what = (f"{len(self.rows)} of {self.candidates} responses at {steps} step{'s' if steps != 1 else ''}")
         if self.where:

@@ -122,6 +122,7 @@ def test_where_keeps_responses_with_a_matching_token(tmp_path):
     assert len(R.matching(con, "r", "reward >= 1.3")) == 3  # (q + s) / 10 >= 1.3: (9,4) (9,5) (8,5)
     sel = R.select(con, "r", n=40, where="clipped")
     assert set(sel.rows.seq) == {2} and len(sel.rows) == 10 and "matching --where clipped" in sel.text
+    assert R.select(con, "r", n=40, where="reward > 5").text == "No response matches --where reward > 5."
     for bad, says in (("1 = 1; DROP TABLE x", "without ';'"), ("clipped -- x", "without ';' or comments"),
                       ("(clipped", "unbalanced"), ("nosuch > 1", "nosuch"), ("", "empty")):
         with pytest.raises(QueryError, match=says):
