@@ -186,7 +186,8 @@ class RunLifecycle:
         self.eps_low, self.eps_high = _run_level_eps(self.config)
         removed = run_claim.resume(self.dir, self.rank, self.world_size, after)
         if removed:
-            warnings.warn(f"entropylens: resume={after} removed {len(removed)} complete step(s) of run "
+            n = len(removed)
+            warnings.warn(f"entropylens: resume={after} removed {n} complete step{'s' if n != 1 else ''} of run "
                           f"{run!r} (rank {self.rank}) recorded after step {after}: {_step_list(removed)}; "
                           "the resumed job records them again", stacklevel=3)  # the line that made the Recorder
         return earlier

@@ -216,7 +216,7 @@ def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
     with pytest.raises(ValueError, match=r"resume=3 but .*checkpoint-2 holds steps 0-1: build the trainer with resume=1"):
         wrong.train(resume_from_checkpoint=str(ckpt))
     assert con.execute("SELECT count(DISTINCT step) FROM steps").fetchone() == (4,)  # nothing lost
-    with pytest.warns(UserWarning, match=r"removed 2 complete step\(s\) .* recorded after step 1: 2, 3"):
+    with pytest.warns(UserWarning, match=r"removed 2 complete steps .* recorded after step 1: 2, 3"):
         second = trl_tiny.trainer(tmp_path, "res", max_steps=3, save_strategy="no", el=dict(resume=str(ckpt)))
     second.train(resume_from_checkpoint=str(ckpt))
     rows = connect(tmp_path / "res").execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()

@@ -460,7 +460,7 @@ def test_checkpoint_commits_and_a_killed_job_resumes_the_run(tmp_path):
     assert con.execute("select count(*) - count(distinct (step, seq, pos)) from tokens").fetchone()[0] == 0
     info = json.loads((tmp_path / "runs" / run / "run.json").read_text())
     assert info["status"] == "finished" and [r["after_step"] for r in info["resumed"]] == [2]
-    assert "resume=2 removed 1 complete step(s)" in err  # the killed job's step 3: recorded again
+    assert "resume=2 removed 1 complete step of run" in err  # the killed job's step 3: recorded again
     assert f"entropylens: run '{run}' continues after step 2 (checkpoint " in err  # verl's log says so
 
 
