@@ -163,7 +163,7 @@ class Selection:
         if not self.candidates:
             return f"No response matches --where {self.where}." if self.where else "No responses recorded."
         steps = self.rows["step"].nunique() if len(self.rows) else 0
-        what = (f"{len(self.rows)} of {self.candidates} responses at {steps} step{'s' if steps != 1 else ''}")
+        what = f"{len(self.rows)} of {self.candidates} responses at {steps} step{'s' if steps != 1 else ''}"
         if self.where:
             what += f" (those matching --where {self.where})"
         rules = ", ".join(r for r, _, _ in RULES)

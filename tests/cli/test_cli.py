@@ -5,7 +5,6 @@ import json
 
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
 
 from cli_calls import err, ok, runner
 from entropylens.cli.main import app
@@ -27,10 +26,9 @@ def test_help_everywhere():
 def test_help_paragraphs_are_wrapped_by_the_terminal_only():
     """On a terminal wide enough for it, each paragraph of a command's help is one line: no line
     break from the docstring's source wrapping (`check --help` printed ragged lines)."""
-    wide = CliRunner()
     for cmd in app.registered_commands:
         name = cmd.name or cmd.callback.__name__
-        res = wide.invoke(app, [name, "--help"], env={"COLUMNS": "4000"})
+        res = runner.invoke(app, [name, "--help"], env={"COLUMNS": "4000"})
         assert res.exit_code == 0, res.output
         head = res.stdout.split("Usage:")[1].split("\u256d")[0]  # the prose, before the first panel
         lines = [x.strip() for x in head.splitlines()[1:] if x.strip()]
