@@ -1,6 +1,6 @@
 """What a query connection may do once its views are built, and how it survives a compaction.
 
-**Lockdown**. ``entropylens query`` checks the SQL with DuckDB's parser (cli/sql_guard.py), but
+**Lockdown**. Every connection checks its SQL with DuckDB's parser (entropylens/read/sql_guard.py), but
 a parser check alone can miss a statement that writes (``EXPLAIN ANALYZE COPY ... TO`` did). So
 :func:`entropylens.read.query.connect` also locks the connection with DuckDB's own settings, after the
 views are built:
@@ -42,6 +42,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from . import catalog as cat
+from .sql_guard import unguarded
 
 ALLOWED_CONFIGS = ("enable_progress_bar",)  # harmless; report/build.py turns it off after connect
 
@@ -128,6 +129,7 @@ def replan(con) -> bool:
     was not made by :func:`entropylens.read.query.connect`."""
     from .views import MATERIALIZED, _views
 
+    con = unguarded(con)  # re-creating the views is this module's own SQL, not a user's
     plan = _PLANS.get(con)
     if plan is None:
         return False
@@ -149,7 +151,7 @@ def run_replanning(con, fn):
     try:
         return fn()
     except Exception as e:  # noqa: BLE001 - only vanished-file errors are retried
-        if not vanished(e, _PLANS.get(con)) or not replan(con):
+        if not vanished(e, _PLANS.get(unguarded(con))) or not replan(con):
             raise
     return fn()
 

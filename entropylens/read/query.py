@@ -12,12 +12,15 @@ the Hive path, or stored in compacted files) and a ``run`` column; runs are glue
 from __future__ import annotations
 
 import re
+import threading
 import warnings
+from contextlib import contextmanager
 from importlib import resources
 
 from . import catalog as cat
 from .catalog import QueryError
 from .params import check as check_params
+from .sql_guard import NotReadOnly, ReadOnlyConnection, unguarded
 
 from .views import (  # noqa: F401 - the readers' public names, re-exported
     DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, UnreadableFileWarning, _views, find_runs,
@@ -25,9 +28,18 @@ from .views import (  # noqa: F401 - the readers' public names, re-exported
 )
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
-            storage_options: dict | None = None, lock: bool = True, settings: dict | None = None):
-    """A DuckDB connection with views runs / steps / sequences / tokens over the runs under ``path``
-    (a directory or an object-store URL such as ``s3://bucket/runs``).
+            storage_options: dict | None = None, lock: bool = True, settings: dict | None = None,
+            raw: bool = False):
+    """A read-only DuckDB connection with views runs / steps / sequences / tokens over the runs under
+    ``path`` (a directory or an object-store URL such as ``s3://bucket/runs``).
+
+    The connection is a :class:`~entropylens.read.sql_guard.ReadOnlyConnection`: each statement given
+    to ``execute`` / ``sql`` / ``query`` (and so to :func:`run_sql`, :func:`run_analysis`) is checked
+    first, as ``entropylens query`` checks its SQL: one statement that reads; COPY, CREATE, INSERT,
+    ATTACH, SET, INSTALL, a writing CTE, ... are a one-line QueryError and never run. ``raw=True`` (or
+    ``.raw`` on the connection) is DuckDB's own connection, unchecked: the escape hatch for code that
+    writes (docs/security.md); on a locked raw connection a statement can still overwrite the runs'
+    own files, which the lockdown allows for reading.
 
     The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
     later steps. ``steps`` and ``probes`` (a row per update and rank) are read once, at connect, into
@@ -35,6 +47,7 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
 
     ``lock`` (default): once the views exist the connection is locked down (entropylens/read/lockdown.py:
     no file access beyond the runs' own files, no network, no extensions, configuration locked).
+    ``lock=False`` reads other files too (to join your own CSV or Parquet); the statement check stays.
     A query through :func:`run_sql` / :func:`run_analysis` whose files a compaction removed is
     re-planned once onto the compacted files (lockdown.replan). ``settings``: DuckDB settings to apply
     before the lock (e.g. ``{"memory_limit": "4GB", "threads": 2, "temp_directory": DIR}``; a
@@ -63,7 +76,78 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
         lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
-    return con
+    return con if raw else ReadOnlyConnection(con)
+
+
+# ---------------------------------------------------------------- limits
+class QueryLimitError(QueryError):
+    """A query stopped by a limit: ``limit`` is ``"timeout"`` (``value``: the seconds) or
+    ``"memory_limit"`` (``value``: DuckDB's setting as it reads it, e.g. ``'9.5 MiB'``); ``detail``:
+    DuckDB's own line. The CLI words it with its flags (cli/main.py)."""
+
+    def __init__(self, limit: str, value, detail: str = ""):
+        self.limit, self.value, self.detail = limit, value, detail
+        if limit == "timeout":
+            msg = f"query stopped: timeout={value:g} s reached; pass timeout=0 for no limit"
+        else:
+            msg = (f"query stopped: memory_limit {value} reached ({detail}); connect with a larger one, e.g. "
+                   "settings={'memory_limit': '80%'}")
+        super().__init__(msg)
+
+
+def check_timeout(timeout) -> float | None:
+    """``timeout`` as seconds (None or 0: no limit); a negative or non-number one is a QueryError."""
+    if timeout is None:
+        return None
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise QueryError(f"timeout {timeout!r} is not a number of seconds") from None
+    if not t >= 0:
+        raise QueryError(f"timeout {timeout!r} is not a number of seconds >= 0 (0: no limit)")
+    return t or None
+
+
+def _memory_setting(con) -> str:
+    try:
+        return str(con.execute("SELECT current_setting('memory_limit')").fetchone()[0])
+    except Exception:  # noqa: BLE001 - only for the message
+        return "(unknown)"
+
+
+@contextmanager
+def limits(con, timeout: float | None = None):
+    """Run the block's DuckDB work under ``timeout`` seconds (None / 0: none) and turn a stop by a limit
+    into a :class:`QueryLimitError`. DuckDB has no statement timeout: a timer thread calls
+    ``con.interrupt()``; an interrupt that the timer did not make (Ctrl-C) stays what it is. The memory
+    limit is DuckDB's ``memory_limit``, set at connect (``settings``): a query that needs more than
+    it, spilling included, stops with DuckDB's out-of-memory error, reported here as that limit."""
+    import duckdb
+
+    raw = unguarded(con)
+    timeout = check_timeout(timeout)
+    fired = threading.Event()
+    timer = None
+    if timeout and hasattr(raw, "interrupt"):  # (a Spark connection has its own job limits)
+        def stop() -> None:
+            fired.set()
+            raw.interrupt()
+
+        timer = threading.Timer(timeout, stop)
+        timer.daemon = True
+        timer.start()
+    try:
+        yield
+    except duckdb.InterruptException:
+        if fired.is_set():
+            raise QueryLimitError("timeout", timeout) from None
+        raise
+    except duckdb.OutOfMemoryException as e:
+        detail = str(e).splitlines()[0].removeprefix("Out of Memory Error: ")
+        raise QueryLimitError("memory_limit", _memory_setting(raw), detail) from None
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 # ---------------------------------------------------------------- analyses
@@ -152,21 +236,25 @@ def _frame(cursor):
     return df
 
 
-def run_analysis(con, name: str, **params):
-    """Run analyses/<name>.sql on ``con`` (from :func:`connect`) and return a pandas DataFrame."""
+def run_analysis(con, name: str, *, timeout: float | None = None, **params):
+    """Run analyses/<name>.sql on ``con`` (from :func:`connect`) and return a pandas DataFrame;
+    ``timeout``: seconds before it is stopped (:func:`limits`; None: no limit)."""
     import duckdb
 
     from .lockdown import run_replanning
 
     sql = render_analysis(name, **params)
     try:
-        return run_replanning(con, lambda: _frame(con.execute(sql)))
+        with limits(con, timeout):
+            return run_replanning(con, lambda: _frame(con.execute(sql)))
     except duckdb.Error as e:
         raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}") from None
 
 
-def run_sql(con, sql: str):
-    """A user's SQL; errors become one-line QueryErrors (an empty statement too)."""
+def run_sql(con, sql: str, *, timeout: float | None = None):
+    """A user's SQL; errors become one-line QueryErrors (an empty statement too). On a connection from
+    :func:`connect` the statement is checked first (read-only, sql_guard.py); ``timeout``: seconds before
+    it is stopped (:func:`limits`; None: no limit)."""
     import duckdb
 
     if not sql.strip().strip(";").strip():
@@ -178,7 +266,8 @@ def run_sql(con, sql: str):
         return None if cursor is None else _frame(cursor)
 
     try:
-        df = run_replanning(con, once)
+        with limits(con, timeout):
+            df = run_replanning(con, once)
         if df is None:  # DuckDB runs nothing (e.g. only comments)
             raise QueryError("SQL error: the query has no statement")
         return df
@@ -186,7 +275,8 @@ def run_sql(con, sql: str):
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
 
 
-__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "Runs", "open"]
+__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "QueryLimitError",
+           "NotReadOnly", "Runs", "open"]
 
 
 class Runs:
@@ -197,28 +287,44 @@ class Runs:
         runs.sql("SELECT ...", polars=True)                                     # polars (from DuckDB's Arrow)
         runs.analysis("clip_by_quadrant", polars=True)                          # an analysis, either kind
 
-    ``runs.con`` is the DuckDB connection (:func:`connect`, locked the same way). polars is optional
+    ``runs.con`` is the connection (:func:`connect`: read-only and locked the same way; ``runs.con.raw``
+    is DuckDB's own, unchecked). A statement that writes (COPY, CREATE, ATTACH, SET, ...) is a one-line
+    QueryError, so a dashboard may pass a user's SQL to :meth:`sql`. ``timeout``: seconds a query may run
+    (default None: no limit; each call may pass its own), ``memory_limit``: DuckDB's, e.g. ``"4GB"`` or
+    ``"50%"`` (set at connect). polars is optional
     (``pip install polars``); DuckDB hands its result over as an Arrow table, which polars takes without
     copying (no detour through pandas)."""
 
-    def __init__(self, path, *, runs: list[str] | None = None, **connect_kwargs):
+    def __init__(self, path, *, runs: list[str] | None = None, timeout: float | None = None,
+                 memory_limit: str | None = None, **connect_kwargs):
         self.path = path
+        self.timeout = check_timeout(timeout)
+        if memory_limit is not None:
+            connect_kwargs["settings"] = {**(connect_kwargs.get("settings") or {}), "memory_limit": memory_limit}
         self.con = connect(path, runs=runs, **connect_kwargs)
 
-    def sql(self, query: str, *, polars: bool = False):
-        """A read-only query's result: a pandas DataFrame, or a polars one with ``polars=True``."""
-        return _result(self.con, query, polars, lambda: run_sql(self.con, query))
+    def _timeout(self, timeout):
+        return self.timeout if timeout is None else check_timeout(timeout)
 
-    def analysis(self, name: str, *, polars: bool = False, **params):
+    def sql(self, query: str, *, polars: bool = False, timeout: float | None = None):
+        """A read-only query's result: a pandas DataFrame, or a polars one with ``polars=True``. A statement
+        that is not read-only is refused before it runs; ``timeout`` (seconds; 0: none) stops it
+        (QueryLimitError)."""
+        t = self._timeout(timeout)
+        return _result(self.con, query, polars, lambda: run_sql(self.con, query, timeout=t), timeout=t)
+
+    def analysis(self, name: str, *, polars: bool = False, timeout: float | None = None, **params):
         """Analysis ``name`` (analyses/<name>.sql) with its parameters: pandas, or polars."""
+        t = self._timeout(timeout)
         return _result(self.con, render_analysis(name, **params), polars,
-                       lambda: run_analysis(self.con, name, **params), what=f"analysis {name!r}")
+                       lambda: run_analysis(self.con, name, timeout=t, **params), what=f"analysis {name!r}",
+                       timeout=t)
 
     def __repr__(self) -> str:
         return f"entropylens.open({self.path!r})"
 
 
-def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL"):
+def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL", timeout: float | None = None):
     if not polars:
         return as_pandas()
     try:
@@ -232,7 +338,8 @@ def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL"):
     if not sql.strip().strip(";").strip():
         raise QueryError("SQL error: the query is empty")
     try:
-        return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
+        with limits(con, timeout):
+            return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
     except duckdb.Error as e:
         prefix = "SQL error" if what == "SQL" else f"{what} failed"
         raise QueryError(f"{prefix}: {str(e).splitlines()[0]}") from None

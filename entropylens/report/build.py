@@ -76,7 +76,7 @@ def _connect(path, runs, engine: str):
         return spark_connect(path, runs=runs)
     if engine == "duckdb":
         con = connect(path, runs=runs)
-        con.execute("SET enable_progress_bar = false")  # no bar characters in logs and demo output
+        con.raw.execute("SET enable_progress_bar = false")  # no bar characters in logs and demo output (a SET: raw)
         return con
     raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
 

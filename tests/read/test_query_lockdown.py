@@ -89,9 +89,11 @@ def con(runs):
     return connect(runs)
 
 
-def test_locked_connection_refuses_what_the_parser_would(con, runs, tmp_path):
-    """The second layer: statements run directly on the connection (no parser check) cannot write
-    files, attach databases, install or load extensions, or change settings back."""
+def test_locked_connection_refuses_what_the_parser_would(runs, tmp_path):
+    """The second layer: statements run directly on the connection (no parser check: the raw DuckDB
+    connection, connect(raw=True)) cannot write files, attach databases, install or load extensions, or
+    change settings back."""
+    con = connect(runs, raw=True)
     own = runs / "a" / "tokens" / "step=0" / "rank=0" / "update-0.parquet"
     before = _digest(runs)
     outside = tmp_path / "x.csv"
@@ -163,7 +165,7 @@ def test_lockdown_keeps_s3_runs_readable_and_other_buckets_out():
         with pytest.raises(QueryError, match="disabled|Permission"):
             run_sql(c, "SELECT count(*) FROM read_parquet('s3://other/runs/b/tokens/step=0/rank=0/update-0.parquet')")
         with pytest.raises(QueryError, match="disabled|Permission"):
-            run_sql(c, "COPY (SELECT 1) TO 's3://lockrun/runs/x.csv'")
+            run_sql(c.raw, "COPY (SELECT 1) TO 's3://lockrun/runs/x.csv'")  # the lockdown, not the statement check
         assert not fs.exists("lockrun/runs/x.csv")
 
 
