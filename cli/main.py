@@ -38,12 +38,48 @@ def _root() -> None:
     FileWarnings._seen.clear()  # each skipped file is named once per command
 
 
-def _connect(path: str, runs: list[str] | None = None):
+def _connect(path: str, runs: list[str] | None = None, settings: dict | None = None):
     """The DuckDB views over the runs under PATH; its errors end the command as one line (user_errors)."""
     from entropylens.read.query import connect
 
     with FileWarnings():
-        return connect(path, runs=runs or None)
+        return connect(path, runs=runs or None, settings=settings)
+
+
+DEFAULT_TIMEOUT_S = 300.0  # the heaviest analysis over 100M uncompacted rows: ~90 s CPU (docs/performance.md)
+DEFAULT_MEMORY = "50%"  # of this machine's RAM: room for a training job beside the query; DuckDB spills past it
+
+TimeoutOpt = Annotated[float, typer.Option(
+    "--timeout", metavar="SECONDS", min=0,
+    help="Stop the query after this many seconds (exit 2); 0: no limit.")]
+MemoryOpt = Annotated[str, typer.Option(
+    "--memory-limit", metavar="SIZE",
+    help="DuckDB's memory limit for the query, e.g. 4GB, 512MB or 50% (of RAM); past it DuckDB spills to a "
+         "private temporary folder, and a query that still needs more stops (exit 2).")]
+
+
+def _memory_settings(size: str) -> dict:
+    """``{"memory_limit": size}`` once DuckDB accepts ``size`` (a one-line error names a bad one)."""
+    import duckdb
+
+    try:
+        duckdb.connect().execute("SET memory_limit = ?", [size])
+    except duckdb.Error as e:
+        fail(f"--memory-limit {size!r}: not a size DuckDB takes (e.g. 4GB, 512MB, 50%): {str(e).splitlines()[0]}")
+    return {"memory_limit": size}
+
+
+def _limited(fn, timeout: float, memory: str):
+    """``fn()``; a stop by --timeout or --memory-limit is one line that names the limit and what to pass."""
+    from entropylens.read.query import QueryLimitError
+
+    try:
+        return fn()
+    except QueryLimitError as e:
+        if e.limit == "timeout":
+            fail(f"query stopped: --timeout {timeout:g} s reached; pass --timeout 0 for no limit")
+        shown = memory if e.value == memory else f"{memory} ({e.value})"  # 50% (11.7 GiB)
+        fail(f"query stopped: --memory-limit {shown} reached: {e.detail}; pass a larger --memory-limit, e.g. 80%")
 
 
 def _spark_connect(path, runs: list[str] | None = None):
@@ -93,10 +129,14 @@ def query(
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     run: RunsOpt = None,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    memory_limit: MemoryOpt = DEFAULT_MEMORY,
 ) -> None:
     """Run one read-only SQL statement (DuckDB) over the runs under PATH.
 
     Statements that write or change the session (COPY, CREATE, INSERT, ATTACH, INSTALL, SET, ...) are refused, and so is EXPLAIN [ANALYZE] around any of them.
+
+    A query stops after --timeout seconds (default 300; 0: no limit) or when it needs more memory than --memory-limit (default 50% of RAM; DuckDB spills to disk before that), with one line naming the limit (exit 2).
 
     The connection is also locked down (DuckDB's enable_external_access off, configuration locked): a query can read only the files of the runs under PATH, not other files of yours (read_csv, read_parquet, read_text of other paths fail), cannot write any file, attach a database, install or load an extension, or reach the network. To join runs with your own files use the Python API: entropylens.read.query.connect(PATH, lock=False). Save a result with --output FILE.
 
@@ -106,11 +146,12 @@ def query(
     from entropylens.read.query import run_sql
 
     check_output(fmt, output)  # a bad --output fails before the query runs
+    settings = _memory_settings(memory_limit)
     if sql == "-":
         sql = sys.stdin.read()
     check_read_only(sql)  # NotReadOnly: a ValueError, one line
-    con = _connect(path, run)
-    df = run_sql(con, sql)
+    con = _limited(lambda: _connect(path, run, settings), timeout, memory_limit)
+    df = _limited(lambda: run_sql(con, sql, timeout=timeout), timeout, memory_limit)
     emit(df, fmt, output)
 
 
@@ -134,8 +175,13 @@ def analyze(
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     engine: EngineOpt = Engine.duckdb,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
+    memory_limit: MemoryOpt = DEFAULT_MEMORY,
 ) -> None:
-    """Run a named analysis over the runs under PATH."""
+    """Run a named analysis over the runs under PATH.
+
+    On DuckDB the analysis stops after --timeout seconds (default 300; 0: no limit) or when it needs more memory than --memory-limit (default 50% of RAM; DuckDB spills to disk before that), with one line naming the limit (exit 2). With --engine spark both are Spark's own settings (docs/spark.md).
+    """
     from entropylens.read.query import render_analysis, run_analysis
 
     params = {}
@@ -146,8 +192,11 @@ def analyze(
         params[k.strip()] = v.strip()
     check_output(fmt, output)  # a bad --output fails before the analysis runs
     render_analysis(name, **params)  # unknown analysis / bad parameter before touching the data
-    con = _spark_connect(path, run) if engine == Engine.spark else _connect(path, run)
-    df = run_analysis(con, name, **params)
+    if engine == Engine.spark:
+        con, timeout = _spark_connect(path, run), 0.0
+    else:
+        con = _limited(lambda: _connect(path, run, _memory_settings(memory_limit)), timeout, memory_limit)
+    df = _limited(lambda: run_analysis(con, name, timeout=timeout, **params), timeout, memory_limit)
     emit(df, fmt, output)
     if df.empty:
         from entropylens.report.build import when_empty

@@ -68,12 +68,15 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
                 raise
     lockdown.remember(con, path, runs, storage_options, snap)
     settings = dict(settings or {})
-    for key, value in settings.items():
-        if not str(key).replace("_", "").isalnum():
-            raise QueryError(f"settings: {key!r} is not a DuckDB setting name")
-        con.execute(f"SET {key} = ?", [value])
-    if lock:
-        lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
+    try:  # a memory_limit below what the views already hold, or too small for the allow-list itself
+        for key, value in settings.items():
+            if not str(key).replace("_", "").isalnum():
+                raise QueryError(f"settings: {key!r} is not a DuckDB setting name")
+            con.execute(f"SET {key} = ?", [value])
+        if lock:
+            lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
+    except duckdb.OutOfMemoryException as e:
+        raise _memory_stop(e, con, settings.get("memory_limit")) from None
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
     return con if raw else ReadOnlyConnection(con)
@@ -108,11 +111,19 @@ def check_timeout(timeout) -> float | None:
     return t or None
 
 
-def _memory_setting(con) -> str:
+def _memory_stop(e: Exception, con, asked=None) -> QueryLimitError:
+    """DuckDB's out-of-memory error as a QueryLimitError. The limit is read from DuckDB's own line
+    (``... (8.5 MiB/9.5 MiB used)``): under a tiny limit even asking for the setting fails; ``asked``:
+    the limit being set when setting it failed."""
+    detail = str(e).splitlines()[0].removeprefix("Out of Memory Error: ")
+    m = re.search(r"/([\d.]+ ?[KMGTP]?i?B) used\)", detail)
+    if m or asked is not None:
+        return QueryLimitError("memory_limit", m.group(1) if m else str(asked), detail)
     try:
-        return str(con.execute("SELECT current_setting('memory_limit')").fetchone()[0])
+        value = str(con.execute("SELECT current_setting('memory_limit')").fetchone()[0])
     except Exception:  # noqa: BLE001 - only for the message
-        return "(unknown)"
+        value = "(its value unknown)"
+    return QueryLimitError("memory_limit", value, detail)
 
 
 @contextmanager
@@ -143,8 +154,7 @@ def limits(con, timeout: float | None = None):
             raise QueryLimitError("timeout", timeout) from None
         raise
     except duckdb.OutOfMemoryException as e:
-        detail = str(e).splitlines()[0].removeprefix("Out of Memory Error: ")
-        raise QueryLimitError("memory_limit", _memory_setting(raw), detail) from None
+        raise _memory_stop(e, raw) from None
     finally:
         if timer is not None:
             timer.cancel()
