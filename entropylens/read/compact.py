@@ -21,6 +21,14 @@ Layout and commit rule (readers: catalog.py):
    are the only copy (readers warn); with the originals still there readers use those, and the range
    is not compacted again until the unreadable commit file and its parts are removed by hand.
    One compactor per run at a time.
+   A compaction killed after its commit and before removing the originals (during the grace wait) is
+   finished by the next one: the originals of committed ranges still on disk (catalog: ``superseded``)
+   are removed once ``grace_s`` has passed since that commit file was written.
+   Hidden temporaries ``.NAME.PID.TID.tmp`` (storage.Location.write_with) of a process that died are
+   removed too, when no process can still own them: the PID is not alive on this host and the file is
+   in ``compacted/`` (this compactor's own folder) or the run is no longer running (closed, failed, or
+   stale: no writer left on any host). A live process's temporary is never touched; one of a running
+   run is kept (its writer may be on another host).
 5. A step with an unreadable file (a damaged steps file, token or sequence file), or with token or
    sequence files but no steps file for some rank (its intact token files must not be taken for hidden
    ones, compacted over and deleted), is left alone: no range includes or straddles it, nothing of it is
@@ -33,8 +41,10 @@ finds a file gone (entropylens/read/lockdown.py, ``replan``); the compactor keep
 
 from __future__ import annotations
 
+import os
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -65,13 +75,23 @@ class Compacted:
     rows: int = 0  # token rows rewritten
     removed: int = 0  # original files removed
     note: str = ""
+    finished: list[tuple[int, int]] = field(default_factory=list)  # earlier compactions whose originals it removed
+    temps: int = 0  # stale temporary files removed
 
     def summary(self) -> str:
-        if self.steps is None:
-            return f"{self.run}: nothing to compact ({self.note})"
-        lo, hi = self.steps
-        return (f"{self.run}: steps {lo}-{hi}: {self.files_in} files -> {self.files_out} "
-                f"({self.rows:,} token rows), {self.removed} originals removed")
+        if self.finished:
+            ranges = ", ".join(f"{lo}-{hi}" for lo, hi in self.finished)
+            line = (f"{self.run}: finished the interrupted compaction of steps {ranges}: {self.removed} superseded "
+                    "originals removed")
+        elif self.steps is None:
+            line = f"{self.run}: nothing to compact ({self.note})"
+        else:
+            lo, hi = self.steps
+            line = (f"{self.run}: steps {lo}-{hi}: {self.files_in} files -> {self.files_out} "
+                    f"({self.rows:,} token rows), {self.removed} originals removed")
+        if self.temps:
+            line += f"; {self.temps} stale temporary file{'s' if self.temps != 1 else ''} removed"
+        return line
 
 
 def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_bytes: int = FILE_BYTES,
@@ -81,19 +101,102 @@ def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_
     out = []
     for r in snap.runs:
         _remove_orphans(r)
+        temps = _remove_stale_temps(r)
         blocked = _blocked_steps(r, snap.bad)
         final = _final_steps(r)
         for s, why in sorted(blocked.items()):
             if final and s <= max(final) or run_status(r.info) != "running":
                 warnings.warn(f"{r.id}: step {s} not compacted, its files are left as they are: {why}",
                               StepLeftAloneWarning, stacklevel=2)
+        done = [_finish_interrupted(r, grace_s)] if r.superseded else []
         segments = _segments(r, set(blocked))
-        if not segments:
-            out.append(Compacted(r.id, None, note="no final uncompacted step"))
-            continue
-        for lo, hi in segments:
-            out.append(_compact_range(r, lo, hi, grace_s, file_bytes, row_group_rows))
+        done += [_compact_range(r, lo, hi, grace_s, file_bytes, row_group_rows) for lo, hi in segments]
+        if not done:
+            done = [Compacted(r.id, None, note="no final uncompacted step")]
+        done[0].temps = temps
+        out += done
     return out
+
+
+def _covering(r: cat.RunFiles, url: str) -> tuple[int, int]:
+    step = _step_rank(url)[0]
+    return next(rng for rng in r.ranges if rng[0] <= step <= rng[1])
+
+
+def _written_at(loc: Location) -> float | None:
+    """When the file at ``loc`` was written (seconds since the epoch), or None if the store does not say."""
+    try:
+        if not loc.remote:
+            return os.stat(loc.path).st_mtime
+        info = loc.fs.info(loc.path)
+    except OSError:
+        return None
+    for key in ("mtime", "LastModified", "last_modified", "updated"):
+        v = info.get(key)
+        if hasattr(v, "timestamp"):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def _finish_interrupted(r: cat.RunFiles, grace_s: float) -> Compacted:
+    """Remove the originals of committed ranges still on disk (an earlier compaction was killed in its
+    grace wait), once ``grace_s`` has passed since their commit (rule 4): queries planned before the
+    commit had the grace to finish, as on the normal path."""
+    ranges = sorted({_covering(r, u) for u in r.superseded})
+    res = Compacted(r.id, None, finished=ranges)
+    commits = [r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet" for lo, hi in ranges]
+    times = [_written_at(c) for c in commits]
+    if grace_s > 0:
+        newest = None if None in times else max(times)
+        wait = grace_s if newest is None else min(grace_s, newest + grace_s - time.time())
+        if wait > 0:
+            time.sleep(wait)
+    for u in r.superseded:
+        location(u, r.dir.options).remove()
+        res.removed += 1
+    if not r.dir.remote:
+        _prune_empty_dirs(r.dir)
+    return res
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<tid>\d+)\.tmp$")  # storage.Location.write_with
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's process counts)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # exists but is not ours (or not a pid this host has): never touch its file
+    return True
+
+
+def _remove_stale_temps(r: cat.RunFiles) -> int:
+    """Remove the run's hidden temporaries that no process can still own (module docstring, rule 4);
+    returns how many. Object stores have none (a file appears whole in one PUT)."""
+    if r.dir.remote:
+        return 0
+    running = run_status(r.info) == "running"
+    n = 0
+    for dirpath, _dirs, filenames in os.walk(r.dir.path):
+        rel = os.path.relpath(dirpath, r.dir.path).replace(os.sep, "/")
+        ours = rel == cat.COMPACTED or rel.startswith(cat.COMPACTED + "/")
+        for f in filenames:
+            m = _TEMP.match(f)
+            if not m or _alive(int(m.group("pid"))) or (running and not ours):
+                continue
+            try:
+                os.unlink(os.path.join(dirpath, f))
+                n += 1
+            except FileNotFoundError:
+                pass
+    return n
 
 
 def _step_rank(url: str) -> tuple[int, int]:
