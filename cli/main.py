@@ -458,7 +458,10 @@ def compact(
     file_mb: Annotated[int, typer.Option("--file-mb", metavar="MB", help="Target size of a compacted file (MB of originals).")]
         = 512,
 ) -> None:
-    """Rewrite each run's many small per-step files into few large ones (readers never see both)."""
+    """Rewrite each run's many small per-step files into few large ones (readers never see both).
+
+    A compaction interrupted after its commit (killed during --grace) is finished: the originals it superseded are removed once --grace has passed since its commit. Hidden temporary files of processes no longer alive on this host are removed too (in compacted/, or in a run that is no longer running); a live process's are never touched.
+    """
     from entropylens.read.compact import compact as run_compact
     from entropylens.read.query import find_runs
 
