@@ -34,6 +34,7 @@ from pathlib import Path
 from . import catalog as cat
 from .portable import to_spark
 from .query import PARTITIONED, QueryError, UnreadableFileWarning, find_runs, render_analysis, run_row
+from .sql_guard import check_read_only
 from ..schema import TABLES, changed_meaning
 
 _SPARK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INT", "int64": "BIGINT", "float32": "FLOAT",
@@ -237,7 +238,9 @@ class SparkConnection:
         return self.spark.sql(spark_sql)
 
     def execute(self, sql: str) -> _Result:
-        """DuckDB SQL in the portable subset, translated to Spark; errors as one-line QueryErrors."""
+        """DuckDB SQL in the portable subset, translated to Spark; errors as one-line QueryErrors. The
+        statement must be read-only, as on a DuckDB connection (sql_guard.py)."""
+        check_read_only(sql)
         try:
             translated = to_spark(sql)
         except ValueError as e:

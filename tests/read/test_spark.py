@@ -231,3 +231,15 @@ def test_python_api_and_cli(root, spark, tmp_path):
     assert res.exit_code == 0, res.output
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "| c | dapo |" in md and (tmp_path / "rep" / "entropy.png").stat().st_size > 1000
+
+
+def test_spark_connection_is_read_only(root, spark):
+    """The Spark connection's execute (DuckDB SQL, as on a DuckDB connection) runs the same statement check."""
+    from entropylens.read import spark as es
+    from entropylens.read.query import QueryError
+
+    con = es.connect(root, spark=spark)
+    for sql in ("DROP VIEW tokens", "CREATE TABLE t AS SELECT 1", "SELECT 1; SELECT 2"):
+        with pytest.raises(QueryError, match="read-only|statements"):
+            con.execute(sql)
+    assert con.execute("SELECT count(*) AS n FROM tokens").df()["n"].tolist()[0] > 0
