@@ -140,20 +140,37 @@ def _written_at(loc: Location) -> float | None:
     return None
 
 
+def _commit_pairs(commit: Location) -> set[tuple[int, int]]:
+    """The (step, rank) pairs whose steps rows a compaction commit file holds: the pairs it compacted."""
+    cols = ["step", "rank"]
+    if not commit.remote:
+        t = pq.read_table(commit.path, columns=cols)
+    else:
+        with commit.fs.open(commit.path, "rb") as f:
+            t = pq.read_table(f, columns=cols)
+    return set(zip(t.column("step").to_pylist(), t.column("rank").to_pylist()))
+
+
 def _finish_interrupted(r: cat.RunFiles, grace_s: float) -> Compacted:
     """Remove the originals of committed ranges still on disk (an earlier compaction was killed in its
     grace wait), once ``grace_s`` has passed since their commit (rule 4): queries planned before the
-    commit had the grace to finish, as on the normal path."""
+    commit had the grace to finish, as on the normal path. Only files of a (step, rank) that the commit
+    holds are removed (their rows are in the compacted parts); any other is left with a warning (rule 5)."""
     ranges = sorted({_covering(r, u) for u in r.superseded})
     res = Compacted(r.id, None, finished=ranges)
     commits = [r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet" for lo, hi in ranges]
+    pairs = set().union(*(_commit_pairs(c) for c in commits))
+    originals = [u for u in r.superseded if _step_rank(u) in pairs]
+    for u in sorted(set(r.superseded) - set(originals)):
+        warnings.warn(f"{r.id}: {u} is not removed: its step and rank are in no compacted file (its rows would "
+                      "be lost); move it aside or remove it by hand", StepLeftAloneWarning, stacklevel=3)
     times = [_written_at(c) for c in commits]
     if grace_s > 0:
         newest = None if None in times else max(times)
         wait = grace_s if newest is None else min(grace_s, newest + grace_s - time.time())
         if wait > 0:
             time.sleep(wait)
-    for u in r.superseded:
+    for u in originals:
         location(u, r.dir.options).remove()
         res.removed += 1
     if not r.dir.remote:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
-from layout_run import make_run  # noqa: E402
+from layout_run import make_run, write_step  # noqa: E402
 
 from cli_calls import ok  # noqa: E402
 from entropylens.read.compact import compact  # noqa: E402
@@ -144,3 +144,21 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, status):
     finally:
         live.kill()
         live.wait()
+
+
+def test_only_files_the_commit_holds_are_removed(tmp_path):
+    """A file in a committed range whose (step, rank) the commit does not hold (rank 1 of a 1-rank run,
+    written after the compaction) is not removed when the interrupted compaction is finished: its rows
+    are in no compacted file. A warning names it; the others are removed."""
+    from entropylens.read.compact import StepLeftAloneWarning
+
+    make_run(tmp_path, "a", steps=4, rows=16)
+    _killed_in_grace(tmp_path, tmp_path / "a" / "compacted" / "steps" / "steps-0-3.parquet")
+    write_step(tmp_path / "a", 1, 1, 16, commit=False)
+    stray = sorted((tmp_path / "a").glob("*/step=1/rank=1/*.parquet"))
+    assert len(stray) == 2
+    with pytest.warns(StepLeftAloneWarning, match="rank=1") as caught:
+        res = compact(tmp_path, grace_s=0)
+    assert len([w for w in caught if issubclass(w.category, StepLeftAloneWarning)]) == 2
+    assert res[0].removed == 12 and all(p.exists() for p in stray)
+    assert not list((tmp_path / "a").glob("*/step=*/rank=0/*.parquet"))
