@@ -95,8 +95,8 @@ class Claim:
         if held is not None and self.nonce.encode() in held:
             return
         where = f"run {self.run_dir.name!r} (rank {self.rank}) in {self.run_dir}"
-        why = (f"its claim file {self.path} is gone (the run was removed)" if held is None else
-               f"another writer took it over ({_who(held)}: overwrite=True or resume=K)")
+        why = (f"another writer took it over ({_who(held)}: overwrite=True or resume=K)" if held is not None else
+               f"its claim file {self.path} is gone (the run was removed, or taken over by a job of fewer ranks)")
         raise ClaimLostError(f"{where} is no longer this writer's: {why}; this writer stopped and writes nothing "
                              "more into it")
 

@@ -119,6 +119,23 @@ def test_a_writer_whose_run_was_taken_over_stops_and_writes_nothing_more(tmp_pat
     assert info["config"]["seed"] == 2 and info["status"] == "finished"
 
 
+def test_a_rank_the_overwriting_job_does_not_have_stops_too(tmp_path):
+    """A 2-rank run overwritten by a 1-rank job: rank 0 of the new job removes rank 1's claim, and the
+    old rank 1, still running, writes nothing more."""
+    gen = torch.Generator().manual_seed(0)
+    old = [Recorder(tmp_path, run="w", rank=r, world_size=2) for r in (0, 1)]
+    new = Recorder(tmp_path, run="w", overwrite=True)
+    for rec in old:
+        with pytest.raises(RecorderError, match=rf"run 'w' \(rank {rec.rank}\) in .* is no longer this writer's"):
+            record_steps(rec, "old", [0], gen)
+            rec.close()
+    with new:
+        record_steps(new, "new", [0], gen)
+    con = connect(tmp_path / "w")
+    assert con.execute("SELECT rank, text, count(*) FROM sequences GROUP BY ALL").fetchall() == [(0, "writer new", 4)]
+    assert list((tmp_path / "w" / "ranks").glob("*")) == []  # the old ranks wrote no status file after the takeover
+
+
 def test_a_killed_jobs_claim_refuses_a_new_run_and_is_taken_over_by_resume(tmp_path):
     """A job killed with -9 leaves its claim: a plain create of the run id is refused, naming the dead
     job; resume=K takes the claim over."""
