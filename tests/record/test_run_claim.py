@@ -73,6 +73,43 @@ def test_twenty_simultaneous_starts_give_one_run_and_nineteen_refusals(tmp_path)
     _one_run_from_one_writer(tmp_path / "same", reports, 20)
 
 
+def test_two_writers_that_list_the_run_at_the_same_moment_get_one_run(tmp_path, monkeypatch):
+    """The worst interleaving, forced: both writers list the empty run directory before either has
+    written a file (a barrier in the listing). A list-then-write claim accepts both; the exclusive
+    create accepts one."""
+    import threading
+
+    from entropylens.record import run_claim
+
+    real, both, first = run_claim.old_files, threading.Barrier(2, timeout=60), threading.local()
+
+    def listing(*args, **kwargs):
+        if not getattr(first, "done", False):  # each writer's first listing waits for the other's
+            first.done = True
+            both.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_claim, "old_files", listing)
+    out = []
+
+    def start(i):
+        try:
+            out.append(("recorded", Recorder(tmp_path, run="same", config={"seed": i})))
+        except RunExistsError as e:
+            out.append(("refused", e))
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.undo()
+    for kind, rec in out:
+        if kind == "recorded":
+            rec.close()
+    assert sorted(kind for kind, _ in out) == ["recorded", "refused"], out
+
+
 def test_simultaneous_starts_on_object_storage(s3):
     """The same on S3 (moto's server): the claim is a conditional PUT (If-None-Match: *)."""
     root = s3()
