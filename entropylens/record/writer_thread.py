@@ -13,8 +13,10 @@ queue is full: back-pressure, never a drop). The thread, in queue order:
   Summary    answers a question about a step's aggregates (for trainer logs), with its histograms and
              token table when asked (step_table.HISTOGRAMS_KEY, TABLE_KEY: the trackers);
   Heartbeat  rewrites run.json (run_info.py).
-A failure is kept in ``error`` and surfaced by the recorder at its next call, never swallowed. Its
-priority and the rescue of a starved thread: scheduling.py.
+Before every file it writes (run.json included) the thread checks that this writer still holds its
+claim of the run and rank (run_claim.Claim.check); a writer whose run another job took over stops
+there with a ClaimLostError. A failure is kept in ``error`` and surfaced by the recorder at its next
+call, never swallowed. Its priority and the rescue of a starved thread: scheduling.py.
 """
 
 from __future__ import annotations
