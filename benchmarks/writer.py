@@ -1,6 +1,6 @@
 """Tokens-table write throughput and size: entropylens' encodings against pyarrow's defaults.
 
-  python benchmarks/writer.py [--rows 2000000] [--rows-per-file 262144] [--steps-files 300]
+  python benchmarks/writer.py [--rows 2000000] [--rows-per-file 262144] [--steps-files 300] [--claim-checks 2000]
 
 Values are shaped like a toy GRPO run (not uniform random): groups of 8 responses of 12-48 tokens,
 a 40-token vocabulary, sampling probabilities mostly near 1 with a low-probability tail, one
@@ -9,7 +9,8 @@ entropies in nats. One core (pyarrow's pool set to 1 thread), medians of 3 passe
 Then the steps file of one toy step (8 update rows, every aggregate, a few NaN = not measured, two
 extra metrics): writer.write_steps (column-wise table, a small file: no compression, no statistics)
 against the construction it replaced (one Python list per column, zstd-1 with statistics), alternating
-file by file; thread CPU time per file (median), the same rows read back equal.
+file by file; thread CPU time per file (median), the same rows read back equal. Then the claim check
+the writer makes before each file (one writer per run and rank), per check.
 Last line: rows_per_s=<ours> bytes_per_row=<ours>
 """
 
@@ -133,11 +134,36 @@ def steps_files(n: int, tmp: Path) -> tuple[float, float, int]:
     return statistics.median(ours) * 1e3, statistics.median(before) * 1e3, pq.read_metadata(a).num_columns
 
 
+def claim_checks(n: int, tmp: Path) -> tuple[float, float]:
+    """Median thread-CPU and wall microseconds of one claim check (run_claim.Claim.check: a read of the
+    ~200-byte claim file, done before every file the writer writes), against a steps file written the
+    same way (write_steps), alternating."""
+    from entropylens import storage
+    from entropylens.record.run_claim import Claim, claim
+
+    run_dir = storage.location(tmp / "claimed")
+    mine = Claim.new(run_dir, 0, 1)
+    claim(run_dir, 0, 1, overwrite=False, writer=mine)
+    rows = toy_steps_rows()
+    cpu, wall = [], []
+    for i in range(n + 5):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        mine.check()
+        c1, w1 = time.thread_time(), time.perf_counter()
+        if i >= 5:
+            cpu.append(c1 - c0)
+            wall.append(w1 - w0)
+        if i % 10 == 0:  # the check between real writes, as on the writer thread (not a hot cache loop only)
+            write_steps(tmp / "claimed", i, 0, rows)
+    return statistics.median(cpu) * 1e6, statistics.median(wall) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=2_000_000)
     ap.add_argument("--rows-per-file", type=int, default=262_144)
     ap.add_argument("--steps-files", type=int, default=300, help="steps files per construction (0: skip)")
+    ap.add_argument("--claim-checks", type=int, default=2000, help="claim checks timed (0: skip)")
     a = ap.parse_args()
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -149,6 +175,7 @@ def main() -> None:
         base_rps, base_bpr = run(write_defaults, chunks, tmp)
         rps, bpr = run(write_ours, chunks, tmp)
         steps = steps_files(a.steps_files, tmp) if a.steps_files else None
+        checks = claim_checks(a.claim_checks, tmp) if a.claim_checks else None
     print(f"{a.rows:,} token rows in files of {a.rows_per_file:,}, one core")
     print(f"{'encoding':<34} {'rows/s':>12} {'bytes/row':>10}")
     print(f"{'pyarrow defaults (zstd)':<34} {base_rps:12,.0f} {base_bpr:10.2f}")
@@ -157,6 +184,9 @@ def main() -> None:
     if steps:
         print(f"steps file of a toy step (8 rows x {steps[2]} columns): {steps[0]:.3f} ms CPU, was "
               f"{steps[1]:.3f} ms (x{steps[0] / steps[1]:.2f}); same table read back")
+    if checks:
+        print(f"claim check before each file: {checks[0]:.1f} us CPU, {checks[1]:.1f} us wall"
+              + (f" ({checks[0] / (steps[0] * 1e3):.1%} of a steps file's CPU)" if steps else ""))
     print(f"rows_per_s={rps:.0f} bytes_per_row={bpr:.2f}")
 
 

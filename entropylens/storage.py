@@ -215,6 +215,33 @@ class Location:
                 pass
             raise
 
+    def create_exclusive(self, data: bytes) -> bool:
+        """Create this file holding ``data`` only if no file is here: True if this call created it,
+        False if a file was here already (it is never replaced). Of writers racing for one path,
+        however close in time, exactly one gets True. Locally ``O_CREAT | O_EXCL``, then the bytes,
+        fsync'd (a reader may see the file empty for that moment); object storage: one conditional
+        PUT (S3 ``If-None-Match: *``, s3fs's ``mode="create"``), whole or not at all."""
+        if self.remote:
+            try:
+                self.fs.pipe_file(self.path, bytes(data), mode="create")
+            except FileExistsError:  # s3fs: 412 Precondition Failed
+                return False
+            return True
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o666)
+        except FileExistsError:
+            return False
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
     def remove(self) -> None:
         if not self.remote:
             try:

@@ -18,8 +18,10 @@ from .token_buffer import TokenBuffer
 
 class FileWork:
     def __init__(self, run_dir: Path, rank: int, *, rows_per_file: int, fsync: bool, histograms: bool,
-                 table_every: int):
+                 table_every: int, claim=None):
         self.run_dir, self.rank = run_dir, rank
+        # run_claim.Claim: checked before each file (a writer whose run was taken over raises ClaimLostError)
+        self._check_claim = claim.check if claim is not None else (lambda: None)
         # fsync: every file (and its directory) reaches the disk before the steps file that commits its
         # step is renamed into place, and that steps file before the next one: safe against power loss
         self.fsync = fsync
@@ -53,6 +55,7 @@ class FileWork:
             self._steps.add_sample(m.step, m.update, host)
         # its rows are selected when its file is complete, with the file's other updates (token_buffer.py)
         for file_step, updates, arrays in self._tokens.add(m.step, m.update, host):
+            self._check_claim()
             parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
 
     def scalars(self, m: Scalars) -> None:
@@ -69,15 +72,19 @@ class FileWork:
         self._steps.add_rewards(m.step, m.total, m.count)
 
     def sequences(self, m: Sequences) -> None:
+        self._check_claim()
         parquet.write_sequences(self.run_dir, m.step, self.rank, m.part, m.arrays, fsync=self.fsync)
 
     def probes(self, m: Probes) -> None:
+        self._check_claim()
         parquet.write_probes(self.run_dir, m.step, self.rank, m.update, m.rows, fsync=self.fsync)
 
     def close(self, m: Close) -> None:
         for file_step, updates, arrays in self._tokens.flush(m.upto):
+            self._check_claim()
             parquet.write_tokens(self.run_dir, file_step, self.rank, updates, arrays, fsync=self.fsync)
         for step, rows in self._steps.close(m.upto):
+            self._check_claim()
             parquet.write_steps(self.run_dir, step, self.rank, rows, fsync=self.fsync)
 
     def summary(self, m: Summary) -> None:

@@ -150,7 +150,7 @@ class RunLifecycle:
         self._info = self._run_info(earlier)
         self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
                                     rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync,
-                                    histograms=log_histograms, table_every=log_table_every)
+                                    histograms=log_histograms, table_every=log_table_every, claim=self._claim)
         self._start_step_log(log_to)
         atexit.register(self._atexit)
 
@@ -173,8 +173,9 @@ class RunLifecycle:
         """A new run claims its directory; a resumed one (``_steps.resumed_after``) removes this rank's
         files of later steps and takes the earlier job's config. Returns the earlier run.json ({})."""
         after = self._steps.resumed_after  # steps <= it are the earlier job's, committed
+        self._claim = run_claim.Claim.new(self.dir, self.rank, self.world_size)  # one writer per run and rank
         if after is None:
-            run_claim.claim(self.dir, self.rank, self.world_size, overwrite)  # one run per directory
+            run_claim.claim(self.dir, self.rank, self.world_size, overwrite, writer=self._claim)
             return {}
         run = self.run
         earlier = _earlier_run_info(self.dir)
@@ -184,7 +185,7 @@ class RunLifecycle:
                              f"{self.config['method']!r}")
         self.config = {**known, **self.config}  # the earlier job's settings, unless given again
         self.eps_low, self.eps_high = _run_level_eps(self.config)
-        removed = run_claim.resume(self.dir, self.rank, self.world_size, after)
+        removed = run_claim.resume(self.dir, self.rank, self.world_size, after, writer=self._claim)
         if removed:
             n = len(removed)
             warnings.warn(f"entropylens: resume={after} removed {n} complete step{'s' if n != 1 else ''} of run "

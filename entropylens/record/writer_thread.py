@@ -13,8 +13,10 @@ queue is full: back-pressure, never a drop). The thread, in queue order:
   Summary    answers a question about a step's aggregates (for trainer logs), with its histograms and
              token table when asked (step_table.HISTOGRAMS_KEY, TABLE_KEY: the trackers);
   Heartbeat  rewrites run.json (run_info.py).
-A failure is kept in ``error`` and surfaced by the recorder at its next call, never swallowed. Its
-priority and the rescue of a starved thread: scheduling.py.
+Before every file it writes (run.json included) the thread checks that this writer still holds its
+claim of the run and rank (run_claim.Claim.check); a writer whose run another job took over stops
+there with a ClaimLostError. A failure is kept in ``error`` and surfaced by the recorder at its next
+call, never swallowed. Its priority and the rescue of a starved thread: scheduling.py.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from .file_work import FileWork
 from .host_copy import DeferredBlock, HostCopy, build_blocks
 from .messages import (STOP, Batch, Close, Heartbeat, Probes, Reply, Rewards, Scalars, Sequences, Summary,
                        Update)
+from .run_claim import ClaimLostError
 from .run_info import RunInfo, write_run_json
 from .scheduling import RESCUE_CHECK_S, WRITER_IDLE, WRITER_NICE, StarvationCheck, lower_priority, thread_cpu
 from .threads import serial_torch_ops
@@ -43,10 +46,12 @@ OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an un
 
 class WriterThread:
     def __init__(self, run_dir: Path, rank: int, info: RunInfo, *, queue_size: int, rows_per_file: int,
-                 heartbeat_s: float, fsync: bool = True, histograms: bool = False, table_every: int = 0):
+                 heartbeat_s: float, fsync: bool = True, histograms: bool = False, table_every: int = 0,
+                 claim=None):
         self.run_dir, self.rank, self.info, self.fsync = run_dir, rank, info, fsync
+        self.claim = claim  # run_claim.Claim: checked before every file written (None: not checked)
         self.work = FileWork(run_dir, rank, rows_per_file=rows_per_file, fsync=fsync, histograms=histograms,
-                             table_every=table_every)  # the thread side: what each message does
+                             table_every=table_every, claim=claim)  # the thread side: what each message does
         self.error: BaseException | None = None  # a write failure (sticky)
         self._heartbeat_s = heartbeat_s
         self._last_beat = 0.0
@@ -210,7 +215,14 @@ class WriterThread:
 
     def write_run_json(self, fsync: bool = False) -> None:
         """run.json and this rank's status file (run_info.write_run_json); ``fsync``: the final status
-        (close) reaches the disk, heartbeats need not."""
+        (close) reaches the disk, heartbeats need not. Written only while this writer holds its claim:
+        once another job has taken the run over, the lost claim becomes ``error`` and nothing is written."""
+        if self.claim is not None:
+            try:
+                self.claim.check()
+            except ClaimLostError as e:
+                self.error = self.error or e
+                return
         write_run_json(self.run_dir, self.rank, self.info, self.error, self._heartbeat_s, fsync and self.fsync)
 
     # ------------------------------------------------------------ thread side
