@@ -150,18 +150,26 @@ def _number(v: float) -> str:
 def table_text(df) -> str:
     """Aligned text table: integers as integers, text longer than FOLD folded to one line with '...'
     (run ids and paths, WHOLE, are always shown whole), a missing value as NULL in every column (as csv
-    leaves it empty and json writes null: a float NaN reads the same, as in those formats)."""
+    leaves it empty and json writes null: a float NaN reads the same, as in those formats). Text and
+    column names are escaped for the terminal (entropylens/report/escape.py: a control, format or bidi
+    character as its code, e.g. \\u202e); csv and json keep the values exact."""
     import pandas as pd
+
+    from entropylens.report.escape import terminal
 
     if not len(df):
         return "(no rows)\n"
     d = df.copy()
+    d.columns = [terminal(c) for c in d.columns]
     folded, widest = [], FOLD + 5
     for c in d.columns:
         col = d[c]
         if pd.api.types.is_extension_array_dtype(col) and pd.api.types.is_integer_dtype(col) and col.isna().any():
             d[c] = col.astype(object)  # nullable integers: <NA> would print as is; as objects they take na_rep
         if d[c].dtype == object or pd.api.types.is_string_dtype(d[c]):
+            # a user's text (a run id, a config value, a token's text) as printed: no raw control or bidi
+            # character
+            d[c] = [terminal(x) if isinstance(x, str) else x for x in d[c]]
             cells = [x if isinstance(x, str) else None for x in d[c]]
             longest = max((len(x) for x in cells if x is not None), default=0)
             if c in WHOLE:

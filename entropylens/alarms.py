@@ -106,7 +106,10 @@ class Finding:
     signal: str | None = None  # nonfinite: the value that was not finite; no_signal: what the step lacked
 
     def line(self) -> str:
-        text = f"run={self.run} step={self.step} rule={self.rule} value={self.value:.4g} threshold={self.threshold:.4g}"
+        from .report.escape import terminal  # the run id as printed: no raw control or bidi character
+
+        text = (f"run={terminal(self.run)} step={self.step} rule={self.rule} value={self.value:.4g} "
+                f"threshold={self.threshold:.4g}")
         return text + (f" signal={self.signal}" if self.signal else "")
 
 

@@ -5,13 +5,13 @@ The HTML opens from disk (no server, no network): images are relative files, sty
 
 from __future__ import annotations
 
-import html
 import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import runset
+from .escape import html_text, markdown, markdown_cell
 from .figures import FIGURES, CaptionFailure, CaptionWarning, Figure, figure  # the report's figures, declared there
 from ..read.query import connect, run_analysis
 
@@ -234,12 +234,12 @@ def run_sql_rows(con, sql: str) -> list[tuple]:
 
 
 def _step_links_md(pages) -> str:
-    parts = [f"{p.run}: " + " ".join(f"[{s}]({p.file}#step={s})" for s in p.steps) for p in pages if p.steps]
+    parts = [f"{markdown(p.run)}: " + " ".join(f"[{s}]({p.file}#step={s})" for s in p.steps) for p in pages if p.steps]
     return ("Responses at step: " + "; ".join(parts) + ".") if parts else ""
 
 
 def _step_links_html(pages) -> str:
-    e = html.escape
+    e = html_text
     parts = [f"{e(p.run)}: " + " ".join(f'<a href="{e(p.file)}#step={s}">{s}</a>' for s in p.steps)
              for p in pages if p.steps]
     return f'<p class="steps">Responses at step: {"; ".join(parts)}</p>' if parts else ""
@@ -280,14 +280,14 @@ def when_empty(analysis: str) -> str:
 
 def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = "", pages=()) -> None:
     cols = list(summary.columns)
-    lines = ["# entropylens report", "", "## Runs", ""] + ([about, ""] if about else [])
+    lines = ["# entropylens report", "", "## Runs", ""] + ([markdown(about), ""] if about else [])
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "---|" * len(cols))
     for row in summary.to_dict("records"):
-        lines.append("| " + " | ".join(_fmt(row[c]).replace("|", "/") for c in cols) + " |")
+        lines.append("| " + " | ".join(markdown_cell(_fmt(row[c])) for c in cols) + " |")
     lines.append("")
     for f, png, seen in rendered:
-        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {seen} (analysis: `{f.analysis}`)",
+        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {markdown(seen)} (analysis: `{f.analysis}`)",
                   ""]
         if f.step_links and _step_links_md(pages):
             lines += [_step_links_md(pages), ""]
@@ -295,12 +295,12 @@ def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = ""
         lines += [_not_shown_text(not_shown), ""]
     if pages:
         lines += ["## Responses, token by token", ""]
-        lines += [f"- [{p.run}]({p.file}): {p.text}" for p in pages] + [""]
+        lines += [f"- [{markdown(p.run)}]({p.file}): {markdown(p.text)}" for p in pages] + [""]
     path.write_text("\n".join(lines))
 
 
 def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
-    e = html.escape
+    e = html_text
     cols = list(summary.columns)
     head = "".join(f"<th>{e(c)}</th>" for c in cols)
     rows = "".join(

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import textwrap
 
+from .escape import plot_text
+
 QUAD_ORDER = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")
 QUAD_COLORS = {"PA&HP": "#1f77b4", "PA&LP": "#2ca02c", "NA&HP": "#ff7f0e", "NA&LP": "#d62728", "ZA": "#7f7f7f"}
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
@@ -65,13 +67,14 @@ def _run_labels(df):
 
 
 def _prep(df):
-    """A copy of ``df`` with ``_s`` (the series label) and ``_r`` (the run id) columns."""
+    """A copy of ``df`` with ``_s`` (the series label, as drawn: escape.plot_text) and ``_r`` (the run id)
+    columns."""
     labels = _run_labels(df)
     if "series" in df and df["series"].notna().any():
         s = df["series"].astype(object)
         labels = s.where(s.notna(), labels).astype(str)
     runs = df["run"].astype(str) if "run" in df else labels
-    return df.assign(_s=labels.astype(str), _r=runs)
+    return df.assign(_s=labels.astype(str).map(plot_text), _r=runs)
 
 
 def series_names(df) -> list[str]:

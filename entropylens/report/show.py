@@ -19,6 +19,7 @@ import math
 from . import responses as R
 from ..read.query import QueryError, run_sql
 from ..read.views import sql_str
+from .escape import terminal as _t, token  # every name / text a user gave, as printed: no raw control or bidi character
 
 NULL_COLOUR = "#808080"  # a token without a value for the metric
 # low -> high (viridis' stops); diverging: blue (below the centre) -> near white -> red (above)
@@ -98,9 +99,9 @@ def pick_run(con, run: str | None = None) -> str:
             return names[0]
         if not names:
             raise QueryError("no run here")
-        raise QueryError(f"{len(names)} runs here ({', '.join(names)}): choose one with --run")
+        raise QueryError(f"{len(names)} runs here ({', '.join(map(_t, names))}): choose one with --run")
     if run not in names:
-        raise QueryError(f"unknown run {run!r}; runs here: {', '.join(names) or 'none'}")
+        raise QueryError(f"unknown run {run!r}; runs here: {', '.join(map(_t, names)) or 'none'}")
     return run
 
 
@@ -128,7 +129,7 @@ def pick_step(con, run: str, step: int | None = None) -> int:
     """``step`` if ``run`` has token rows there; None: the run's last step with token rows."""
     if step is not None:
         if not _has_tokens(con, run, step):
-            raise QueryError(f"run {run} has no token rows at step {int(step)}; {_steps_line(con, run)}")
+            raise QueryError(f"run {_t(run)} has no token rows at step {int(step)}; {_steps_line(con, run)}")
         return int(step)
     last = run_sql(con, f"SELECT max(step) AS s FROM steps WHERE run = {sql_str(run)}")["s"]
     s = _num(last.iloc[0]) if len(last) else None
@@ -136,7 +137,7 @@ def pick_step(con, run: str, step: int | None = None) -> int:
         return int(s)
     steps = steps_of(con, run)  # the last steps recorded no token rows (sampling, a run still writing)
     if not steps:
-        raise QueryError(f"run {run} has no token rows")
+        raise QueryError(f"run {_t(run)} has no token rows")
     return steps[-1]
 
 
@@ -154,6 +155,7 @@ def list_step(con, run: str | None, step: int | None, *, where: str | None = Non
     token row where it holds (:func:`entropylens.report.responses.matching`); ``rank``: only that rank's."""
     from rich import box
     from rich.table import Table
+    from rich.text import Text
 
     run = pick_run(con, run)
     step = pick_step(con, run, step)
@@ -162,16 +164,17 @@ def list_step(con, run: str | None, step: int | None, *, where: str | None = Non
     if rank is not None:
         if int(rank) not in set(int(r) for r in df["rank"]):
             ranks = ", ".join(str(r) for r in sorted(set(int(r) for r in df["rank"])))
-            raise QueryError(f"no response of rank {int(rank)} at step {step} of run {run}; its ranks: {ranks}")
+            raise QueryError(f"no response of rank {int(rank)} at step {step} of run {_t(run)}; its ranks: {ranks}")
         df = df[df["rank"] == int(rank)]
-    title = f"run {run} · step {step}: {total} response{'s' if total != 1 else ''}"
+    title = f"run {_t(run)} · step {step}: {total} response{'s' if total != 1 else ''}"
     if rank is not None:
         title += f", {len(df)} of rank {int(rank)}"
     if where:
         keep = R.matching(con, run, where, step)
         df = df[[(step, int(r), int(q)) in keep for r, q in zip(df["rank"], df["seq"])]]
-        title += f"; {len(df)} matching --where {where}"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False,
+        title += f"; {len(df)} matching --where {_t(where)}"
+    # the title as a Text: a run id's "[red]" is not read as rich markup
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False,
                   caption=("rank: the training process that recorded the response (seq counts within it, --rank picks "
                            "one); mean entropy: sampling entropy H(pi_old) over the tokens, nats; clipped / ERC-dropped: "
                            "token rows whose gradient PPO-clip / ERC removed, over the step's updates; entropy "
@@ -303,19 +306,12 @@ class Scale:
 
 # ------------------------------------------------------------------------------------- one response
 def _shown(s: str, token_id: int) -> str:
-    """A token's text as printed: a newline as ↵ and a line break, other control characters escaped, an
-    empty text as its id."""
+    """A token's text as printed: a newline as ↵ and a line break, a tab as itself, every other control,
+    format (bidi included) or separator character as its code, a token of default-ignorable characters only
+    as their codes (entropylens/report/escape.py: token), an empty text as its id."""
     if s == "":
         return f"⟨{token_id}⟩"
-    out = []
-    for ch in s:
-        if ch == "\n":
-            out.append("↵\n")
-        elif ch == "\t" or ord(ch) >= 32:
-            out.append(ch)
-        else:
-            out.append(ch.encode("unicode_escape").decode("ascii"))
-    return "".join(out)
+    return token(s, keep="\n\t").replace("\n", "↵\n")
 
 
 def _separator(decoder) -> str:
@@ -365,7 +361,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
     if here.empty:
         seqs = sorted(int(q) for q in table["seq"])
         span = f"seq {seqs[0]}..{seqs[-1]}" if seqs else "none"
-        raise QueryError(f"no response seq {seq} at step {step} of run {run}; the step has {len(table)} "
+        raise QueryError(f"no response seq {seq} at step {step} of run {_t(run)}; the step has {len(table)} "
                          f"response{'s' if len(table) != 1 else ''} ({span}; list them without --seq)")
     ranks = sorted(int(r) for r in here["rank"])
     if rank is None:
@@ -374,7 +370,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
                              "choose one with --rank")
         rank = ranks[0]
     elif int(rank) not in ranks:
-        raise QueryError(f"seq {seq} at step {step} of run {run} is recorded by rank{'s' if len(ranks) > 1 else ''} "
+        raise QueryError(f"seq {seq} at step {step} of run {_t(run)} is recorded by rank{'s' if len(ranks) > 1 else ''} "
                          f"{', '.join(map(str, ranks))}, not rank {int(rank)}")
     rank = int(rank)
     line = here[here["rank"] == rank].iloc[0].to_dict()
@@ -386,7 +382,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
         at_step = [int(u) for u in run_sql(con, f"SELECT DISTINCT \"update\" AS u FROM tokens WHERE run = "
                                                 f"{sql_str(run)} AND step = {step} ORDER BY u")["u"]]
         if int(update) not in at_step:
-            raise QueryError(f"update {int(update)} is not at step {step} of run {run}; its updates: "
+            raise QueryError(f"update {int(update)} is not at step {step} of run {_t(run)}; its updates: "
                              f"{', '.join(map(str, at_step))}")
         raise QueryError(f"seq {seq} has no token rows at update {int(update)} of step {step}; its updates: "
                          f"{', '.join(map(str, mine))}")
@@ -404,7 +400,7 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
 
     method = run_sql(con, f"SELECT method FROM runs WHERE run = {sql_str(run)}")["method"]
     method = method.iloc[0] if len(method) and isinstance(method.iloc[0], str) else None
-    head = Text.assemble(("run ", "dim"), (run, "bold"), (f" ({method})" if method else ""),
+    head = Text.assemble(("run ", "dim"), (_t(run), "bold"), (f" ({_t(method)})" if method else ""),
                          ("  step ", "dim"), (str(step), "bold"),
                          ("  update ", "dim"), (str(update), "bold"),
                          (f" (its updates: {', '.join(map(str, mine))})", "dim"),
@@ -416,14 +412,14 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
     n_len = _num(line.get("length"))
     if n_len is not None and len(cells) < n_len:
         head.append(f"  ({len(cells)} of {int(n_len)} positions recorded)", style="dim")
-    source = Text("text: " + decoder.source, style="dim") if decoder.has_text else Text(
+    source = Text("text: " + _t(decoder.source), style="dim") if decoder.has_text else Text(
         "no token text: " + HOW_TO_GET_TEXT, style="yellow")
     if not decoder.has_text:  # the completion's text where the run recorded it (sequences.text)
         recorded = R.texts(con, run, here[here["rank"] == rank]).get((step, rank, seq))
         if recorded:
             source.append("\n")
             source.append("recorded text (sequences.text): ", style="dim")
-            source.append(recorded)
+            source.append(_t(recorded, keep="\n\t"))
 
     body = Text(overflow="fold")
     for k, (s, i) in enumerate(zip(strings, ids)):

@@ -69,6 +69,43 @@
     if (a >= 1e5 || a < 1e-3) return v.toExponential(d - 2).replace("e+", "e");
     return String(Number(v.toPrecision(d)));
   }
+  // characters that draw nothing or change how their neighbours are drawn: C0 / C1 controls and DEL (Cc),
+  // format characters (Cf: bidi overrides and isolates, zero-width spaces, U+FEFF, ...), line and paragraph
+  // separators, lone surrogates. A user's text never reaches the page with them raw: each is written as its
+  // code, in the form of entropylens/report/escape.py (\x85, \u202e, \U000e0001)
+  var INVISIBLE = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}]/u;
+  var INVISIBLES = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{Cs}]/gu;
+  var IGNORABLE_ONLY = /^\p{Default_Ignorable_Code_Point}+$/u; // drawn as nothing even where not INVISIBLE
+  var SHORT = { "\t": "\\t", "\n": "\\n", "\r": "\\r" };
+  function hexCode(o, n) { var x = o.toString(16); while (x.length < n) x = "0" + x; return x; }
+  function code(ch) { // one character as its escape
+    if (SHORT[ch]) return SHORT[ch];
+    var o = ch.codePointAt(0);
+    return o < 0x100 ? "\\x" + hexCode(o, 2) : (o < 0x10000 ? "\\u" + hexCode(o, 4) : "\\U" + hexCode(o, 8));
+  }
+  function visible(s) { // a name or a sentence as plain text: each invisible character as its code
+    return String(s).replace(INVISIBLES, code);
+  }
+  // ``s`` into ``parent`` as text nodes, each invisible character (but those in ``keep``; every character
+  // where ``all``) as a mark: span.cc holding its code, titled with its code point
+  function fillMarked(parent, s, keep, all) {
+    var buf = "";
+    Array.from(s).forEach(function (ch) { // by code point: a surrogate pair is one character
+      if ((all || INVISIBLE.test(ch)) && keep.indexOf(ch) < 0) {
+        if (buf) parent.appendChild(document.createTextNode(buf));
+        buf = "";
+        var m = document.createElement("span");
+        m.className = "cc";
+        m.textContent = code(ch);
+        m.title = "U+" + hexCode(ch.codePointAt(0), 4).toUpperCase() +
+          ": an invisible or control character, shown as its code";
+        parent.appendChild(m);
+      } else {
+        buf += ch;
+      }
+    });
+    if (buf) parent.appendChild(document.createTextNode(buf));
+  }
   function esc(s) {
     return String(s).replace(/[&<>"']/g, function (c) {
       return { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c];
@@ -178,14 +215,14 @@
 
   function build() {
     var app = document.getElementById("el-app");
-    document.getElementById("el-method").textContent = D.method ? "(" + D.method + ")" : "";
-    document.getElementById("el-selection").textContent = D.selection || "";
+    document.getElementById("el-method").textContent = D.method ? "(" + visible(D.method) + ")" : "";
+    document.getElementById("el-selection").textContent = visible(D.selection || "");
     var src = document.getElementById("el-textsource");
     if (D.has_text) {
-      src.textContent = "Token text: " + (D.text_source || "decoded") + ".";
+      src.textContent = "Token text: " + visible(D.text_source || "decoded") + ".";
     } else {
       src.className = "el-hint";
-      src.textContent = "No token text (token ids are shown): " + (D.text_hint || "");
+      src.textContent = "No token text (token ids are shown): " + visible(D.text_hint || "");
     }
     app.innerHTML =
       '<div class="el-controls">' +
@@ -399,11 +436,14 @@
   }
 
   // ---------------------------------------------------------------- one response
-  function tokenText(s) {
-    if (s === null || s === undefined) return "\u2205";
-    if (s === "") return "\u2205";
-    return String(s).replace(/\r\n|\n|\r/g, function (m) { return m === "\r" ? "\u240d" : "\u23ce\n"; })
-      .replace(/\t/g, "\u21e5\t");
+  // a token's text into its span: a newline as \u23ce and the line break, a tab as \u21e5 and the tab, a lone
+  // carriage return as \u240d, every other invisible character as a mark; a token of default-ignorable
+  // characters only (a variation selector, a Hangul filler) is marked whole: no token is drawn as nothing
+  var GLYPHS = { "\r\n": "\u23ce\n", "\n": "\u23ce\n", "\r": "\u240d", "\t": "\u21e5\t" };
+  function fillToken(sp, s) {
+    if (s === null || s === undefined || s === "") { sp.textContent = "\u2205"; return; }
+    s = String(s);
+    fillMarked(sp, s.replace(/\r\n|\n|\r|\t/g, function (m) { return GLYPHS[m]; }), "\n\t", IGNORABLE_ONLY.test(s));
   }
 
   function showResponse(resp) {
@@ -443,7 +483,7 @@
       sp.setAttribute("data-pos", String(p));
       sp.setAttribute("data-i", String(i));
       var s = resp.tokens ? resp.tokens[i] : null;
-      sp.textContent = tokenText(s);
+      fillToken(sp, s);
       if (s === "" || s === null || s === undefined) sp.classList.add("empty");
       frag.appendChild(sp);
       spans[i] = sp;
@@ -474,7 +514,9 @@
     var comp = el.completion;
     if (resp.text !== null && resp.text !== undefined) {
       comp.hidden = false;
-      comp.querySelector("pre").textContent = resp.text;
+      var pre = comp.querySelector("pre");
+      pre.textContent = "";
+      fillMarked(pre, String(resp.text), "\n\t", false);
     } else {
       comp.hidden = true;
     }
@@ -554,7 +596,7 @@
     if (!view || !view.spans[i]) return;
     var resp = view.resp, row = currentRows()[i], p = resp.pos[i];
     var tok = resp.tokens ? resp.tokens[i] : null;
-    var out = '<div class="dt-head"><code class="dt-tok" data-role="token">' + esc(JSON.stringify(tok === undefined ? null : tok)) +
+    var out = '<div class="dt-head"><code class="dt-tok" data-role="token">' + esc(visible(JSON.stringify(tok === undefined ? null : tok))) +
       '</code><div>position <b data-role="pos">' + esc(p) + "</b> \u00b7 update <b data-role=\"update\">" + esc(state.update) +
       "</b>" + (view.spans[i].classList.contains("forking") ? ' \u00b7 <b class="dt-fork">forking</b>' : "") + "</div></div>";
     if (!row) {
@@ -783,7 +825,7 @@
     document.querySelector(".el-controls").hidden = true;
     document.querySelector(".el-listbox").hidden = true;
     var none = h("p", { id: "el-empty", "class": "el-hint" }, "No responses are embedded for this run" +
-      (D.where ? " (none matches --where " + D.where + ")" : "") + ".");
+      (D.where ? " (none matches --where " + visible(D.where) + ")" : "") + ".");
     document.getElementById("el-app").insertBefore(none, document.getElementById("el-app").firstChild);
     document.body.setAttribute("data-ready", "1");
     return;

@@ -25,11 +25,11 @@ response, and follows navigation.
 from __future__ import annotations
 
 import hashlib
-import html
 import re
 from importlib import resources
 from pathlib import Path
 
+from .escape import html_text
 from .responses import dumps
 
 _SLUG_OK = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
@@ -66,7 +66,7 @@ def render_page(data: dict, *, title: str | None = None, back_href: str = "index
     low_js, low_css = js.lower(), css.lower()
     if "</script" in low_js or "<!--" in low_js or "</style" in low_css:  # pragma: no cover - the assets' own check
         raise ValueError("viewer.js / viewer.css must not contain </script, <!-- or </style")
-    e = html.escape
+    e = html_text  # the run id and the title: control and bidi characters as their code, not raw
     run = str(data.get("run", ""))
     title = title or f"entropylens responses: {run}"
     return (

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..alarms import Finding, Thresholds, evaluate
+from .escape import terminal as _t  # run ids and statuses as printed: no raw control or bidi character
 
 ENDED = ("finished", "failed")  # a run in one of these states is written no more
 TAIL = 48  # steps per run read at each refresh (the sparkline's length)
@@ -166,7 +167,7 @@ def _run_view(run: str, df, findings: list[Finding], method: str | None, status:
 
     rows = df.sort_values("step").to_dict("records")
     colour = {"finished": "green", "failed": "red", "stale": "red", "running": "cyan"}.get(status or "", "white")
-    title = Text.assemble((run, "bold"), "  ", (method or "?", "magenta"), "  ", (status or "?", colour))
+    title = Text.assemble((_t(run), "bold"), "  ", (_t(method or "?"), "magenta"), "  ", (_t(status or "?"), colour))
     if not rows:
         return Panel(Text("no step committed yet"), title=title, title_align="left")
     latest = rows[-1]
@@ -263,7 +264,7 @@ def summary_line(snap: Snapshot) -> str:
     if len(snap.steps):
         for run, step in zip(snap.steps["run"], snap.steps["step"]):
             last[str(run)] = max(int(step), last.get(str(run), -1))
-    parts = [f"{run} {status or '?'} at step {last[run]}" if run in last else f"{run} {status or '?'} (no step)"
+    parts = [f"{_t(run)} {_t(status or '?')} at step {last[run]}" if run in last else f"{_t(run)} {_t(status or '?')} (no step)"
              for run, (_, status) in sorted(snap.runs.items())]
     n_alarms = len(snap.findings)
     return (f"watch: {'all ' if snap.ended else ''}{len(snap.runs)} run(s) "
@@ -290,7 +291,7 @@ def watch(path, *, runs: list[str] | None = None, interval: float = 2.0, thresho
         if s.skipped:
             note += f"; {len(s.skipped)} unreadable file(s) skipped (entropylens verify)"
         if problem:
-            note += f"; last refresh failed: {problem}"
+            note += f"; last refresh failed: {_t(problem)}"
         return render(s.steps, s.findings, s.runs, last=last, note=note)
 
     interrupted = False
