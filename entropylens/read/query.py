@@ -20,8 +20,8 @@ from .catalog import QueryError
 from .params import check as check_params
 
 from .views import (  # noqa: F401 - the readers' public names, re-exported
-    DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, UnreadableFileWarning, _views, find_runs,
-    run_ids, run_row, run_status,
+    DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, FileNoteWarning, UnreadableFileWarning, _views,
+    find_runs, read_error_hint, run_ids, run_row, run_status,
 )
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
@@ -162,7 +162,7 @@ def run_analysis(con, name: str, **params):
     try:
         return run_replanning(con, lambda: _frame(con.execute(sql)))
     except duckdb.Error as e:
-        raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 def run_sql(con, sql: str):
@@ -183,7 +183,7 @@ def run_sql(con, sql: str):
             raise QueryError("SQL error: the query has no statement")
         return df
     except duckdb.Error as e:
-        raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"SQL error: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 __all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "Runs", "open"]
@@ -235,7 +235,7 @@ def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL"):
         return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
     except duckdb.Error as e:
         prefix = "SQL error" if what == "SQL" else f"{what} failed"
-        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 def open(path, *, runs: list[str] | None = None, **connect_kwargs) -> Runs:  # noqa: A001 - entropylens.open
