@@ -622,8 +622,8 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str]]:
         for lack, files in sorted(gaps.items()):
             versions = sorted({str(run.footers[u].version or "unknown") for u in files})
             cols = ", ".join(f"`{c}`" for c in lack)
-            out.append((files[0], f"{run.id}: {len(files)} {table} file(s) written before column(s) {cols} "
-                        f"existed (schema version {', '.join(versions)}; e.g. this one): NULL there"))
+            out.append((files[0], f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} "
+                        f"existed (schema version {', '.join(versions)}; e.g. {files[0]}): NULL there"))
     return out
 
 
@@ -687,12 +687,15 @@ def row_count_problems(r: RunFiles, recorded: dict[tuple[int, int], int], *, few
             entry[0] += r.footers[f].rows
     sample = r.info.get("sample")
     sampled = isinstance(sample, (int, float)) and sample < 1
+    if fewer:  # a step with tokens recorded but no token file left
+        for key in recorded:
+            rows.setdefault(key, [0, None])
     out = []
     for (step, rank), (n, first) in sorted(rows.items()):
         want = recorded.get((step, rank))
         if want is None or n == want or (n < want and (sampled or not fewer)):
             continue
-        folder = first.rsplit("/", 1)[0] + "/"
+        folder = first.rsplit("/", 1)[0] + "/" if first else f"{r.dir / 'tokens' / f'step={step}' / f'rank={rank}'}/"
         out.append((folder, f"run {r.id}: step {step} rank {rank}: its token files ({folder}) hold {n} rows, its "
                     f"steps rows say n_tokens {want}{f' (sample {sample:g})' if sampled else ''}: a copied, lost "
                     "or foreign token file? `entropylens verify` names the files a reader leaves out"))
