@@ -497,8 +497,14 @@ def parse_footer(tail: bytes) -> Footer:
     n = int.from_bytes(tail[-8:-4], "little")
     md = pq.read_metadata(pa.BufferReader(_MAGIC + tail[-(n + 8):]))
     version = (md.metadata or {}).get(b"entropylens.schema_version")
-    return Footer(tuple((f.name, _dtype(f.type)) for f in md.schema.to_arrow_schema()), md.num_rows,
-                  version.decode(errors="replace") if version else None)
+    schema = md.schema.to_arrow_schema()
+    columns = _COLUMNS.get(schema)
+    if columns is None:  # files of one version share their schema: converted once
+        columns = _COLUMNS.setdefault(schema, tuple((f.name, _dtype(f.type)) for f in schema))
+    return Footer(columns, md.num_rows, version.decode(errors="replace") if version else None)
+
+
+_COLUMNS: dict = {}  # Arrow schema -> Footer.columns (a few distinct schemas per process)
 
 
 def _read_footers(d: Location, files: dict[str, int], check: str) -> tuple[dict[str, Footer], dict[str, str]]:
@@ -569,6 +575,18 @@ _VIEW_OWN = ("run",)  # the views' own column: a file column of this name would 
 
 
 def contract_problem(table: str, footer: Footer, *, compacted: bool = False) -> str | None:
+    """What makes a file of ``table`` with this footer unusable against the contract (None: nothing; the
+    rules: :func:`_contract_problem`), answered once per column list."""
+    key = (table, compacted, footer.columns)
+    if key not in _PROBLEMS:
+        _PROBLEMS[key] = _contract_problem(table, footer, compacted)
+    return _PROBLEMS[key]
+
+
+_PROBLEMS: dict = {}  # (table, compacted, columns) -> contract_problem's answer
+
+
+def _contract_problem(table: str, footer: Footer, compacted: bool) -> str | None:
     """What makes a file of ``table`` unusable against the contract (schema.TABLES), None if nothing:
     a contract column of another dtype, a foreign table (a key column missing, or fewer than half of the
     contract's columns), ``step`` / ``rank`` stored in an original file (their path holds them) or
