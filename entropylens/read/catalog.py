@@ -24,7 +24,7 @@ Rules (docs/design.md, "Reading"):
    the compactor write are read (:data:`RECORDER_NAMES`, :data:`_COMPACT_NAME`); any other ``*.parquet``
    (``update-0 (copy).parquet``, ``tokens/export.parquet``) is a bad file: left out, named.
 6. **The schema contract, per file** (schema.TABLES), from each file's footer (one read of its last
-   64 KiB, the same read as the PAR1 check; cached per process by path, size and mtime: :func:`footer`):
+   64 KiB, the same read as the PAR1 check; cached per process by path, size and mtime: :func:`_read_footers`):
    a contract column of another type, a column named ``run`` (the views' own), a ``step`` / ``rank``
    column in a file whose path holds them, or a foreign table (a key column missing, or fewer than half
    of the contract's columns) makes the file bad: left out, named with what is wrong. A file that lacks
