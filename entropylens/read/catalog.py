@@ -404,7 +404,8 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
 
 
 def _rel(d: Location, p: str) -> str:
-    return p[len(d.path.rstrip("/")) + 1:]
+    """``p`` relative to run ``d`` (listings of some filesystems add or drop a leading '/')."""
+    return p.lstrip("/")[len(d.path.strip("/")) + 1:]
 
 
 def _is_compacted(d: Location, p: str) -> bool:

@@ -61,6 +61,15 @@ def test_a_run_written_by_two_versions_reads_right_file_by_file(clean, run):
     assert len(run_analysis(con, "run_summary")) == 1
 
 
+def test_the_last_file_lacking_a_column_loses_nothing_else(clean, run):
+    base, _ = answers(clean)
+    _rewrite(_token_file(run, 2), lambda t: t.drop_columns(["entropy", "old_entropy"]))
+    got, said = answers(run)
+    assert got[(0, 0)] == base[(0, 0)] and got[(1, 0)] == base[(1, 0)]
+    assert got[(2, 0)][:3] == (base[(2, 0)][0], 0, None) and got[(2, 0)][3:-1] == base[(2, 0)][3:-1]
+    assert len(said) == 1 and "column(s) `entropy`, `old_entropy`" in said[0], said
+
+
 def test_a_file_of_the_wrong_type_is_left_out_and_named(clean, run):
     base, _ = answers(clean)
     f = _token_file(run, 1)
