@@ -103,6 +103,7 @@ class Catalog:
     runs: list[RunFiles]
     bad: list[tuple[str, str]]  # (file, why it cannot be read / is left out)
     notes: list[tuple[str, str]] = field(default_factory=list)  # (file or folder, what a reader does about it)
+    info: list[tuple[str, str]] = field(default_factory=list)  # (run.json, its values of the wrong type, nulled)
 
     def tables(self) -> list[str]:
         return sorted(TABLE_DIRS)
@@ -228,7 +229,7 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
     """List the runs under ``path`` and the files a reader should use (module docstring)."""
     root = location(path, storage_options)
     dirs, ids = _discover(root, runs)
-    out, bad, notes = [], [], []
+    out, bad, notes, info_bad = [], [], [], []
     for d, rid in zip(dirs, ids):
         try:
             info = json.loads((d / "run.json").read_text())
@@ -241,7 +242,9 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
         if skip:
             bad.append((str(d / "run.json"), f"{skip}; run skipped (fix the key in run.json to read it)"))
             continue
-        bad.extend((str(d / "run.json"), why) for why in wrong)
+        if wrong:
+            info_bad.append((str(d / "run.json"), f"{d / 'run.json'}: " + "; ".join(wrong) + ": shown as NULL (fix "
+                             "them in run.json)"))
         info = with_rank_status(info, d)
         for _ in range(5):
             run, run_bad, run_notes, stable = _scan_run(d, rid, info, check)
@@ -250,7 +253,7 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
         out.append(run)
         bad.extend(run_bad)
         notes.extend(run_notes)
-    return Catalog(root, out, bad, notes)
+    return Catalog(root, out, bad, notes, info_bad)
 
 
 _NUMBER = (int, float)
@@ -268,7 +271,7 @@ _DESCRIPTIONS = ("method", "model")  # free text: another JSON value is shown as
 
 def checked_info(info: dict) -> tuple[dict, list[str], str | None]:
     """run.json's values checked against :data:`INFO_TYPES`: ``(info, problems, skip)``. A key of another
-    type is nulled (``problems`` names it, its value and what it must be); a wrong :data:`DECIDING_KEYS`
+    type is nulled (``problems`` names each, its value and what it must be); a wrong :data:`DECIDING_KEYS`
     value (status, world_size: which files count) gives ``skip``, the reason to skip the run instead;
     ``method`` / ``model`` that are not strings are kept as their JSON text."""
     out, problems = dict(info), []
@@ -279,7 +282,7 @@ def checked_info(info: dict) -> tuple[dict, list[str], str | None]:
         why = f"run.json's {key!r} is {json.dumps(v, default=str)[:60]}, not {what}"
         if key in DECIDING_KEYS:
             return out, [], why
-        problems.append(f"{why}: shown as NULL")
+        problems.append(why)
         out[key] = None
     for key in _DESCRIPTIONS:
         if out.get(key) is not None and not isinstance(out[key], str):
@@ -662,7 +665,7 @@ def verify(path, *, storage_options: dict | None = None) -> Verified:
     recorder, run.json of the wrong types; a step whose token rows differ from its n_tokens (fewer is
     right only with sample < 1); originals a committed compaction superseded, still on disk."""
     snap = scan(path, storage_options=storage_options, check="full")
-    bad = list(snap.bad)
+    bad = list(snap.bad) + list(snap.info)
     for r in snap.runs:
         bad += [(u, "superseded by a committed compaction of its step but still on disk (a compaction "
                  "stopped before its clean-up): `entropylens compact` removes it") for u in r.superseded]

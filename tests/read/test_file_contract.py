@@ -152,6 +152,7 @@ def test_run_json_of_the_wrong_types_is_named_and_the_other_runs_read(clean, tmp
         res = runner.invoke(app, args)
         assert res.exit_code == 0 and "Traceback" not in res.output, res.output
         assert res.stderr.count("warning:") == 1 and f"run.json's {key!r} is {json.dumps(value)}" in res.stderr
+        assert ("skipped" in res.stderr) is skipped, res.stderr
         assert ("bad" in res.stdout) is not skipped and Path(good).name in res.stdout
     con = connect(tmp_path)
     if not skipped:
