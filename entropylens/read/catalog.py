@@ -243,8 +243,7 @@ def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = 
             bad.append((str(d / "run.json"), f"{skip}; run skipped (fix the key in run.json to read it)"))
             continue
         if wrong:
-            info_bad.append((str(d / "run.json"), f"{d / 'run.json'}: " + "; ".join(wrong) + ": shown as NULL (fix "
-                             "them in run.json)"))
+            info_bad.append((str(d / "run.json"), "; ".join(wrong) + ": shown as NULL (fix them in run.json)"))
         info = with_rank_status(info, d)
         for _ in range(5):
             run, run_bad, run_notes, stable = _scan_run(d, rid, info, check)

@@ -260,7 +260,9 @@ def _views(snap: cat.Catalog, con, only: set[str] | None = None):
         con.execute(f"CREATE VIEW {ident(table)} AS {body}")
     if only is None:
         snap.notes.extend(_row_count_notes(con, snap))
-        for _, why in (*snap.info, *snap.notes):
+        for f, why in snap.info:
+            warnings.warn(f"{f}: {why}", FileNoteWarning, stacklevel=3)
+        for _, why in snap.notes:  # each names its files
             warnings.warn(why, FileNoteWarning, stacklevel=3)
     return con
 
