@@ -192,3 +192,13 @@ def test_a_damaged_steps_file_is_named_and_its_step_left_out(clean, run):
     assert len(said) == 1 and said[0].startswith(f"skipped {f}: unreadable Parquet"), said
     res = runner.invoke(app, ["query", str(run), "SELECT step FROM steps ORDER BY step"])
     assert res.exit_code == 0 and "Traceback" not in res.output and str(f) in res.stderr, res.output
+
+
+def test_the_file_check_benchmark_runs():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "file_check.py"), "--steps", "3", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines()[0].startswith("10 files") and "check_ratio=" in out.stdout.splitlines()[-1]
