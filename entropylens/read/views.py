@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import warnings
 import weakref
 from datetime import datetime, timezone
@@ -355,6 +356,8 @@ _QUERY_ERRORS = ("ParserException", "SyntaxException", "BinderException", "Catal
                  "InterruptException", "OutOfMemoryException", "PermissionException", "ConstraintException",
                  "NotImplementedException", "OutOfRangeException")
 _SCAN_LIMIT = 3  # unreadable files named at most (the first found; `verify` lists them all)
+_SCAN_S = 20.0  # seconds of reading files after a failed query, at most (a runtime error of the query itself
+# on a big run must not turn into minutes of reading)
 
 
 def read_error_hint(con, e: BaseException) -> str:
@@ -362,23 +365,28 @@ def read_error_hint(con, e: BaseException) -> str:
     last page (a damaged page behind an intact footer: DuckDB says e.g. ``Out of buffer`` or ``don't know
     what type``, naming no file), as a sentence to append to the error, with what to do; "" where no file
     is to blame (errors of the query itself; every file readable). The files the error names are checked
-    first, then every view file until a few bad ones are found."""
+    first, then every view file until a few bad ones are found or ``_SCAN_S`` seconds have passed."""
     if type(e).__name__ in _QUERY_ERRORS or con not in _VIEW_FILES:
         return ""
     msg = str(e)
     every = [rf for fs in _VIEW_FILES[con].values() for rf in fs]
     named = [rf for rf in every if rf[1] in msg]
     bad, seen = [], set()
+    stop = time.monotonic() + _SCAN_S
     for d, f in named + every:
         if f in seen:
             continue
+        if time.monotonic() > stop:  # a big run: verify reads the rest
+            return "" if not bad else _hint(bad) + f" (checked {len(seen)} of {len(every)} files)"
         seen.add(f)
         why = cat.read_problem(d, f.split("://", 1)[-1])
         if why and why != cat._GONE:
             bad.append(f"{f} ({why})")
             if len(bad) >= _SCAN_LIMIT:
                 break
-    if not bad:
-        return ""
+    return _hint(bad) if bad else ""
+
+
+def _hint(bad: list[str]) -> str:
     return (f"; reading {'; '.join(bad)} fails: move {'it' if len(bad) == 1 else 'them'} out of the run folder "
             "and query again (`entropylens verify PATH` lists every damaged file)")
