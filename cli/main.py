@@ -434,12 +434,17 @@ def watch(
 @app.command()
 @user_errors
 def verify(path: PathArg) -> None:
-    """Check every file under PATH: list the unreadable ones (exit 1), or say all is whole (exit 0)."""
+    """Check every file under PATH: its pages, its columns against the schema contract, that the recorder
+    named it, each step's token rows against its n_tokens, run.json's types, compacted originals left on
+    disk. Lists what is wrong, file by file (exit 1), or says all is whole (exit 0). docs/storage.md says
+    what to do about each."""
     from entropylens.read.catalog import verify as check
 
     res = check(path)
     for f, why in res.bad:
         typer.echo(f"bad: {f}: {why}")
+    for _, why in res.notes:
+        typer.echo(f"note: {why}")
     if res.hidden:
         typer.echo(f"note: {res.hidden} file(s) of uncommitted steps (no steps file; hidden by the views)")
     typer.echo(f"{len(res.bad)} bad file(s) among {res.files} in {res.runs} run(s) under {path}")

@@ -23,8 +23,8 @@ from .params import check as check_params
 from .sql_guard import NotReadOnly, ReadOnlyConnection, unguarded
 
 from .views import (  # noqa: F401 - the readers' public names, re-exported
-    DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, UnreadableFileWarning, _views, find_runs,
-    run_ids, run_row, run_status,
+    DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, FileNoteWarning, UnreadableFileWarning, _views,
+    find_runs, read_error_hint, run_ids, run_row, run_status,
 )
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
@@ -258,7 +258,7 @@ def run_analysis(con, name: str, *, timeout: float | None = None, **params):
         with limits(con, timeout):
             return run_replanning(con, lambda: _frame(con.execute(sql)))
     except duckdb.Error as e:
-        raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 def run_sql(con, sql: str, *, timeout: float | None = None):
@@ -282,7 +282,7 @@ def run_sql(con, sql: str, *, timeout: float | None = None):
             raise QueryError("SQL error: the query has no statement")
         return df
     except duckdb.Error as e:
-        raise QueryError(f"SQL error: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"SQL error: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 __all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "QueryLimitError",
@@ -352,7 +352,7 @@ def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL", timeout: 
             return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
     except duckdb.Error as e:
         prefix = "SQL error" if what == "SQL" else f"{what} failed"
-        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}") from None
+        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
 def open(path, *, runs: list[str] | None = None, **connect_kwargs) -> Runs:  # noqa: A001 - entropylens.open

@@ -40,7 +40,9 @@ def _load_saved(d) -> object:
 
 def _from_run_json(d, info: dict) -> Decoder:
     """The decoder run.json's tokenizer block names: saved copy, inline vocabulary, then name_or_path."""
-    tok = ((info.get("config") or {}).get("tokenizer") or info.get("tokenizer")) if isinstance(info, dict) else None
+    cfg = info.get("config") if isinstance(info, dict) else None  # run.json of any shape (catalog.checked_info)
+    tok = ((cfg if isinstance(cfg, dict) else {}).get("tokenizer") or info.get("tokenizer")) if isinstance(info, dict) \
+        else None
     tok = tok if isinstance(tok, dict) else {}
     saved = d / SAVED_DIR  # always there (TRL, Recorder): run.json says whether one was kept
     try:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import warnings
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,7 +32,14 @@ DEFAULT_HEARTBEAT_S = 10.0
 
 
 class UnreadableFileWarning(UserWarning):
-    """A file under the path cannot be read; it was skipped (``entropylens verify`` lists them)."""
+    """A file under the path cannot be read or breaks the schema contract; it was skipped (``entropylens
+    verify`` lists them)."""
+
+
+class FileNoteWarning(UnreadableFileWarning):
+    """Something about a run's files a reader should know, with every file read: files of an older
+    version (NULL in the columns they lack), a folder that is not a table (ignored), a step whose token
+    rows disagree with its n_tokens. A subclass of UnreadableFileWarning so the CLI prints it too."""
 
 
 def run_ids(dirs, base) -> list[str]:
@@ -144,23 +154,81 @@ def _complete_table(con, table: str, runs) -> None:
             con.execute(f'UPDATE {table} SET "{col}" = NULL WHERE run IN ({", ".join(map(sql_str, ids))})')
 
 
-def _sources(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[str]:
-    """read_parquet() calls over one run's files of ``table``: its committed Hive files (step and
-    rank from the path) and its compacted files (step and rank stored); ``chunk``: at most that many
-    files per call. The catalog already applied the commit rule (tokens/sequences of a step only
-    once its steps file exists), dropped bad files and chose compacted files over the originals they
-    replace."""
+_FILE_COL = "_entropylens_file"  # read_parquet's filename column, where step and rank come from the path
+
+
+def ident(name: str) -> str:
+    """``name`` as a SQL identifier (double quotes doubled)."""
+    return '"' + str(name).replace('"', '""') + '"'
+
+
+def _hive_safe(run: cat.RunFiles) -> bool:
+    """Whether DuckDB's hive_partitioning gives exactly the recorder's step and rank for this run's files:
+    it reads every ``key=value`` segment of a file's whole path as a column (a folder above the run such
+    as ``step=7/`` or ``entropy=0/`` would replace the file's own values), so only where no segment of
+    the run folder's path holds a ``=``. Elsewhere step and rank are cut from the file name's last
+    ``/step=S/``, ``/rank=R/`` (the recorder's own segments): the same values; a filter on step still
+    prunes files, but is planned ~3x slower (docs/performance.md), so the fast path stays the default."""
+    return "=" not in run.dir.url()
+
+
+def _keys_sql(run: cat.RunFiles) -> tuple[str, str]:
+    """(the step / rank columns of a Hive source, the read_parquet options that give them)."""
+    if _hive_safe(run):
+        return "rank, step", "hive_partitioning = true, hive_types = {'step': INTEGER, 'rank': SMALLINT}"
+    f = ident(_FILE_COL)
+    return (f"CAST(split_part(split_part({f}, '/rank=', -1), '/', 1) AS SMALLINT) AS rank, "
+            f"CAST(split_part(split_part({f}, '/step=', -1), '/', 1) AS INTEGER) AS step",
+            f"hive_partitioning = false, filename = {sql_str(_FILE_COL)}")
+
+
+def _groups(run: cat.RunFiles, files: list[str], table: str, chunk: int | None) -> list[tuple[list[str], list[str]]]:
+    """(files, their columns) per read_parquet call: files of one column list together (a file of an older
+    or newer version reads its own columns, NULL elsewhere), in listing order; ``chunk`` (materialized
+    tables): at most that many files per call, unioned by name inside it."""
+    if chunk:
+        out = []
+        for i in range(0, len(files), chunk):
+            part, cols = files[i:i + chunk], {}
+            for f in part:
+                cols.update(dict.fromkeys(n for n, _ in run.footers[f].columns) if f in run.footers else {})
+            out.append((part, list(cols)))
+        return out
+    by_cols: dict[tuple, list[str]] = {}
+    for f in files:
+        by_cols.setdefault(run.footers[f].columns if f in run.footers else (), []).append(f)
+    return [(fs, [n for n, _ in cols]) for cols, fs in by_cols.items()]
+
+
+def _selects(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[str]:
+    """SELECTs over one run's files of ``table``: its committed Hive files (step and rank from the
+    recorder's path segments, :func:`_keys_sql`) and its compacted files (step and rank stored), each
+    with the run id, its files' own columns (by name, from the catalog's footers: no DESCRIBE), the
+    derived columns and the contract columns those files lack as NULL. The catalog already applied the
+    commit rule, left out bad and foreign files and chose compacted files over the originals."""
     out = []
-    files = run.files.get(table)
-    step = chunk or max(len(files or ()), 1)
-    for i in range(0, len(files or ()), step):
-        union = "false" if table in UNIFORM else "true"
-        out.append(f"read_parquet({_sql_list(files[i:i + step])}, hive_partitioning = true, "
-                   f"union_by_name = {union}, hive_types = {{'step': INTEGER, 'rank': SMALLINT}})")
-    files = run.compacted.get(table)
-    if files:
-        out.append(f"read_parquet({_sql_list(files)}, union_by_name = true)")
+    keys, opts = _keys_sql(run)
+    hive = run.files.get(table) or []
+    for files, cols in _groups(run, hive, table, chunk):
+        union = "true" if chunk else "false"
+        have = set(cols) | {"step", "rank"}
+        body = "".join(f"{ident(c)}, " for c in cols)
+        out.append(f"SELECT {sql_str(run.id)} AS run, {body}{keys}{_extra_sql(table, have)} FROM "
+                   f"read_parquet({_sql_list(files)}, {opts}, union_by_name = {union})")
+    comp = run.compacted.get(table) or []
+    for files, cols in _groups(run, comp, table, chunk or max(len(comp), 1)):
+        body = ", ".join(ident(c) for c in cols) or "*"
+        out.append(f"SELECT {sql_str(run.id)} AS run, {body}{_extra_sql(table, set(cols))} FROM "
+                   f"read_parquet({_sql_list(files)}, union_by_name = true)")
     return out
+
+
+def _extra_sql(table: str, have: set[str]) -> str:
+    """The derived columns and the missing stored ones of a source holding ``have`` (sequences and tokens;
+    the materialized tables get theirs in :func:`_complete_table`)."""
+    if table in MATERIALIZED:
+        return ""
+    return _derived_sql(table, have) + _missing_sql(table, have)
 
 
 def _empty_view(table: str) -> str:
@@ -179,33 +247,146 @@ def _views(snap: cat.Catalog, con, only: set[str] | None = None):
         con.register("_runs_df", info)
         casts = ", ".join(f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"])
         con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
+    files = _VIEW_FILES.setdefault(con, {}) if only is None else _VIEW_FILES.get(con, {})
     for table in sorted(set(PARTITIONED) | set(snap.tables())):
         if only is not None and table not in only:
             continue
-        selects = []
-        derived = any(c.derived for c in TABLES.get(table, []))
-        chunk = MATERIALIZE_FILES if table in MATERIALIZED else None
-        for r in snap.runs:
-            for src in _sources(r, table, chunk):
-                have = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()} if derived else set()
-                extra = _derived_sql(table, have) + _missing_sql(table, have) if derived else ""
-                selects.append(f"SELECT {sql_str(r.id)} AS run, *{extra} FROM {src}")
-        if table in MATERIALIZED and len(selects) > 1:  # each part read by its own statement (bounded memory)
-            parts = [f"_{table}_part{i}" for i in range(len(selects))]
-            for part, sel in zip(parts, selects):
-                con.execute(f"CREATE TEMP TABLE {part} AS {sel}")
-            union = " UNION ALL BY NAME ".join(f"SELECT * FROM {part}" for part in parts)
-            cols = [row[0] for row in con.execute(f"DESCRIBE {union}").fetchall()]
-            hive = [c for c in ("rank", "step") if c in cols]  # last, as one read_parquet puts them
-            order = ", ".join(f'"{c}"' for c in [c for c in cols if c not in hive] + hive)
-            con.execute(f"CREATE TEMP TABLE {table} AS SELECT {order} FROM ({union})")
-            for part in parts:
-                con.execute(f"DROP TABLE {part}")
-            _complete_table(con, table, snap.runs)
+        if table not in MATERIALIZED:
+            files[table] = [(r.dir, f) for r in snap.runs for f in (*r.files.get(table, ()), *r.compacted.get(table, ()))]
+        if table in MATERIALIZED:
+            _materialize(con, snap, table)
             continue
+        selects = [sel for r in snap.runs for sel in _selects(r, table)]
         body = " UNION ALL BY NAME ".join(selects) if selects else _empty_view(table)
-        kind = "TEMP TABLE" if table in MATERIALIZED and selects else "VIEW"
-        con.execute(f"CREATE {kind} {table} AS {body}")
-        if kind == "TEMP TABLE":
-            _complete_table(con, table, snap.runs)
+        con.execute(f"CREATE VIEW {ident(table)} AS {body}")
+    if only is None:
+        snap.notes.extend(_row_count_notes(con, snap))
+        for f, why in snap.info:
+            warnings.warn(f"{f}: {why}", FileNoteWarning, stacklevel=3)
+        for _, why in snap.notes:  # each names its files
+            warnings.warn(why, FileNoteWarning, stacklevel=3)
     return con
+
+
+def _materialize(con, snap: cat.Catalog, table: str) -> None:
+    """A materialized table (steps, probes) read into a temporary table, MATERIALIZE_FILES files per
+    statement (bounded memory). A file whose pages DuckDB cannot read (its footer was whole) is found
+    with pyarrow, moved to the catalog's bad files (its step and rank are then not committed) and the
+    table read again without it: one damaged steps file never stops a connection."""
+    import duckdb
+
+    for _ in range(3):
+        try:
+            return _create_materialized(con, snap, table)
+        except duckdb.Error as e:
+            for (name,) in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall():
+                if name.startswith(f"_{table}_part"):  # the parts read before the failure
+                    con.execute(f"DROP TABLE {ident(name)}")
+            if not set_aside_unreadable(snap, table, [f for r in snap.runs for f in (
+                    *r.files.get(table, ()), *r.compacted.get(table, ()))]):
+                raise e from None
+    _create_materialized(con, snap, table)
+
+
+def _create_materialized(con, snap: cat.Catalog, table: str) -> None:
+    selects = [sel for r in snap.runs for sel in _selects(r, table, MATERIALIZE_FILES)]
+    if len(selects) > 1:  # each part read by its own statement (bounded memory)
+        parts = [f"_{table}_part{i}" for i in range(len(selects))]
+        for part, sel in zip(parts, selects):
+            con.execute(f"CREATE TEMP TABLE {part} AS {sel}")
+        union = " UNION ALL BY NAME ".join(f"SELECT * FROM {part}" for part in parts)
+        cols = [row[0] for row in con.execute(f"DESCRIBE {union}").fetchall()]
+        hive = [c for c in ("rank", "step") if c in cols]  # last, as one read_parquet puts them
+        order = ", ".join(ident(c) for c in [c for c in cols if c not in hive] + hive)
+        con.execute(f"CREATE TEMP TABLE {ident(table)} AS SELECT {order} FROM ({union})")
+        for part in parts:
+            con.execute(f"DROP TABLE {part}")
+    elif selects:
+        con.execute(f"CREATE TEMP TABLE {ident(table)} AS {selects[0]}")
+    else:
+        con.execute(f"CREATE VIEW {ident(table)} AS {_empty_view(table)}")
+        return
+    _complete_table(con, table, snap.runs)
+
+
+def set_aside_unreadable(snap: cat.Catalog, table: str, files: list[str]) -> list[str]:
+    """The ``files`` (of ``table``) that pyarrow cannot read to their last page: taken out of the
+    snapshot's runs (and, for a steps file, its step and rank's other files: the step is no longer
+    committed) and added to ``snap.bad``. A file gone meanwhile is not one of them (a compaction removed
+    it: the caller lists again)."""
+    bad = []
+    for r in snap.runs:
+        mine = [f for f in files if f in set(r.files.get(table, ())) | set(r.compacted.get(table, ()))]
+        for f in mine:
+            why = cat.read_problem(r.dir, f.split("://", 1)[-1])
+            if why and why != cat._GONE:
+                bad.append(f)
+                snap.bad.append((f, why + "; left out (move it out of the run folder; `entropylens verify` "
+                                 "lists every such file)"))
+                for t in (r.files, r.compacted):
+                    if f in t.get(table, ()):
+                        t[table] = [u for u in t[table] if u != f]
+                if table == "steps" and f in r.sizes and cat._HIVE.search(f):
+                    key = cat.step_rank(f)
+                    for t, urls in r.files.items():
+                        gone = [u for u in urls if cat._HIVE.search(u) and cat.step_rank(u) == key]
+                        r.hidden.extend(gone)
+                        r.files[t] = [u for u in urls if u not in gone]
+    return bad
+
+
+def _row_count_notes(con, snap: cat.Catalog) -> list[tuple[str, str]]:
+    """Steps whose token files hold more rows than their steps rows' ``n_tokens`` (its sum over the
+    step's updates, per rank): a copied or foreign token file, rows counted twice. Counted from the
+    footers of the original files. Fewer rows (a lost file, or ``sample`` < 1) is ``entropylens verify``'s
+    to name (:func:`row_count_problems` with ``fewer=True``): hand-built runs may record any n_tokens."""
+    if not any(r.files.get("tokens") for r in snap.runs):
+        return []
+    recorded = {(run, step, rank): n for run, step, rank, n in con.execute(
+        "SELECT run, step, rank, sum(n_tokens) FROM steps WHERE n_tokens IS NOT NULL GROUP BY ALL").fetchall()}
+    out = []
+    for r in snap.runs:
+        out.extend(cat.row_count_problems(r, {(s, k): n for (run, s, k), n in recorded.items() if run == r.id}))
+    return out
+
+
+_VIEW_FILES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # con -> table -> [(run dir, file)] of its views
+# errors that are the query's own (its text, names, types, limits): no file is to blame
+_QUERY_ERRORS = ("ParserException", "SyntaxException", "BinderException", "CatalogException", "ConversionException",
+                 "InterruptException", "OutOfMemoryException", "PermissionException", "ConstraintException",
+                 "NotImplementedException", "OutOfRangeException")
+_SCAN_LIMIT = 3  # unreadable files named at most (the first found; `verify` lists them all)
+_SCAN_S = 20.0  # seconds of reading files after a failed query, at most (a runtime error of the query itself
+# on a big run must not turn into minutes of reading)
+
+
+def read_error_hint(con, e: BaseException) -> str:
+    """For a DuckDB error while reading ``con``'s views: the view files that pyarrow cannot read to their
+    last page (a damaged page behind an intact footer: DuckDB says e.g. ``Out of buffer`` or ``don't know
+    what type``, naming no file), as a sentence to append to the error, with what to do; "" where no file
+    is to blame (errors of the query itself; every file readable). The files the error names are checked
+    first, then every view file until a few bad ones are found or ``_SCAN_S`` seconds have passed."""
+    if type(e).__name__ in _QUERY_ERRORS or con not in _VIEW_FILES:
+        return ""
+    msg = str(e)
+    every = [rf for fs in _VIEW_FILES[con].values() for rf in fs]
+    named = [rf for rf in every if rf[1] in msg]
+    bad, seen = [], set()
+    stop = time.monotonic() + _SCAN_S
+    for d, f in named + every:
+        if f in seen:
+            continue
+        if time.monotonic() > stop:  # a big run: verify reads the rest
+            return "" if not bad else _hint(bad) + f" (checked {len(seen)} of {len(every)} files)"
+        seen.add(f)
+        why = cat.read_problem(d, f.split("://", 1)[-1])
+        if why and why != cat._GONE:
+            bad.append(f"{f} ({why})")
+            if len(bad) >= _SCAN_LIMIT:
+                break
+    return _hint(bad) if bad else ""
+
+
+def _hint(bad: list[str]) -> str:
+    return (f"; reading {'; '.join(bad)} fails: move {'it' if len(bad) == 1 else 'them'} out of the run folder "
+            "and query again (`entropylens verify PATH` lists every damaged file)")
