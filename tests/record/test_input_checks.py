@@ -282,3 +282,25 @@ def test_a_stopped_recording_is_said_once_at_the_next_call_too(tmp_path):
     said = [w for w in caught if "recording stopped" in str(w.message)]
     assert len(said) == 1 and str(said[0].message).startswith("entropylens: recording stopped at step 0 ")
     assert said[0].filename == __file__
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_duplicate_seq_ids_on_cuda_are_found_without_a_sync(tmp_path):
+    # on CUDA the ids are not read on the caller's thread (every synchronising call raises here): the
+    # writer thread finds them in the update's host copy, and the next call raises
+    dev = torch.device("cuda")
+    lp = torch.full((4, 3), -1.0, device=dev)
+    m = torch.ones(4, 3, dtype=torch.bool, device=dev)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0], device=dev)
+    with Recorder(tmp_path, run="r", fsync=False) as rec:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rec.record_update(0, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=lp - 0.1,
+                              seq_ids=torch.tensor([5, 0, 5, 0], device=dev))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        rec.step_summary(0)
+        with pytest.raises(ValueError, match=r"^seq_ids: step 0 update 0 gives seq ids 0, 5 to more than one row; "):
+            rec.record_step(0, grad_norm=1.0)
+        rec.record_update(1, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=lp, seq_ids=torch.arange(4, device=dev))
+    assert entropylens.open(tmp_path).sql("SELECT DISTINCT step FROM tokens")["step"].tolist() == [1]
