@@ -12,6 +12,7 @@ import torch
 from ..rl import stats
 from ..rl.aggregates import step_aggregates
 from .packed_block import BOOL_SHIFTS, FLOAT_COLS, FiniteFlags, Layout, pack
+from .token_columns import log_zero_as_inf
 
 
 def run_hash(run: str) -> int:
@@ -72,13 +73,16 @@ def update_block(
     sensitivity: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, Layout]:
-    """The whole device work of one update: the entropy attribution columns (:func:`add_attribution`,
+    """The whole device work of one update: the logprob / old_logprob columns with -inf for a token of
+    probability 0 (token_columns.log_zero_as_inf), the entropy attribution columns (:func:`add_attribution`,
     with ``sensitivity`` [B, T]), the sequence sample (:func:`sample_keep`), the exact aggregates
     over all masked-in tokens (:func:`step_aggregates`, with cols' logit_grad_norm) and the packed
     block (:func:`pack`). cols [B, T] each (as :func:`derive_columns` returns them; ``cols`` gains
     the attribution columns); mask [B, T] bool; seq, group [B]. A stack of U updates of one shape
     (cols, mask, tokens, sensitivity [U, B, T]; seq, group [U, B]; loss_value [U]; finite flags
     [U, k]) gives [U, layout.size], row u equal to update u's own block."""
+    for name in ("logprob", "old_logprob"):  # stats' floor of a -inf logit is -inf (a probability 0), never stored
+        cols[name] = log_zero_as_inf(cols[name])
     if sensitivity is not None:
         add_attribution(cols, sensitivity, temperature)
     keep = sample_keep(seq, salt, sample)  # [B]

@@ -72,8 +72,7 @@ class InputChecks:
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
         if seq_ids is not None and mask.device.type == "cpu":  # a device update: on the writer thread (its host copy)
-            _refuse_duplicates(f"step {step} update {update}", seq_ids.detach().cpu().numpy(),
-                               mask.bool().any(dim=1).numpy())
+            _refuse_duplicates(f"step {step} update {update}", seq_ids, mask)
         if entropy_sensitivity is not None and tuple(entropy_sensitivity.shape) != shape:
             raise ValueError(f"entropy_sensitivity shape {tuple(entropy_sensitivity.shape)} does not match mask "
                              f"shape {shape}")
@@ -169,8 +168,12 @@ def duplicates_error(where: str, dup: np.ndarray) -> ValueError:
                       "would join twice, and another sequence's none)")
 
 
-def _refuse_duplicates(where: str, seq: np.ndarray, has_tokens: np.ndarray) -> None:
-    dup = duplicate_rows(seq, has_tokens)
+def _refuse_duplicates(where: str, seq_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """A CPU update's check (:func:`duplicate_rows`); distinct ids, the common case, cost one set of B ints."""
+    ids = seq_ids.tolist()
+    if len(set(ids)) == len(ids):
+        return
+    dup = duplicate_rows(np.asarray(ids), mask.bool().any(dim=1).numpy())
     if len(dup):
         raise duplicates_error(where, dup)
 

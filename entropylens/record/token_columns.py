@@ -24,8 +24,8 @@ def derive_columns(
 ) -> dict[str, torch.Tensor]:
     """All token columns as [B, T] detached tensors. Columns the loss computed are used as they are
     (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions.
-    A log-prob of a token of probability 0 is -inf in the logprob / old_logprob columns
-    (:func:`log_zero_as_inf`). The attribution columns come with the update's block (blocks.add_attribution)."""
+    The attribution columns come with the update's block (blocks.add_attribution), and so does the -inf
+    of a token of probability 0 in the logprob / old_logprob columns (:func:`log_zero_as_inf`)."""
     cols: dict[str, torch.Tensor] = dict(loss_columns or {})
     shape = logprobs.shape
     if "advantage" not in cols:
@@ -35,8 +35,6 @@ def derive_columns(
         cols["logprob"] = logprobs.detach().float()
     if "old_logprob" not in cols:
         cols["old_logprob"] = old_logprobs.detach().float()
-    for name in ("logprob", "old_logprob"):
-        cols[name] = log_zero_as_inf(cols[name])
     if "prob" not in cols:
         cols["prob"] = torch.exp(cols["old_logprob"])
     if "ratio" not in cols:
