@@ -6,8 +6,9 @@ with tokens; it reads the step state (``_steps``) and the logit hook (``_watch``
 :func:`step_values` and :func:`sequence_arrays` check ``record_step``'s metrics and
 ``record_sequences``'s arrays (seq ids once per call, texts str or None: :func:`checked_texts`), and
 :func:`duplicate_rows` (an update's rows with tokens share no seq id: checked at the call for a CPU update,
-on the writer thread from the host copy for a device one, raised at the next call). Every check runs before anything of the call is recorded, and none
-synchronises with a device except where its message says so.
+on the writer thread from the host copy for a device one, raised at the next call). Every check runs
+before anything of the call is recorded, and none synchronises with a device except where its message
+says so.
 """
 
 from __future__ import annotations

@@ -156,6 +156,7 @@ class StepTable:
         # train them); seq id -> the steps of its untrained rows, UNTRAINED_CAP rows at most (then counted)
         self._trained: dict[int, set] = {}  # open step -> seq ids of its updates' rows with a token
         self._untrained: dict[int, list[int]] = {}
+        self._n_untrained = 0  # rows in _untrained
         self.untrained_over = 0  # untrained rows past the cap, counted only
 
     def add_aggregates(self, step: int, update: int, aggregates: dict[str, float]) -> None:
@@ -170,6 +171,7 @@ class StepTable:
         self._trained.setdefault(step, set()).update(ids)
         for i in ids & self._untrained.keys():
             later = [s for s in self._untrained[i] if s > step]
+            self._n_untrained -= len(self._untrained[i]) - len(later)
             if later:
                 self._untrained[i] = later
             else:
@@ -182,13 +184,12 @@ class StepTable:
         for s, ids in self._trained.items():
             if s >= step:
                 new -= ids
-        room = UNTRAINED_CAP - sum(len(v) for v in self._untrained.values())
         for i in sorted(new):
-            if room <= 0:
+            if self._n_untrained >= UNTRAINED_CAP:
                 self.untrained_over += 1
                 continue
             self._untrained.setdefault(i, []).append(step)
-            room -= 1
+            self._n_untrained += 1
 
     def untrained(self) -> list[tuple[int, int]]:
         """(step, seq id) of the sequences rows no update at their step or later has trained (so far),

@@ -184,6 +184,22 @@ def test_sequences_no_update_trains_are_named_once_at_close(tmp_path):
     assert resp["reward"].isna().all()  # what the warning says: nothing joined
 
 
+def test_untrained_sequences_past_the_cap_are_counted(tmp_path, monkeypatch):
+    # the writer keeps UNTRAINED_CAP of them by id (bounded memory in a run whose ids never match), counts the rest
+    from entropylens.record import step_table
+
+    monkeypatch.setattr(step_table, "UNTRAINED_CAP", 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with Recorder(tmp_path, run="r", fsync=False) as rec:
+            _train(rec, 0, *_batch(2, 3, 0), seq_ids=torch.arange(2))
+            rec.record_sequences(0, seq_ids=[0, 7, 8, 9], rewards=[1.0] * 4, advantages=[0.0] * 4, lengths=[3] * 4)
+    said = [str(w.message) for w in caught if "matched no recorded update" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("entropylens: 3 sequences of record_sequences in run 'r' (rank 0) "
+                                                 "matched no recorded update at their step or a later one: seq 7 "
+                                                 "(step 0), 8 (step 0), ...;")
+
+
 def test_a_minus_inf_logprob_is_nonfinite_counted_and_alarmed_not_a_finite_number(tmp_path):
     # a -inf logit at a sampled token: stats gives the lowest finite float32 (the loss's gradient stays
     # finite); stored as -inf, counted in n_nonfinite_ratio (its k3 is inf), out of kl_k3, and the alarm fires
