@@ -172,7 +172,7 @@ class StepRecording:
         if not rows:
             return
         n = len(rows) + more
-        few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > 5 else "")
+        few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > min(len(rows), 5) else "")
         warnings.warn(f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
                       f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
                       f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
