@@ -36,6 +36,17 @@ def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, getattr(head, "bias", None)
 
 
+def masked_tokens(tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``tokens`` [B, T] with every masked-out position (``mask`` False) as id 0: those positions may hold
+    any id (HF's -100 label padding included); only masked-in ids must lie in the vocabulary. Their
+    log-probs and entropies are then token 0's, which nothing records or trains on. One elementwise op."""
+    if mask is None:
+        return tokens
+    if tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match tokens shape {tuple(tokens.shape)}")
+    return torch.where(mask.bool(), tokens, torch.zeros((), dtype=tokens.dtype, device=tokens.device))
+
+
 @torch.no_grad()
 def entropy_gradient_sq(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
     """q_t = sum_j p_j^2 (log p_j + H_t)^2 = T^2 ||dH_t/dz_t||^2 per position (p = softmax(z/T), H its
@@ -76,9 +87,11 @@ def entropy_bonus_effect(loss: torch.Tensor, entropy: torch.Tensor, logits: torc
 @torch.no_grad()
 def old_policy_pass(logits: torch.Tensor | None, tokens: torch.Tensor, *, temperature: float = 1.0,
                     chunk_size: int | None = None, hidden: torch.Tensor | None = None,
-                    head=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    head=None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The old policy's log-probs and full-vocabulary entropies, [B, T] each, in one chunked pass,
-    from ``logits`` [B, T, V] or from ``hidden`` [B, T, H] + ``head`` (no logits built)."""
+    from ``logits`` [B, T, V] or from ``hidden`` [B, T, H] + ``head`` (no logits built). With ``mask``
+    [B, T], masked-out positions may hold any token id (-100 included: :func:`masked_tokens`)."""
+    tokens = masked_tokens(tokens, mask)
     if logits is None:
         if hidden is None or head is None:
             raise ValueError("old_policy_pass needs logits, or hidden states and the head")
@@ -122,7 +135,12 @@ def policy_update(
     (:func:`entropy_bonus_effect`: dLoss/dH_t from autograd, one more chunked pass over the logits for
     sum_j p_j^2 (log p_j + H)^2) is added to grad_coef s / T^2, as the loss column
     ``entropy_effect_bonus``; from ``hidden`` + ``head`` it is not measured and entropy_effect is null
-    (the recorder's rule, token_columns.entropy_bonus_rule)."""
+    (the recorder's rule, token_columns.entropy_bonus_rule).
+
+    Masked-out positions of ``tokens`` may hold any id (HF's -100 included; :func:`masked_tokens`): only
+    masked-in ids are checked against the vocabulary. An empty batch (B = 0 or T = 0: all of a step's
+    samples filtered out) is an update like any other: a steps row with n_tokens 0, its means null."""
+    tokens = masked_tokens(tokens, mask)
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
     sum_p2, sens, dist = None, [None], None
     if logits is None:
@@ -164,4 +182,4 @@ def policy_update(
     return out
 
 
-__all__ = ["entropy_bonus_effect", "entropy_gradient_sq", "old_policy_pass", "policy_update"]
+__all__ = ["entropy_bonus_effect", "entropy_gradient_sq", "masked_tokens", "old_policy_pass", "policy_update"]

@@ -12,6 +12,7 @@ import torch
 from ..rl import stats
 from ..rl.aggregates import step_aggregates
 from .packed_block import BOOL_SHIFTS, FLOAT_COLS, FiniteFlags, Layout, pack
+from .token_columns import log_zero_as_inf
 
 
 def run_hash(run: str) -> int:
@@ -72,13 +73,16 @@ def update_block(
     sensitivity: torch.Tensor | None = None,
     temperature: float = 1.0,
 ) -> tuple[torch.Tensor, Layout]:
-    """The whole device work of one update: the entropy attribution columns (:func:`add_attribution`,
+    """The whole device work of one update: the logprob / old_logprob columns with -inf for a token of
+    probability 0 (token_columns.log_zero_as_inf), the entropy attribution columns (:func:`add_attribution`,
     with ``sensitivity`` [B, T]), the sequence sample (:func:`sample_keep`), the exact aggregates
     over all masked-in tokens (:func:`step_aggregates`, with cols' logit_grad_norm) and the packed
     block (:func:`pack`). cols [B, T] each (as :func:`derive_columns` returns them; ``cols`` gains
     the attribution columns); mask [B, T] bool; seq, group [B]. A stack of U updates of one shape
     (cols, mask, tokens, sensitivity [U, B, T]; seq, group [U, B]; loss_value [U]; finite flags
     [U, k]) gives [U, layout.size], row u equal to update u's own block."""
+    for name in ("logprob", "old_logprob"):  # stats' floor of a -inf logit is -inf (a probability 0), never stored
+        cols[name] = log_zero_as_inf(cols[name])
     if sensitivity is not None:
         add_attribution(cols, sensitivity, temperature)
     keep = sample_keep(seq, salt, sample)  # [B]
@@ -90,6 +94,9 @@ def update_block(
 # The recorder's checked inputs (all masked-in values finite) -> the column that holds each
 CHECKED_COLUMNS = {"logprobs": "logprob", "old_logprobs": "old_logprob", "advantages": "advantage",
                    "entropy": "entropy", "old_entropy": "old_entropy"}
+# checked inputs where -inf is a value, not an error: the log-prob of a token of probability 0 (counted in
+# n_nonfinite_ratio, token_columns.log_zero_as_inf); NaN and +inf there are refused as in the others
+LOG_PROB_INPUTS = ("logprobs", "old_logprobs")
 
 
 # Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
@@ -185,9 +192,11 @@ def snapshot(
         idx = [fnames.index(CHECKED_COLUMNS[name]) for name in finite.names]
         consecutive = idx == list(range(idx[0], idx[0] + len(idx)))
         rows = floats[idx[0]: idx[-1] + 1] if consecutive else floats[idx]  # [k, B, T]
-        # a float64 sum of float32 values never overflows: it is NaN or +-inf iff a masked-in value is
+        # a float64 sum of float32 values never overflows: it is NaN or +-inf iff a masked-in value is, and
+        # -inf iff one is -inf and none NaN or +inf (a log-prob's -inf is accepted: LOG_PROB_INPUTS)
         sums = torch.where(mask, rows, 0.0).sum(dim=(1, 2), dtype=torch.float64)  # [k]
-        finite = FiniteFlags(finite.names, (sums - sums) == 0)  # [k]: x - x is 0 iff x is finite
+        log_zero = torch.tensor([name in LOG_PROB_INPUTS for name in finite.names]) & (sums == float("-inf"))
+        finite = FiniteFlags(finite.names, ((sums - sums) == 0) | log_zero)  # [k]: x - x is 0 iff x is finite
     inames = tuple(c for c in _SNAPSHOT_INTS if c in cols) + ("mask",) + (("tokens",) if tokens is not None else ())
     parts = [_plain(cols[c], b, t) for c in inames[:-2 if tokens is not None else -1]]
     parts += [mask] + ([_plain(tokens, b, t)] if tokens is not None else [])

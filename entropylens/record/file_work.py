@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import packed_block
+from .host_copy import DeferredBlock
+from .inputs import duplicate_rows, duplicates_error
 from . import writer as parquet
 from .messages import Close, Probes, Rewards, Scalars, Sequences, Summary, Update
 from .step_table import StepTable
@@ -29,6 +31,7 @@ class FileWork:
         # the step's histograms; on steps divisible by table_every (> 0) a sample of its token rows
         self.histograms, self.table_every = bool(histograms), int(table_every)
         self.rejected: list[ValueError] = []  # bad inputs found once the block reached the host
+        self.committed: int | None = None  # the last step whose steps file is written (its rows all on disk)
         self._steps = StepTable()
         self._tokens = TokenBuffer(rows_per_file)
 
@@ -45,6 +48,13 @@ class FileWork:
             self.rejected.append(ValueError(
                 f"{bad[0]} contains NaN or Inf at masked-in positions (step {m.step}, update {m.update})"))
             return
+        has_tokens = host.masked.reshape(host.layout.batch, host.layout.length).any(axis=1)  # [B]
+        if not isinstance(m.copy, DeferredBlock):  # a device update's seq ids reach the host only here
+            dup = duplicate_rows(host.seq, has_tokens)  # (a CPU update's were checked at the call)
+            if len(dup):
+                self.rejected.append(duplicates_error(f"step {m.step} update {m.update}", dup))
+                return
+        self._steps.add_trained(m.step, host.seq[has_tokens])
         self._steps.add_aggregates(m.step, m.update, host.aggregates)
         ratios = host.entropy_ratios()
         if ratios is not None:
@@ -74,6 +84,7 @@ class FileWork:
     def sequences(self, m: Sequences) -> None:
         self._check_claim()
         parquet.write_sequences(self.run_dir, m.step, self.rank, m.part, m.arrays, fsync=self.fsync)
+        self._steps.add_sequence_rows(m.step, m.arrays["seq"])
 
     def probes(self, m: Probes) -> None:
         self._check_claim()
@@ -86,6 +97,11 @@ class FileWork:
         for step, rows in self._steps.close(m.upto):
             self._check_claim()
             parquet.write_steps(self.run_dir, step, self.rank, rows, fsync=self.fsync)
+            self.committed = step
+
+    def untrained(self) -> tuple[list[tuple[int, int]], int]:
+        """(step, seq id) of the sequences rows no update at their step or later trained, and how many more."""
+        return self._steps.untrained(), self._steps.untrained_over
 
     def summary(self, m: Summary) -> None:
         m.reply.set(self._steps.summary(m.step, m.names))

@@ -4,8 +4,11 @@ Part of :class:`entropylens.record.recorder.Recorder`. :class:`InputChecks` (a m
 ``_validate_update``: shapes, the order of steps and updates, seq_ids where a step has several updates
 with tokens; it reads the step state (``_steps``) and the logit hook (``_watch``) and owns no state.
 :func:`step_values` and :func:`sequence_arrays` check ``record_step``'s metrics and
-``record_sequences``'s arrays. Every check runs before anything of the call is recorded, and none
-synchronises with a device except where its message says so.
+``record_sequences``'s arrays (seq ids once per call, texts str or None: :func:`checked_texts`), and
+:func:`duplicate_rows` (an update's rows with tokens share no seq id: checked at the call for a CPU update,
+on the writer thread from the host copy for a device one, raised at the next call). Every check runs
+before anything of the call is recorded, and none synchronises with a device except where its message
+says so.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class InputChecks:
         watch = self._watch
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
+        if seq_ids is not None and mask.device.type == "cpu":  # a device update: on the writer thread (its host copy)
+            _refuse_duplicates(f"step {step} update {update}", seq_ids, mask)
         if entropy_sensitivity is not None and tuple(entropy_sensitivity.shape) != shape:
             raise ValueError(f"entropy_sensitivity shape {tuple(entropy_sensitivity.shape)} does not match mask "
                              f"shape {shape}")
@@ -122,9 +127,62 @@ def sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts) -> 
         raise ValueError("record_sequences: rewards contain NaN or Inf")
     if texts is not None and len(texts) != n:
         raise ValueError(f"record_sequences: texts has {len(texts)} entries for {n} sequences")
+    ids, counts = np.unique(arrays["seq"], return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"record_sequences: seq_ids {_few(ids[counts > 1])} occur more than once; one row per "
+                         "sequence: pass each sequence's id once")
     if texts is not None:
         arrays["text"] = list(texts)
     return arrays
+
+
+def checked_texts(texts: list) -> tuple[list, int]:
+    """record_sequences's texts as they are written, and how many had invalid code points: each a str or None
+    (else a TypeError naming its index and type); a str with lone surrogates (which UTF-8 cannot hold, e.g.
+    from a byte-level decode split mid-character) gets U+FFFD in their place (a surrogate pair that stands
+    for one character is joined)."""
+    out, replaced = list(texts), 0
+    for i, t in enumerate(out):
+        if t is None:
+            continue
+        if not isinstance(t, str):
+            raise TypeError(f"record_sequences: texts[{i}] is {type(t).__name__}, expected a str or None")
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            out[i] = t.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            replaced += 1
+    return out, replaced
+
+
+def duplicate_rows(seq: np.ndarray, has_tokens: np.ndarray) -> np.ndarray:
+    """The seq ids that more than one row with a masked-in token carries (rows without one make no token
+    rows: their ids may repeat)."""
+    ids, counts = np.unique(seq[has_tokens], return_counts=True)
+    return ids[counts > 1]
+
+
+def duplicates_error(where: str, dup: np.ndarray) -> ValueError:
+    """The one-line error of an update whose rows share seq ids (``where``: 'step S update U')."""
+    return ValueError(f"seq_ids: {where} gives seq id{'s' * (len(dup) > 1)} {_few(dup)} to more than one row; "
+                      "each row of an update is one sequence: pass ids unique within the update (its tokens "
+                      "would join twice, and another sequence's none)")
+
+
+def _refuse_duplicates(where: str, seq_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """A CPU update's check (:func:`duplicate_rows`); distinct ids, the common case, cost one set of B ints."""
+    ids = seq_ids.tolist()
+    if len(set(ids)) == len(ids):
+        return
+    dup = duplicate_rows(np.asarray(ids), mask.bool().any(dim=1).numpy())
+    if len(dup):
+        raise duplicates_error(where, dup)
+
+
+def _few(ids, k: int = 5) -> str:
+    """'3, 7, 9' or '3, 7, 9, 12, 15, ... (8 in all)'."""
+    ids = [int(i) for i in ids]
+    return ", ".join(map(str, ids[:k])) + (f", ... ({len(ids)} in all)" if len(ids) > k else "")
 
 
 def _host_arg(name: str, x, dtype) -> np.ndarray:

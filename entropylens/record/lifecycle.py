@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import blocks, run_claim
+from ..caller import caller_stacklevel
 from .. import storage
 from ..rl.losses import METHODS, resolve_eps
 from .steps import StepState
@@ -264,6 +265,11 @@ class RunLifecycle:
             except Exception:
                 pass
         error = self._writer.error
+        if error is None and status == "finished" and not self._disabled:  # a crashed loop left steps unfinished
+            self._warn_untrained()
+        if error is not None and self.on_error == "warn" and not self._disabled:  # not said yet: no call after it
+            self._disabled = True
+            warnings.warn(self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel())
         if error is not None and self.on_error == "raise" and _raise:
             self._writer.error = None
             raise RecorderError(f"the Parquet writer failed: {error}") from error
@@ -286,7 +292,7 @@ class RunLifecycle:
         error = self._writer.error
         if error is not None and not self._disabled:
             if self.on_error == "warn":
-                warnings.warn(f"entropylens: recording stopped, the Parquet writer failed: {error}", stacklevel=3)
+                warnings.warn(self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel())
                 self._disabled = True
                 self._info.status = "failed"
                 self._remove_hook()

@@ -5,7 +5,8 @@ that update (grad norm, lr, settings) and the step's own scalars (reward mean, .
 update row of the step carries. Pure host bookkeeping: no I/O, no threads (the writer thread owns
 one table). With ``histograms`` on, it also counts each step's entropy ratio and importance ratio per
 quadrant into fixed bins (:class:`StepHistogram`), and on table steps keeps a small sample of the step's
-token rows (:data:`TABLE_COLUMNS`); both are dropped when the step closes.
+token rows (:data:`TABLE_COLUMNS`); both are dropped when the step closes. It also keeps the sequences
+rows that no update has trained yet (:meth:`StepTable.untrained`: the recorder names them at close).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ HIST_BINS = len(HIST_EDGES) + 1
 HIST_STEP = 4.0 ** (1 / 32)  # one bin's width (a factor): the under- and overflow bins are drawn this wide
 # the entropy ratio of all tokens, then the importance ratio of each quadrant's tokens (quadrant codes 1..4)
 HISTOGRAMS = ("entropy_ratio", *(f"ratio_{quadrant_slug(q)}" for q in QUADRANTS))
+UNTRAINED_CAP = 200_000  # sequences rows awaiting an update that trains them, kept by id (the rest counted)
 HISTOGRAMS_KEY, TABLE_KEY = "histograms", "tokens"  # summary(names=...) names that ask for them
 TABLE_ROWS = 64
 TABLE_COLUMNS = ("step", "update", "seq", "pos", "token_id", "prob", "ratio", "advantage", "quadrant", "clip",
@@ -149,11 +151,50 @@ class StepTable:
         self._histograms: dict[int, list[np.ndarray]] = {}
         self._has_rho: set[int] = set()  # steps whose updates had entropies (an entropy-ratio histogram)
         self._samples: dict[int, _Sample] = {}  # table steps -> their token sample
+        # sequences rows no update has trained yet (their tokens would join nothing): a row of step s is
+        # trained by an update at step s or later (TRL records a generation's sequences before the steps that
+        # train them); seq id -> the steps of its untrained rows, UNTRAINED_CAP rows at most (then counted)
+        self._trained: dict[int, set] = {}  # open step -> seq ids of its updates' rows with a token
+        self._untrained: dict[int, list[int]] = {}
+        self._n_untrained = 0  # rows in _untrained
+        self.untrained_over = 0  # untrained rows past the cap, counted only
 
     def add_aggregates(self, step: int, update: int, aggregates: dict[str, float]) -> None:
         row = self._rows.setdefault((step, update), {})
         for name, value in aggregates.items():
             row.setdefault(name, value)
+
+    def add_trained(self, step: int, seq: np.ndarray) -> None:
+        """The seq ids of an update's rows with a masked-in token: they train the sequences rows of ``step``
+        and of earlier steps with these ids."""
+        ids = set(seq.tolist())
+        self._trained.setdefault(step, set()).update(ids)
+        for i in ids & self._untrained.keys():
+            later = [s for s in self._untrained[i] if s > step]
+            self._n_untrained -= len(self._untrained[i]) - len(later)
+            if later:
+                self._untrained[i] = later
+            else:
+                del self._untrained[i]
+
+    def add_sequence_rows(self, step: int, seq: np.ndarray) -> None:
+        """A record_sequences call's seq ids at ``step``: those no update of this step has trained so far wait
+        for one (:meth:`untrained`)."""
+        new = set(seq.tolist())
+        for s, ids in self._trained.items():
+            if s >= step:
+                new -= ids
+        for i in sorted(new):
+            if self._n_untrained >= UNTRAINED_CAP:
+                self.untrained_over += 1
+                continue
+            self._untrained.setdefault(i, []).append(step)
+            self._n_untrained += 1
+
+    def untrained(self) -> list[tuple[int, int]]:
+        """(step, seq id) of the sequences rows no update at their step or later has trained (so far),
+        by step and id; more beyond them where :attr:`untrained_over` > 0."""
+        return sorted((s, i) for i, steps in self._untrained.items() for s in steps)
 
     def add_entropy_ratios(self, step: int, ratios: np.ndarray) -> None:
         self._entropy_ratios.setdefault(step, []).append(ratios)
@@ -203,6 +244,8 @@ class StepTable:
         order: [(step, rows)], one row per update (update 0 alone when only step scalars exist)."""
         steps = sorted({s for s, _ in self._rows} | set(self._step_scalars) | set(self._rewards))
         out = []
+        for step in [s for s in self._trained if upto is None or s <= upto]:
+            del self._trained[step]  # no sequences row of a closed step can come any more
         for step in steps:
             if upto is not None and step > upto:
                 continue

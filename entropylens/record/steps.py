@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from .host_copy import HostCopy
-from .inputs import sequence_arrays, step_values
+from ..caller import caller_stacklevel
+from .inputs import checked_texts, sequence_arrays, step_values
 
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
 
@@ -31,7 +32,7 @@ class StepState:
     step counters start there (-1 for a new run)."""
 
     __slots__ = ("resumed_after", "last", "closed_upto", "alarms_seen", "logged", "updates", "scalars_seen",
-                 "sequence_parts")
+                 "sequence_parts", "warned_text")
 
     def __init__(self, resumed_after: int | None = None) -> None:
         self.resumed_after = resumed_after
@@ -44,6 +45,7 @@ class StepState:
         # mask selects a token, once asked)
         self.scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
         self.sequence_parts: dict[int, int] = {}  # step -> record_sequences calls so far (its part files)
+        self.warned_text = False  # a text with invalid code points was replaced (said once per recorder)
 
     def refuse_closed(self, step: int, what: str) -> None:
         """A step already written (closed by a later step, commit() or resume=) takes nothing more."""
@@ -135,14 +137,25 @@ class StepRecording:
 
     def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
         """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts
-        (``texts``: [B] strings, each response's decoded text; never decoded here, even with a tokenizer:
-        the token ids are in the tokens table and ``token_text`` decodes them)."""
+        (``texts``: [B] strings or None, each response's decoded text; never decoded here, even with a tokenizer:
+        the token ids are in the tokens table and ``token_text`` decodes them). Refused at the call: seq ids
+        given twice, a text that is not a str or None; lone surrogates in a text are written as U+FFFD (one
+        warning). A sequence that no update at this step or a later one trains (its tokens join nothing)
+        is counted and named in one warning at close."""
         self._check_alive()
         step = int(step)
         self._finalize_pending()
         self._steps.refuse_closed(step, "record_sequences")
-        self._advance_to(step)
         arrays = sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts)
+        replaced = 0
+        if "text" in arrays:
+            arrays["text"], replaced = checked_texts(arrays["text"])
+        self._advance_to(step)
+        if replaced and not self._steps.warned_text:
+            self._steps.warned_text = True
+            warnings.warn(f"entropylens: record_sequences({step}): {replaced} text{'s' * (replaced > 1)} held lone "
+                          "surrogates (code points UTF-8 cannot store), written with U+FFFD in their place; later "
+                          "ones are replaced without a warning", stacklevel=caller_stacklevel())
         if self._disabled:
             return
         n = len(arrays["seq"])
@@ -151,6 +164,19 @@ class StepRecording:
         parts[step] = part + 1
         self._writer.rewards(step, float(arrays["reward"].astype(np.float64).sum()), n)
         self._writer.sequences(step, part, arrays)
+
+    def _warn_untrained(self) -> None:
+        """One warning (at close) for the sequences rows that no update at their step or later trained: their
+        rewards join no tokens (a seq id that differs between record_sequences and record_update)."""
+        rows, more = self._writer.untrained()
+        if not rows:
+            return
+        n = len(rows) + more
+        few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > min(len(rows), 5) else "")
+        warnings.warn(f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
+                      f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
+                      f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
+                      stacklevel=caller_stacklevel())
 
     def probe(self, step: int, model, optimizer, loss_fn, batch, *, update: int = 0,
               max_grad_norm: float | None = None) -> list[dict]:

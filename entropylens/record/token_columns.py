@@ -24,7 +24,8 @@ def derive_columns(
 ) -> dict[str, torch.Tensor]:
     """All token columns as [B, T] detached tensors. Columns the loss computed are used as they are
     (the recorder never re-derives what the loss decided); the rest follow DESIGN.md's definitions.
-    The attribution columns come with the update's block (blocks.add_attribution)."""
+    The attribution columns come with the update's block (blocks.add_attribution), and so does the -inf
+    of a token of probability 0 in the logprob / old_logprob columns (:func:`log_zero_as_inf`)."""
     cols: dict[str, torch.Tensor] = dict(loss_columns or {})
     shape = logprobs.shape
     if "advantage" not in cols:
@@ -51,6 +52,19 @@ def derive_columns(
     if "entropy" in cols and "old_entropy" in cols and "entropy_ratio" not in cols:
         cols["entropy_ratio"] = stats.entropy_ratio(cols["entropy"], cols["old_entropy"])
     return cols
+
+
+# stats' log-prob of a -inf logit: the lowest finite float32 (so that the loss's gradient stays finite)
+_LOG_ZERO = torch.finfo(torch.float32).min
+
+
+def log_zero_as_inf(logp: torch.Tensor) -> torch.Tensor:
+    """``logp`` with the log-prob of a token of probability 0 as -inf: values <= the lowest finite float32
+    (what stats' chunked pass gives a -inf logit, and float64 values below float32's range) become -inf, so
+    that no finite -3.4e38 is stored: the token's k3 (and with old_logprob its ratio) is then not finite,
+    counted in n_nonfinite_ratio (the alarm rule ``nonfinite``) and left out of ratio_mean and kl_k3. NaN
+    stays NaN (refused by the input check). One elementwise op on the device, no sync."""
+    return logp.masked_fill(logp <= _LOG_ZERO, float("-inf"))
 
 
 def entropy_bonus_rule(cols: dict[str, torch.Tensor], config: dict | None) -> None:

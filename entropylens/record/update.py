@@ -70,6 +70,13 @@ class _Pending:
     temperature: float
 
 
+def _checked_values(name: str, x: torch.Tensor) -> torch.Tensor:
+    """An input as its finite check sees it (float32): a log-prob's -inf (a token of probability 0) as 0,
+    so that only NaN and +inf fail there (blocks.LOG_PROB_INPUTS)."""
+    x = x.detach().float()
+    return x.masked_fill(x == float("-inf"), 0.0) if name in blocks.LOG_PROB_INPUTS else x
+
+
 class UpdateRecording:
     """watch_logits, record_update, the pending update (module docstring)."""
 
@@ -167,7 +174,7 @@ class UpdateRecording:
             # finalised; the error is raised there): the same test in 3 ops instead of ~15
             finite = None
         else:
-            stacked = torch.stack([x.detach().float().reshape(m.shape) for x in checked.values()])  # [k, B, T]
+            stacked = torch.stack([_checked_values(name, x).reshape(m.shape) for name, x in checked.items()])  # [k, B, T]
             finite = ((stacked * 0 == 0) | ~m).flatten(1).all(dim=1)  # [k]: x * 0 is NaN iff x is NaN or +-inf
         watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
             else None

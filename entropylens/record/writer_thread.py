@@ -172,6 +172,24 @@ class WriterThread:
         done = self._cpu_done
         return done if not self._thread.is_alive() else done + thread_cpu(self._thread)
 
+    @property
+    def committed(self) -> int | None:
+        """The last step whose steps file the thread has written (None: none yet): after a failure, the
+        steps after it are lost."""
+        return self.work.committed
+
+    def stopped_message(self, error: BaseException, resumed_after: int | None) -> str:
+        """The warning of a recording this thread's failure stopped, naming the first step lost: the one
+        after the last step whose steps file it wrote (where none: this job's first, after ``resumed_after``)."""
+        done = self.committed if self.committed is not None else resumed_after
+        first = 0 if done is None else done + 1
+        return (f"entropylens: recording stopped at step {first} (the Parquet writer failed: {error}); "
+                f"steps {first}.. of run {self.info.run!r} (rank {self.rank}) are not recorded, training goes on")
+
+    def untrained(self) -> tuple[list[tuple[int, int]], int]:
+        """Sequences rows no update trained (FileWork.untrained); read once the thread has stopped."""
+        return self.work.untrained()
+
     def take_rejected(self) -> ValueError | None:
         return self.work.rejected.pop(0) if self.work.rejected else None
 

@@ -114,6 +114,9 @@ def masked_quantiles(x: torch.Tensor, mask: torch.Tensor, qs: tuple[float, ...])
     batched = mask.dim() == 3
     u = mask.shape[0] if batched else 1
     m = mask.reshape(u, -1)  # [U, N]
+    if m.shape[1] == 0:  # an empty batch (B = 0 or T = 0): nothing to sort or gather, known from the shape
+        out = torch.full((u, len(qs)), float("nan"), dtype=torch.float32, device=mask.device)
+        return out if batched else out[0]
     flat = torch.where(m, x.reshape(u, -1).float(), torch.full_like(m, float("inf"), dtype=torch.float32))
     if flat.device.type == "cpu":  # the same sorted values; numpy's sort is cheaper than torch's on small rows
         srt = torch.from_numpy(np.sort(flat.numpy(), axis=1))
@@ -170,13 +173,21 @@ def _count_map(device: torch.device) -> torch.Tensor:
     return _COUNT_MAP[device]
 
 
+def _over(count: torch.Tensor) -> torch.Tensor:
+    """A mean's or a fraction's denominator: the count, NaN where it is 0, so that a mean or a fraction over
+    no tokens is NaN (stored as null: not measured), never 0. Elementwise on the device: no sync."""
+    return torch.where(count > 0, count, float("nan"))
+
+
 def step_aggregates(
     cols: dict[str, torch.Tensor], mask: torch.Tensor, lgn: torch.Tensor | None, loss_value: torch.Tensor | None
 ) -> torch.Tensor:
     """Exact aggregates over all masked-in tokens, float64 [len(AGG_NAMES)], on the device, in the
     order of schema.STEP_METRICS (then the entropy budget). Fractions are of all tokens of the update;
     clip_frac_<q> is of the tokens of quadrant q; lgn_mean_<q> the mean logit-gradient norm of
-    quadrant q (NaN without watch_logits). A ratio or k3 that is not finite (exp overflow) or a
+    quadrant q (NaN without watch_logits). A mean, fraction or quantile over no tokens (an empty batch, a
+    mask that selects nothing, a quadrant without tokens) is NaN, stored as null; counts are 0 and the
+    entropy budget's sums over no tokens 0. A ratio or k3 that is not finite (exp overflow) or a
     non-finite logit-gradient norm is counted (n_nonfinite_ratio, n_nonfinite_lgn) and left out of
     its mean, never summed as 0 or inf.
 
@@ -209,7 +220,7 @@ def step_aggregates(
     def count(name: str) -> torch.Tensor:
         return c[:, _COUNT_INDEX[name]:_COUNT_INDEX[name] + 1]  # [U, 1]
 
-    n, denom = count("n"), count("n").clamp(min=1.0)
+    n, denom = count("n"), _over(count("n"))
 
     log_r = flat(cols["logprob"]).float() - flat(cols["old_logprob"]).float()
     zeros = torch.zeros_like(log_r)
@@ -235,7 +246,7 @@ def step_aggregates(
     onehot = ((quad.unsqueeze(2) == _codes(dev)) & m.unsqueeze(2)).double()  # [U, N, 5]: masked one-hot quadrant
     per_q = _bmm(vals, onehot)  # [U, 7 + len(extra), 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
     tot = per_q[0].sum(dim=1).unsqueeze(0) if u == 1 else per_q.sum(dim=2)  # [U, 7 + len(extra)]
-    ratio_n = tot[:, 5:6].clamp(min=1.0)
+    ratio_n = _over(tot[:, 5:6])
 
     def nan(k: int) -> torch.Tensor:
         return torch.full((u, k), float("nan"), dtype=torch.float64, device=dev)
@@ -257,8 +268,8 @@ def step_aggregates(
         slug = quadrant_slug(q)
         agg[f"n_{slug}"] = count(f"n_q{code}")
         if q in QUADRANTS:
-            agg[f"clip_frac_{slug}"] = count(f"clipped_q{code}") / count(f"n_q{code}").clamp(min=1.0)
-            agg[f"lgn_mean_{slug}"] = (per_q[:, 4, code:code + 1] / per_q[:, 6, code:code + 1].clamp(min=1.0)
+            agg[f"clip_frac_{slug}"] = count(f"clipped_q{code}") / _over(count(f"n_q{code}"))
+            agg[f"lgn_mean_{slug}"] = (per_q[:, 4, code:code + 1] / _over(per_q[:, 6, code:code + 1])
                                        if lgn is not None else nan(1))
     quantiles = (masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double().reshape(u, 3)
                  if "entropy_ratio" in cols else nan(3))

@@ -140,7 +140,8 @@ def test_sampling_is_deterministic_whole_sequences_and_aggregates_exact(tmp_path
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e300])
 def test_non_finite_inputs_fail_only_at_masked_in_positions(tmp_path, value):
     # NaN, +inf, -inf (and a float64 value that overflows float32) at a masked-in position of any
-    # checked input fail the call, naming the input; the same value at a masked-out position is fine
+    # checked input fail the call, naming the input (but a log-prob's -inf, a token of probability 0, is
+    # recorded: test_input_checks.py); the same value at a masked-out position is fine
     lp = torch.zeros(2, 3, dtype=torch.float64)
     m = torch.tensor([[True, True, False], [True, True, True]])
     with Recorder(tmp_path, run="r") as rec:
@@ -148,8 +149,9 @@ def test_non_finite_inputs_fail_only_at_masked_in_positions(tmp_path, value):
             inputs = {"logprobs": lp, "old_logprobs": lp, "entropy": lp, "old_entropy": lp}
             bad = lp.clone()
             bad[0, 1] = value
-            with pytest.raises(ValueError, match=f"^{name} contains NaN or Inf at masked-in positions"):
-                rec.record_update(step, 0, mask=m, advantages=torch.ones(2), **{**inputs, name: bad})
+            if not (value == float("-inf") and name in ("logprobs", "old_logprobs")):
+                with pytest.raises(ValueError, match=f"^{name} contains NaN or Inf at masked-in positions"):
+                    rec.record_update(step, 0, mask=m, advantages=torch.ones(2), **{**inputs, name: bad})
             hidden = lp.clone()
             hidden[0, 2] = value  # masked out
             rec.record_update(step, 0, mask=m, advantages=torch.ones(2), **{**inputs, name: hidden})
@@ -483,7 +485,7 @@ def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, mon
 def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_path, monkeypatch):
     # policy_loss checks its inputs (one sync); the recorder skips the very tensors it checked (same
     # objects, same mask) and still checks the rest: a float64 input whose finite values overflow
-    # float32 (the loss checked it as float64; its stored float32 column is -inf)
+    # float32 (the loss checked it as float64; its stored float32 column is +inf)
     from entropylens.record import blocks
     from entropylens.rl.losses import policy_loss
 
@@ -497,7 +499,7 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
     out = policy_loss(lp, old, adv, m, entropy=h)
     assert out.checked["logprobs"] is lp and out.checked["mask"] is m
     big = torch.full((2, 3), -1.0, dtype=torch.float64)
-    big[1, 2] = -1e300  # finite in float64, -inf in float32
+    big[1, 2] = 1e300  # finite in float64, +inf in float32 (a -inf log-prob would be a probability 0)
     out64 = policy_loss(big, old, adv, m)
     assert "logprobs" not in out64.checked
     with Recorder(tmp_path, run="r") as rec:

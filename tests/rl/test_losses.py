@@ -232,7 +232,10 @@ def test_empty_mask_gives_zero_loss():
     assert out.loss.item() == 0.0 and not torch.isnan(out.loss)
     (g,) = torch.autograd.grad(out.loss, logp)
     assert g.abs().sum().item() == 0.0
-    assert all(not math.isnan(v) for v in out.scalars().values())
+    scal = out.scalars()  # counts over no tokens are 0, sums 0; means and fractions over no tokens NaN (null)
+    assert scal["n_tokens"] == 0 and scal["n_pa_lp"] == 0 and scal["n_nonfinite_ratio"] == 0
+    assert math.isnan(scal["clipped_frac"]) and math.isnan(scal["ratio_mean"]) and math.isnan(scal["clip_frac_na_lp"])
+    assert all(not math.isnan(v) for k, v in scal.items() if k.startswith("n_") or k.startswith("entropy_effect"))
 
 
 def test_bad_inputs():

@@ -49,7 +49,7 @@ def metric_shares(scal: dict[str, float], dp_size: int) -> dict[str, float]:
         kind, d = rule
         if kind == "mean":
             w = den[d] if d in den else scal.get(d, 0.0)
-            v = v * w if w else 0.0  # an empty denominator adds nothing (its value is 0 or NaN)
+            v = v * w if w else 0.0  # an empty denominator adds nothing (its value is NaN)
         out[name] = v * dp_size
     if "n_nonfinite_ratio" in scal or "ratio_mean" in scal:
         out["n_finite_ratio"] = den["n_finite_ratio"] * dp_size
@@ -67,8 +67,8 @@ def step_values(sums: dict[str, float]) -> dict[str, float]:
         if rule is None:
             continue
         kind, d = rule
-        if kind == "mean":  # over no token: 0, as step_aggregates makes it (its denominators are clamped to 1)
-            out[name] = total / max(sums.get(d, 0.0), 1.0)
+        if kind == "mean":  # over no token: NaN, as step_aggregates makes it (a mean of nothing is not 0)
+            out[name] = total / sums[d] if sums.get(d, 0.0) > 0 else float("nan")
         else:
             out[name] = total
     return out

@@ -80,7 +80,8 @@ def _make_registered(method: str):
         # verl's ppo_loss averages these over micro-batches (Metric MEAN): only intensive values are
         # returned (a count or the loss would come out divided by the number of micro-batches); exact step
         # values need trainer.v1.trainer_mode=entropylens (EntropyLensLoss)
-        metrics = {METRIC_PREFIX + k: v for k, v in scal.items() if (metric_rule(k) or ("",))[0] == "mean"}
+        # (a mean over no tokens of this micro-batch is NaN: left out, or verl's np.mean would be NaN)
+        metrics = {METRIC_PREFIX + k: v for k, v in scal.items() if (metric_rule(k) or ("",))[0] == "mean" and v == v}
         metrics.update(zip(VERL_CLIP_KEYS, clip.tolist()))
         return out.loss, metrics
 
