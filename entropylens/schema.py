@@ -125,7 +125,7 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("is_weight_mean", "float32", "mean importance-sampling weight (tokens.is_weight, e.g. vLLM's correction) over "
        "all tokens; null without one"),
     _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
-    _c("n_nonfinite_ratio", "int64", "tokens whose ratio or k3 is not finite (exp overflow): left out of "
+    _c("n_nonfinite_ratio", "int64", "tokens whose ratio or k3 is not finite (exp overflow, or a sampled token of probability 0: log-prob -inf): left out of "
        "ratio_mean and kl_k3, which are means over the other tokens"),
     _c("n_nonfinite_lgn", "int64", "tokens whose logit-gradient norm is not finite: left out of lgn_mean_*"),
     _c("reward_mean", "float32", "mean reward of the step's sequences (record_step / record_sequences)"),

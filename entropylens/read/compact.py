@@ -285,6 +285,28 @@ def _read(loc: Location, url: str) -> pa.Table:
         return pq.ParquetFile(f).read()
 
 
+def _group_schema(loc: Location, urls: list[str]) -> pa.Schema:
+    """The columns of ``urls`` together, from their footers, in first-seen order, step and rank first: a
+    run resumed by another version has files with and without a newer column (NULL where a file lacks
+    it). Files whose columns disagree on a type (the catalog leaves out a contract column of the wrong
+    type, so only unknown columns can) are not compacted."""
+    fields: dict[str, pa.Field] = {"step": pa.field("step", pa.int32()), "rank": pa.field("rank", pa.int16())}
+    for u in urls:
+        if not loc.remote:
+            schema = pq.read_schema(u)
+        else:
+            with loc.fs.open(loc.at(u.split("://", 1)[1]).path, "rb") as f:
+                schema = pq.ParquetFile(f).schema_arrow
+        for f in schema:
+            if f.name in ("step", "rank"):
+                continue
+            had = fields.setdefault(f.name, f)
+            if had.type != f.type:
+                raise ValueError(f"files of one run disagree on the type of column {f.name!r} ({had.type} and "
+                                 f"{f.type}); not compacted")
+    return pa.schema(list(fields.values()))
+
+
 def _with_keys(t: pa.Table, step: int, rank: int) -> pa.Table:
     n = t.num_rows
     t = t.drop_columns([c for c in ("step", "rank") if c in t.column_names])
@@ -319,10 +341,11 @@ def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int
 
         def fill(tmp: str, group=group) -> None:
             writer, schema, buf, n = None, None, [], 0
+            columns = _group_schema(r.dir, group)  # every column of the group: a run resumed by another version
             for u in group:
                 t = _with_keys(_read(r.dir, u), *_step_rank(u))
                 if schema is None:
-                    schema = t.schema.with_metadata({**(t.schema.metadata or {}), **_META})
+                    schema = columns.with_metadata({**(t.schema.metadata or {}), **_META})
                     opts = parquet_options(schema.names, dict_columns=(*_DICT.get(table, ()), "step", "rank"),
                                            float_columns=_FLOAT.get(table, ()))
                     writer = pq.ParquetWriter(tmp, schema, **opts)
