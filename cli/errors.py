@@ -10,7 +10,11 @@ import typer
 
 
 def fail(msg: str) -> None:
-    typer.echo(f"error: {msg}", err=True)
+    """``error: MSG`` on stderr, exit 2; what a user named in MSG (a run id, a path, SQL) shows its control,
+    bidi and format characters as codes (report/escape.py), a line break of a message kept."""
+    from entropylens.report.escape import terminal
+
+    typer.echo(f"error: {terminal(str(msg), keep=chr(10))}", err=True)
     raise typer.Exit(code=2)
 
 
@@ -73,10 +77,11 @@ class FileWarnings:
 
     def __exit__(self, *exc):
         from entropylens.read.query import UnreadableFileWarning
+        from entropylens.report.escape import terminal
 
         self._cm.__exit__(*exc)
         for w in self._caught:
             if issubclass(w.category, UnreadableFileWarning) and str(w.message) not in self._seen:
                 self._seen.add(str(w.message))
-                typer.echo(f"warning: {w.message}", err=True)
+                typer.echo(f"warning: {terminal(str(w.message), keep=chr(10))}", err=True)
         return False

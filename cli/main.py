@@ -434,20 +434,18 @@ def watch(
 @app.command()
 @user_errors
 def verify(path: PathArg) -> None:
-    """Check every file under PATH: its pages, its columns against the schema contract, that the recorder
-    named it, each step's token rows against its n_tokens, run.json's types, compacted originals left on
-    disk. Lists what is wrong, file by file (exit 1), or says all is whole (exit 0). docs/storage.md says
-    what to do about each."""
+    """Check every file under PATH: its pages, its columns against the schema contract, that the recorder named it, each step's token rows against its n_tokens, run.json's types, compacted originals left on disk. Lists what is wrong, file by file (exit 1), or says all is whole (exit 0). docs/storage.md says what to do about each."""
     from entropylens.read.catalog import verify as check
+    from entropylens.report.escape import terminal
 
     res = check(path)
     for f, why in res.bad:
-        typer.echo(f"bad: {f}: {why}")
+        typer.echo(terminal(f"bad: {f}: {why}"))
     for _, why in res.notes:
-        typer.echo(f"note: {why}")
+        typer.echo(terminal(f"note: {why}"))
     if res.hidden:
         typer.echo(f"note: {res.hidden} file(s) of uncommitted steps (no steps file; hidden by the views)")
-    typer.echo(f"{len(res.bad)} bad file(s) among {res.files} in {res.runs} run(s) under {path}")
+    typer.echo(terminal(f"{len(res.bad)} bad file(s) among {res.files} in {res.runs} run(s) under {path}"))
     if res.bad:
         raise typer.Exit(code=1)
 
@@ -468,6 +466,7 @@ def compact(
     A compaction interrupted after its commit (killed during --grace) is finished: the originals it superseded are removed once --grace has passed since its commit. Hidden temporary files of processes no longer alive on this host are removed too (in compacted/, or in a run that is no longer running); a live process's are never touched.
     """
     from entropylens.read.compact import compact as run_compact
+    from entropylens.report.escape import terminal
     from entropylens.read.query import find_runs
 
     find_runs(path, runs=run or None)  # path errors first, as one line (before the banner); a listing, no reading
@@ -477,7 +476,7 @@ def compact(
     with FileWarnings():
         results = run_compact(path, runs=run or None, grace_s=grace, file_bytes=file_mb << 20)
     for r in results:
-        typer.echo(r.summary())
+        typer.echo(terminal(r.summary()))
 
 
 @app.command()

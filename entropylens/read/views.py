@@ -366,6 +366,9 @@ def read_error_hint(con, e: BaseException) -> str:
     what type``, naming no file), as a sentence to append to the error, with what to do; "" where no file
     is to blame (errors of the query itself; every file readable). The files the error names are checked
     first, then every view file until a few bad ones are found or ``_SCAN_S`` seconds have passed."""
+    from .sql_guard import unguarded
+
+    con = unguarded(con)  # the views were built on DuckDB's own connection, under the read-only one
     if type(e).__name__ in _QUERY_ERRORS or con not in _VIEW_FILES:
         return ""
     msg = str(e)
