@@ -26,8 +26,8 @@ Rules (docs/design.md, "Reading"):
 6. **The schema contract, per file** (schema.TABLES), from each file's footer (one read of its last
    64 KiB, the same read as the PAR1 check; cached per process by path, size and mtime: :func:`_read_footers`):
    a contract column of another type, a column named ``run`` (the views' own), a ``step`` / ``rank``
-   column in a file whose path holds them, or a foreign table (a key column missing, or fewer than half
-   of the contract's columns) makes the file bad: left out, named with what is wrong. A file that lacks
+   column in a file whose path holds them, or a foreign table (a key column missing, or no column of the
+   table but its keys) makes the file bad: left out, named with what is wrong. A file that lacks
    some contract columns (written by an older version) is read with NULL there, for that file only;
    where the run's other files of the table have those columns, one note per run and table says so
    (:attr:`Catalog.notes`). Columns the contract does not know (a newer version) are read as they are.
@@ -591,8 +591,8 @@ _PROBLEMS: dict = {}  # (table, compacted, columns) -> contract_problem's answer
 
 def _contract_problem(table: str, footer: Footer, compacted: bool) -> str | None:
     """What makes a file of ``table`` unusable against the contract (schema.TABLES), None if nothing:
-    a contract column of another dtype, a foreign table (a key column missing, or fewer than half of the
-    contract's columns), ``step`` / ``rank`` stored in an original file (their path holds them) or
+    a contract column of another dtype, a foreign table (a key column missing, or no contract column besides
+    the keys: an older version lacks some columns, never all), ``step`` / ``rank`` stored in an original file (their path holds them) or
     missing from a compacted one, a ``run`` column. Missing other columns (an older version) and
     unknown ones (a newer version) are no problem."""
     from ..schema import TABLES
@@ -606,10 +606,10 @@ def _contract_problem(table: str, footer: Footer, compacted: bool) -> str | None
         return "column(s) of another type than the schema contract: " + ", ".join(wrong) + "; left out"
     need = KEY_COLUMNS[table] + (("step", "rank") if compacted else ())
     lacks = [n for n in need if n not in cols]
-    have = sum(1 for n in contract if n in cols and (compacted or n not in keys))
-    if lacks or have * 2 < len(contract) - (0 if compacted else 2):
+    have = sum(1 for n in contract if n in cols and n not in keys and n not in need)
+    if lacks or have == 0:
         return (f"not an entropylens {table} file (" + (f"no column {', '.join(lacks)}" if lacks else
-                f"only {have} of the {table} table's columns") + "): another table? left out")
+                f"no column of the {table} table but its keys") + "): another table? left out")
     own = [n for n in (*_VIEW_OWN, *(() if compacted else keys)) if n in cols]
     if own:
         return (f"holds column(s) {', '.join(own)}, which the views take from the run "

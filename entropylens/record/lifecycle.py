@@ -132,8 +132,7 @@ class RunLifecycle:
         if run is None:
             run = self._default_run_id(dist_on)
         if not run or "/" in run or run.startswith(".") or any(ch < " " or ch == "\x7f" for ch in run):
-            raise ValueError(f"run id must be a plain directory name (no '/', no control character such as NUL "
-                             f"or a newline, not starting with '.'), got {run!r}")
+            raise ValueError(f"run id must be a plain directory name (no '/' or control character), got {run!r}")
         self.run = run
         self._open_dir(root, storage_options, resuming=resume is not None)
         self._steps = StepState(int(resume) if resume is not None else None)
