@@ -70,7 +70,19 @@ def check_output(fmt: Format | None, output: Path | None) -> Format:
         fail(f"--output {output} is a directory; give a file name")
     if output is not None and not output.parent.is_dir():
         fail(f"--output {output}: the directory {output.parent} does not exist")
+    run = None if output is None else _run_folder_holding(output)
+    if run is not None:
+        fail(f"--output {output} is inside the run folder {run}: a query never writes into a run (it would "
+             "replace the run's own files); give a path outside it")
     return fmt
+
+
+def _run_folder_holding(path: Path) -> Path | None:
+    """The run folder (a folder holding run.json) that ``path`` lies in, or None."""
+    for d in path.resolve().parents:
+        if (d / "run.json").is_file():
+            return d
+    return None
 
 
 def emit(df, fmt: Format | None, output: Path | None) -> None:

@@ -401,7 +401,7 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
             run.files.setdefault(table, []).append(d.url(p))
     notes = [(str(d / name), f"run {rid}: folder {d / name}/ holds Parquet files but is not a table entropylens "
               "writes: ignored") for name in strays if _holds_parquet(d / name)]
-    notes += _version_gaps(run)
+    notes += [(f, note) for f, note, _ in _version_gaps(run)]
     return run, bad, notes, stable
 
 
@@ -622,10 +622,18 @@ def _same_dtype(have: str, want: str) -> bool:
     return have == want or (have in text and want in text)
 
 
-def _version_gaps(run: RunFiles) -> list[tuple[str, str]]:
-    """One note per table of ``run`` whose files disagree on contract columns: some files lack columns
-    that others of the table have (written by an older version): NULL there."""
+def _version_gaps(run: RunFiles) -> list[tuple[str, str, bool]]:
+    """(first file, note, edited) per table of ``run`` whose files disagree on contract columns: some
+    files lack columns that others of the table have: NULL there. ``edited``: another file of the same or
+    an older schema version has the column, so its version wrote it: the file was edited by another tool
+    or damaged (``verify`` counts it bad), not written before the column existed."""
     from ..schema import TABLES
+
+    def version(u: str) -> int:
+        try:
+            return int(run.footers[u].version)
+        except (TypeError, ValueError):
+            return 0
 
     out = []
     for table in TABLE_DIRS:
@@ -634,19 +642,27 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str]]:
         if not names:
             continue
         contract = [c.name for c in TABLES[table] if c.derived is None and c.name not in ("step", "rank")]
-        somewhere = set().union(*names.values())
-        gaps: dict[tuple[str, ...], list[str]] = {}
+        first_with = {c: min((version(u) for u, have in names.items() if c in have), default=None) for c in contract}
+        gaps: dict[tuple[tuple[str, ...], bool], list[str]] = {}
         for u, have in names.items():
-            lack = tuple(c for c in contract if c in somewhere and c not in have)
-            if lack:
-                gaps.setdefault(lack, []).append(u)
-        for lack, files in sorted(gaps.items()):
-            versions = sorted({str(run.footers[u].version or "unknown") for u in files})
+            lack = [c for c in contract if first_with[c] is not None and c not in have]
+            edited = tuple(c for c in lack if first_with[c] <= version(u))
+            older = tuple(c for c in lack if c not in edited)
+            for cols, kind in ((older, False), (edited, True)):
+                if cols:
+                    gaps.setdefault((cols, kind), []).append(u)
+        for (lack, edited), files in sorted(gaps.items()):
+            versions = ", ".join(sorted({str(run.footers[u].version or "unknown") for u in files}))
             cols = ", ".join(f"`{c}`" for c in lack)
-            out.append((files[0], f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} "
-                        f"existed (schema version {', '.join(versions)}; e.g. {files[0]}): NULL there"))
+            if edited:
+                note = (f"run {run.id}: {len(files)} {table} file(s) lack column(s) {cols}, which other files of "
+                        f"schema version {versions} or older have (edited by another tool, or damaged? e.g. "
+                        f"{files[0]}): NULL there; restore the file from a copy or move it out of the run folder")
+            else:
+                note = (f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} existed "
+                        f"(schema version {versions}; e.g. {files[0]}): NULL there")
+            out.append((files[0], note, edited))
     return out
-
 
 
 @dataclass
@@ -670,6 +686,7 @@ def verify(path, *, storage_options: dict | None = None) -> Verified:
                  "stopped before its clean-up): `entropylens compact` removes it") for u in r.superseded]
         left_out = {step_rank(u) for u, _ in snap.bad if u.startswith(str(r.dir / "tokens") + "/") and _HIVE.search(u)}
         bad += row_count_problems(r, {k: n for k, n in recorded_tokens(r).items() if k not in left_out}, fewer=True)
+        bad += [(f, note) for f, note, edited in _version_gaps(r) if edited]
     n = sum(len(v) for r in snap.runs for v in (*r.files.values(), *r.compacted.values()))
     n += sum(len(r.hidden) + len(r.superseded) + 1 for r in snap.runs) + len(snap.bad)
     return Verified(bad, n, len(snap.runs), sum(len(r.hidden) for r in snap.runs), snap.notes)

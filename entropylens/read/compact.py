@@ -103,6 +103,8 @@ def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_
         _remove_orphans(r)
         temps = _remove_stale_temps(r)
         blocked = _blocked_steps(r, snap.bad)
+        for u, why in cat.row_count_problems(r, cat.recorded_tokens(r)):  # a copy under a recorder's name
+            blocked.setdefault(int(re.search(r"/step=(-?\d+)/", u).group(1)), why)  # (u: the step's folder)
         final = _final_steps(r)
         for s, why in sorted(blocked.items()):
             if final and s <= max(final) or run_status(r.info) != "running":
@@ -110,7 +112,7 @@ def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_
                               StepLeftAloneWarning, stacklevel=2)
         done = [_finish_interrupted(r, grace_s)] if r.superseded else []
         segments = _segments(r, set(blocked))
-        done += [_compact_range(r, lo, hi, grace_s, file_bytes, row_group_rows) for lo, hi in segments]
+        done += [_compact_or_leave(r, lo, hi, grace_s, file_bytes, row_group_rows) for lo, hi in segments]
         if not done:
             done = [Compacted(r.id, None, note="no final uncompacted step")]
         done[0].temps = temps
@@ -343,7 +345,7 @@ def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int
             writer, schema, buf, n = None, None, [], 0
             columns = _group_schema(r.dir, group)  # every column of the group: a run resumed by another version
             for u in group:
-                t = _with_keys(_read(r.dir, u), *_step_rank(u))
+                t = _with_keys(_read_whole(r.dir, u), *_step_rank(u))
                 if schema is None:
                     schema = columns.with_metadata({**(t.schema.metadata or {}), **_META})
                     opts = parquet_options(schema.names, dict_columns=(*_DICT.get(table, ()), "step", "rank"),
@@ -371,6 +373,45 @@ def _rows(loc: Location) -> int:
         return pq.ParquetFile(f).metadata.num_rows
 
 
+class _Unreadable(Exception):
+    """A file of the range could not be read to its last page (a damaged page behind an intact footer)."""
+
+    def __init__(self, url: str, error: Exception):
+        super().__init__(url)
+        self.url, self.error = url, error
+
+
+def _read_whole(loc: Location, url: str) -> pa.Table:
+    try:
+        return _read(loc, url)
+    except (OSError, pa.ArrowException) as e:
+        raise _Unreadable(url, e) from None
+
+
+def _remove_parts(r: cat.RunFiles, lo: int, hi: int) -> None:
+    """The parts of steps lo..hi written so far (their commit was not written)."""
+    comp = r.dir / cat.COMPACTED
+    for p in comp.files() if comp.exists() else ():
+        m = cat._COMPACT_NAME.search(p)
+        if m and m.group(3) is not None and (int(m.group(1)), int(m.group(2))) == (lo, hi):
+            r.dir.at(p).remove()
+
+
+def _compact_or_leave(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int,
+                      row_group_rows: int) -> Compacted:
+    """:func:`_compact_range`, or, where a file of the range cannot be read, the range left as it is: its
+    parts written so far removed (no commit was written), one warning naming the file and what to do."""
+    try:
+        return _compact_range(r, lo, hi, grace_s, file_bytes, row_group_rows)
+    except _Unreadable as e:
+        _remove_parts(r, lo, hi)
+        why = str(e.error).strip().splitlines()[0] if str(e.error).strip() else type(e.error).__name__
+        warnings.warn(f"{r.id}: steps {lo}-{hi} not compacted, their files are left as they are: reading {e.url} "
+                      f"fails ({why}): move it out of the run folder and compact again (`entropylens verify` lists "
+                      "every damaged file)", StepLeftAloneWarning, stacklevel=3)
+        return Compacted(r.id, None, note=f"steps {lo}-{hi} left as they are (a damaged file)")
+
+
 def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int,
                    row_group_rows: int) -> Compacted:
     res = Compacted(r.id, (lo, hi))
@@ -380,7 +421,7 @@ def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes
             parts, rows = _write_parts(r, table, chosen[table], lo, hi, file_bytes, row_group_rows)
             res.files_out += parts
             res.rows += rows
-    steps = [_with_keys(_read(r.dir, u), *_step_rank(u)) for u in sorted(chosen.get("steps", []), key=_step_rank)]
+    steps = [_with_keys(_read_whole(r.dir, u), *_step_rank(u)) for u in sorted(chosen.get("steps", []), key=_step_rank)]
     commit = pa.concat_tables(steps, promote_options="default")
     commit = commit.replace_schema_metadata({**(commit.schema.metadata or {}), **_META})
     (r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet").write_with(

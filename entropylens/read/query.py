@@ -129,35 +129,92 @@ def _memory_stop(e: Exception, con, asked=None) -> QueryLimitError:
 @contextmanager
 def limits(con, timeout: float | None = None):
     """Run the block's DuckDB work under ``timeout`` seconds (None / 0: none) and turn a stop by a limit
-    into a :class:`QueryLimitError`. DuckDB has no statement timeout: a timer thread calls
-    ``con.interrupt()``; an interrupt that the timer did not make (Ctrl-C) stays what it is. The memory
-    limit is DuckDB's ``memory_limit``, set at connect (``settings``): a query that needs more than
-    it, spilling included, stops with DuckDB's out-of-memory error, reported here as that limit."""
+    into a :class:`QueryLimitError`. DuckDB has no statement timeout: a watcher thread calls
+    ``con.interrupt()`` when the time is up, and on Ctrl-C too (DuckDB's own check for Ctrl-C missed some
+    signals: the query ran on), which then ends the block as a KeyboardInterrupt. The memory limit is
+    DuckDB's ``memory_limit``, set at connect (``settings``): a query that needs more than it, spilling
+    included, stops with DuckDB's out-of-memory error, reported here as that limit."""
     import duckdb
 
     raw = unguarded(con)
     timeout = check_timeout(timeout)
-    fired = threading.Event()
-    timer = None
-    if timeout and hasattr(raw, "interrupt"):  # (a Spark connection has its own job limits)
-        def stop() -> None:
-            fired.set()
-            raw.interrupt()
-
-        timer = threading.Timer(timeout, stop)
-        timer.daemon = True
-        timer.start()
+    watcher = _Watcher(raw, timeout) if hasattr(raw, "interrupt") else None  # (Spark has its own job limits)
     try:
         yield
-    except duckdb.InterruptException:
-        if fired.is_set():
+    except (duckdb.InterruptException, RuntimeError) as e:  # DuckDB 2.0 raises a Ctrl-C as RuntimeError
+        if not isinstance(e, duckdb.InterruptException) and "interrupted" not in str(e).lower():
+            raise
+        if watcher is not None and watcher.fired == "timeout":
             raise QueryLimitError("timeout", timeout) from None
-        raise
+        raise KeyboardInterrupt from None  # Ctrl-C: the CLI's 'interrupted', exit 130, never a traceback
     except duckdb.OutOfMemoryException as e:
         raise _memory_stop(e, raw) from None
     finally:
-        if timer is not None:
-            timer.cancel()
+        if watcher is not None:
+            watcher.stop()
+
+
+class _Watcher:
+    """A thread that interrupts ``raw`` after ``timeout`` seconds or on SIGINT. The signal is seen through
+    ``signal.set_wakeup_fd`` (the C-level handler writes to a pipe whichever thread it runs on, while the
+    main thread waits inside DuckDB); only in the main thread, and only where a wakeup fd is not already
+    in use. :meth:`stop` ends the thread before the caller goes on (a thread torn down at the process's
+    exit aborted it: rc 134)."""
+
+    def __init__(self, raw, timeout: float | None):
+        import os
+        import signal
+
+        self.raw, self.timeout, self.fired = raw, timeout, None
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._w, False)
+        self._old_fd = None
+        if threading.current_thread() is threading.main_thread():
+            try:
+                old = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+                if old != -1:  # someone else's (asyncio, ...): leave theirs
+                    signal.set_wakeup_fd(old)
+                else:
+                    self._old_fd = old
+            except ValueError:
+                pass
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="entropylens-query-limits", daemon=True)
+        if timeout or self._old_fd is not None:
+            self._thread.start()
+
+    def _run(self) -> None:
+        import os
+        import select
+        import signal
+        import time
+
+        end = time.monotonic() + self.timeout if self.timeout else None
+        while not self._done.is_set():
+            wait = 0.5 if end is None else max(0.0, min(0.5, end - time.monotonic()))
+            ready, _, _ = select.select([self._r], [], [], wait)
+            if ready:
+                data = os.read(self._r, 64)
+                if signal.SIGINT in data and not self._done.is_set():
+                    self.fired = self.fired or "sigint"
+                    self.raw.interrupt()
+            if end is not None and time.monotonic() >= end and not self._done.is_set() and self.fired is None:
+                self.fired = "timeout"
+                self.raw.interrupt()
+                end = None
+
+    def stop(self) -> None:
+        import os
+        import signal
+
+        self._done.set()
+        if self._old_fd is not None:
+            signal.set_wakeup_fd(self._old_fd)
+        if self._thread.is_alive():
+            os.write(self._w, b"\0")  # wake the select at once
+            self._thread.join()
+        os.close(self._r)
+        os.close(self._w)
 
 
 # ---------------------------------------------------------------- analyses

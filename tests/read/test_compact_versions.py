@@ -22,7 +22,8 @@ def _rewrite(run: Path, step: int, change) -> None:
 
 def test_a_run_of_two_versions_compacts_and_reads_the_same(tmp_path):
     run = record_run(tmp_path)
-    _rewrite(run, 0, lambda t: t.drop_columns(["entropy"]))  # written before `entropy` existed
+    _rewrite(run, 0, lambda t: t.drop_columns(["entropy"]).replace_schema_metadata(
+        {**(t.schema.metadata or {}), b"entropylens.schema_version": b"2"}))  # written before `entropy` existed
     _rewrite(run, 2, lambda t: t.append_column("newer", pa.array([1.5] * t.num_rows)))  # by a newer version
     newer = "SELECT step, count(newer), sum(newer) FROM tokens GROUP BY step ORDER BY step"
     before, said = answers(run)

@@ -38,6 +38,12 @@ def _token_file(run: Path, step: int) -> Path:
     return f
 
 
+def _older(t: pa.Table, *drop: str) -> pa.Table:
+    """``t`` as an older version wrote it: without ``drop``, schema version 2 in its metadata."""
+    t = t.drop_columns(list(drop))
+    return t.replace_schema_metadata({**(t.schema.metadata or {}), b"entropylens.schema_version": b"2"})
+
+
 def _rewrite(f: Path, change) -> None:
     t = pq.read_table(f, partitioning=None)
     pq.write_table(change(t), f)
@@ -46,7 +52,7 @@ def _rewrite(f: Path, change) -> None:
 def test_a_run_written_by_two_versions_reads_right_file_by_file(clean, run):
     base, said = answers(clean)
     assert said == [] and len(base) == 3
-    _rewrite(_token_file(run, 0), lambda t: t.drop_columns(["entropy"]))  # an older version
+    _rewrite(_token_file(run, 0), lambda t: _older(t, "entropy"))  # an older version
     _rewrite(_token_file(run, 2), lambda t: t.append_column("newer", pa.array([1.5] * t.num_rows)))  # a newer one
     got, said = answers(run)
     assert got[(1, 0)] == base[(1, 0)] and got[(2, 0)] == base[(2, 0)]  # untouched columns: the same answers
@@ -63,7 +69,7 @@ def test_a_run_written_by_two_versions_reads_right_file_by_file(clean, run):
 
 def test_the_last_file_lacking_a_column_loses_nothing_else(clean, run):
     base, _ = answers(clean)
-    _rewrite(_token_file(run, 2), lambda t: t.drop_columns(["entropy", "old_entropy"]))
+    _rewrite(_token_file(run, 2), lambda t: _older(t, "entropy", "old_entropy"))
     got, said = answers(run)
     assert got[(0, 0)] == base[(0, 0)] and got[(1, 0)] == base[(1, 0)]
     assert got[(2, 0)][:3] == (base[(2, 0)][0], 0, None) and got[(2, 0)][3:-1] == base[(2, 0)][3:-1]
@@ -202,3 +208,16 @@ def test_the_file_check_benchmark_runs():
                          capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0].startswith("10 files") and "check_ratio=" in out.stdout.splitlines()[-1]
+
+
+def test_a_file_lacking_a_column_its_own_version_writes_is_called_edited(clean, run):
+    """A file of today's version without `entropy` (edited by another tool) is not an older version: the note
+    says so and `verify` counts it bad; the other steps read as before."""
+    base, _ = answers(clean)
+    f = _token_file(run, 1)
+    _rewrite(f, lambda t: t.drop_columns(["entropy"]))  # its metadata still says today's version
+    got, said = answers(run)
+    assert got[(0, 0)] == base[(0, 0)] and got[(2, 0)] == base[(2, 0)] and got[(1, 0)][1] == 0
+    assert len(said) == 1 and "edited by another tool, or damaged?" in said[0] and "written before" not in said[0]
+    res = runner.invoke(app, ["verify", str(run)])
+    assert res.exit_code == 1 and f"bad: {f}" in res.output, res.output
