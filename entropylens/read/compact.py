@@ -172,12 +172,7 @@ def _finish_interrupted(r: cat.RunFiles, grace_s: float) -> Compacted:
         wait = grace_s if newest is None else min(grace_s, newest + grace_s - time.time())
         if wait > 0:
             time.sleep(wait)
-    for u in originals:
-        location(u, r.dir.options).remove()
-        res.removed += 1
-    if not r.dir.remote:
-        _prune_empty_dirs(r.dir)
-    return res
+    return _remove_originals(r, res, originals)
 
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.(?P<tid>\d+)\.tmp$")  # storage.Location.write_with
@@ -433,6 +428,12 @@ def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes
     res.files_in = sum(len(v) for v in chosen.values())
     if grace_s > 0:
         time.sleep(grace_s)  # queries planned on the old listing finish
+    return _remove_originals(r, res, originals)
+
+
+def _remove_originals(r: cat.RunFiles, res: Compacted, originals: list[str]) -> Compacted:
+    """Remove the original files a committed compaction superseded (counted in ``res``), then the empty
+    folders they leave."""
     for u in originals:
         location(u, r.dir.options).remove()
         res.removed += 1

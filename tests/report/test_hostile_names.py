@@ -162,17 +162,6 @@ def test_report_md_renders_no_tag_and_whole_table_rows(report):
 
 
 # ------------------------------------------------------------------------------------- Chromium
-@pytest.fixture(scope="module")
-def browser():
-    assert CHROMIUM, "chromium must be installed in CI (.ci/run installs Debian's chromium)"
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
-
-
 def _open(browser, path: Path, ready: str | None = None):
     pg = browser.new_page(viewport={"width": 1300, "height": 1000})
     seen: list[str] = []

@@ -124,17 +124,6 @@ def page(tmp_path_factory):
     return root, path, data
 
 
-@pytest.fixture(scope="module")
-def browser():
-    assert CHROMIUM, "chromium must be installed in CI (.ci/run installs Debian's chromium)"
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        yield b
-        b.close()
-
-
 def open_page(browser, path: Path, hash_: str = "", width: int = 1300):
     pg = browser.new_page(viewport={"width": width, "height": 1000})
     errors: list[str] = []
