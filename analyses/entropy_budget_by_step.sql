@@ -1,5 +1,5 @@
 -- title: Entropy budget per step: each quadrant's first-order entropy effect, kept and dropped
--- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_clip_low, dropped_clip_high, dropped_dual_clip, dropped_erc
+-- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_clip_low, dropped_clip_high, dropped_dual_clip, dropped_erc, entropy
 -- figure: CE-GPPO Sec. 3 / Fig. 1 (entropy effect of each quadrant; what PPO-clip drops)
 -- params: none
 -- effect = sum over the quadrant's tokens of g s / T^2 (the entropy change its gradient drives per unit
@@ -10,7 +10,8 @@
 -- delta), dropped_erc (ERC's own share); NULL where the run had no such cause (no ERC, no dual-clip) or
 -- was recorded before the split (schema version < 3). Exact: from the steps table (all tokens, also when
 -- token rows are sampled), summed over the step's updates and ranks. NULL where a run recorded no entropy
--- sensitivity (or, for effect, an entropy bonus whose own term was not measured).
+-- sensitivity (or, for effect, an entropy bonus whose own term was not measured). entropy: the step's
+-- token-weighted mean sampling entropy H (old_entropy_mean), for the sign's threshold exp(-H).
 WITH s AS (
     SELECT
         run,
@@ -28,7 +29,9 @@ WITH s AS (
         sum(entropy_effect_dropped_pa_hp) AS d_pa_hp,
         sum(entropy_effect_dropped_pa_lp) AS d_pa_lp,
         sum(entropy_effect_dropped_na_hp) AS d_na_hp,
-        sum(entropy_effect_dropped_na_lp) AS d_na_lp
+        sum(entropy_effect_dropped_na_lp) AS d_na_lp,
+        sum(old_entropy_mean * n_tokens) / nullif(sum(CASE WHEN old_entropy_mean IS NOT NULL THEN n_tokens END), 0)
+            AS entropy
     FROM steps
     WHERE n_tokens IS NOT NULL
     GROUP BY run, step
@@ -54,7 +57,8 @@ SELECT
     s.dropped_clip_low,
     s.dropped_clip_high,
     s.dropped_dual_clip,
-    s.dropped_erc
+    s.dropped_erc,
+    s.entropy
 FROM q
 JOIN s ON q.run = s.run AND q.step = s.step
 JOIN runs AS r ON q.run = r.run

@@ -7,7 +7,8 @@
 -- its sequences across the run (TRL, verl: a sequence id used once), the earlier step that generated it.
 -- tokens: positions recorded (all of them unless the run samples token rows); updates: the step's updates that
 -- trained on it. mean_entropy / max_entropy: the sampling policy's entropy H(pi_old) over its tokens, nats.
--- clipped / erc_dropped: token rows (summed over the updates) whose gradient PPO-clip / ERC removed.
+-- clipped / erc_dropped: token rows (summed over the updates) whose gradient PPO-clip / ERC removed; erc_dropped is
+-- null (not applicable) where the run recorded no ERC (erc_kept null on every row).
 -- entropy_effect / entropy_effect_dropped: sums of the tokens' columns over the updates (null without attribution).
 WITH per_response AS (
     SELECT
@@ -22,7 +23,7 @@ WITH per_response AS (
         avg(old_entropy) AS mean_entropy,
         max(old_entropy) AS max_entropy,
         sum(CASE WHEN clipped THEN 1 ELSE 0 END) AS clipped,
-        sum(CASE WHEN erc_kept = false THEN 1 ELSE 0 END) AS erc_dropped,
+        CASE WHEN count(erc_kept) > 0 THEN sum(CASE WHEN erc_kept = false THEN 1 ELSE 0 END) END AS erc_dropped,
         sum(entropy_effect) AS entropy_effect,
         sum(entropy_effect_dropped) AS entropy_effect_dropped
     FROM tokens

@@ -1,5 +1,5 @@
 -- title: Per-step health signals: the inputs of the alarms (`entropylens check`)
--- columns: run, method, step, entropy, old_entropy, entropy_effect, clipped_frac, kl, grad_norm, loss, lr, erc_drop_frac, entropy_ratio_p05, entropy_ratio_p95, erc_low, erc_high, n_nonfinite_ratio, za_frac, zero_grad_frac
+-- columns: run, method, step, entropy, old_entropy, entropy_effect, clipped_frac, kl, grad_norm, loss, lr, erc_drop_frac, entropy_ratio_p05, entropy_ratio_p95, erc_low, erc_high, n_nonfinite_ratio, za_frac, zero_grad_frac, sampler_kl
 -- figure: none (alarms: nonfinite, collapse, explosion, negative entropy budget, clip / KL / grad-norm spikes, ERC drop rate, no signal)
 -- params: none
 -- Exact, from steps: entropies, clipped fraction, KL and the ERC drop fraction token-weighted over the
@@ -9,7 +9,8 @@
 -- recorded. entropy_ratio_p05 / _p95: the lowest p05 and highest p95 of the step's updates; erc_low /
 -- erc_high: the widest ERC band of the step (NULL without ERC). n_nonfinite_ratio: tokens whose ratio or
 -- k3 overflowed. za_frac = n_za / n_tokens (tokens with advantage exactly 0); zero_grad_frac: share of the
--- step's rows with a grad norm whose grad norm is exactly 0.
+-- step's rows with a grad norm whose grad norm is exactly 0. sampler_kl: KL(pi_sampler || pi_old), k3,
+-- token-weighted (steps.sampler_kl_k3; NULL without sampler log-probs).
 SELECT
     s.run,
     r.method,
@@ -33,7 +34,9 @@ SELECT
     max(s.erc_high) AS erc_high,
     CAST(sum(s.n_nonfinite_ratio) AS BIGINT) AS n_nonfinite_ratio,
     CAST(sum(s.n_za) AS DOUBLE) / nullif(sum(CASE WHEN s.n_za IS NOT NULL THEN s.n_tokens END), 0) AS za_frac,
-    avg(CASE WHEN s.grad_norm = 0 THEN 1.0 WHEN s.grad_norm IS NOT NULL THEN 0.0 END) AS zero_grad_frac
+    avg(CASE WHEN s.grad_norm = 0 THEN 1.0 WHEN s.grad_norm IS NOT NULL THEN 0.0 END) AS zero_grad_frac,
+    sum(s.sampler_kl_k3 * s.n_tokens)
+        / nullif(sum(CASE WHEN s.sampler_kl_k3 IS NOT NULL THEN s.n_tokens END), 0) AS sampler_kl
 FROM steps AS s
 JOIN runs AS r ON s.run = r.run
 GROUP BY s.run, r.method, s.step

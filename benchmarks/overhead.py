@@ -12,7 +12,7 @@ with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than
 thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
 file of one toy step written with and without fsync (file + directory), alternating.
 
-  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full]   (ENTROPYLENS_WRITER_IDLE=0: writer at nice 19, not SCHED_IDLE; ENTROPYLENS_WRITER_NICE=0: normal priority)
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full,hook]   (ENTROPYLENS_WRITER_IDLE=0: writer at nice 19, not SCHED_IDLE; ENTROPYLENS_WRITER_NICE=0: normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
 Every mode runs each step from the same saved state (weights, Adam state, sampling generator), so
@@ -20,7 +20,9 @@ all modes train the same steps bit for bit (checked: the weights after each mode
 equal; a mismatch is printed); the order of the modes rotates every step. Besides the pooled
 medians, the median of the per-step paired ratios full / off (the same step from the same state) is
 printed, with its 95% bootstrap interval.
-Last line: overhead_ratio=<full-recording median / off median (wall)>
+Last line: overhead_ratio=<full-recording median / off median (wall)>; with --modes ...,hook also
+hook_paired_overhead_ratio=<median per-step hook / off>: the loss hook (integrations/loss_hook.py) beside
+policy_loss, with entropy and a logit hook, instead of policy_update (ToyTrainer.loss_hook).
 """
 
 import argparse
@@ -36,7 +38,9 @@ import torch
 from entropylens import Recorder
 from entropylens.demo.toy import config_for
 from entropylens.demo.toy.train import ToyTrainer
+from entropylens.integrations.loss_hook import LossHook
 from entropylens.record.writer import write_tokens
+from entropylens.rl.losses import resolve_eps
 from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
 
 
@@ -83,11 +87,11 @@ def main() -> None:
     ap.add_argument("--fsync-files", type=int, default=40, help="token files per fsync setting (0: skip)")
     ap.add_argument("--sft-steps", type=int, default=50, help="supervised warm-up steps of the toy before RL")
     ap.add_argument("--modes", default="off,full,full-nofsync,sample=0.1",
-                    help="comma-separated subset of off,full,full-nofsync,sample=0.1 (off and full always run); "
+                    help="comma-separated subset of off,full,full-nofsync,sample=0.1,hook (off and full always run); "
                          "fewer modes give the headline pair more steps in the same time")
     a = ap.parse_args()
     wanted = {"off", "full", *a.modes.split(",")}
-    unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1"}
+    unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1", "hook"}
     if unknown:
         ap.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(a.threads)
@@ -96,7 +100,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make = {"off": lambda: None, "full": lambda: Recorder(d, run="full"),
                 "full-nofsync": lambda: Recorder(d, run="nf", fsync=False),
-                "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1)}
+                "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1),
+                "hook": lambda: Recorder(d, run="hook")}  # the loss hook beside policy_loss (loss_hook.py)
+        eps = resolve_eps(cfg.method, cfg.eps_low, cfg.eps_high)
         modes = {m: f() for m, f in make.items() if m in wanted}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
@@ -114,6 +120,8 @@ def main() -> None:
             for m in names[i % len(names):] + names[: i % len(names)]:
                 trainer.load_state(state)
                 rec = modes[m]
+                trainer.loss_hook = LossHook(rec, eps_low=eps[0], eps_high=eps[1], dual_clip=cfg.dual_clip,
+                                             temperature=cfg.temperature, on_error="raise") if m == "hook" else None
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
@@ -163,6 +171,9 @@ def main() -> None:
     print(f"paired_overhead_ratio={statistics.median(paired):.3f}")
     print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
     print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")
+    if "hook" in wall:  # the loss hook (integrations.loss_hook) against recording off, paired per step
+        hook = [h / o for h, o in zip(wall["hook"], wall["off"])]
+        print(f"hook_paired_overhead_ratio={statistics.median(hook):.3f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from .errors import FileWarnings, fail, user_errors, writing
-from .options import Band, Engine, EngineOpt, Format, FormatOpt, OutputOpt, PathArg, RunsOpt
+from .options import Band, Engine, EngineOpt, Format, FormatOpt, OutputOpt, PathArg, RunsOpt, TauOpt
 from .output import check_out_dir, check_output, emit, schema_text
 from .process import OneLineErrors, QueryCommand, process_seconds
 from .process import run as _run
@@ -38,12 +38,18 @@ def _root() -> None:
     FileWarnings._seen.clear()  # each skipped file is named once per command
 
 
-def _connect(path: str, runs: list[str] | None = None, settings: dict | None = None):
-    """The DuckDB views over the runs under PATH; its errors end the command as one line (user_errors)."""
+def _connect(path: str, runs: list[str] | None = None, settings: dict | None = None, tau: float | None = None):
+    """The DuckDB views over the runs under PATH (quadrants split at ``tau``, else each run's own); its errors
+    end the command as one line (user_errors)."""
     from entropylens.read.query import connect
 
     with FileWarnings():
-        return connect(path, runs=runs or None, settings=settings)
+        return connect(path, runs=runs or None, settings=settings, tau=tau)
+
+
+def _check_tau(tau: float | None) -> None:
+    if tau is not None and not 0.0 < tau <= 1.0:
+        fail(f"--tau {tau:g}: not in (0, 1] (a token is HP when its probability p >= tau)")
 
 
 DEFAULT_TIMEOUT_S = 300.0  # the heaviest analysis over 100M uncompacted rows: ~90 s CPU (docs/performance.md)
@@ -177,8 +183,11 @@ def analyze(
     engine: EngineOpt = Engine.duckdb,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT_S,
     memory_limit: MemoryOpt = DEFAULT_MEMORY,
+    tau: TauOpt = None,
 ) -> None:
     """Run a named analysis over the runs under PATH.
+
+    --tau splits the quadrants at that probability threshold, recomputed from the token rows, in place of each run's recorded tau.
 
     On DuckDB the analysis stops after --timeout seconds (default 300; 0: no limit) or when it needs more memory than --memory-limit (default 50% of RAM; DuckDB spills to disk before that), with one line naming the limit (exit 2). With --engine spark both are Spark's own settings (docs/spark.md).
     """
@@ -192,10 +201,13 @@ def analyze(
         params[k.strip()] = v.strip()
     check_output(fmt, output)  # a bad --output fails before the analysis runs
     render_analysis(name, **params)  # unknown analysis / bad parameter before touching the data
+    _check_tau(tau)
     if engine == Engine.spark:
+        if tau is not None:
+            fail("--tau needs --engine duckdb (the quadrants are recomputed there)")
         con, timeout = _spark_connect(path, run), 0.0
     else:
-        con = _limited(lambda: _connect(path, run, _memory_settings(memory_limit)), timeout, memory_limit)
+        con = _limited(lambda: _connect(path, run, _memory_settings(memory_limit), tau), timeout, memory_limit)
     df = _limited(lambda: run_analysis(con, name, timeout=timeout, **params), timeout, memory_limit)
     emit(df, fmt, output)
     if df.empty:
@@ -225,6 +237,7 @@ def report(
         help="Responses per run on its token-viewer page (responses-RUN.html): from steps spread over the "
              "run, the highest and lowest reward, most clipped, largest entropy effect, most ERC-dropped, "
              "highest entropy. 0: no pages. Each page's data stays under 4 MB (fewer responses if needed).")] = 40,
+    tau: TauOpt = None,
     where: Annotated[Optional[str], typer.Option(
         "--where", metavar="SQL",
         help="Only responses with a token row where this condition holds: a SQL condition on the tokens "
@@ -237,16 +250,19 @@ def report(
     """Write the paper-style report (index.html, report.md, PNG figures, one token-viewer page per run)
     for the runs under PATH.
 
-    Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own.
+    Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own; --tau splits every run's quadrants at one tau instead, recomputed from the token rows.
 
     Verdicts against the papers only where the runs differ in the method alone; else captions name what differs."""
     from entropylens.report.build import write_report
 
+    _check_tau(tau)
+    if tau is not None and engine == Engine.spark:
+        fail("--tau needs --engine duckdb (the quadrants are recomputed there)")
     _connect(path, run)  # path errors first, as one line
     check_out_dir(out)
     with writing("--out", out, reading_too=True), FileWarnings():  # e.g. an --out under /proc: one line
         index = write_report(path, out, runs=run or None, engine=engine.value, group_by=group_by,
-                             band=band.value, responses=responses, where=where, tokenizer=tokenizer)
+                             band=band.value, responses=responses, where=where, tokenizer=tokenizer, tau=tau)
     typer.echo(f"report: {index}")
 
 
@@ -271,7 +287,7 @@ def show(
         "--color", metavar="METRIC",
         help="With --seq: the metric that colours the tokens (default entropy): entropy, old_entropy, prob, ratio, "
              "entropy_ratio, quadrant, clip, erc, logit_grad_norm, grad_coef, entropy_effect, "
-             "entropy_effect_dropped.")] = None,
+             "entropy_effect_dropped, sampler_log_ratio (the sampler-trainer mismatch).")] = None,
     where: Annotated[Optional[str], typer.Option(
         "--where", metavar="SQL",
         help="Without --seq: list only the responses with a token row where this holds (the tokens view's "
@@ -280,6 +296,7 @@ def show(
         "--tokenizer", metavar="PATH",
         help="With --seq: a tokenizer (a local directory, or a Hugging Face name already in the local cache) "
              "for the tokens' text. Default: the one the run recorded; without any, token ids as ⟨id⟩.")] = None,
+    tau: TauOpt = None,
 ) -> None:
     """Read a step's responses in the terminal: a list of them, or one token by token, coloured.
 
@@ -303,7 +320,8 @@ def show(
     elif where is not None:
         fail("--where chooses which responses are listed: leave it out with --seq")
     view.metric_for(color or "entropy")  # an unknown --color before touching the data
-    con = _connect(path, [run] if run else None)
+    _check_tau(tau)
+    con = _connect(path, [run] if run else None, tau=tau)
     names = view.runs_of(con)
     if run is not None and run not in names and len(names) == 1:
         run = names[0]  # --run named the run's directory; the views call it by its id
@@ -340,7 +358,9 @@ def check(
     budget_entropy: Annotated[float, typer.Option(
         "--budget-entropy", help="negative_budget: ... while entropy is below this fraction of its initial value.")] = 0.5,
     clip_spike: Annotated[float, typer.Option(
-        "--clip-spike", help="clip_spike: clipped fraction above this multiple of its rolling median.")] = 3.0,
+        "--clip-spike", help="clip_spike: clipped fraction above this multiple of its rolling median ...")] = 3.0,
+    clip_floor: Annotated[float, typer.Option(
+        "--clip-floor", help="clip_spike: ... and at least this clipped fraction (its floor).")] = 0.05,
     kl_spike: Annotated[float, typer.Option(
         "--kl-spike", help="kl_spike: KL above this multiple of its rolling median.")] = 5.0,
     grad_norm_spike: Annotated[float, typer.Option(
@@ -356,11 +376,20 @@ def check(
     no_signal_steps: Annotated[int, typer.Option(
         "--no-signal-steps", help="no_signal: this many signal-free steps in a row, or at least this many making "
                                   "up --no-signal-share of the last --window steps.")] = 3,
+    mismatch: Annotated[float, typer.Option(
+        "--mismatch", help="mismatch: sampler-trainer KL above this multiple of its median over the run's first "
+                           "--mismatch-warmup steps ...")] = 10.0,
+    mismatch_floor: Annotated[float, typer.Option(
+        "--mismatch-floor", help="mismatch: ... and above this KL (nats).")] = 1e-3,
+    mismatch_warmup: Annotated[int, typer.Option(
+        "--mismatch-warmup", help="mismatch: the run's first steps with a sampler KL that set its start "
+                                  "(no alarm during them).")] = 5,
     window: Annotated[int, typer.Option(
         "--window", help="The previous steps in the spike rules' rolling median; the last steps in "
                          "no_signal's share.")] = 20,
     baseline: Annotated[int, typer.Option(
         "--baseline", help="First steps whose mean entropy is the initial entropy.")] = 3,
+    tau: TauOpt = None,
 ) -> None:
     """Alarms over the runs' step aggregates: one line per finding (run, step, rule, value, threshold[,
     signal]), at the step where a rule starts firing (once per episode); exit 1 when any rule fires, 0
@@ -375,28 +404,49 @@ def check(
     --budget-entropy x H0 (entropy already fell that far and the updates still push it down).
 
     clip_spike / kl_spike / grad_norm_spike: clipped fraction / KL / grad norm above --clip-spike /
-    --kl-spike / --grad-norm-spike x its median over the previous --window steps (needs 5 of them; a
-    median of 0 never fires).
+    --kl-spike / --grad-norm-spike x its median over the previous --window steps (warm-up: none fires
+    before 5 such steps exist; a median of 0 never fires); clip_spike also needs a clipped fraction of at
+    least --clip-floor (0.05).
+
+    collapse / explosion / negative_budget (warm-up): none fires before the --baseline steps that define
+    H0 have passed.
 
     erc_drop_rate: ERC drop fraction above --erc-drop-max, or below --erc-drop-min while the step's entropy
     ratios leave its ERC band (dropping nothing inside the band is healthy).
 
     no_signal: a step is signal-free when at least --no-signal-share of its tokens have advantage 0, or of
     its updates grad norm 0; fires at --no-signal-steps such steps in a row, or when they are at least
-    that many and at least --no-signal-share of the last --window steps."""
+    that many and at least --no-signal-share of the last --window steps.
+
+    mismatch: KL(pi_sampler || pi_old) (k3, steps.sampler_kl_k3) above max(--mismatch x its median over the
+    first --mismatch-warmup steps that have one, --mismatch-floor); a run without sampler log-probs never
+    fires.
+
+    Notes (printed as `note: ...` lines, never exit 1): what limits what a run's figures can show.
+
+    thin_quadrant (a note, over the token rows): a quadrant holds < 1% of a run's tokens of nonzero advantage; signal: the run's token-probability quantiles, exp(-H) and a suggested --tau (the median p).
+
+    on_policy (a note, over the token rows): every recorded ratio is exactly 1, so clipping, CE-GPPO and ERC cannot act; set num_iterations > 1 or steps_per_generation > gradient_accumulation_steps."""
     from entropylens.alarms import Thresholds
     from entropylens.report.checks import check as run_check
 
     t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps,
-                   budget_entropy=budget_entropy, clip_spike=clip_spike, kl_spike=kl_spike,
+                   budget_entropy=budget_entropy, clip_spike=clip_spike, clip_floor=clip_floor, kl_spike=kl_spike,
                    grad_norm_spike=grad_norm_spike, erc_drop_min=erc_drop_min, erc_drop_max=erc_drop_max,
                    no_signal_share=no_signal_share, no_signal_steps=no_signal_steps, window=window,
-                   baseline=baseline)
+                   baseline=baseline, mismatch=mismatch, mismatch_floor=mismatch_floor,
+                   mismatch_warmup=mismatch_warmup)
+    _check_tau(tau)
     _connect(path, run)  # path errors first, as one line
+    from entropylens.report.checks import notes
+
     with FileWarnings():
         findings = run_check(path, t, runs=run or None)
+        noted = notes(path, runs=run or None, tau=tau)
     for f in findings:
         typer.echo(f.line())
+    for f in noted:
+        typer.echo(f"note: {f.line()}")
     if findings:
         raise typer.Exit(code=1)
     typer.echo(f"no alarm in the runs under {path}")
@@ -489,7 +539,7 @@ def demo(
         "--steps", metavar="N", help="RL steps per run (default 32, about a minute on 2 cores; 120: the fast "
                                      "regime's full length, about 3 minutes).")] = None,
     seeds: Annotated[int, typer.Option("--seeds", metavar="K", help="Seeds per method.")] = 1,
-    quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds), for tests and a first look.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds: 6 RL steps after a 40-step warm-up), for tests and a first look at the pages; the toy is still near uniform, so some quadrants stay empty: --steps 32 shows the dynamics.")] = False,
     workers: Annotated[Optional[int], typer.Option(
         "--workers", metavar="N", help="Runs trained in parallel processes (1 torch thread each); default: one per core.")] = None,
     overwrite: Annotated[bool, typer.Option(
@@ -497,29 +547,59 @@ def demo(
     probe_every: Annotated[int, typer.Option(
         "--probe-every", metavar="K", min=0,
         help="Parameter-space entropy probe (probes table) on every K-th step; 0: off.")] = 0,
+    mismatch: Annotated[str, typer.Option(
+        "--mismatch", metavar="bf16|temp:S",
+        help="A sampler that differs from the trainer (logits rounded to bf16, or sampling at S x the "
+             "temperature): each method runs twice, <method>-<sampler> and <method>-<sampler>-tis (TIS at "
+             "--tis), so the report shows what the mismatch does to entropy and clipping.")] = "",
+    tis: Annotated[Optional[float], typer.Option(
+        "--tis", metavar="C", help="With --mismatch: TIS's cap C on the weight pi_old / pi_sampler (default 2).",
+        show_default=False)] = None,
+    list_methods: Annotated[bool, typer.Option(
+        "--list-methods", help="List every method --methods accepts (options, what it does, paper) and exit.")] = False,
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
     Default: grpo, dapo, ce_gppo and erc_dapo, 32 RL steps each: about a minute on 2 quiet cores.
 
-    Named runs: grpo, dapo, gppo, ce_gppo (beta 0.5/1), ce_gppo_b0 (0/1), ce_gppo_switch (beta1 0 -> 0.5),
-    cispo, gspo, erc_dapo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>, dual_clip_<c>.
+    --methods takes any method of the toy lab's registry (entropylens/demo/toy/methods.py), e.g. gppo, cispo, gspo, erc_gppo, entropy_bonus_<coef>, ce_gppo_<beta1>_<beta2>; --list-methods lists them all.
     """
     import time
 
+    if list_methods:
+        from entropylens.demo.toy.methods import listing
+
+        for m in listing():
+            typer.echo(f"{m.name}: {m.description}. Options: {m.options}. Paper: {m.paper}."
+                       + (f" Toy: {m.toy}." if m.toy else ""))
+        return
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if not names:
         fail("--methods is empty")
+    from entropylens.demo.toy.sampler import check_mismatch
+
+    try:
+        check_mismatch(mismatch)
+    except ValueError as e:
+        fail(f"--{e}")
+    if tis is not None and not mismatch:
+        fail("--tis needs --mismatch (it caps the IS weight of a mismatched sampler)")
+    tis = 2.0 if tis is None else tis
+    if not tis > 0:
+        fail(f"--tis must be > 0, got {tis}")
     check_out_dir(out)
     if not overwrite:  # a second `entropylens demo` is refused before seconds of imports and a fork server
-        taken = [f"{n}-s{k}" for n in names for k in range(max(1, seeds)) if (out / "runs" / f"{n}-s{k}").exists()]
+        from entropylens.demo.runner import mismatch_runs
+
+        ids = [f"{r}-s{k}" for r, _, _ in mismatch_runs(names, mismatch, tis) for k in range(max(1, seeds))]
+        taken = [i for i in ids if (out / "runs" / i).exists()]
         if taken:
             from entropylens.record.run_claim import runs_exist_message
 
             fail(runs_exist_message(out / "runs", taken))
     from entropylens.demo.workers import start_fork_server
 
-    start_fork_server(len(names) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
+    start_fork_server(len(names) * (2 if mismatch else 1) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
     from entropylens.demo.runner import run_demo
     from entropylens.demo.toy.config import config_for
 
@@ -533,7 +613,7 @@ def demo(
                 raise
         t_run = time.perf_counter()
         res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
-                       overwrite=overwrite, probe_every=probe_every)
+                       overwrite=overwrite, probe_every=probe_every, mismatch=mismatch, tis=tis)
     t0 = time.perf_counter()
     emit(_summary(res.runs_dir, [r.run for r in res.runs], res.summary), Format.table, None)
     typer.echo(f"runs: {res.runs_dir}")

@@ -43,3 +43,8 @@ OutputOpt = Annotated[Optional[Path], typer.Option(
     "--output", "-o", metavar="FILE",
     help="Write to this file. Its extension names the format: .csv .json .parquet .pq .txt or none; any other "
          "is refused.")]
+
+TauOpt = Annotated[Optional[float], typer.Option(
+    "--tau", metavar="TAU", show_default=False,
+    help="Split the quadrants at this probability threshold (HP: p >= TAU) in place of each run's recorded tau, "
+         "recomputed from the token rows (docs/analyses.md).")]

@@ -22,7 +22,8 @@ Rules: fires at step t when ... [defaults; `entropylens check` flags]
                    budget_t, threshold 0). Entropy has already fallen that far and the updates still
                    push it down: a collapse under way. A negative budget alone is normal RL.
                    [10, 0.5; --budget-steps, --budget-entropy]
-  clip_spike       clipped_frac_t > clip_spike * med_t(clipped_frac). [3.0; --clip-spike]
+  clip_spike       clipped_frac_t > clip_spike * med_t(clipped_frac) and clipped_frac_t >= clip_floor.
+                   [3.0, 0.05; --clip-spike, --clip-floor]
   kl_spike         kl_t > kl_spike * med_t(kl). [5.0; --kl-spike]
   grad_norm_spike  grad_norm_t > grad_norm_spike * med_t(grad_norm). [3.0; --grad-norm-spike]
   erc_drop_rate    erc_drop_frac_t > erc_drop_max (ERC throws most gradient away), or
@@ -38,6 +39,12 @@ Rules: fires at step t when ... [defaults; `entropylens check` flags]
                    threshold no_signal_share: e.g. a run with every other step at grad norm 0). An
                    episode ends after no_signal_steps steps in a row meeting neither.
                    [0.5, 3; --no-signal-share, --no-signal-steps]
+  mismatch         sampler_kl_t > max(mismatch * B, mismatch_floor), sampler_kl_t = KL(pi_sampler || pi_old)
+                   (k3 over the sampled tokens, steps.sampler_kl_k3) and B the median of its first
+                   mismatch_warmup finite values (the run's own start; no alarm during them). The
+                   sampler and the trainer drift apart (a bf16 / quantised / other-engine sampler whose
+                   gap grows): the run's own start sets what is normal. A run without sampler log-probs
+                   never fires. [10.0, 1e-3, 5; --mismatch, --mismatch-floor, --mismatch-warmup]
 A finding's ``signal`` names the input: which value was not finite (nonfinite), or what the step
 lacked (no_signal: za_frac or zero_grad_frac). Live (``Recorder(alarms=True)``) the rules read the
 closed step's summary plus record_step's grad_norm / lr; the ERC band reaches only the steps rows, so
@@ -67,12 +74,16 @@ class Thresholds:
     budget_steps: int = 10  # consecutive steps with a negative entropy budget ...
     budget_entropy: float = 0.5  # ... while entropy is below this fraction of the initial entropy
     clip_spike: float = 3.0  # multiple of the rolling median clipped fraction
+    clip_floor: float = 0.05  # ... and at least this clipped fraction (a 2% clip fraction is never a spike)
     kl_spike: float = 5.0  # multiple of the rolling median KL
     grad_norm_spike: float = 3.0  # multiple of the rolling median grad norm
     erc_drop_min: float = 0.001  # ERC drop fraction range (the low side only with ratios outside the band)
     erc_drop_max: float = 0.5
     no_signal_share: float = 0.5  # a step is signal-free at this share of zero-advantage tokens / zero grad norms
     no_signal_steps: int = 3  # signal-free steps in a row (or at least this many, and that share, in the window)
+    mismatch: float = 10.0  # multiple of the sampler-trainer KL at the run's start
+    mismatch_floor: float = 1e-3  # ... and at least this KL (nats): a tiny start's multiple is no alarm
+    mismatch_warmup: int = 5  # first steps with a sampler KL whose median is the run's start
     window: int = 20  # steps in the rolling median (and no_signal's share)
     baseline: int = 3  # first steps whose mean entropy is the initial entropy
 
@@ -81,7 +92,7 @@ class Thresholds:
             v = getattr(self, f.name)
             if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"alarm threshold {f.name} must be a finite number >= 0, got {v!r}")
-        for name in ("window", "baseline", "budget_steps", "no_signal_steps"):
+        for name in ("window", "baseline", "budget_steps", "no_signal_steps", "mismatch_warmup"):
             if getattr(self, name) < 1:
                 raise ValueError(f"alarm threshold {name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("budget_entropy", "no_signal_share"):
@@ -92,7 +103,7 @@ class Thresholds:
 
 
 RULES: tuple[str, ...] = ("nonfinite", "collapse", "explosion", "negative_budget", "clip_spike", "kl_spike",
-                          "grad_norm_spike", "erc_drop_rate", "no_signal")
+                          "grad_norm_spike", "erc_drop_rate", "no_signal", "mismatch")
 NONFINITE_SIGNALS: tuple[str, ...] = ("loss", "grad_norm", "lr", "kl", "entropy", "old_entropy")
 
 
@@ -143,6 +154,7 @@ class Monitor:
     _quiet_run: int = 0  # signal-free steps in a row
     _quiet_for: int = 0  # steps in a row a no_signal episode has not met its condition
     _active: set = field(default_factory=set)
+    _mm_start: list = field(default_factory=list)  # the first mismatch_warmup finite sampler KLs
 
     def _spike(self, key: str, value: float | None, factor: float) -> tuple[bool, float]:
         hist = self._hist.setdefault(key, [])
@@ -157,7 +169,7 @@ class Monitor:
         return fired, thr
 
     def observe(self, step: int, row: dict) -> list[Finding]:
-        """Signals of one step: entropy, old_entropy, entropy_effect (the budget), clipped_frac, kl,
+        """Signals of one step: entropy, old_entropy, entropy_effect (the budget), clipped_frac, kl, sampler_kl,
         grad_norm, loss, lr, erc_drop_frac, entropy_ratio_p05 / _p95, erc_low / erc_high,
         n_nonfinite_ratio, za_frac (n_za / n_tokens), zero_grad_frac (share of the step's updates with
         grad norm 0); missing ones (None) are skipped. Returns the rules that start firing."""
@@ -193,6 +205,8 @@ class Monitor:
                                   ("grad_norm", "grad_norm_spike", t.grad_norm_spike)):
             v = _fin(row, key)
             fired, thr = self._spike(key, v, factor)
+            if fired and rule == "clip_spike" and v < t.clip_floor:  # the floor: too small a share to matter
+                fired = False
             if fired:
                 hits[rule] = (v, thr)
         erc = _fin(row, "erc_drop_frac")
@@ -202,6 +216,7 @@ class Monitor:
             elif erc < t.erc_drop_min and self._outside_band(row):
                 hits["erc_drop_rate"] = (erc, t.erc_drop_min)
         self._no_signal(row, hits)
+        self._mismatch(row, hits)
         new = [Finding(self.run, int(step), r, *hit) for r, hit in hits.items() if r not in self._active]
         self._active = set(hits)
         return sorted(new, key=lambda f: RULES.index(f.rule))
@@ -212,6 +227,18 @@ class Monitor:
         lo, hi = _fin(row, "erc_low"), _fin(row, "erc_high")
         p05, p95 = _fin(row, "entropy_ratio_p05"), _fin(row, "entropy_ratio_p95")
         return (lo is not None and p05 is not None and p05 < lo) or (hi is not None and p95 is not None and p95 > hi)
+
+    def _mismatch(self, row: dict, hits: dict) -> None:
+        """sampler_kl past max(mismatch x the median of its first mismatch_warmup values, mismatch_floor)."""
+        kl = _fin(row, "sampler_kl")
+        if kl is None:
+            return
+        if len(self._mm_start) < self.t.mismatch_warmup:
+            self._mm_start.append(kl)
+            return
+        thr = max(self.t.mismatch * statistics.median(self._mm_start), self.t.mismatch_floor)
+        if kl > thr:
+            hits["mismatch"] = (kl, thr)
 
     def _no_signal(self, row: dict, hits: dict) -> None:
         t = self.t
@@ -348,7 +375,7 @@ class LiveAlarms:
                "kl": summary.get("kl_k3"), "loss": summary.get("loss"), "erc_drop_frac": summary.get("erc_drop_frac"),
                "entropy_ratio_p05": summary.get("entropy_ratio_p05"),
                "entropy_ratio_p95": summary.get("entropy_ratio_p95"),
-               "n_nonfinite_ratio": summary.get("n_nonfinite_ratio")}
+               "n_nonfinite_ratio": summary.get("n_nonfinite_ratio"), "sampler_kl": summary.get("sampler_kl_k3")}
         n, za = summary.get("n_tokens"), summary.get("n_za")
         row["za_frac"] = za / n if n and za is not None else None
         scalars = self.scalar_log.take(step) if self.scalar_log is not None else {}

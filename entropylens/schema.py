@@ -15,13 +15,20 @@ Versions (numbered, like migrations):
      (version 2: the whole dropped effect of the tokens ERC dropped, clipping's part included); readers
      null it for runs of version < 3. tokens.entropy_effect includes an entropy bonus's own term or is
      null (version 2 left the bonus out).
+  4  the field's entropy controls: tokens.sapo_weight, steps.sapo_weight_mean (SAPO's soft gate);
+     steps.entropy_coef_adaptive (the adaptive entropy controller's coefficient; steps.entropy_coef is
+     then the applied one, 0 included); tokens.cov / cov_clipped / kl_cov_penalised, steps.cov_clipped_frac /
+     kl_cov_frac / entropy_effect_dropped_clip_cov / entropy_effect_dropped_kl_cov (Clip-Cov, KL-Cov);
+     training-inference mismatch: tokens.sampler_logprob / is_masked, the derived tokens.sampler_log_ratio,
+     steps.sampler_abs_log_ratio_mean / _max / sampler_kl_k1 / sampler_kl_k3 / is_masked_frac /
+     clipped_mismatched_frac / sampler_abs_log_ratio_mean_<quadrant>.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # (table, column) whose meaning changed at a schema version -> that version: readers (query.py, spark.py)
 # show it as null in runs written before it, so no query mixes the two meanings
 CHANGED_MEANING: dict[tuple[str, str], int] = {("steps", "entropy_effect_dropped_erc"): 3}
@@ -44,6 +51,12 @@ ENTROPY_SIGN: dict[str, int] = {"PA&HP": -1, "PA&LP": +1, "NA&HP": +1, "NA&LP": 
 # --- clip region codes (int8) --------------------------------------------------------------
 CLIP_LOW, CLIP_NONE, CLIP_HIGH = -1, 0, 1
 CLIP_NAMES: dict[int, str] = {CLIP_LOW: "low", CLIP_NONE: "inside", CLIP_HIGH: "high"}
+
+# --- training-inference mismatch ------------------------------------------------------------
+# A token is "mismatched" when the trainer's and the sampler's probabilities of it differ by more than a
+# factor 2, |old_logprob - sampler_logprob| > ln 2, or the trainer's IS correction masked it (is_masked):
+# steps.clipped_mismatched_frac counts the clipped tokens that are.
+MISMATCH_LOG_RATIO = 0.6931471805599453  # ln 2
 
 
 def quadrant_slug(name: str) -> str:
@@ -124,6 +137,29 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
        "(tokens.seq_kept false); null without a sequence mask"),
     _c("is_weight_mean", "float32", "mean importance-sampling weight (tokens.is_weight, e.g. vLLM's correction) over "
        "all tokens; null without one"),
+    _c("sapo_weight_mean", "float32", "mean SAPO gate weight (tokens.sapo_weight) over all tokens; null for other "
+       "losses"),
+    _c("cov_clipped_frac", "float32", "share of tokens Clip-Cov selected (tokens.cov_clipped: loss and gradient "
+       "multiplied by 0; verl's clip_cov pg_clipfrac); null without clip_cov"),
+    _c("kl_cov_frac", "float32", "share of tokens KL-Cov penalised (tokens.kl_cov_penalised); null without kl_cov"),
+    _c("sampler_abs_log_ratio_mean", "float32", "mean |old_logprob - sampler_logprob| over the tokens with a "
+       "sampler log-prob (TRL's sampling/sampling_logp_difference/mean); null without sampler log-probs"),
+    _c("sampler_abs_log_ratio_max", "float32", "max |old_logprob - sampler_logprob| (TRL's "
+       "sampling/sampling_logp_difference/max); null without sampler log-probs"),
+    _c("sampler_kl_k1", "float32", "KL(pi_sampler || pi_old), k1 estimator: mean of sampler_logprob - old_logprob "
+       "(verl's rollout_corr/kl); null without sampler log-probs"),
+    _c("sampler_kl_k3", "float32", "KL(pi_sampler || pi_old), k3 estimator: mean of exp(d) - d - 1, d = old_logprob - "
+       "sampler_logprob (verl's rollout_corr/k3_kl); null without sampler log-probs"),
+    _c("is_masked_frac", "float32", "share of tokens the IS correction masked (tokens.is_masked: TRL's vLLM *_mask "
+       "modes, verl's rollout rejection); null without a masking correction"),
+    _c("clipped_mismatched_frac", "float32", "share of the clipped tokens (tokens.clipped) that are mismatched: "
+       "|old_logprob - sampler_logprob| > ln 2 (schema.MISMATCH_LOG_RATIO) or is_masked; null without sampler "
+       "log-probs or without clipped tokens"),
+    *(
+        _c(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}", "float32", f"mean |old_logprob - sampler_logprob| of "
+           f"{q} tokens; null without sampler log-probs")
+        for q in QUADRANTS
+    ),
     _c("kl_k3", "float32", "KL(pi_old || pi_theta), k3 estimator mean of (r - 1) - log r"),
     _c("n_nonfinite_ratio", "int64", "tokens whose ratio or k3 is not finite (exp overflow, or a sampled token of probability 0: log-prob -inf): left out of "
        "ratio_mean and kl_k3, which are means over the other tokens"),
@@ -135,7 +171,10 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("dual_clip", "float32", "dual-clip constant c of this update (when set)"),
     _c("erc_low", "float32", "ERC band, low end (when set)"),
     _c("erc_high", "float32", "ERC band, high end (when set)"),
-    _c("entropy_coef", "float32", "entropy-bonus coefficient of this update (when not 0)"),
+    _c("entropy_coef", "float32", "entropy-bonus coefficient this update's loss applied (when not 0; with adaptive "
+       "control always, 0 where its gate is shut: the previous step's entropy above the target)"),
+    _c("entropy_coef_adaptive", "float32", "adaptive entropy control's coefficient c_k at this update, before its "
+       "gate (TRL's use_adaptive_entropy, AdaptiveEntropyCoef; docs/losses.md); null without adaptive control"),
     _c("kl_coef", "float32", "KL-penalty coefficient of this update (when not 0)"),
     _c("loss_scale", "float32", "scale of the back-propagated loss, e.g. 1 / gradient accumulation (when not 1)"),
     # entropy budget: first-order entropy change per unit logit step, summed over ALL tokens of the update
@@ -150,7 +189,7 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
            "(the entropy effect clipping / beta scaling / dual-clip / ERC took away)" + note)
         for sfx, what, note in (
             ("", "all tokens", ": the by-cause parts entropy_effect_dropped_clip_low + _clip_high + _dual_clip + "
-             "_erc add up to it"),
+             "_erc + _clip_cov + _kl_cov add up to it"),
             *((f"_{quadrant_slug(q)}", f"{q} tokens", "") for q in QUADRANTS),
             ("_low", "tokens with r < 1-eps_low", "; by region (where), not by cause: it includes what ERC took "
              "from these tokens, so it overlaps _erc; the cause split is _clip_low / _clip_high / _dual_clip / _erc"),
@@ -173,6 +212,10 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
        "clip that are dual_clipped (dual-clip's c, TRL's delta) or inside the band (there only delta acts: at "
        "ratio_level='sequence' a capped token changes its sequence's other tokens too); null without "
        "dual_clip / delta"),
+    _c("entropy_effect_dropped_clip_cov", "float32", "by cause: (g_u - g_e) s / T^2 over the tokens Clip-Cov "
+       "selected (tokens.cov_clipped; never PPO-clipped or dual-clipped); null without clip_cov"),
+    _c("entropy_effect_dropped_kl_cov", "float32", "by cause: (g_u - g_e) s / T^2 over the tokens KL-Cov "
+       "penalised (tokens.kl_cov_penalised: minus the penalty's own entropy effect); null without kl_cov"),
     _c("entropy_effect_dropped_erc", "float32", "by cause: ERC's own share, (g_e - g) s / T^2 over the changed "
        "tokens (g_e = the token's grad_coef just before ERC: what a clipped token had kept, not what clipping "
        "took; nonzero on tokens ERC dropped, and at ratio_level='sequence' on the other tokens of their "
@@ -192,7 +235,10 @@ STEP_METRICS: tuple[str, ...] = (
     *(f"lgn_mean_{quadrant_slug(q)}" for q in QUADRANTS),
     "entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95",
     "erc_drop_frac", "kl_k3", "n_nonfinite_ratio", "n_nonfinite_lgn",
-    "dual_clip_frac", "token_masked_frac", "seq_masked_frac", "is_weight_mean", "loss",
+    "dual_clip_frac", "token_masked_frac", "seq_masked_frac", "is_weight_mean", "sapo_weight_mean", "cov_clipped_frac",
+    "kl_cov_frac", "sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
+    "is_masked_frac", "clipped_mismatched_frac",
+    *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS), "loss",
 )
 SEQUENCES: tuple[Column, ...] = (
     _c("step", "int32", "training step"),
@@ -220,9 +266,11 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("quadrant", "dict8", "PA&HP / PA&LP / NA&HP / NA&LP, or ZA when A == 0 (p against tau)"),
     _c("clip", "int8", "clip region of the ratio the method clips: -1 below 1-eps_low, +1 above 1+eps_high, else 0 "
        "(TRL's own loss: the ratio TRL clips, the sequence ratio with importance_sampling_level='sequence'; "
-       "TRL cispo: +1 where its weight is capped at epsilon_high; TRL sapo / vespo clip nothing: 0)"),
+       "TRL cispo: +1 where its weight is capped at epsilon_high; TRL sapo / vespo clip nothing: 0; entropylens' "
+       "sapo, which has no band: the side of 1, -1 where r < 1, +1 where r > 1)"),
     _c("clipped", "bool", "PPO-clip removes the gradient: (clip = -1 and A < 0) or (clip = +1 and A > 0) "
-       "(TRL's delta adds A < 0 and r > delta; TRL cispo / sapo / vespo never remove it: false)"),
+       "(TRL's delta adds A < 0 and r > delta; TRL cispo / sapo / vespo and entropylens' sapo never remove it: "
+       "false)"),
     _c("entropy", "float32", "full-vocabulary entropy H(pi_theta(.|s_t)), nats"),
     _c("old_entropy", "float32", "full-vocabulary entropy H(pi_old(.|s_t)), nats"),
     _c("entropy_ratio", "float32", "rho = (entropy + 1e-8) / (old_entropy + 1e-8)",
@@ -231,11 +279,29 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
     _c("dual_clipped", "bool", "dual-clip removed the gradient (A < 0 and r > c, a token PPO-clip did not clip), or "
        "TRL's delta capped the ratio (losses.policy_loss's delta); null without either (TRL's own loss folds "
        "delta into clipped)"),
-    _c("token_kept", "bool", "inside the loss's token mask (TRL's top-entropy quantile mask: the token keeps its "
-       "policy gradient); null without a token mask"),
+    _c("token_kept", "bool", "inside the loss's token mask: the 80/20 forking-token rule's top-entropy quantile "
+       "mask on every path (plain loop, TRL, verl: the token keeps its policy gradient); null without a token mask"),
     _c("seq_kept", "bool", "the off-policy sequence mask kept the token's sequence; null without a sequence mask"),
     _c("is_weight", "float32", "importance-sampling weight the loss multiplied the token's policy term by (vLLM's "
        "truncated IS correction); null without one"),
+    _c("sapo_weight", "float32", "SAPO's gate weight w = 4 sigma (1 - sigma), sigma = sigmoid(tau (r - 1)) (tau_pos "
+       "where A > 0, else tau_neg): grad_coef = w * grad_coef_unclipped; 1 at r = 1, 0 where verl's log-ratio "
+       "clamp cut the gradient; null for other losses"),
+    _c("cov", "float32", "covariance term (A - mean A)(logprob - mean logprob), means over the update's (the loss "
+       "call's) masked-in tokens (Cui et al. 2025; the term Clip-Cov and KL-Cov select on); null for other losses (the "
+       "covariance analyses compute it from the token rows)"),
+    _c("cov_clipped", "bool", "Clip-Cov selected the token (its loss and gradient multiplied by 0); null without "
+       "clip_cov"),
+    _c("kl_cov_penalised", "bool", "KL-Cov added ppo_kl_coef |log r| to the token's loss (top cov share); null "
+       "without kl_cov"),
+    _c("sampler_logprob", "float32", "log pi_sampler(a_t): the log-prob the sampling engine gave the token (TRL's "
+       "vLLM sampling log-probs, verl's rollout_log_probs, record_update's sampler_logprobs); null where the "
+       "trainer does not have it (never 0)"),
+    _c("is_masked", "bool", "the trainer's IS correction masked the token (TRL's vllm_importance_sampling_mode "
+       "token_mask / sequence_mask: its weight set to 0; verl's rollout rejection, rollout_rs); null without "
+       "a masking correction"),
+    _c("sampler_log_ratio", "float32", "training-inference mismatch d = old_logprob - sampler_logprob "
+       "(log pi_old / pi_sampler)", "old_logprob - sampler_logprob"),
     _c("grad_coef", "float32", "dLoss/dlogprob of the token for the back-propagated loss (aggregation weight and "
        "gradient-accumulation scale included; TRL's own loss: from a hook on the [B, T] log-prob tensor)"),
     _c("logit_grad_norm", "float32", "||dLoss/dz_t||_2 over the vocabulary, g_t = dLoss/dlogp_t, p the current "
@@ -252,7 +318,7 @@ TOKENS: tuple[Column, ...] = _STEP_KEYS + (
        "head_stats, TRL's fused head; record_update by hand without the loss column entropy_effect_bonus) the "
        "value is null, never the policy term alone"),
     _c("entropy_effect_dropped", "float32", "(grad_coef_unclipped - grad_coef) * s / T^2: the entropy effect "
-       "clipping, CE-GPPO's beta scaling, dual-clip / delta or ERC took away from this token; null "
+       "clipping, CE-GPPO's beta scaling, dual-clip / delta, Clip-Cov / KL-Cov or ERC took away from this token; null "
        "where they left its gradient unchanged. An entropy bonus is in both gradients and cancels: exact with "
        "or without one"),
 )

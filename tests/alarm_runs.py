@@ -34,13 +34,14 @@ def stable_grad_norm(step: int, update: int = 0) -> float:
 def record_run(root, run: str, steps: int = 24, *, entropy=lambda s: 1.0, drift=lambda s: 1.0,
                log_ratio=lambda s: torch.zeros(B, T), adv=lambda s: ADV, grad_norm=stable_grad_norm,
                lr=lambda s: 1e-3, erc=None, erc_kept=None, old_logp=lambda s: torch.full((B, T), OLD_LOGP),
-               use_loss=True, alarms=None) -> str:
+               use_loss=True, alarms=None, sampler=None) -> str:
     """Records ``steps`` steps under root/run. entropy(s): the rollout policy's entropy of every token
     (old_entropy); drift(s): entropy = old_entropy * drift(s) (a float or a [B, T] tensor: rho);
     log_ratio(s): logprobs - old_logprobs [B, T]; adv(s): the 4 advantages; grad_norm(s, u), lr(s):
     record_step's values; erc: the ERC band of the loss; erc_kept(s): overrides the loss's erc_kept
     column (an ERC that is configured but not applied); use_loss=False records without a loss (the
-    recorder derives ratio / clip itself; no budget, no loss). Returns the run directory's path."""
+    recorder derives ratio / clip itself; no budget, no loss); sampler(s): the mismatch [B, T]
+    delta = old_logprobs - sampler_logprobs (None: no sampler log-probs). Returns the run directory's path."""
     mask = torch.ones(B, T, dtype=torch.bool)
     with Recorder(root, run=run, config={"method": "grpo", "lr": 1e-3}, fsync=False, alarms=alarms) as rec:
         for s in range(steps):
@@ -49,12 +50,12 @@ def record_run(root, run: str, steps: int = 24, *, entropy=lambda s: 1.0, drift=
             a = torch.tensor(adv(s))
             h_old = torch.full((B, T), float(entropy(s)))
             h = h_old * drift(s)
-            kw = {}
+            kw = {} if sampler is None else {"sampler_logprobs": old - sampler(s)}
             if use_loss:
                 out = policy_loss(logp, old, a, mask, method="grpo", entropy=h, old_entropy=h_old, erc=erc)
                 if erc_kept is not None:
                     out.columns["erc_kept"] = erc_kept(s)
-                kw = {"loss": out, "entropy_sensitivity": torch.full((B, T), SENS)}
+                kw.update(loss=out, entropy_sensitivity=torch.full((B, T), SENS))
             rec.record_update(s, 0, mask=mask, advantages=a, logprobs=logp, old_logprobs=old, entropy=h,
                               old_entropy=h_old, seq_ids=torch.arange(B) + B * s, **kw)
             rec.record_step(s, update=0, grad_norm=grad_norm(s, 0), lr=lr(s))
@@ -66,3 +67,11 @@ def record_run(root, run: str, steps: int = 24, *, entropy=lambda s: 1.0, drift=
 def k3(d: float) -> float:
     """KL k3 of one token with log ratio d, in float64: (r - 1) - log r."""
     return math.expm1(d) - d
+
+
+def sampler_k3(d: float) -> float:
+    """k3 of the sampler-trainer mismatch on one token as recorded: the sampler's log-prob is float32
+    (old - d), the delta float32 old - that, in float64: exp(delta) - 1 - delta."""
+    old = torch.tensor(OLD_LOGP, dtype=torch.float32)
+    delta = float(old.double() - (old - torch.tensor(d, dtype=torch.float32)).double())
+    return k3(delta)

@@ -110,4 +110,38 @@ def frames(specs) -> dict[str, pd.DataFrame]:
                                 measured_dh=rng.normal(0, 0.01, len(ps)) if p == "step" else np.nan,
                                 entropy_before=1.0, optimizer="adam")) for p in parts]
         add("probe_vs_measured", _tag(pd.concat(pr, ignore_index=True), s))
+        # Cui et al.: covariance per quadrant (PA&HP, NA&LP > 0), the law dH = -0.5 cov + noise, R = 0.9 - 0.05 e^H
+        sign = {"PA&HP": 1.0, "PA&LP": -0.3, "NA&HP": -0.4, "NA&LP": 0.8}
+        cq = pd.concat([pd.DataFrame(dict(step=step, quadrant=q, tokens=100.0, cov_sum=sign[q] * h * 10,
+                                          cov_mean=sign[q] * h / 10, contribution=sign[q] * h / 40,
+                                          step_cov=sum(sign.values()) * h / 40)) for q in QUADS], ignore_index=True)
+        add("covariance_by_quadrant", _tag(cq, s))
+        cov = sum(sign.values()) * h / 40
+        dh = np.append(np.diff(h), np.nan)
+        both = ~np.isnan(dh)
+        scale = float(np.sum(-cov[both] * dh[both]) / np.sum(cov[both] ** 2))
+        add("covariance_law_by_step", _tag(pd.DataFrame(dict(
+            step=step, tokens=400, cov=cov, cov_prob=cov / 2, entropy=h, measured_dh=dh, predicted_dh=-scale * cov,
+            scale=scale, corr=float(np.corrcoef(-cov[both], dh[both])[0, 1]) if both.sum() > 1 else np.nan,
+            corr_prob=np.nan, steps=int(both.sum()))), s))
+        rew = 0.9 - 0.05 * np.exp(h) + rng.normal(0, 0.01, n)
+        x = np.exp(h)
+        sl = float(np.mean((x - x.mean()) * (rew - rew.mean())) / np.var(x)) if n > 1 else np.nan
+        fitted = rew.mean() + sl * (x - x.mean())
+        add("entropy_performance_fit", _tag(pd.DataFrame(dict(
+            step=step, entropy=h, reward=rew, fitted_reward=fitted, a=-sl, b=rew.mean() - sl * x.mean(),
+            rmse=float(np.sqrt(np.mean((rew - fitted) ** 2))), r2=np.nan, steps=n)), s))
+        # mismatch: a rising |delta log p| where the run has a sampler (seed even), NULL columns where not
+        has = s["seed"] % 2 == 0
+        mm = []
+        for k, q in enumerate(QUADS):
+            d = (0.01 + 0.002 * step * (1 + k)) if has else np.full(n, np.nan)
+            mm.append(pd.DataFrame(dict(
+                step=step, quadrant=q, tokens=100, sampled=100 if has else 0, mean_abs_log_ratio=d, kl_k1=-d / 10,
+                kl_k3=d * d / 2, mismatched_frac=np.minimum(1, d * 3), masked_frac=d / 10,
+                clipped=10 if has else np.nan, clipped_mismatched_frac=np.minimum(1, d * 5),
+                unclipped_mismatched_frac=np.minimum(1, d * 3), effect=-0.1 if has else np.nan,
+                effect_mismatched=-0.05 if has else np.nan, abs_effect=0.2 if has else np.nan,
+                abs_effect_mismatched_share=np.minimum(1, d * 4))))
+        add("mismatch_by_quadrant_by_step", _tag(pd.concat(mm, ignore_index=True), s))
     return {k: pd.concat(v, ignore_index=True) for k, v in out.items()}

@@ -228,3 +228,62 @@ def test_one_definition_documented_everywhere():
         flag = "--" + f.name.replace("_", "-")
         assert defaults[f.name] == getattr(Thresholds(), f.name), f.name
         assert flag in help_text and f"`{flag}`" in docs, flag
+
+
+def test_mismatch_against_the_runs_own_start():
+    # warm-up 5 steps: sampler KL 1e-3, 2e-3, 1e-3, 3e-3, 1e-3 -> median B = 1e-3; threshold
+    # max(10 x 1e-3, floor 1e-3) = 1e-2. Step 5 (9e-3) stays under it; step 6 (0.02) fires; 7 too (same
+    # episode, not reported again); 8 falls back; 9 fires again
+    kl = [1e-3, 2e-3, 1e-3, 3e-3, 1e-3, 9e-3, 0.02, 0.05, 1e-3, 0.03]
+    found = _feed([{"sampler_kl": x} for x in kl])
+    assert [(f.step, f.rule) for f in found] == [(6, "mismatch"), (9, "mismatch")]
+    assert found[0].value == pytest.approx(0.02) and found[0].threshold == pytest.approx(0.01)
+    # a near-zero start (bf16 rounding: 1e-6) sets the threshold at the floor, 1e-3, not at 1e-5
+    tiny = _feed([{"sampler_kl": x} for x in [1e-6] * 5 + [5e-5, 5e-4, 2e-3]])
+    assert [(f.step, f.threshold) for f in tiny] == [(7, pytest.approx(1e-3))]
+    # a KL that is high from the start is the run's normal: no alarm; nor during the warm-up itself
+    assert _feed([{"sampler_kl": x} for x in [0.5, 0.6, 0.5, 0.4, 0.5, 0.6, 0.55]]) == []
+    assert _feed([{"sampler_kl": x} for x in [1e-4, 1.0, 1e-4]]) == []
+    # a run without sampler log-probs (None / NULL) never fires; a NaN is not a KL
+    assert _feed([{"sampler_kl": None}] * 20) == []
+    assert _feed([{"sampler_kl": x} for x in [1e-3] * 5 + [math.nan, 5e-3]]) == []
+    # the thresholds are the user's: warm-up 2 -> B = median(1e-3, 2e-3) = 1.5e-3, threshold 2 x B = 3e-3;
+    # step 3 (3e-3) is not above it, step 5 (9e-3) is, 6-7 the same episode, 8 below, 9 again
+    assert [f.step for f in _feed([{"sampler_kl": x} for x in kl], Thresholds(mismatch=2, mismatch_warmup=2))] == [5, 9]
+    with pytest.raises(ValueError, match="mismatch_warmup"):
+        Thresholds(mismatch_warmup=0)
+
+
+def test_mismatch_offline_from_the_steps_table(tmp_path):
+    import json
+
+    from entropylens.record.writer import write_steps
+
+    d = tmp_path / "mm"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"run": "mm", "method": "grpo", "status": "finished", "schema_version": 4}))
+    kl = [1e-3] * 6 + [0.05] * 3  # two ranks per step: 100 tokens at kl, 300 at 3 x kl -> 2.5 x kl
+    for step, k in enumerate(kl):
+        for rank, (n, f) in enumerate(((100, 1.0), (300, 3.0))):
+            write_steps(d, step, rank, [{"update": 0, "n_tokens": n, "old_entropy_mean": 1.0, "entropy_mean": 1.0,
+                                         "clipped_frac": 0.01, "kl_k3": 1e-3, "grad_norm": 1.0,
+                                         "sampler_kl_k3": k * f}])
+    res = runner.invoke(app, ["check", str(tmp_path)])
+    # token-weighted: (100 k + 300 x 3k) / 400 = 2.5 k; start B = 2.5e-3; threshold 2.5e-2; step 6: 0.125
+    assert res.exit_code == 1
+    assert "run=mm step=6 rule=mismatch value=0.125 threshold=0.025" in res.output
+    assert runner.invoke(app, ["check", str(tmp_path), "--mismatch", "100"]).exit_code == 0
+
+
+def test_live_mismatch_reads_the_step_summarys_sampler_kl_and_calls_the_listeners():
+    # the Recorder's step summary carries steps.sampler_kl_k3 (the steps column of the same name)
+    seen = []
+    live = LiveAlarms("r", Thresholds(mismatch_warmup=2), stop_on=("mismatch",))
+    live.listeners.append(seen.append)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, kl in enumerate((2e-4, 2e-4, 5e-4, 3e-3, 3e-3)):  # threshold max(10 x 2e-4, 1e-3) = 2e-3
+            live.observe(step, {"old_entropy_mean": 1.0, "sampler_kl_k3": kl})
+    assert [(f.step, f.rule) for f in seen] == [(3, "mismatch")] and live.stop is seen[0]
+    assert seen[0].threshold == pytest.approx(2e-3)
+    assert sum("rule=mismatch" in str(w.message) for w in caught if issubclass(w.category, EntropyAlarm)) == 1

@@ -16,11 +16,12 @@ def _run(script: str, *args: str) -> str:
 
 
 def test_overhead_benchmark_pairs_the_same_work():
-    out = _run("overhead.py", "--steps", "2", "--sft-steps", "2", "--prompts", "2", "--fsync-files", "2")
-    # every mode (off, full, full-nofsync, sample=0.1) ran each of the 4 steps from the same state and
+    out = _run("overhead.py", "--steps", "2", "--sft-steps", "2", "--prompts", "2", "--fsync-files", "2",
+               "--modes", "off,full,full-nofsync,sample=0.1,hook")
+    # every mode (off, full, full-nofsync, sample=0.1, the loss hook) ran each of the 4 steps from the same state and
     # ended with the same weights: the recorder never changes training and the pairs are the same work
     assert "4 of 4 steps (2 measured, 2 warm-up rounds) ended with identical weights in all modes" in out
-    assert "overhead_ratio=" in out and "paired_overhead_ratio=" in out
+    assert "overhead_ratio=" in out and "paired_overhead_ratio=" in out and "hook_paired_overhead_ratio=" in out
 
 
 def test_contention_benchmark_runs():

@@ -12,7 +12,7 @@ def small_data(text: str | None = "hello") -> dict:
     """A page's data of the format page_data writes (two responses, one without text), by hand."""
     cols = list(responses.TOKEN_COLUMNS)
     row = [0, 17, 0.5, -0.6931472, -0.6931472, 1.0, 0.25, "PA&HP", 0, False, 1.25, 1.5, 0.8333333, True, None,
-           None, None, None, -0.125, 0.33, 1e-07, None]
+           None, None, None, -0.125, 0.33, 1e-07, None, None, None, None]
     assert len(row) == len(cols)
     resp = {"seq": 3, "rank": 0, "group": 1, "gen_step": 4, "why": ["highest reward"], "text": text,
             "summary": {"reward": 1.0, "advantage": 0.25, "length": 2, "tokens": 2, "updates": 1,

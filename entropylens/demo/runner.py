@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..record.run_claim import RunExistsError, runs_exist_message
@@ -70,16 +70,29 @@ def _prepare_out(runs_dir: Path, report_dir: Path | None, ids: list[str], overwr
         shutil.rmtree(report_dir)
 
 
+def mismatch_runs(methods, mismatch: str = "", tis: float = 2.0) -> list[tuple[str, str, dict]]:
+    """(run name, method, overrides) of the demo's runs: each method alone; with a ``mismatch`` sampler
+    (toy/sampler.py: 'bf16', 'temp:S') each method twice instead, <method>-<sampler> without an IS
+    correction and <method>-<sampler>-tis with TIS at cap ``tis``."""
+    if not mismatch:
+        return [(m, m, {}) for m in methods]
+    slug = mismatch.replace(":", "")
+    return [row for m in methods for row in ((f"{m}-{slug}", m, {"mismatch": mismatch}),
+                                             (f"{m}-{slug}-tis", m, {"mismatch": mismatch, "tis": tis}))]
+
+
 def demo_configs(methods=DEMO_DEFAULT, *, steps: int | None = None, seeds: int = 1, quick: bool = False,
-                 probe_every: int = 0) -> list[ToyConfig]:
+                 probe_every: int = 0, mismatch: str = "", tis: float = 2.0) -> list[ToyConfig]:
     """The demo's runs: each method x seed in the fast regime, DEMO_STEPS steps (QUICK's small runs
-    with ``quick``; ``steps`` when given); the probe on every ``probe_every``-th step when > 0."""
+    with ``quick``; ``steps`` when given); the probe on every ``probe_every``-th step when > 0; with a
+    ``mismatch`` sampler, each method with and without TIS (:func:`mismatch_runs`)."""
     overrides = dict(QUICK) if quick else {"steps": DEMO_STEPS}
     if steps is not None:
         overrides["steps"] = steps
     if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
         overrides["probe_every"] = probe_every
-    return [config_for(m, seed=s, **overrides) for m in methods for s in range(seeds)]
+    return [replace(config_for(m, seed=s, **overrides, **extra), name=name)
+            for name, m, extra in mismatch_runs(methods, mismatch, tis) for s in range(seeds)]
 
 
 # ------------------------------------------------------------------ worker side
@@ -148,6 +161,8 @@ def run_demo(
     workers: int | None = None,
     overwrite: bool = False,
     probe_every: int = 0,
+    mismatch: str = "",
+    tis: float = 2.0,
 ) -> DemoResult:
     """Train every (method, seed), record under ``out/runs/<method>-s<seed>``, report to ``out/report``.
 
@@ -162,7 +177,8 @@ def run_demo(
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     t_start = time.perf_counter()
-    cfgs = demo_configs(methods, steps=steps, seeds=seeds, quick=quick, probe_every=probe_every)  # fail early
+    cfgs = demo_configs(methods, steps=steps, seeds=seeds, quick=quick, probe_every=probe_every,
+                        mismatch=mismatch, tis=tis)  # fail early
     ids = [run_id(c) for c in cfgs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a run is named twice: {', '.join(ids)}")
@@ -213,9 +229,10 @@ def _prime() -> int:
 
 # The report's figures, most expensive first (CPU seconds measured on the default demo's runs: the
 # analysis and the drawing): the workers take them one at a time, so the two finish together.
-FIGURE_ORDER = ("ratio_vs_prob", "entropy_change", "entropy_ratio", "entropy_budget", "grad_share",
+FIGURE_ORDER = ("ratio_vs_prob", "entropy_change", "entropy_ratio", "entropy_budget", "grad_share", "mismatch",
                 "quadrant_share", "clipping_removed", "clipped_prob", "kl", "clip_by_quadrant", "reward",
-                "entropy", "drift_by_prob", "grad_norm", "probe")
+                "entropy", "drift_by_prob", "grad_norm", "probe", "covariance_by_quadrant", "covariance_law",
+                "entropy_performance")
 _REPORT_CON: dict = {}  # in a worker: one DuckDB connection per (runs dir, runs) for all its figures
 
 

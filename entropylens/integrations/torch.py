@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rl.forking import AdaptiveEntropyCoef, bonus_weights, top_entropy_mask
 from ..rl.losses import PolicyLossOutput, policy_loss
 from ..record.recorder import Recorder
 from ..rl.stats import _chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
@@ -118,6 +119,10 @@ def policy_update(
     hidden: torch.Tensor | None = None,
     head=None,
     chunk_size: int | None = None,
+    top_entropy_quantile: float = 1.0,
+    entropy_gather=None,
+    sampler_logprobs: torch.Tensor | None = None,
+    is_masked: torch.Tensor | None = None,
     **loss_kwargs,
 ) -> PolicyLossOutput:
     """One policy update: log-probs and entropies, the loss (``policy_loss(**loss_kwargs)``: method,
@@ -139,8 +144,27 @@ def policy_update(
 
     Masked-out positions of ``tokens`` may hold any id (HF's -100 included; :func:`masked_tokens`): only
     masked-in ids are checked against the vocabulary. An empty batch (B = 0 or T = 0: all of a step's
-    samples filtered out) is an update like any other: a steps row with n_tokens 0, its means null."""
+    samples filtered out) is an update like any other: a steps row with n_tokens 0, its means null.
+
+    The 80/20 forking-token rule: ``top_entropy_quantile`` q < 1 keeps the policy term on the valid tokens
+    at or above the (1 - q) entropy quantile (``entropylens.rl.forking.top_entropy_mask``, TRL's rule;
+    ``entropy_gather`` pools the quantile over processes, e.g. ``forking.gather_valid``), recorded as
+    tokens.token_kept; an entropy bonus then acts on the kept tokens as their mean entropy times ``scale``
+    (TRL's rule). ``entropy_coef`` may be an ``AdaptiveEntropyCoef``: its applied coefficient is used, each
+    update's entropies over the bonus's tokens are added to its window, and the caller calls its
+    ``step()`` once per optimizer step (steps.entropy_coef / entropy_coef_adaptive record it).
+
+    ``sampler_logprobs`` [B, T] (the sampling engine's log-probs) and ``is_masked`` [B, T] or [B, 1]
+    (tokens your IS correction masked) are recorded as given (``Recorder.record_update``)."""
     tokens = masked_tokens(tokens, mask)
+    ctrl = loss_kwargs.get("entropy_coef")
+    if isinstance(ctrl, AdaptiveEntropyCoef):
+        loss_kwargs["entropy_coef"] = ctrl.applied
+    else:
+        ctrl = None
+    forking = float(top_entropy_quantile) < 1.0
+    if forking and loss_kwargs.get("token_mask") is not None:
+        raise ValueError("policy_update: give token_mask or top_entropy_quantile, not both")
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
     sum_p2, sens, dist = None, [None], None
     if logits is None:
@@ -163,8 +187,22 @@ def policy_update(
                                                         sensitivity=recorder is not None, one_hot_distance=want_dist)
         if want_dist:
             dist = sens.pop()
+    keep = None
+    if forking or (top_entropy_quantile is not None and not 0.0 <= float(top_entropy_quantile) <= 1.0):
+        keep = top_entropy_mask(entropy, mask, top_entropy_quantile, all_gather=entropy_gather)  # [B, T] bool
+        loss_kwargs["token_mask"] = keep
+        if (entropy_grad or ctrl is not None) and loss_kwargs.get("entropy_weights") is None:
+            loss_kwargs["entropy_weights"] = bonus_weights(mask, keep, loss_kwargs.get("scale", 1.0),
+                                                             torch.float64 if logprobs.dtype == torch.float64 else torch.float32)
+    if ctrl is not None:  # the window of the optimizer step: the tokens the bonus acts on
+        ctrl.observe(entropy, mask.float() if keep is None else mask.float() * keep.float())
     out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
                       **loss_kwargs)
+    if ctrl is not None:
+        out.config["entropy_coef_adaptive"] = ctrl.coef
+        out.config.update(ctrl.settings())
+    if forking:
+        out.config["top_entropy_quantile"] = float(top_entropy_quantile)
     if sum_p2 is not None and not entropy_grad:
         out.columns["logit_grad_norm"] = logit_grad_norm_from_sum_p2(out.columns["grad_coef"], logprobs, sum_p2,
                                                                      temperature)
@@ -178,8 +216,8 @@ def policy_update(
         recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
                                old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
                                seq_ids=seq_ids, group_ids=group_ids, loss=out, entropy_sensitivity=sens[0],
-                               temperature=temperature)
+                               temperature=temperature, sampler_logprobs=sampler_logprobs, is_masked=is_masked)
     return out
 
 
-__all__ = ["entropy_bonus_effect", "entropy_gradient_sq", "masked_tokens", "old_policy_pass", "policy_update"]
+__all__ = ["AdaptiveEntropyCoef", "entropy_bonus_effect", "entropy_gradient_sq", "masked_tokens", "old_policy_pass", "policy_update"]

@@ -41,6 +41,16 @@ def active_options(trainer) -> dict:
     return out
 
 
+def on_policy(trainer) -> bool:
+    """Whether TRL trains on-policy: it keeps no old log-probs (grpo_trainer: gradient_accumulation_steps is a
+    multiple of steps_per_generation x num_iterations, and no vLLM importance-sampling correction), so every
+    ratio is exactly 1 and clipping, CE-GPPO's beta1 / beta2 and ERC never act."""
+    a = trainer.args
+    every = a.steps_per_generation * trainer.num_iterations
+    vllm_is = bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+    return a.gradient_accumulation_steps % every == 0 and not vllm_is
+
+
 def run_config(trainer, *, loss, beta1, beta2, erc, dual_clip, attribution, save_tokenizer) -> dict:
     """run.json's ``config`` for a built trainer: the method, TRL's loss settings and options, the
     generation and accumulation settings, the model and the tokenizer."""

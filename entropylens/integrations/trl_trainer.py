@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from ..rl.cov import COV_METHODS
 from ..rl.losses import METHODS, policy_loss
 from ..record.recorder import Recorder
 from ..rl.stats import logit_grad_norm_from_sum_p2
@@ -26,7 +27,7 @@ from ..record.trackers import SUMMARY_NAMES, EXTRA_NAMES, StepLog, step_metrics,
 from .trl_loss import (LossColumns, refuse_unsupported, trl_loss_metrics, trl_loss_weights, trl_own_loss_columns,
                        unsupported_trl_options)
 from .trl_passes import MM_KEYS, captured_sum_sq, head_stats_pass
-from .trl_run import check_trl_version, checkpoint_last_step, completion_texts, resume_step, run_config
+from .trl_run import check_trl_version, checkpoint_last_step, completion_texts, on_policy, resume_step, run_config
 
 check_trl_version()  # before TRL's private methods are imported: they move between releases
 
@@ -44,6 +45,25 @@ def _check_arguments(loss, erc, config) -> None:
         raise ValueError("erc needs loss=... (ERC is part of entropylens' losses, not TRL's)")
     if loss is not None and config is not None:
         refuse_unsupported(loss, unsupported_trl_options(config))
+
+
+def cov_kwargs(loss, cov, seed) -> dict:
+    """policy_loss's Clip-Cov / KL-Cov settings for ``loss`` clip_cov / kl_cov: ``cov`` (a dict of
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub / kl_cov_ratio, ppo_kl_coef; missing: verl's defaults) and
+    Clip-Cov's random draw on a CPU generator seeded with the run's seed (+ the process index is not
+    added: each process draws over its own micro-batch)."""
+    if loss not in COV_METHODS:
+        if cov:
+            raise ValueError(f"cov: settings of clip_cov / kl_cov, but loss={loss!r}")
+        return {}
+    keys = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub") if loss == "clip_cov" else ("kl_cov_ratio", "ppo_kl_coef")
+    unknown = set(cov or {}) - set(keys)
+    if unknown:
+        raise ValueError(f"cov: unknown {', '.join(sorted(unknown))} for loss={loss!r}; valid: {', '.join(keys)}")
+    out = dict(cov or {})
+    if loss == "clip_cov":
+        out["generator"] = torch.Generator().manual_seed(int(seed))
+    return out
 
 
 def _entropies_of_pass(logps, passes: list):
@@ -200,6 +220,7 @@ class _Loss:
             mask = mask * inputs["tool_mask"]
         out = None
         modifiers = {}
+        coef = self._el_coef_now()  # before the loss: TRL's adaptive controller moves at the step's last micro-batch
         if self._el_loss is None:
             loss, modifiers = self._el_trl_loss(model, inputs)
         else:
@@ -212,7 +233,8 @@ class _Loss:
         self._el_rec = {**train, "mask": mask, "adv": inputs["advantages"], "tokens": completion_ids,
                         "old_lp": inputs.get("old_per_token_logps"), "old_h": inputs.get("old_entropies"),
                         "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach(),
-                        "modifiers": modifiers}
+                        "modifiers": modifiers, "coef": coef, "sampler_lp": inputs.get("sampling_per_token_logps"),
+                        "is_masked": self._el_is_masked(inputs)}
         self._el_add_kl_ref(inputs.get("ref_per_token_logps"), train["lp"], mask)
         return loss
 
@@ -228,6 +250,26 @@ class _Loss:
         if self.use_vllm and self.vllm_importance_sampling_correction and self.loss_type != "vespo":
             modifiers["is_weight"] = inputs["importance_sampling_ratio"].detach().float()
         return loss, modifiers
+
+    def _el_coef_now(self) -> dict:
+        """The entropy bonus's steps columns for this micro-batch: the coefficient the loss applies (TRL's gate
+        of the previous optimizer step when adaptive) and, when adaptive, the controller's own coefficient."""
+        if not self._entropy_bonus_enabled:
+            return {}
+        if not self.use_adaptive_entropy:
+            return {"entropy_coef": float(self.entropy_coef)}
+        shut = self._last_world_entropy > self.args.entropy_target
+        return {"entropy_coef": 0.0 if shut else float(self.entropy_coef),
+                "entropy_coef_adaptive": float(self.entropy_coef)}
+    def _el_is_masked(self, inputs):
+        """The tokens TRL's vLLM IS correction masked ([B, T], or [B, 1] at sequence level): in its
+        token_mask / sequence_mask modes it sets the weight of a ratio outside [clip_min, clip_max] to 0.
+        None without a masking correction (truncate modes, no vLLM weight)."""
+        w = inputs.get("importance_sampling_ratio")
+        if w is None or not (self.use_vllm and self.vllm_importance_sampling_correction) \
+                or self.vllm_importance_sampling_mode not in ("token_mask", "sequence_mask"):
+            return None
+        return w.detach() == 0
 
     def _el_add_kl_ref(self, ref, lp, mask) -> None:
         """Adds the micro-batch's KL to the reference (k3, and its tokens) to the step's, on the device."""
@@ -437,7 +479,8 @@ class _Recording:
                                     logprobs=lp, old_logprobs=old_lp, entropy=h, old_entropy=old_h,
                                     tokens=rec["tokens"], seq_ids=rec["seq"],
                                     loss=LossColumns(cols, rec["loss"], config),
-                                    entropy_sensitivity=rec.get("sens"), temperature=self.temperature)
+                                    entropy_sensitivity=rec.get("sens"), temperature=self.temperature,
+                                    sampler_logprobs=rec.get("sampler_lp"), is_masked=rec.get("is_masked"))
         self._el_micro += 1
 
     def _el_update_columns(self, rec: dict, lp, old_lp, g) -> tuple[dict, dict]:
@@ -445,13 +488,12 @@ class _Recording:
         derived for TRL's own loss (:func:`trl_own_loss_columns`)."""
         out = rec["out"]
         if out is not None:
-            return dict(out.columns), out.config
+            return dict(out.columns), {**out.config, **rec.get("coef", {})}
         cols = trl_own_loss_columns(self.loss_type, self.importance_sampling_level, self.args.delta,
                                     self.epsilon_low, self.epsilon_high, lp, old_lp, rec["adv"], rec["mask"], g,
                                     rec.get("modifiers", {}))
         # TRL's entropy bonus reaches the logits through H: the recorder leaves entropy_effect null
-        config = {"entropy_coef": float(self.entropy_coef)} if self._entropy_bonus_enabled else {}
-        return cols, config
+        return cols, dict(rec.get("coef", {}))
 
     def _el_step_end(self) -> None:
         """The optimizer step that just finished: its scalars recorded, its files written, and the step
@@ -518,14 +560,17 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
     def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
                  erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=True, attribution=False,
                  resume=None, save_tokenizer=None, alarms=None, stop_on=(), log_histograms=True,
-                 log_table_every=50, **kwargs):
+                 log_table_every=50, cov=None, **kwargs):
         _check_arguments(loss, erc, kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
         if loss is not None:
             refuse_unsupported(loss, unsupported_trl_options(self.args, self.aux_loss_enabled))
         self._el_loss = loss
         self._el_loss_kw = dict(beta1=beta1, beta2=beta2, erc=tuple(erc) if erc else None, dual_clip=dual_clip,
-                                tau=tau)
+                                tau=tau, **cov_kwargs(loss, cov, self.args.seed))
+        if loss == "sapo":  # TRL's own gate temperatures; TRL does not clamp log r (verl does)
+            self._el_loss_kw.update(sapo_tau_pos=float(self.args.sapo_temperature_pos),
+                                    sapo_tau_neg=float(self.args.sapo_temperature_neg), sapo_log_ratio_clamp=None)
         self._el_texts = record_texts
         cfg = run_config(self, loss=loss, beta1=beta1, beta2=beta2, erc=erc, dual_clip=dual_clip,
                          attribution=attribution, save_tokenizer=save_tokenizer)
@@ -539,6 +584,13 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
         self._el_fused = False if attribution else self._el_patch_fused_head()
         self._el_wrap_clip_grad_norm()
         self.add_callback(_StepCallback(self))
+        if on_policy(self) and self.accelerator.is_main_process:  # once, before the first step
+            from ..report.run_findings import ON_POLICY_TEXT, OnPolicyWarning
+
+            warnings.warn(f"entropylens: on_policy: {ON_POLICY_TEXT} (TRL keeps no old log-probs: "
+                          f"gradient_accumulation_steps {self.args.gradient_accumulation_steps} is a multiple of "
+                          f"steps_per_generation {self.args.steps_per_generation} x num_iterations "
+                          f"{self.num_iterations})", OnPolicyWarning, stacklevel=2)
 
     def _el_open_recorder(self, root, run, cfg, *, tau, sample, alarms, stop_on, log_histograms,
                           log_table_every) -> None:

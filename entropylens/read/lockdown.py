@@ -127,6 +127,7 @@ def vanished(e: BaseException, plan: Plan | None = None) -> bool:
 def replan(con) -> bool:
     """Re-create the file views of ``con`` from a fresh listing (module docstring). False if ``con``
     was not made by :func:`entropylens.read.query.connect`."""
+    from . import retau
     from .views import MATERIALIZED, _views
 
     con = unguarded(con)  # re-creating the views is this module's own SQL, not a user's
@@ -143,6 +144,7 @@ def replan(con) -> bool:
     for t in tables:
         con.execute(f'DROP VIEW IF EXISTS "{t}"')
     _views(snap, con, only=set(tables))
+    retau.replanned(con)  # a connection split at another tau (connect(tau=...)) keeps its split
     return True
 
 

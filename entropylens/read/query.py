@@ -20,6 +20,7 @@ from importlib import resources
 from . import catalog as cat
 from .catalog import QueryError
 from .params import check as check_params
+from .sql_hints import hint as sql_hint
 from .sql_guard import NotReadOnly, ReadOnlyConnection, unguarded
 
 from .views import (  # noqa: F401 - the readers' public names, re-exported
@@ -29,7 +30,7 @@ from .views import (  # noqa: F401 - the readers' public names, re-exported
 
 def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
             storage_options: dict | None = None, lock: bool = True, settings: dict | None = None,
-            raw: bool = False):
+            raw: bool = False, tau: float | None = None):
     """A read-only DuckDB connection with views runs / steps / sequences / tokens over the runs under
     ``path`` (a directory or an object-store URL such as ``s3://bucket/runs``).
 
@@ -51,10 +52,20 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
     A query through :func:`run_sql` / :func:`run_analysis` whose files a compaction removed is
     re-planned once onto the compacted files (lockdown.replan). ``settings``: DuckDB settings to apply
     before the lock (e.g. ``{"memory_limit": "4GB", "threads": 2, "temp_directory": DIR}``; a
-    temp_directory given here is where a locked connection spills, in place of a private one)."""
+    temp_directory given here is where a locked connection spills, in place of a private one).
+
+    Every connection has the SQL macro ``quadrant(advantage, prob, tau)`` (retau.py): a token's quadrant
+    at any tau. ``tau``: the views split at this tau in place of each run's own (tokens.quadrant, the
+    steps' per-quadrant columns recomputed from the token rows, runs.tau; retau.apply_tau)."""
     import duckdb
 
-    from . import lockdown
+    from . import lockdown, retau
+
+    if tau is not None:
+        try:
+            tau = retau.check_tau(tau)
+        except ValueError as e:
+            raise QueryError(str(e)) from None
 
     for attempt in range(3):
         snap = cat.scan(path, runs, storage_options=storage_options)
@@ -62,6 +73,9 @@ def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
             con = duckdb.connect(database)
             con.execute("SET parquet_metadata_cache = true")  # footers parsed once, not by every query
             con = _views(snap, con)
+            retau.register_macro(con)
+            if tau is not None:
+                retau.apply_tau(con, tau)
             break
         except duckdb.IOException:  # a file vanished since the listing (compaction): list again
             if attempt == 2:
@@ -339,7 +353,7 @@ def run_sql(con, sql: str, *, timeout: float | None = None):
             raise QueryError("SQL error: the query has no statement")
         return df
     except duckdb.Error as e:
-        raise QueryError(f"SQL error: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
+        raise QueryError(f"SQL error: {str(e).splitlines()[0]}{sql_hint(e)}{read_error_hint(con, e)}") from None
 
 
 __all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "QueryLimitError",
@@ -409,7 +423,8 @@ def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL", timeout: 
             return run_replanning(con, lambda: pl.from_arrow(con.sql(sql).to_arrow_table()))
     except duckdb.Error as e:
         prefix = "SQL error" if what == "SQL" else f"{what} failed"
-        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
+        more = sql_hint(e) if what == "SQL" else ""
+        raise QueryError(f"{prefix}: {str(e).splitlines()[0]}{more}{read_error_hint(con, e)}") from None
 
 
 def open(path, *, runs: list[str] | None = None, **connect_kwargs) -> Runs:  # noqa: A001 - entropylens.open

@@ -19,16 +19,18 @@ from ..rl.aggregates import AGG_NAMES
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
 FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm",
-              "entropy_effect", "entropy_effect_dropped", "is_weight")
+              "entropy_effect", "entropy_effect_dropped", "is_weight", "sapo_weight", "cov", "sampler_logprob")
 
 
 # flags word per token: quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
 # | selected (masked in and sampled) << 7 | masked in << 8 | dual_clipped << 9 | token_kept << 10 | seq_kept << 11
+# | cov_clipped << 12 | kl_cov_penalised << 13 | is_masked << 14
 _Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT, _MASK_SHIFT = 0b111, 3, 5, 6, 7, 8
 
 
 # the optional bool token columns (null where the loss has no such modifier) and their bit in the flags word
-BOOL_SHIFTS: dict[str, int] = {"erc_kept": _ERC_SHIFT, "dual_clipped": 9, "token_kept": 10, "seq_kept": 11}
+BOOL_SHIFTS: dict[str, int] = {"erc_kept": _ERC_SHIFT, "dual_clipped": 9, "token_kept": 10, "seq_kept": 11,
+                               "cov_clipped": 12, "kl_cov_penalised": 13, "is_masked": 14}
 
 
 @dataclass(frozen=True)

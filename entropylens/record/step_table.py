@@ -264,7 +264,7 @@ class StepTable:
 
     def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
         """The step's aggregates over the updates of ``step`` so far: n_* counts summed, the entropy-ratio
-        quantiles over all the step's tokens (linear interpolation, as torch.quantile), the other
+        quantiles over all the step's tokens (linear interpolation, as torch.quantile), a *_max the maximum, the other
         aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out).
         ``names``: only these aggregates (and n_tokens); with HISTOGRAMS_KEY among them also the step's
         histograms (:meth:`histograms`, under that key), with TABLE_KEY its token table where the step has
@@ -285,6 +285,11 @@ class StepTable:
                 continue
             if name.startswith("n_"):
                 out[name] = float(sum(r[name] for r in rows))
+                continue
+            if name.endswith("_max"):  # a maximum over the step's updates, not a mean
+                vals = [r[name] for r in rows if r.get(name) is not None and r[name] == r[name]]
+                if vals:
+                    out[name] = max(vals)
                 continue
             pairs = [(r[name], r["n_tokens"]) for r in rows if r.get(name) is not None and r[name] == r[name]]
             weight = sum(n for _, n in pairs)

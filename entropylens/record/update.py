@@ -117,6 +117,8 @@ class UpdateRecording:
         loss: LossOutput | None = None,
         entropy_sensitivity: torch.Tensor | None = None,
         temperature: float = 1.0,
+        sampler_logprobs: torch.Tensor | None = None,
+        is_masked: torch.Tensor | None = None,
     ) -> None:
         """One policy update (a mini-batch). Tensors are [B, T] (advantages [B] or [B, T]; seq_ids,
         group_ids [B]). Only masked-in tokens become rows. ``loss``: a ``policy_loss`` output whose
@@ -131,7 +133,12 @@ class UpdateRecording:
         over such micro-batches: all completions truncated or tool output): it makes no token rows,
         only a steps row with n_tokens 0, and needs no seq_ids. No host sync happens here (on CUDA,
         NaN/Inf in the inputs is reported at the next call; only a step of several updates, some
-        without seq_ids, reads their "any token?" flags)."""
+        without seq_ids, reads their "any token?" flags).
+
+        ``sampler_logprobs`` [B, T]: the sampling engine's log-prob of each token (vLLM, SGLang: the
+        training-inference mismatch, tokens.sampler_logprob; NaN where it did not score a token, stored as
+        null); ``is_masked`` [B, T] or [B, 1] bool: the tokens the IS correction masked (tokens.is_masked).
+        Left out: both columns null, never 0."""
         self._check_alive()
         step, update = int(step), int(update)
         self._finalize_pending()
@@ -158,6 +165,7 @@ class UpdateRecording:
             eps_low=settings.get("eps_low", self.eps_low), eps_high=settings.get("eps_high", self.eps_high),
             tau=settings.get("tau", self.tau),
         )  # the attribution columns (entropy_sensitivity) are added with the aggregates (blocks.update_block)
+        token_columns.add_mismatch(columns, m.shape, sampler_logprobs, is_masked)
         if entropy_sensitivity is not None:  # an entropy bonus whose own term the loss did not measure: null effect
             token_columns.entropy_bonus_rule(columns, settings)
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]

@@ -76,7 +76,7 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
 
 # NaN on the device = null in the file: a gradient unchanged (entropy_effect_dropped), an entropy bonus's
 # own term not measured (entropy_effect: token_columns.entropy_bonus_rule)
-NAN_IS_NULL = ("entropy_effect", "entropy_effect_dropped")
+NAN_IS_NULL = ("entropy_effect", "entropy_effect_dropped", "sampler_logprob")  # sampler_logprob: a token the sampler did not score
 
 
 _TOKEN_FIELDS: list | None = None  # (name, arrow type) of the stored token columns, built once

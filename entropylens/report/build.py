@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import runset
 from .escape import html_text, markdown, markdown_cell
-from .figures import FIGURES, CaptionFailure, CaptionWarning, Figure, figure  # the report's figures, declared there
+from .figures import FIGURES, SECTIONS, CaptionFailure, CaptionWarning, Figure, figure  # the report's figures, declared there
 from ..read.query import connect, run_analysis
 
 DEFAULT_RESPONSES = 40  # responses per run on its responses page (responses.DEFAULT_N)
@@ -69,13 +69,15 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _connect(path, runs, engine: str):
+def _connect(path, runs, engine: str, tau: float | None = None):
     if engine == "spark":  # the same analyses on Spark (entropylens.read.spark); DuckDB is canonical
         from ..read.spark import connect as spark_connect
 
+        if tau is not None:
+            raise ValueError("tau (quadrants re-split after the fact) needs the duckdb engine")
         return spark_connect(path, runs=runs)
     if engine == "duckdb":
-        con = connect(path, runs=runs)
+        con = connect(path, runs=runs, tau=tau)
         con.raw.execute("SET enable_progress_bar = false")  # no bar characters in logs and demo output (a SET: raw)
         return con
     raise ValueError(f"unknown engine {engine!r}: duckdb or spark")
@@ -99,7 +101,7 @@ def _render(con, out: Path, f: Figure, rs: runset.RunSet) -> tuple[str | None, s
     import matplotlib.pyplot as plt
 
     df = _frame(con, f, rs)
-    if f.optional and df.empty:
+    if f.optional and (df.empty or (f.has_data is not None and not f.has_data(df))):
         return None, ""
     title = "run" if rs.group_by in (None, "run") else ("config" if rs.group_by == "config" else rs.group_by)
     fig = f.plot(df, band=rs.band, legend_title=title)
@@ -109,9 +111,9 @@ def _render(con, out: Path, f: Figure, rs: runset.RunSet) -> tuple[str | None, s
     return png, f.observed(df, rs)
 
 
-def open_report(path, runs: list[str] | None = None, engine: str = "duckdb"):
+def open_report(path, runs: list[str] | None = None, engine: str = "duckdb", tau: float | None = None):
     """The connection the report's analyses run on (for :func:`render_figure`)."""
-    return _connect(path, runs, engine)
+    return _connect(path, runs, engine, tau)
 
 
 def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band: str = "minmax",
@@ -125,10 +127,10 @@ def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band:
 
 
 def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb",
-                   group_by: str | None = None, band: str = "minmax") -> dict:
+                   group_by: str | None = None, band: str = "minmax", tau: float | None = None) -> dict:
     """The figures ``names`` only (a part of a report drawn in another process, e.g. by a demo worker):
     {name: (png or None, caption)}, for :func:`write_report`'s ``elsewhere`` / ``done``."""
-    con = _connect(path, runs, engine)
+    con = _connect(path, runs, engine, tau)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rs = runset.from_connection(con, group_by=group_by, band=band)
@@ -139,7 +141,7 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
                  group_by: str | None = None, band: str = "minmax",
                  elsewhere: tuple[str, ...] = (), done=None, on_summary=None,
                  responses: int = DEFAULT_RESPONSES, where: str | None = None, tokenizer=None,
-                 max_page_bytes: int = DEFAULT_PAGE_BYTES) -> Path:
+                 max_page_bytes: int = DEFAULT_PAGE_BYTES, tau: float | None = None) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``. Returns the path of index.html.
 
@@ -158,13 +160,16 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
     clip and entropy-budget figures link to the steps the pages hold.
 
     A measured caption that raises (here or in the process that drew its figure) is replaced by a row
-    count that says so, with a :class:`~entropylens.report.figures.CaptionWarning` (an error in the tests)."""
-    con = _connect(path, runs, engine)
+    count that says so, with a :class:`~entropylens.report.figures.CaptionWarning` (an error in the tests).
+
+    ``tau``: every quadrant split at this tau in place of each run's recorded one, recomputed from the
+    token rows (read/retau.py); the report says so."""
+    con = _connect(path, runs, engine, tau)
     rs = runset.from_connection(con, group_by=group_by, band=band)
     if responses and where is not None and rs.method:  # a bad --where fails now, before any figure is drawn
         from .responses import matching
 
-        matching(con if engine == "duckdb" else _connect(path, runs, "duckdb"), next(iter(rs.method)), where)
+        matching(con if engine == "duckdb" else _connect(path, runs, "duckdb", tau), next(iter(rs.method)), where)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = summary_table(con, rs)
@@ -177,16 +182,23 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
         for _, caption in theirs.values():  # a caption that failed in the process that drew it: warned here too
             if isinstance(caption, CaptionFailure):
                 warnings.warn(CaptionWarning(caption.why + "; the report shows a row count in its place"), stacklevel=2)
+    notes = _run_notes(con if engine == "duckdb" else None)
     rendered, not_shown = [], []
     for f in FIGURES:
         png, caption = drawn[f.name]
+        if png is not None and notes.get(f.name) and not isinstance(caption, CaptionFailure):
+            caption = f"{caption} {notes[f.name]}".strip()
         if png is None:
             not_shown.append(f)
         else:
             rendered.append((f, png, caption))
     about = comparison_text(rs)
+    if tau is not None:
+        about = (f"Quadrants split at tau = {tau:g} (given after the fact), not at each run's recorded tau: "
+                 "tokens and the steps' per-quadrant counts recomputed from the token rows. " + about).strip()
     pages = (response_pages(path, out, list(rs.method), n=responses, where=where, tokenizer=tokenizer,
-                            max_bytes=max_page_bytes, runs_filter=runs, con=con if engine == "duckdb" else None)
+                            max_bytes=max_page_bytes, runs_filter=runs, con=con if engine == "duckdb" else None,
+                            tau=tau)
              if responses else [])
     _write_markdown(out / "report.md", summary, rendered, not_shown, about, pages)
     index = out / "index.html"
@@ -206,14 +218,14 @@ class ResponsePage:
 
 
 def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | None, tokenizer, max_bytes: int,
-                   runs_filter=None, con=None) -> list[ResponsePage]:
+                   runs_filter=None, con=None, tau: float | None = None) -> list[ResponsePage]:
     """Each run's responses page (entropylens/report/viewer.py) in ``out``; ``con``: a DuckDB connection of the
     report's runs (one is opened when None, e.g. when the figures ran on Spark)."""
     from . import responses as resp
     from . import viewer
     from ..read.run_decoder import decoder_for_run
 
-    con = con if con is not None else _connect(path, runs_filter, "duckdb")
+    con = con if con is not None else _connect(path, runs_filter, "duckdb", tau)
     methods = dict(run_sql_rows(con, "SELECT run, method FROM runs"))
     table = resp.responses(con)
     pages = []
@@ -245,6 +257,29 @@ def _step_links_html(pages) -> str:
     return f'<p class="steps">Responses at step: {"; ".join(parts)}</p>' if parts else ""
 
 
+CLIP_FIGURES = ("clip_by_quadrant", "ratio_vs_prob", "clipped_prob", "entropy_ratio", "clipping_removed")
+
+
+def _run_notes(con) -> dict[str, str]:
+    """{figure name: a sentence to add to its caption} from the run-level findings (run_findings.py): the
+    clipping sections name the runs trained on-policy (every ratio 1), the quadrant share the thin quadrants."""
+    if con is None:
+        return {}
+    from .run_findings import ON_POLICY_TEXT, on_policy, thin_quadrants
+
+    out = {}
+    runs = [f.run for f in on_policy(con)]
+    if runs:
+        listed = ", ".join(runs[:runset.MAX_LISTED]) + (f" and {len(runs) - runset.MAX_LISTED} more"
+                                                       if len(runs) > runset.MAX_LISTED else "")
+        for name in CLIP_FIGURES:
+            out[name] = f"On-policy ({listed}): {ON_POLICY_TEXT}."
+    thin = thin_quadrants(con)
+    if thin:
+        out["quadrant_share"] = "Thin quadrants: " + "; ".join(f"{f.run}: {f.signal}" for f in thin[:runset.MAX_LISTED]) + "."
+    return out
+
+
 def comparison_text(rs: runset.RunSet) -> str:
     """One paragraph above the figures: how many runs, what differs between them, how they are drawn."""
     n = len(rs.method)
@@ -268,7 +303,7 @@ def _not_shown_text(not_shown) -> str:
     """One sentence naming the optional figures these runs hold no data for, or ''."""
     if not not_shown:
         return ""
-    names = "; ".join(f"{f.title} (`{f.analysis}`: no rows in these runs)" for f in not_shown)
+    names = "; ".join(f"{f.title} (`{f.analysis}`: no data in these runs)" for f in not_shown)
     hints = " ".join(dict.fromkeys(f.when_empty for f in not_shown if f.when_empty))
     return f"Not shown: {names}." + (f" {hints}" if hints else "")
 
@@ -286,9 +321,15 @@ def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = ""
     for row in summary.to_dict("records"):
         lines.append("| " + " | ".join(markdown_cell(_fmt(row[c])) for c in cols) + " |")
     lines.append("")
+    section = ""
     for f, png, seen in rendered:
-        lines += [f"## {f.title}", "", f"![{f.title}]({png})", "", f"*{f.caption}* {markdown(seen)} (analysis: `{f.analysis}`)",
-                  ""]
+        if f.section != section:  # a section's heading and paragraph, before its first figure
+            section = f.section
+            sec_title, sec_text = SECTIONS[section]
+            lines += [f"## {sec_title}", "", sec_text, ""]
+        level = "###" if section else "##"
+        lines += [f"{level} {f.title}", "", f"![{f.title}]({png})", "",
+                  f"*{f.caption}* {markdown(seen)} (analysis: `{f.analysis}`)", ""]
         if f.step_links and _step_links_md(pages):
             lines += [_step_links_md(pages), ""]
     if not_shown:
@@ -307,12 +348,16 @@ def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
         "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in cols) + "</tr>"
         for r in summary.to_dict("records")
     )
-    figs = "".join(
-        f'<figure id="{e(f.name)}"><h2>{e(f.title)}</h2><img src="{e(png)}" alt="{e(f.title)}">'
-        f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
-        "</figcaption>" + (_step_links_html(pages) if f.step_links else "") + "</figure>"
-        for f, png, seen in rendered
-    )
+    figs, section = "", ""
+    for f, png, seen in rendered:
+        if f.section != section:  # a section's heading and paragraph, before its first figure
+            section = f.section
+            sec_title, sec_text = SECTIONS[section]
+            figs += f'<h2 class="section" id="section-{e(section)}">{e(sec_title)}</h2><p class="section">{e(sec_text)}</p>'
+        h = "h3" if section else "h2"
+        figs += (f'<figure id="{e(f.name)}"><{h}>{e(f.title)}</{h}><img src="{e(png)}" alt="{e(f.title)}">'
+                 f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
+                 "</figcaption>" + (_step_links_html(pages) if f.step_links else "") + "</figure>")
     if not_shown:
         figs += f"<p>{e(_not_shown_text(not_shown).replace('`', ''))}</p>"
     toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, *_ in rendered)
@@ -332,6 +377,7 @@ table {{ border-collapse: collapse; font-size: 13px; }} td, th {{ border: 1px so
 th {{ background: #f3f3f3; }} figure {{ margin: 2em 0; }} img {{ max-width: 100%; }}
 figcaption {{ color: #444; font-size: 14px; }} nav {{ font-size: 13px; margin: 1em 0; }}
 p.steps {{ font-size: 13px; color: #444; }}
+h2.section {{ border-top: 2px solid #ccc; padding-top: 0.8em; margin-top: 2em; }} p.section {{ font-size: 14px; }}
 </style></head>
 <body><h1>entropylens report</h1>
 <nav>{toc}</nav>

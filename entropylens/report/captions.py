@@ -150,7 +150,9 @@ def entropy(df, rs: RunSet | None = None) -> str:
     if _verdict_ok(rs):
         kinds = {s: {rs.method[r] for r in rs.runs_of(s)} for s in per}
         ce = [tail[s] for s, ms in kinds.items() if ms and all(m.startswith("ce_gppo") for m in ms)]
-        base = [tail[s] for s, ms in kinds.items() if ms and ms <= {"grpo", "dapo"}]
+        base_of = {s: tail[s] for s, ms in kinds.items() if ms and ms <= {"grpo", "dapo"}}
+        base = list(base_of.values())
+        top = max(base_of, key=base_of.get) if base_of else None  # the higher of GRPO / DAPO: what CE-GPPO is compared with
         runs_per_method = min(list(rs.method.values()).count(m) for m in set(rs.method.values()))
         power = (" From one run per method: not a significance test." if runs_per_method < 2 else
                  f" ({runs_per_method}+ runs per method; no significance test here, see reports/paper-claims.md.)")
@@ -159,11 +161,12 @@ def entropy(df, rs: RunSet | None = None) -> str:
             if gap > LEVEL * max(base):
                 text += f" The runs differ only in the method: CE-GPPO is above GRPO / DAPO, the paper's direction.{power}"
             elif gap > 0:
-                text += (f" The runs differ only in the method. CE-GPPO is above GRPO / DAPO by only {_f(gap)} nats "
-                         f"(under {LEVEL:.0%}): level, not the paper's clear gap.{power}")
+                text += (f" The runs differ only in the method. CE-GPPO's lowest is above the higher of GRPO / DAPO "
+                         f"({top} {_f(base_of[top])}) by only {_f(gap)} nats (under {LEVEL:.0%}): level, not the "
+                         f"paper's clear gap.{power}")
             else:
                 text += (" The runs differ only in the method. Here this differs from the paper: CE-GPPO is not above "
-                         f"GRPO / DAPO.{power}")
+                         f"the higher of GRPO / DAPO ({top} {_f(base_of[top])}).{power}")
     elif rs.factors(replicates=False):
         text += " " + rs.differs_text()
     return text + _smooth_note(df, rs) + _group_note(rs)
@@ -420,9 +423,38 @@ def entropy_budget(df, rs: RunSet | None = None) -> str:
         return tot, len(agree), sum(q in tot and tot[q] != 0 for q in _LAW), neg  # quadrants with tokens
 
     per = _by_series(df, rs, one)
-    return ("Here, summed over the steps: " + _listing(per, lambda v: "(" + ", ".join(
+    text = ("Here, summed over the steps: " + _listing(per, lambda v: "(" + ", ".join(
         f"{q} {v[0][q]:+.3g}" for q in _LAW if q in v[0]) + f"; law's sign in {v[1]} of {v[2]}; total < 0 in "
-        f"{_pct(v[3])} of steps)") + f"{_lp_note(rs)}." + _smooth_note(df, rs) + _group_note(rs))
+        f"{_pct(v[3])} of steps)") + f"{_lp_note(rs)}.")
+    return text + _sign_note(df, rs, per) + _smooth_note(df, rs) + _group_note(rs)
+
+
+def _sign_note(df, rs: RunSet, per: dict) -> str:
+    """Where a series' quadrant signs differ from the law's: why. A logit step delta on token a changes
+    H by -delta p_a (log p_a + H), so the sign turns at p_a = exp(-H), not at tau; with the series' mean
+    sampling entropy H, exp(-H) against its tau says which tokens are 'LP' by tau yet above exp(-H)."""
+    off = [s for s, v in per.items() if v[1] < v[2]]
+    if not off or "entropy" not in df or df["entropy"].isna().all():
+        return ""
+    parts = []
+    for s in off[:MAX_LISTED]:
+        g = df[df["run"].astype(str).isin(rs.runs_of(s) or [s])]
+        h = g.drop_duplicates(["run", "step"])["entropy"].mean()
+        if h != h:
+            continue
+        taus = {rs.setting(r, "tau")[0] for r in g["run"].astype(str).unique()} - {None}
+        tau = next(iter(taus)) if len(taus) == 1 else None
+        e = math.exp(-h)
+        where = "" if tau is None else (f", {'below' if e < tau else 'above'} tau = {tau:g}: tokens with p between "
+                                         f"{min(e, tau):.3g} and {max(e, tau):.3g} are {'LP' if e < tau else 'HP'} "
+                                         f"by tau but on the other side of exp(-H)")
+        parts.append(f"{s}: mean H {h:.3g} nats, exp(-H) = {e:.3g}{where}")
+    if not parts:
+        return ""
+    return (" Why the signs differ from the paper's: a logit step delta on token a changes the entropy by "
+            "-delta p_a (log p_a + H), so a rewarded token lowers entropy when p_a > exp(-H) and raises it "
+            "below, whatever tau (the paper's LP means below exp(-H)). " + "; ".join(parts)
+            + ". Re-split at tau near exp(-H) with --tau.")
 
 
 def clipping_removed(df, rs: RunSet | None = None) -> str:
@@ -505,3 +537,158 @@ def probe_vs_measured(df, rs: RunSet | None = None) -> str:
     text += (f"; mean predicted dH per quadrant: " + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
              + f" (law's sign in {len(agree)} of {len(q)}){_lp_note(rs)}.")
     return text
+
+
+# ---------------------------------------------------------------------------------- Cui et al. (covlaw.py)
+def _run_label(rs: RunSet, run: str) -> str:
+    """A run as a per-run caption names it: its series label, or the run id where runs are grouped."""
+    return str(run) if rs.grouped else rs.series.get(str(run), str(run))
+
+
+def _runs_listing(rows, rs: RunSet, show) -> str:
+    """'x ...; y ...' over per-run rows (at most MAX_LISTED, then how many more)."""
+    items = [f"{_run_label(rs, r.run)} {show(r)}" for r in rows]
+    return "; ".join(items[:MAX_LISTED]) + (f"; and {len(items) - MAX_LISTED} more runs"
+                                            if len(items) > MAX_LISTED else "")
+
+
+def covariance_by_quadrant(df, rs: RunSet | None = None) -> str:
+    if df.empty:
+        return "No token rows with an advantage and a log-probability recorded."
+    rs = context(df, rs)
+    d = df[df["quadrant"].isin(list(_LAW))]
+
+    def one(g):
+        # the quadrant's mean contribution per step to the step's covariance (the contributions add up to
+        # it): a covariance, comparable across runs, not a sum over every token of the run
+        tot = g.groupby("quadrant")["contribution"].sum() / max(g[["run", "step"]].drop_duplicates().shape[0], 1)
+        size = sum(abs(v) for v in tot)
+        agree = [q for q in _LAW if q in tot and tot[q] != 0 and (tot[q] < 0) == (_LAW[q] > 0)]
+        steps = g.drop_duplicates(["run", "step"])
+        pos = float((steps["step_cov"] > 0).mean()) if len(steps) else float("nan")
+        return tot, size, len(agree), sum(q in tot and tot[q] != 0 for q in _LAW), pos
+
+    per = _by_series(d, rs, one)
+
+    def show(v):
+        tot, size, agree, n, pos = v
+        parts = ", ".join(f"{q} {tot[q]:+.3g}" + (f" ({_pct(abs(tot[q]) / size)})" if size else "")
+                          for q in _LAW if q in tot)
+        return f"({parts}; the law's sign in {agree} of {n}; step covariance > 0 in {_pct(pos)} of steps)"
+
+    text = ("Here, each quadrant's mean part of the step's Cov(log pi, A) (its share of the four parts' |sum|): "
+            + _listing(per, show) + f"{_lp_note(rs)}.")
+    against = [s for s, v in per.items() if v[4] == v[4] and v[4] < 0.5]
+    if against:
+        text += (" Here the step's covariance is mostly negative (" + ", ".join(against[:MAX_LISTED])
+                 + "): by the law these steps push the entropy up, not towards collapse.")
+    return text + _smooth_note(df, rs) + _group_note(rs)
+
+
+def covariance_law(df, rs: RunSet | None = None) -> str:
+    from .covlaw import MIN_STEPS, law_summary
+
+    if df.empty:
+        return "No token rows with an advantage and a log-probability recorded."
+    rs = context(df, rs)
+    summ = law_summary(df)
+    good = summ[summ["meaningful"]]
+    few = summ[~summ["meaningful"]]
+    text = ""
+    if len(good):
+        text = ("Here, Pearson r of the predicted (-Cov(log pi, A)) and the measured entropy change per step: "
+                + _runs_listing(good.itertuples(), rs, lambda r: (
+                    f"r = {_f(r.corr, 2)} over {r.steps} steps (same sign in {_pct(r.same_sign)}; fitted scale "
+                    f"{_f(r.scale)}; with Cov(log pi, pi A): r = {_f(r.corr_prob, 2)})")) + ".")
+        against = [_run_label(rs, r.run) for r in good.itertuples() if not r.corr > 0]
+        if against:
+            text += (" Here this differs from the law (" + ", ".join(against[:MAX_LISTED])
+                     + "): the entropy does not fall where the covariance is positive.")
+        else:
+            text += " As the law predicts, the entropy falls more where the covariance is larger."
+    if len(few):
+        text += (" " if text else "Here, ") + _runs_listing(few.itertuples(), rs, lambda r: (
+            f"has {r.steps} step{'s' if r.steps != 1 else ''} with a next step")) + (
+            f": the fit (its scale and r) is not meaningful below {MIN_STEPS} steps, so none is claimed.")
+    return text + " The scale is fitted per run: it stands for eta, which Adam and shared parameters blur." \
+        + _group_note(rs)
+
+
+def entropy_performance(df, rs: RunSet | None = None) -> str:
+    from .covlaw import MIN_STEPS, fit_summary
+
+    if df.empty or df["reward"].isna().all():
+        return "No steps with both a reward and a mean entropy recorded."
+    rs = context(df, rs)
+    summ = fit_summary(df)
+    good = summ[summ["meaningful"]]
+    few = summ[~summ["meaningful"]]
+    text = ""
+    if len(good):
+        text = "Here, R = -a exp(H) + b fitted per run: " + _runs_listing(good.itertuples(), rs, lambda r: (
+            f"a = {_f(r.a)}, b = {_f(r.b)}, RMSE {_f(r.rmse, 2)}, R^2 {_f(r.r2, 3)} over {r.steps} steps (H {_f(r.entropy_lo)}..{_f(r.entropy_hi)} nats; at H = 0: b - a = {_f(r.b - r.a)})"
+        )) + "."
+        against = [_run_label(rs, r.run) for r in good.itertuples() if not r.a > 0]
+        if against:
+            text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
+                     + "): the reward does not rise as the entropy falls (a is not positive).")
+    flat = few[few["reward_varies"] == False]  # noqa: E712 (a column of bools)
+    few = few[few["reward_varies"] == True]  # noqa: E712
+    if len(few):
+        text += (" " if text else "Here, ") + _runs_listing(few.itertuples(), rs, lambda r: (
+            f"has {r.steps} step{'s' if r.steps != 1 else ''} with a reward and an entropy")) + (
+            f": a fit of a and b is not meaningful below {MIN_STEPS} steps, so no curve is drawn.")
+    if len(flat):
+        text += (" The" if text else "Here, the") + " reward does not vary over the steps of " + ", ".join(
+            _run_label(rs, r.run) for r in flat.itertuples()) + ": nothing to fit, no curve is drawn."
+    return text + _group_note(rs)
+
+
+
+
+def mismatch(df, rs: RunSet | None = None) -> str:
+    """Per series: mean |delta log p| over the run, its largest step mean, the share of mismatched tokens
+    among the clipped ones beside the others', and the mismatched tokens' share of the entropy effect;
+    a series without sampler log-probs is named as such (NULL, not zero)."""
+    from .plots import mismatch_pooled
+
+    if df.empty:
+        return "No tokens recorded."
+    rs = context(df, rs)
+    parts, missing = {}, []
+    for s, g in df.groupby(series(df, rs), sort=True):
+        if not (g["sampled"].fillna(0) > 0).any():
+            missing.append(str(s))
+            continue
+        p = mismatch_pooled(g)
+        tot = p["sampled"].sum()
+        mean_abs = float((p["mean_abs"] * p["sampled"]).sum() / tot)
+        peak = p.loc[p["mean_abs"].idxmax()]
+        parts[s] = (f"mean |delta log p| {_f(mean_abs)} nats (highest at step {int(peak['step'])}: "
+                    f"{_f(peak['mean_abs'])}), {_pct(_wmean(g, 'mismatched_frac', 'sampled'))} of tokens mismatched; "
+                    f"{_pct(_wmean(g, 'clipped_mismatched_frac', 'clipped'))} of the clipped tokens vs "
+                    f"{_pct(_wmean_other(g))} of the others; "
+                    f"{_pct(_wmean(g, 'abs_effect_mismatched_share', 'abs_effect'))} of sum |entropy effect|")
+    text = ""
+    if parts:
+        text = ("Here (mismatched: |delta log p| > ln 2, a factor 2 between the probabilities, or masked by the IS "
+                "correction): " + _listing(parts, str) + ". "
+                "A clipped share above the others' says the clipped tokens are the mismatched ones (TIS / MIS "
+                "report the mismatch drives the off-policy gap that clipping and IS correction act on).")
+    if missing:
+        text += (" " if text else "") + (
+            f"No sampler log-probs recorded in {', '.join(missing)} (tokens.sampler_logprob is NULL): the mismatch "
+            "is unknown there, not zero; record it with record_update(..., sampler_logprobs=...), TRL with vLLM, "
+            "or verl's rollout_log_probs.")
+    return text + _group_note(rs)
+
+
+def _wmean(g, col: str, w: str) -> float:
+    ok = g[col].notna() & (g[w].fillna(0) > 0)
+    return float((g[col][ok] * g[w][ok]).sum() / g[w][ok].sum()) if ok.any() else math.nan
+
+
+def _wmean_other(g) -> float:
+    w = g["sampled"].fillna(0) - g["clipped"].fillna(0)
+    ok = g["unclipped_mismatched_frac"].notna() & (w > 0)
+    return float((g["unclipped_mismatched_frac"][ok] * w[ok]).sum() / w[ok].sum()) if ok.any() else math.nan

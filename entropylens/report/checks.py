@@ -6,6 +6,7 @@ import duckdb
 
 from ..alarms import Finding, Thresholds, evaluate
 from ..read.query import QueryError, connect, render_analysis
+from .run_findings import run_findings
 
 
 def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None = None) -> list[Finding]:
@@ -19,3 +20,13 @@ def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None 
     except duckdb.Error as e:
         raise QueryError(f"analysis 'step_health' failed: {str(e).splitlines()[0]}") from None
     return evaluate(rows, thresholds)
+
+
+def notes(path, *, runs: list[str] | None = None, tau: float | None = None) -> list[Finding]:
+    """The run-level findings over the token rows (run_findings.py: thin_quadrant, on_policy; ``tau``: the
+    quadrants split at it): what limits what a run's figures can show, not an alarm (no exit 1)."""
+    con = connect(path, runs=runs, tau=tau)
+    try:
+        return run_findings(con)
+    except duckdb.Error as e:
+        raise QueryError(f"run-level checks failed: {str(e).splitlines()[0]}") from None

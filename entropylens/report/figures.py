@@ -51,8 +51,10 @@ class Figure:
     observe: Callable  # captions.<fn>(df, rs) -> str: what these runs show, measured
     params: Callable | None = None  # rs -> the analysis's parameters (None: its defaults)
     optional: bool = False  # left out (and named under "Not shown") when its analysis has no rows
+    has_data: Callable | None = None  # df -> bool: an optional figure whose rows all lack its data is left out too
     when_empty: str = ""  # how to record what an opt-in analysis needs (report and `analyze` say it)
     step_links: bool = False  # followed by links to the steps the responses pages hold
+    section: str = ""  # the report section it belongs to (SECTIONS); "" for the figures before any section
 
     def observed(self, df, rs) -> str:
         """The measured caption over ``df``; where the observer raises, a row count that says so, and a
@@ -71,6 +73,19 @@ def _reference_band(rs) -> dict:
     """The band a run without ERC is measured against (runset.RunSet.reference_band)."""
     return dict(zip(("band_low", "band_high"), rs.reference_band()[0]))
 
+
+CUI = "cui"
+# section name -> (heading, the paragraph under it): the paper the section's figures test, its claims in words
+SECTIONS: dict[str, tuple[str, str]] = {
+    CUI: ("Cui et al.: the covariance law and the entropy-performance law",
+          "Cui et al. 2025 (\"The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models\") "
+          "derive that a policy-gradient step changes a softmax policy's entropy by about minus the step size "
+          "times the covariance of the log-probability and the advantage of the sampled actions (natural policy "
+          "gradient; vanilla policy gradient: with pi A in place of A), so tokens whose log-probability and "
+          "advantage covary strongly drive the entropy down; and they fit their runs' performance to the entropy "
+          "as R = -a exp(H) + b, so that once the entropy is spent the performance is predictable, its "
+          "ceiling b - a at H = 0. The figures below measure both on these runs, from their token rows and steps."),
+}
 
 FIGURES: tuple[Figure, ...] = (
     Figure("entropy", "entropy_by_step", plots.entropy_vs_step, "Entropy vs step",
@@ -150,9 +165,42 @@ FIGURES: tuple[Figure, ...] = (
            "ones to fall whatever the advantage sign, so this does not test the covariance law; the entropy "
            "budget above attributes the change to the tokens' own gradients.",
            captions.entropy_change),
+    Figure("mismatch", "mismatch_by_quadrant_by_step", plots.mismatch, "Training-inference mismatch",
+           "The gap between the sampler's log-probability of each sampled token (vLLM, SGLang, a bf16 sampler) "
+           "and the trainer's old-policy one, |delta log p| = |log pi_old - log pi_sampler|, per step and "
+           "quadrant, one row per run; right: the share of the clipped tokens that are mismatched (|delta| > ln 2, "
+           "or masked by the IS correction, as steps.clipped_mismatched_frac) beside the share of the other tokens, and the mismatched tokens' share of the entropy effect. "
+           "TIS / MIS (truncated / masked importance sampling) correct this gap, reported as the most common "
+           "cause of sudden collapse in LLM RL; a run without sampler log-probs is said so, not drawn as zero.",
+           captions.mismatch, optional=True, has_data=lambda df: bool((df["sampled"].fillna(0) > 0).any()),
+           when_empty="The mismatch figure needs the sampler's log-probs: record_update(..., sampler_logprobs=) "
+                      "in a loop, TRL with vLLM, verl's rollout_log_probs, or entropylens demo --mismatch."),
+    Figure("covariance_by_quadrant", "covariance_by_quadrant", plots.covariance_by_quadrant,
+           "Covariance of log-probability and advantage by quadrant",
+           "Each quadrant's part of the step's covariance Cov(log pi, A): its tokens' summed "
+           "(A - mean A)(log pi - mean log pi), the means over each update's batch, divided by the step's "
+           "tokens (the parts add up to the step's covariance). Cui et al.: a positive covariance lowers the "
+           "entropy, so reinforcing likely tokens (PA&HP) and penalising unlikely ones (NA&LP) drive collapse.",
+           captions.covariance_by_quadrant, section=CUI),
+    Figure("covariance_law", "covariance_law_by_step", plots.covariance_law,
+           "Entropy change predicted by the covariance law against the measured change",
+           "Per step, the measured change of the mean entropy (next step minus this one) against the law's "
+           "prediction -eta Cov(log pi, A), eta one least-squares scale per run; the correlation does not depend "
+           "on that scale. Cui et al. derive the law for a softmax policy's one step; an LLM shares parameters "
+           "across tokens and Adam rescales the step, so here it is tested as a correlation.",
+           captions.covariance_law, section=CUI),
+    Figure("entropy_performance", "entropy_performance_fit", plots.entropy_performance,
+           "Reward against entropy with the fit R = -a exp(H) + b",
+           "Each step's mean reward against its mean entropy, and each run's least-squares fit "
+           "R = -a exp(H) + b. Cui et al. report that this form fits their runs' performance against entropy, "
+           "with the performance at H = 0 (b - a) as the ceiling once the entropy is spent.",
+           captions.entropy_performance, section=CUI),
 )
 
 _BY_NAME = {f.name: f for f in FIGURES}
+_RUNS_OF_SECTIONS = [f.section for i, f in enumerate(FIGURES) if i == 0 or FIGURES[i - 1].section != f.section]
+assert len(_RUNS_OF_SECTIONS) == len(set(_RUNS_OF_SECTIONS)), "a section's figures are declared together"
+assert set(_RUNS_OF_SECTIONS) - {""} <= set(SECTIONS), "a figure names an undeclared section"
 assert len(_BY_NAME) == len(FIGURES), "two figures share a name"
 
 

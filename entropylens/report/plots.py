@@ -20,11 +20,11 @@ import math
 import textwrap
 
 from .escape import plot_text
+from .palette import QUADRANT_COLORS, RUN_COLORS
 
 QUAD_ORDER = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")
-QUAD_COLORS = {"PA&HP": "#1f77b4", "PA&LP": "#2ca02c", "NA&HP": "#ff7f0e", "NA&LP": "#d62728", "ZA": "#7f7f7f"}
-_PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf",
-            "#bcbd22", "#7f7f7f")
+QUAD_COLORS = QUADRANT_COLORS  # one fixed palette for quadrants in every figure and the viewer (palette.py)
+_PALETTE = RUN_COLORS
 MAX_LEGEND = 12  # series entries in a legend; more are summed up in one "... and N more" entry
 MAX_PANELS = 6  # panels of a one-panel-per-series figure; the figure says how many are not shown
 ERC_PAPER_BAND = (0.95, 1.05)  # the ERC paper's scripts: drawn, as a reference, only for runs without ERC
@@ -160,6 +160,10 @@ def _legend_right(fig, handles, title, *, fontsize: int = 8) -> None:
                         frameon=False, borderaxespad=0.2)
     width_in = legend.get_window_extent(renderer).width / fig.dpi + 0.15
     base = fig.get_figwidth()
+    if width_in > (base + width_in) / 5:  # more than a fifth of the width: above the panels instead
+        legend.remove()
+        _legend_top(fig, handles, panels_height=fig.get_figheight(), title=title, fontsize=fontsize)
+        return
     fig.set_figwidth(base + width_in)
     right = base / (base + width_in)
     fig.tight_layout(rect=(0, 0, right, 1))
@@ -175,9 +179,15 @@ def _legend_top(fig, handles, *, panels_height: float, title: str | None = None,
     width = fig.get_figwidth() * fig.dpi
     head_in, st = 0.0, None
     if header:
-        header = "\n".join(textwrap.fill(line, int(fig.get_figwidth() * 13)) for line in header.split("\n"))
-        # fig.text, not suptitle: tight_layout would reserve the suptitle's height a second time
-        st = fig.text(0.5, 1.0, header, fontsize=fontsize + 2, ha="center", va="top")
+        chars = int(fig.get_figwidth() * 13)
+        while True:  # wrapped until it fits the canvas (a 5-inch figure of one run is narrower than the text)
+            text = "\n".join(textwrap.fill(line, chars) for line in header.split("\n"))
+            # fig.text, not suptitle: tight_layout would reserve the suptitle's height a second time
+            st = fig.text(0.5, 1.0, text, fontsize=fontsize + 2, ha="center", va="top")
+            if st.get_window_extent(renderer).width <= 0.98 * width or chars <= 20:
+                break
+            st.remove()
+            chars -= 4
         head_in = st.get_window_extent(renderer).height / fig.dpi + 0.08
     legend, leg_in = None, 0.0
     if handles:
@@ -461,7 +471,9 @@ def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", 
             if dotted is not None:
                 _series_lines(ax, d.dropna(subset=[dotted]), "step", dotted, colors, band=band, window=window,
                               ls=":", spread=False, raw=False)
-        ax.set_title(q, color=QUAD_COLORS[q])
+        # the quadrant's own colour behind its name (dark text: the light quadrants stay legible), never a
+        # run's colour on the text
+        ax.set_title(q, color="black", bbox=dict(facecolor=QUAD_COLORS[q], alpha=0.45, edgecolor="none", pad=2))
         ax.set_xlabel("training step")
     axes[0].set_ylabel(ylabel)
     handles = _series_handles(colors, full["_s"].unique())
@@ -1037,3 +1049,200 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
     _legend_top(grid.figure, handles, panels_height=height, header=header + (f"\n{more}" if more else ""),
                 fontsize=10)
     return grid.figure
+
+
+# ------------------------------------------------------------------ Cui et al. (entropylens/report/covlaw.py)
+def covariance_by_quadrant(df, *, band: str | None = None, legend_title: str = "run"):
+    """covariance_by_quadrant -> each quadrant's part of the step's Cov(log pi, A) (its summed
+    (A - mean A)(log pi - mean log pi) over the step's tokens; the four parts and ZA add up to the step's
+    covariance), one panel per quadrant. Cui et al. 2025: a positive covariance lowers the entropy."""
+    fig = _quadrant_panels(df, "contribution", "part of the step's Cov(log pi, A)", band=band,
+                           legend_title=legend_title, empty="no token rows with advantage and log-prob",
+                           title="Covariance of log pi and A per quadrant (above 0: pushes entropy down)")
+    for ax in fig.axes:
+        if ax.get_visible() and ax.has_data():
+            ax.axhline(0, color="k", lw=0.6)
+    return fig
+
+
+def _fit_note(steps: int, min_steps: int) -> str:
+    return f"{steps} step{'s' if steps != 1 else ''}: fit not meaningful below {min_steps}"
+
+
+def covariance_law(df, *, band: str | None = None, legend_title: str = "run"):
+    """covariance_law_by_step -> left: the measured entropy change of each step (next step's mean entropy
+    minus this one's) against the law's prediction -scale * Cov(log pi, A) (the run's fitted scale), dashed
+    y = x, with each run's Pearson r (at most 4 listed); right: both vs step (solid measured, dashed
+    predicted). Runs under covlaw.MIN_STEPS fitted steps are drawn as points with a note, no r claimed."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    from .covlaw import MIN_STEPS, law_summary
+
+    band = _check_band(band)
+    plt = _plt()
+    height = 3.6
+    fig, axes = plt.subplots(1, 2, figsize=(10, height))
+    d = _prep(df.dropna(subset=["measured_dh", "predicted_dh"])) if not df.empty else df
+    if df.empty or d.empty:
+        return _empty(fig, "fewer than 2 steps with token rows and a mean entropy: no entropy change to predict")
+    colors = series_colors(_prep(df)["_s"].unique())
+    for s, g in d.groupby("_s", sort=True):
+        axes[0].scatter(g["predicted_dh"], g["measured_dh"], s=14, color=colors[s], label=s)
+    lim = float(np.nanmax(np.abs(d[["measured_dh", "predicted_dh"]].to_numpy(dtype=float)))) * 1.1 or 1e-9
+    axes[0].plot([-lim, lim], [-lim, lim], color="k", ls="--", lw=0.8)
+    axes[0].set_xlim(-lim, lim)
+    axes[0].set_ylim(-lim, lim)
+    axes[0].set_xlabel("predicted dH = -scale * Cov(log pi, A)")
+    axes[0].set_ylabel("measured dH (next step - this step)")
+    summ = law_summary(df)
+    labels = dict(zip(_prep(df)["_r"], _prep(df)["_s"]))
+    lines = []
+    for row in summ.itertuples():
+        name = labels.get(row.run, row.run)
+        lines.append(f"{name}: r = {row.corr:.2f} ({row.steps} steps)" if row.meaningful
+                     else f"{name}: {_fit_note(row.steps, MIN_STEPS)}")
+    if lines:
+        more = len(lines) - 4
+        axes[0].text(0.02, 0.98, "\n".join(lines[:4]) + (f"\n... and {more} more runs" if more > 0 else ""),
+                     transform=axes[0].transAxes, ha="left", va="top", fontsize=7, color="0.2", gid="law_r",
+                     bbox=dict(fc="white", ec="0.8", alpha=0.85, lw=0.5), zorder=5)
+    axes[0].set_title("each step: measured against predicted", fontsize=10)
+    shared = _series_lines(axes[1], d, "step", "measured_dh", colors, band=band)
+    _series_lines(axes[1], d, "step", "predicted_dh", colors, band=band, ls="--", spread=False)
+    axes[1].axhline(0, color="k", lw=0.6)
+    axes[1].set_xlabel("training step")
+    axes[1].set_ylabel("entropy change (nats)")
+    axes[1].set_title("solid: measured, dashed: predicted", fontsize=10)
+    handles = _series_handles(colors, d["_s"].unique())
+    handles += [Line2D([], [], color="0.3", lw=1.4, label="measured"),
+                Line2D([], [], color="0.3", lw=1.4, ls="--", label="predicted")]
+    note = _notes(1, shared, band)
+    _legend_top(fig, handles, panels_height=height, title=legend_title,
+                header="Covariance law: dH ~ -eta Cov(log pi, A), eta fitted per run" + (f" ({note})" if note else ""))
+    return fig
+
+
+def entropy_performance(df, *, band: str | None = None, legend_title: str = "run"):
+    """entropy_performance_fit -> each step's mean reward against its mean entropy (points, per series) and
+    each run's fitted R = -a exp(H) + b over the entropy range it saw (a line, with a and b listed for at
+    most 4 runs). A run under covlaw.MIN_STEPS steps gets no curve, only its points and a note."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    from .covlaw import MIN_STEPS, fit_summary
+
+    _check_band(band)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    if df.empty or df["reward"].isna().all():
+        return _empty(fig, "no steps with both a reward and a mean entropy")
+    d = _prep(df)
+    colors = series_colors(d["_s"].unique())
+    for s, g in d.groupby("_s", sort=True):
+        ax.scatter(g["entropy"], g["reward"], s=12, color=colors[s], alpha=0.7, zorder=3)
+    labels = dict(zip(d["_r"], d["_s"]))
+    notes = []  # legend entries under the series: each run's a, b (a line in its colour) or why it has none
+    for row in fit_summary(df).itertuples():
+        name = labels.get(row.run, row.run)
+        if row.meaningful:
+            h = np.linspace(row.entropy_lo, row.entropy_hi, 100)
+            ax.plot(h, row.b - row.a * np.exp(h), color=colors.get(name, "k"), lw=1.4, gid="fit")
+            notes.append(Line2D([], [], color=colors.get(name, "k"), lw=1.4,
+                                label=f"{name}: a = {row.a:.3g}, b = {row.b:.3g}, RMSE {row.rmse:.2g}"))
+        elif not row.reward_varies:
+            notes.append(Line2D([], [], ls="", label=f"{name}: the reward does not vary, no curve"))
+        else:
+            notes.append(Line2D([], [], ls="", label=f"{name}: {_fit_note(row.steps, MIN_STEPS)}, no curve"))
+    if len(notes) > 4:  # many runs: the legend keeps its height; the caption lists them
+        notes = [Line2D([], [], ls="", label=f"{len(notes)} runs: each run's a, b in the caption")]
+    ax.set_xlabel("mean token entropy H of the step (nats)")
+    ax.set_ylabel("mean reward R of the step")
+    ax.set_title("Entropy-performance fit: R = -a exp(H) + b, per run\npoints: steps, lines: each run's fit",
+                 fontsize=9)
+    _legend_right(fig, _series_handles(colors, d["_s"].unique(), kind="point")
+                  + [Line2D([], [], ls="", label="fits:")] + notes, legend_title)
+    return fig
+
+
+def mismatch_pooled(d):
+    """Per step of one series, the quadrant rows of mismatch_by_quadrant_by_step pooled (token-weighted):
+    sampled, mean_abs (mean |old_logprob - sampler_logprob|), mismatched (share of sampled tokens),
+    clipped_mm / unclipped_mm (mismatched share of the clipped / other tokens) and effect_mm (the
+    mismatched tokens' share of sum |entropy_effect|). NaN where nothing was sampled."""
+    import numpy as np
+
+    def pool(g):
+        s, c = g["sampled"].astype(float), g["clipped"].fillna(0).astype(float)
+        ae = g["abs_effect"].astype(float)
+
+        def wmean(v, w):
+            ok = v.notna() & (w > 0)
+            return float((v[ok] * w[ok]).sum() / w[ok].sum()) if ok.any() else np.nan
+
+        return {"sampled": s.sum(), "mean_abs": wmean(g["mean_abs_log_ratio"], s),
+                "mismatched": wmean(g["mismatched_frac"], s), "clipped_mm": wmean(g["clipped_mismatched_frac"], c),
+                "unclipped_mm": wmean(g["unclipped_mismatched_frac"], s - c),
+                "effect_mm": wmean(g["abs_effect_mismatched_share"], ae)}
+
+    import pandas as pd
+
+    rows = [{"step": step, **pool(g)} for step, g in d.groupby("step", sort=True)]
+    return pd.DataFrame(rows, columns=["step", "sampled", "mean_abs", "mismatched", "clipped_mm", "unclipped_mm",
+                                       "effect_mm"])
+
+
+def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
+    """mismatch_by_quadrant_by_step -> one row of two panels per series (TIS / MIS: training-inference
+    mismatch). Left: mean |delta log p| = |old_logprob - sampler_logprob| per step, by quadrant (colours)
+    and over all tokens (black). Right, per step: the mismatched share (|delta| > the analysis's
+    threshold, ln 2, or masked) of the clipped tokens (red), of the other tokens (grey), and the mismatched tokens' share
+    of sum |entropy_effect| (purple). A series whose runs recorded no sampler log-probs (NULL) says so
+    in its row instead of drawing zeros. Several runs in a series are pooled (token-weighted)."""
+    from matplotlib.ticker import MaxNLocator
+
+    _check_band(band)
+    plt = _plt()
+    if df.empty:
+        return _empty(plt.figure(figsize=(9.0, 3.0)))
+    d = _prep(df)
+    names = sorted(d["_s"].unique())
+    shown = names[:MAX_PANELS]
+    fig, axes = plt.subplots(len(shown), 2, figsize=(10.0, 2.7 * len(shown) + 0.6), squeeze=False)
+    for row, name in zip(axes, shown):
+        g = d[d["_s"] == name]
+        left, right = row
+        if not (g["sampled"].fillna(0) > 0).any():
+            for ax in row:
+                ax.set_axis_off()
+            left.text(0.0, 0.5, f"{name}: no sampler log-probs recorded (tokens.sampler_logprob is NULL):\n"
+                                f"nothing to draw, not a mismatch of zero", ha="left", va="center",
+                      color="0.3", transform=left.transAxes)
+            continue
+        for q in QUAD_ORDER:
+            qd = g[(g["quadrant"] == q) & (g["sampled"] > 0)].groupby("step")
+            w = qd.apply(lambda x: (x["mean_abs_log_ratio"] * x["sampled"]).sum() / x["sampled"].sum(),
+                         include_groups=False) if len(g[g["quadrant"] == q]) else None
+            if w is not None and len(w):
+                left.plot(w.index, w.values, color=QUAD_COLORS[q], lw=1.0, label=q)
+        p = mismatch_pooled(g)
+        left.plot(p["step"], p["mean_abs"], color="k", lw=1.6, label="all tokens")
+        left.set_ylabel("mean |log p_old - log p_sampler|", fontsize=8)
+        left.set_title(f"{name}: |delta log p| by quadrant", fontsize=9)
+        mk = "." if len(p) <= 10 else None  # a short run's steps as points
+        right.plot(p["step"], p["clipped_mm"], color="#d62728", lw=1.4, marker=mk, label="of the clipped tokens")
+        right.plot(p["step"], p["unclipped_mm"], color="0.5", lw=1.2, label="of the other tokens")
+        right.plot(p["step"], p["effect_mm"], color="#9467bd", lw=1.4, ls="--", label="of sum |entropy effect|")
+        right.set_ylim(-0.02, 1.02)
+        right.set_ylabel("share on mismatched tokens", fontsize=8)
+        right.set_title(f"{name}: mismatched share of clipping, entropy effect", fontsize=9)
+        for ax in row:
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        left.legend(fontsize=7, loc="upper left")
+        right.legend(fontsize=7, loc="upper left")
+    hidden = _not_shown(names, len(shown), legend_title)
+    if hidden:
+        fig.suptitle(hidden, fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -28,9 +28,10 @@ TOKEN_COLUMNS: tuple[str, ...] = (
     "pos", "token_id", "prob", "logprob", "old_logprob", "ratio", "advantage", "quadrant", "clip", "clipped",
     "entropy", "old_entropy", "entropy_ratio", "erc_kept", "dual_clipped", "token_kept", "seq_kept",
     "is_weight", "grad_coef", "logit_grad_norm", "entropy_effect", "entropy_effect_dropped",
+    "sampler_logprob", "sampler_log_ratio", "is_masked",
 )
 _INT_COLUMNS = {"pos", "token_id", "clip"}
-_BOOL_COLUMNS = {"clipped", "erc_kept", "dual_clipped", "token_kept", "seq_kept"}
+_BOOL_COLUMNS = {"clipped", "erc_kept", "dual_clipped", "token_kept", "seq_kept", "is_masked"}
 try:
     from pandas import NA as _NA
 except ImportError:  # pragma: no cover
@@ -68,6 +69,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("grad_coef", "dLoss/dlogp (grad_coef)", "diverging", 0.0),
     Metric("entropy_effect", "entropy effect g s / T^2", "diverging", 0.0),
     Metric("entropy_effect_dropped", "entropy effect taken away", "diverging", 0.0),
+    Metric("sampler_log_ratio", "mismatch log pi_old - log pi_sampler", "diverging", 0.0),
 )
 METRIC_KEYS: tuple[str, ...] = tuple(m.key for m in METRICS)
 

@@ -33,6 +33,9 @@ STEP_SETTINGS = ("erc_low", "erc_high", "beta1", "beta2", "dual_clip", "entropy_
 BANDS = ("minmax", "sd")
 PAPER_ERC_BAND = (0.95, 1.05)  # the ERC paper's scripts: the reference for runs without ERC
 MAX_LISTED = 6  # a caption lists at most this many series, then says how many more
+# measured from each run's rows, compared as settings (a run of 3 steps beside one of 10 is not controlled):
+# steps recorded, updates per step (num_iterations x accumulation), responses per step (batch), group size
+RECORDED_SHAPE = ("steps recorded", "updates per step", "responses per step", "group size")
 
 
 def _hashable(v):
@@ -67,6 +70,7 @@ class RunSet:
     group_by: str | None = None
     band: str = "minmax"
     series: dict[str, str] = field(default_factory=dict)
+    recorded: dict[str, dict] = field(default_factory=dict)  # {run: {what: value}} measured (RECORDED_SHAPE)
 
     def __post_init__(self):
         if self.band not in BANDS:
@@ -94,7 +98,7 @@ class RunSet:
         if key == "config":
             differing = [k for k in self.factors(replicates=False) if k != "method"]
             cfg = self.config[run]
-            parts = [method] + [f"{k}={fmt(cfg.get(k))}" for k in differing]
+            parts = [method] + [f"{k}={fmt(cfg.get(k, self.recorded.get(run, {}).get(k)))}" for k in differing]
             return " ".join(parts)
         v = self.config[run].get(key)
         return f"{key}={fmt(v) if v is not None else '?'}"
@@ -161,6 +165,10 @@ class RunSet:
                                  default=str) for r in runs}
         if len(methods) > 1 or len(method_cfg) > 1:
             out["method"] = sorted({self.method_label(r) for r in runs})
+        for k in RECORDED_SHAPE:  # measured from the rows: what a curve's x axis and its noise mean
+            vals = [self.recorded.get(r, {}).get(k) for r in runs]
+            if all(v is not None for v in vals) and len(set(vals)) > 1:
+                out[k] = sorted(set(vals))
         keys = sorted({k for r in runs for k in self.config[r]} - METHOD_KEYS - LABEL_KEYS)
         for k in keys:
             if k in REPLICATE_KEYS and not replicates:
@@ -208,9 +216,11 @@ def flat_config(raw) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str = "minmax") -> RunSet:
+def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str = "minmax",
+          shape_df=None) -> RunSet:
     """A RunSet from the ``runs`` view (run, method, config, tau, eps_low, eps_high) and the steps'
-    per-run settings (run and, per setting of :data:`STEP_SETTINGS`, ``<name>_min`` / ``<name>_max``)."""
+    per-run settings (run and, per setting of :data:`STEP_SETTINGS`, ``<name>_min`` / ``<name>_max``);
+    ``shape_df``: per run the :data:`RECORDED_SHAPE` columns (:data:`_SHAPE_SQL`)."""
     method, config, settings = {}, {}, {}
     for row in runs_df.to_dict("records"):
         r = str(row["run"])
@@ -223,11 +233,27 @@ def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str =
             if r in settings:
                 for k in STEP_SETTINGS:
                     settings[r][k] = (_num(row.get(f"{k}_min")), _num(row.get(f"{k}_max")))
-    return RunSet(method, config, settings, group_by=group_by, band=band)
+    recorded = {}
+    if shape_df is not None:
+        for row in shape_df.to_dict("records"):
+            recorded[str(row["run"])] = {k: (None if row.get(k) is None or row.get(k) != row.get(k) else int(row[k]))
+                                         for k in RECORDED_SHAPE}
+    return RunSet(method, config, settings, group_by=group_by, band=band, recorded=recorded)
 
 
 _SETTINGS_SQL = ("SELECT run, " + ", ".join(f"min({k}) AS {k}_min, max({k}) AS {k}_max" for k in STEP_SETTINGS)
                  + " FROM steps GROUP BY run")
+
+
+_SHAPE_SQL = """
+WITH st AS (SELECT run, count(DISTINCT step) AS n_steps, max("update") + 1 AS n_updates FROM steps GROUP BY run),
+per_step AS (SELECT run, step, count(*) AS n FROM sequences GROUP BY run, step),
+per_group AS (SELECT run, step, "group", count(*) AS n FROM sequences WHERE "group" IS NOT NULL
+              GROUP BY run, step, "group")
+SELECT st.run, st.n_steps AS "steps recorded", st.n_updates AS "updates per step",
+       (SELECT CAST(median(n) AS BIGINT) FROM per_step AS p WHERE p.run = st.run) AS "responses per step",
+       (SELECT CAST(median(n) AS BIGINT) FROM per_group AS g WHERE g.run = st.run) AS "group size"
+FROM st"""
 
 
 def from_connection(con, *, group_by: str | None = None, band: str = "minmax") -> RunSet:
@@ -237,7 +263,11 @@ def from_connection(con, *, group_by: str | None = None, band: str = "minmax") -
         settings = con.execute(_SETTINGS_SQL).df()
     except Exception:  # noqa: BLE001 - an engine whose steps lack a settings column: runs-level only
         settings = None
-    return build(runs, settings, group_by=group_by, band=band)
+    try:
+        shape = con.execute(_SHAPE_SQL).df()
+    except Exception:  # noqa: BLE001 - an engine without these SQL forms: the configs alone
+        shape = None
+    return build(runs, settings, group_by=group_by, band=band, shape_df=shape)
 
 
 __all__ = ["RunSet", "build", "from_connection", "METHOD_KEYS", "PAPER_ERC_BAND", "BANDS", "fmt"]

@@ -326,7 +326,8 @@ def _per_update(df, shown: int):
 
     table = Table(title="this response across the step's updates", title_justify="left", box=box.SIMPLE_HEAD,
                   header_style="bold", pad_edge=False)
-    for name in ("update", "tokens", "mean ratio", "mean entropy ratio", "clipped", "ERC-dropped"):
+    for name in ("update", "tokens", "mean ratio", "mean entropy ratio", "clipped", "ERC-dropped",
+                 "mean |mismatch|"):
         table.add_column(name, justify="right", no_wrap=True)
     for u in sorted(int(x) for x in df["update"].unique()):
         part = df[df["update"] == u]
@@ -335,6 +336,7 @@ def _per_update(df, shown: int):
         table.add_row(f"{u} (shown)" if u == shown else str(u), str(len(part)),
                       fmt(part["ratio"].astype(float).mean()), fmt(part["entropy_ratio"].astype(float).mean()),
                       str(int(part["clipped"].fillna(False).astype(bool).sum())), str(dropped),
+                      fmt(part["sampler_log_ratio"].astype(float).abs().mean()),  # NULL without a sampler
                       style="bold" if u == shown else None)
     return table
 

@@ -18,15 +18,15 @@
   var SEQ = [[255, 252, 228], [254, 224, 139], [253, 174, 97], [244, 109, 67], [215, 48, 39], [140, 18, 56], [64, 8, 60]];
   var DIV = [[33, 102, 172], [103, 169, 207], [209, 229, 240], [247, 247, 247], [253, 219, 199], [239, 138, 98], [178, 24, 43]];
   var CAT = {
-    quadrant: { "PA&HP": "#2e7d32", "PA&LP": "#a5d66f", "NA&HP": "#c62828", "NA&LP": "#f4a3a3", "ZA": "#b0bec5" },
+    quadrant: D.palette.quadrant, // palette.py: the report's figures use the same four colours
     clip: { "kept": "#e3e8ee", "low": "#9ecae1", "high": "#fdd0a2", "clipped low": "#2166ac", "clipped high": "#d9480f" },
     erc: { "kept": "#c7e9c0", "dropped": "#cb181d" }
   };
   var CAT_FALLBACK = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d"];
   var NULL_COLOR = "#dcdcdc";
   var LOG_FLOOR = Math.log(1.01); // the least half-width of a log scale's colours
-  var UPDATE_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf"];
+  // the report's run palette (palette.py): no green or red, which name the quadrants
+  var UPDATE_COLORS = D.palette.update;
 
   function ramp(stops, t) {
     if (!(t >= 0)) t = 0;
@@ -231,6 +231,9 @@
       '<label>colour by <select id="el-metric"></select></label>' +
       '<span id="el-note" class="el-note"></span></div>' +
       '<div class="el-listbox"><table id="el-list"><thead></thead><tbody></tbody></table></div>' +
+      '<p id="el-counts" class="el-muted">clipped, ERC-dropped: token rows summed over the updates of the step that ' +
+      "trained the response (a token in 2 updates counts twice; the table under the response splits them by update). " +
+      "\u2013: not applicable (the run has no ERC) or not recorded.</p>" +
       '<section id="el-response">' +
       '<div id="el-resp-head"></div>' +
       '<div id="el-legend"></div>' +
@@ -498,7 +501,8 @@
     var sm = resp.summary || {};
     var bits = [["seq", resp.seq], ["rank", resp.rank], ["group", resp.group], ["generated at step", resp.gen_step],
       ["reward", sm.reward], ["advantage", sm.advantage], ["length", sm.length], ["mean entropy", sm.mean_entropy],
-      ["clipped", sm.clipped], ["ERC-dropped", sm.erc_dropped], ["entropy effect", sm.entropy_effect]];
+      ["clipped (all updates)", sm.clipped], ["ERC-dropped (all updates)", sm.erc_dropped],
+      ["entropy effect", sm.entropy_effect]];
     var hd = '<h2>Response: seq ' + esc(resp.seq) + (MULTI_RANK ? " (rank " + esc(resp.rank) + ")" : "") +
       " at step " + esc(state.step) + "</h2>";
     hd += '<p class="el-why">chosen as: ' + esc((resp.why || []).join(", ") || "(matching)") + "</p>";

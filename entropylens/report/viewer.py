@@ -8,7 +8,7 @@ works offline, opened from disk.
 The page format (the dict, see entropylens/report/responses.py): ``run``, ``method``, ``columns`` (the names of
 each token row's values, "pos" first), ``metrics`` (key, label, scale: sequential / diverging / log /
 categorical, center, categories), ``has_text`` / ``text_source`` / ``text_hint``, ``selection`` (how the
-responses were chosen, one sentence), ``forking_share`` and ``steps``: per step its ``updates`` and
+responses were chosen, one sentence), ``forking_share``, ``palette`` (added here, from palette.py) and ``steps``: per step its ``updates`` and
 ``responses``, each with its ``summary``, ``pos`` (the recorded positions), ``tokens`` (a display string
 per position), ``forking`` (positions) and ``rows`` ({update: [[value per column] per position]}).
 
@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 from .escape import html_text
+from .palette import QUADRANT_COLORS, RUN_COLORS
 from .responses import dumps
 
 _SLUG_OK = re.compile(r"[a-z0-9][a-z0-9._-]*\Z")
@@ -67,6 +68,8 @@ def render_page(data: dict, *, title: str | None = None, back_href: str = "index
     if "</script" in low_js or "<!--" in low_js or "</style" in low_css:  # pragma: no cover - the assets' own check
         raise ValueError("viewer.js / viewer.css must not contain </script, <!-- or </style")
     e = html_text  # the run id and the title: control and bidi characters as their code, not raw
+    # the report's palettes (palette.py): quadrants as in every figure, updates in the runs' colours
+    data = {**data, "palette": {"quadrant": dict(QUADRANT_COLORS), "update": list(RUN_COLORS)}}
     run = str(data.get("run", ""))
     title = title or f"entropylens responses: {run}"
     return (

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..schema import CLIP_NONE, QUADRANT_NAMES, QUADRANTS, STEP_METRICS, quadrant_slug
+from ..schema import CLIP_NONE, MISMATCH_LOG_RATIO, QUADRANT_NAMES, QUADRANTS, STEP_METRICS, quadrant_slug
 
 AGG_NAMES: tuple[str, ...] = STEP_METRICS  # defined once, in schema.py
 # Entropy budget (first-order attribution, DESIGN.md): sums over the update's tokens of
@@ -24,12 +24,23 @@ BUDGET_NAMES: tuple[str, ...] = tuple(
     for kind in ("entropy_effect", "entropy_effect_dropped")
     for suffix in ("", *(f"_{quadrant_slug(q)}" for q in QUADRANTS), "_low", "_high")
 )
-CAUSES: tuple[str, ...] = ("clip_low", "clip_high", "dual_clip", "erc")
+CAUSES: tuple[str, ...] = ("clip_low", "clip_high", "dual_clip", "erc", "clip_cov", "kl_cov")
+COV_CAUSES = {"clip_cov": "cov_clipped", "kl_cov": "kl_cov_penalised"}  # cause -> the column naming its tokens
 BUDGET_NAMES = BUDGET_NAMES + tuple(f"entropy_effect_dropped_{c}" for c in CAUSES)
 AGG_NAMES = AGG_NAMES + BUDGET_NAMES
 # the columns the optional step fractions count (present in cols, or the fraction is NaN / absent)
 FRACTION_COLUMNS = {"dual_clip_frac": "dual_clipped", "token_masked_frac": "token_kept",
-                    "seq_masked_frac": "seq_kept", "is_weight_mean": "is_weight"}
+                    "seq_masked_frac": "seq_kept", "is_weight_mean": "is_weight",
+                    "sapo_weight_mean": "sapo_weight", "cov_clipped_frac": "cov_clipped",
+                    "kl_cov_frac": "kl_cov_penalised", "is_masked_frac": "is_masked"}
+MEAN_COLUMNS = ("is_weight", "sapo_weight")  # FRACTION_COLUMNS averaged as values (the rest count False / True)
+# fractions of true (the others: of false)
+_COUNTED_TRUE = ("dual_clipped", "cov_clipped", "kl_cov_penalised", "is_masked")
+# the steps columns of the training-inference mismatch (:func:`mismatch_aggregates`): null without sampler_logprob
+SAMPLER_METRICS: tuple[str, ...] = (
+    "sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
+    "clipped_mismatched_frac", *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS),
+)
 
 
 def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -38,10 +49,12 @@ def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.T
     (one [4, N] x [N, 10] matmul); NaN where the column is absent. cols and mask [B, T]; or a stack of
     updates [U, B, T] -> [U, len(BUDGET_NAMES)], each row its update's own sums.
 
-    By cause (a partition: the four parts add up to entropy_effect_dropped): ERC's share is the
+    By cause (a partition: the six parts add up to entropy_effect_dropped): ERC's share is the
     ``_dropped_by_erc`` column (:func:`add_attribution`, (g_e - g) s / T^2); the rest of each changed
-    token's dropped effect, (g_u - g_e) s / T^2, goes to dual-clip where the token is not clipped and
-    either dual_clipped or inside the band (clip 0), else to its clip side (clip -1 / +1). Before ERC
+    token's dropped effect, (g_u - g_e) s / T^2, goes to Clip-Cov / KL-Cov on the tokens they selected
+    (cov_clipped / kl_cov_penalised; Clip-Cov never selects a clipped or dual-clipped token), else to
+    dual-clip where the token is not clipped and either dual_clipped or inside the band (clip 0), else
+    to its clip side (clip -1 / +1). Before ERC
     the losses change a token's gradient only there: clipping needs the token's (or, at ratio_level
     'sequence', its sequence's) ratio outside the band; inside it only dual-clip / delta acts (delta
     < 1+eps_high caps A > 0 tokens inside the band, and at sequence level with per-token advantages
@@ -78,26 +91,33 @@ def _budget(cols: dict[str, torch.Tensor], m: torch.Tensor) -> torch.Tensor:
         by_erc = flat("_dropped_by_erc").double() if have_erc else None
         by_erc = torch.where(m & ~torch.isnan(by_erc), by_erc, 0.0) if have_erc else torch.zeros_like(eff)
         rows += [drop - by_erc, by_erc]  # before ERC (by the classes below) | ERC's own share
+        no = torch.zeros_like(clip, dtype=torch.bool)  # [U, N, 1]
+        by_cov = [flat(col).bool().unsqueeze(2) if col in cols else no for col in COV_CAUSES.values()]
+        rest = ~(by_cov[0] | by_cov[1])  # [U, N, 1]: tokens no covariance control selected
         if "dual_clipped" in cols:  # not clipped, and dual-clipped or inside the band (see the docstring)
-            dual = (~flat("clipped") & (flat("dual_clipped") | (flat("clip") == CLIP_NONE))).unsqueeze(2)  # [U, N, 1]
-            parts += [dual, ~dual & (clip < CLIP_NONE), ~dual & (clip > CLIP_NONE)]
+            dual = (~flat("clipped") & (flat("dual_clipped") | (flat("clip") == CLIP_NONE))).unsqueeze(2) & rest
+            parts += [dual, ~dual & rest & (clip < CLIP_NONE), ~dual & rest & (clip > CLIP_NONE)]
         else:
-            parts += [torch.zeros_like(clip, dtype=torch.bool), clip < CLIP_NONE, clip > CLIP_NONE]
-    groups = torch.cat(parts, 2).double()  # [U, N, 7] (with the split: 10)
+            parts += [no, rest & (clip < CLIP_NONE), rest & (clip > CLIP_NONE)]
+        parts += by_cov
+    groups = torch.cat(parts, 2).double()  # [U, N, 7] (with the split: 12)
     groups[:, :, 0] = 1.0  # the all-tokens column (code 0's place)
-    sums = _bmm(torch.stack(rows, 1), groups)  # [U, 2 or 4, N] x [U, N, 7 or 10] -> [U, 2 or 4, 7 or 10]
+    sums = _bmm(torch.stack(rows, 1), groups)  # [U, 2 or 4, N] x [U, N, 7 or 12] -> [U, 2 or 4, 7 or 12]
     out[:, :k] = sums[:, 0, :k]
     if have_drop:
         out[:, k:2 * k] = sums[:, 1, :k]
     if split:
         c = 2 * k  # entropy_effect_dropped_<cause>, in CAUSES' order
-        dual_part, low_part, high_part = sums[:, 2, k:].unbind(1)
+        dual_part, low_part, high_part, clip_cov_part, kl_cov_part = sums[:, 2, k:].unbind(1)
         out[:, c] = low_part
         out[:, c + 1] = high_part
         if "dual_clipped" in cols:
             out[:, c + 2] = dual_part
         if have_erc:
             out[:, c + 3] = sums[:, 3, 0]
+        for i, (part, col) in enumerate(zip((clip_cov_part, kl_cov_part), COV_CAUSES.values())):
+            if col in cols:
+                out[:, c + 4 + i] = part
     return out
 
 
@@ -239,7 +259,7 @@ def step_aggregates(
     extra = [c for c in FRACTION_COLUMNS.values() if c in cols]
     if extra:
         x = [flat(cols[c]) for c in extra]
-        x = [torch.where(m, v.float(), 0.0) if c == "is_weight" else (v.bool() if c == "dual_clipped" else ~v.bool())
+        x = [torch.where(m, v.float(), 0.0) if c in MEAN_COLUMNS else (v.bool() if c in _COUNTED_TRUE else ~v.bool())
              for c, v in zip(extra, x)]
         vals.append(torch.stack(x, 1).double())  # [U, len(extra), N]
     vals = torch.cat(vals, 1)  # [U, 7 + len(extra), N]
@@ -275,10 +295,50 @@ def step_aggregates(
                  if "entropy_ratio" in cols else nan(3))
     for k, name in enumerate(("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95")):
         agg[name] = quantiles[:, k:k + 1]
-    for name, col in FRACTION_COLUMNS.items():  # dual_clip_frac, token_masked_frac, seq_masked_frac, is_weight_mean
+    for name, col in FRACTION_COLUMNS.items():  # dual_clip_frac, ..., is_weight_mean, sapo_weight_mean
         agg[name] = tot[:, 7 + extra.index(col):8 + extra.index(col)] / denom if col in extra else nan(1)
+    agg.update(mismatch_aggregates(cols, m, quad) if "sampler_logprob" in cols
+               else {name: nan(1) for name in SAMPLER_METRICS})
     out = torch.cat([agg[name] for name in STEP_METRICS] + [entropy_budget(cols, mask).reshape(u, -1)], 1)
     return out if batched else out[0]
+
+
+def mismatch_aggregates(cols: dict[str, torch.Tensor], m: torch.Tensor, quad: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The training-inference mismatch of U updates, each [U, 1] float64 (SAMPLER_METRICS), from
+    d = old_logprob - sampler_logprob over the masked-in tokens whose d is not NaN (a token the sampler did
+    not score: TRL's NaN, left out as TRL does):
+      sampler_abs_log_ratio_mean = mean |d|, _max = max |d| (TRL's sampling/sampling_logp_difference/*),
+      sampler_kl_k1 = mean(-d) (verl's rollout_corr/kl), sampler_kl_k3 = mean(exp(d) - d - 1) (verl's k3_kl),
+      sampler_abs_log_ratio_mean_<q> = mean |d| over quadrant q's tokens,
+      clipped_mismatched_frac = #(clipped & mismatched) / #clipped, mismatched = |d| > ln 2 or is_masked.
+    NaN where no token counts (stored as null). m, quad [U, N] (bool, quadrant codes); cols [U, ...]."""
+    u = m.shape[0]
+    d = cols["old_logprob"].reshape(u, -1).double() - cols["sampler_logprob"].reshape(u, -1).double()  # [U, N]
+    ok = m & ~torch.isnan(d)  # [U, N]
+    d0 = torch.where(ok, d, 0.0)
+    a = d0.abs()
+    n = ok.sum(1, keepdim=True).double()  # [U, 1]
+    over = _over(n)
+    big = torch.where(ok, d.abs(), float("-inf")).amax(1, keepdim=True) if d.shape[1] else torch.full_like(n, float("nan"))
+    out = {
+        "sampler_abs_log_ratio_mean": a.sum(1, keepdim=True) / over,
+        "sampler_abs_log_ratio_max": torch.where(n > 0, big, float("nan")),
+        "sampler_kl_k1": -d0.sum(1, keepdim=True) / over,
+        "sampler_kl_k3": (torch.expm1(d0) - d0).sum(1, keepdim=True) / over,
+    }
+    mism = ok & (a > MISMATCH_LOG_RATIO)
+    if "is_masked" in cols:
+        mism = mism | (cols["is_masked"].reshape(u, -1).bool() & m)
+    clipped = cols["clipped"].reshape(u, -1).bool() & ok
+    out["clipped_mismatched_frac"] = ((clipped & mism).sum(1, keepdim=True).double()
+                                      / _over(clipped.sum(1, keepdim=True).double()))
+    in_q = (quad.unsqueeze(2) == _codes(m.device)) & ok.unsqueeze(2)  # [U, N, 5]
+    q_sum = torch.where(in_q, a.unsqueeze(2), 0.0).sum(1)  # [U, 5]
+    q_n = in_q.sum(1).double()  # [U, 5]
+    for code, q in QUADRANT_NAMES.items():
+        if q in QUADRANTS:
+            out[f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}"] = q_sum[:, code:code + 1] / _over(q_n[:, code:code + 1])
+    return out
 
 
 def step_metrics(
@@ -303,13 +363,15 @@ def step_metrics(
     if loss_value is None:
         absent.add("loss")
     absent.update(name for name, col in FRACTION_COLUMNS.items() if col not in cols)
+    if "sampler_logprob" not in cols:
+        absent.update(SAMPLER_METRICS)
     if "entropy_effect" not in cols:
         absent.update(BUDGET_NAMES)
     elif "entropy_effect_dropped" not in cols:
         absent.update(n for n in BUDGET_NAMES if n.startswith("entropy_effect_dropped"))
     elif "erc_kept" in cols and "_dropped_by_erc" not in cols:  # the by-cause split is unknown
         absent.update(f"entropy_effect_dropped_{c}" for c in CAUSES)
-    for cause, col in (("erc", "erc_kept"), ("dual_clip", "dual_clipped")):
+    for cause, col in (("erc", "erc_kept"), ("dual_clip", "dual_clipped"), *COV_CAUSES.items()):
         if col not in cols:
             absent.add(f"entropy_effect_dropped_{cause}")
     return {name: v for name, v in zip(AGG_NAMES, aggregates.unbind(0)) if name not in absent}

@@ -37,6 +37,14 @@ The loss is built in three stages, each a small function (torchtune style):
                 (l = -A sg(k) exp(log q - sg(log q)): no 1/r, finite when r underflows to 0.)
   cispo         v = -sg(clip(q, 1-eps_low, 1+eps_high)) A logp; g = -clip(q) A (never zero).
   gspo          q = s_i; PPO-clip on s_i (eps 3e-4 / 4e-4); seq-mean-token-mean.
+  sapo          soft gate, no hard clip (verl 0.9.1's ``sapo``, TRL's loss_type="sapo"): tau = tau_pos where
+                A > 0, else tau_neg; sigma = sigmoid(tau (q - 1)); v = -A (4 / tau) sigma,
+                g = -A w q with the gate weight w = 4 sigma (1 - sigma) (1 at q = 1, -> 0 as |q - 1| grows);
+                the ``sapo_weight`` column is w. With ``sapo_log_ratio_clamp`` c (verl: 20) log q is clamped to
+                [-c, c] first: v uses the clamped q and w = 0 outside (the clamp's zero gradient).
+                Seq-mean-token-mean (verl forces it). eps are not used.
+  clip_cov      grpo's surrogate (eps 0.2 / 0.2), then Clip-Cov's selection (stage 3; token level).
+  kl_cov        v = g = -A q, no clip (clip 0 everywhere), then KL-Cov's penalty (stage 3; token level).
 3. modifiers change (v, g) of some tokens (g = 0: f = 0), or the weights:
   dual_clip c   A < 0 and q > c, not PPO-clipped: v = -c A (constant, g = 0)  (== min(l, -c A)).
   delta         TRL's upper clamp of the unclipped term, -min(min(q, delta) A, clip(q) A) (INTELLECT-2),
@@ -48,6 +56,11 @@ The loss is built in three stages, each a small function (torchtune style):
                 With delta >= 1+eps_high (TRL's recommendation) that is: not PPO-clipped and q > delta ->
                 v = -A delta, g = 0. With dual_clip too, A < 0 is capped at min(c, max(delta, 1+eps_high)).
                 Dual-clipped and delta-capped tokens are the ``dual_clipped`` column.
+  clip_cov      (cov.py) a random share of the tokens PPO-clip and dual-clip / delta left alone, with
+                clip_cov_lb < cov < clip_cov_ub: v = 0, g = 0 (verl multiplies their loss by 0): cov_clipped.
+  kl_cov        (cov.py) the top kl_cov_ratio share by cov: v += ppo_kl_coef |log r|, g += ppo_kl_coef
+                sign(log r): kl_cov_penalised (changed where sign(log r) != 0).
+                Every method: cov = (A - mean A)(logp - mean logp) over the masked-in tokens (column cov).
   erc (lo, hi)  rho = (H + 1e-8)/(H_old + 1e-8); keep = lo < rho < hi; g = 0 outside (l = sg(l)).
   token_mask    TRL's top-entropy-quantile mask: P_t = 0 outside it (value and gradient of the policy
                 term); the KL term and the weights (the normaliser) are unchanged.
@@ -63,7 +76,7 @@ The loss is built in three stages, each a small function (torchtune style):
 4. columns and metrics: per-token [B,T] columns named as the schema's token columns, and the step
    metrics named as the schema's steps columns (computed by aggregates.step_aggregates). The modifiers'
    columns, each only when its modifier is given: dual_clipped (dual-clip or delta capped the token),
-   token_kept, seq_kept (bool, broadcast), is_weight (all stored in tokens), grad_coef_before_erc
+   token_kept, seq_kept (bool, broadcast), is_weight, sapo_weight (sapo) (all stored in tokens), grad_coef_before_erc
    (with erc: grad_coef just before ERC acted; the recorder splits the dropped entropy effect by cause
    with it, and does not store it).
 
@@ -71,8 +84,10 @@ Unclipped reference (what E3's entropy attribution compares against): the surrog
 token form -A s_it, cispo: -A sg(q) logp) with the same ratio path, weights, scale, P (masks and
 is_weight) and KL term (bias-corrected or not) -- those are part of the objective:
   grad_coef_unclipped = path(c w P (-A q)) + the KL term's gradient.
-  grad_changed = PPO-clip (cispo's clip with A != 0), CE-GPPO/GPPO's bounded slope, dual-clip / delta
-  or ERC changed the gradient of a token the policy term reaches (P != 0; at sequence level: of any
+  sapo: clipped is False everywhere (no hard clip), clip is the side of 1 the ratio lies on (-1: q < 1,
+  +1: q > 1, 0: q == 1) so the dropped effect splits by side, and grad_changed is w != 1 with A != 0.
+  grad_changed = PPO-clip (cispo's clip with A != 0), CE-GPPO/GPPO's bounded slope, dual-clip / delta,
+  Clip-Cov (A != 0), KL-Cov or ERC changed the gradient of a token the policy term reaches (P != 0; at sequence level: of any
   such token of its sequence); elsewhere grad_coef == grad_coef_unclipped.
   With erc, grad_coef_before_erc splits the drop: grad_coef_unclipped - grad_coef_before_erc comes from
   clipping (by the token's clip side) or dual-clip / delta (dual_clipped), grad_coef_before_erc -
@@ -97,13 +112,15 @@ from dataclasses import dataclass, field
 import torch
 
 from . import stats
+from .cov import (CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, COV_METHODS, KL_COV_RATIO, PPO_KL_COEF, clip_cov_select,
+                  kl_cov_penalty, kl_cov_select, token_covariance)
 from ..schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, ZA
 
-METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "cispo", "gspo")
+METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "cispo", "gspo", "sapo", *COV_METHODS)
 AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum",
                          "seq-mean-token-sum-norm")
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-PPO_CLIP_METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "gspo")  # dual_clip and delta apply
+PPO_CLIP_METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "gspo", "clip_cov")  # dual_clip and delta apply
 DEFAULT_EPS: dict[str, tuple[float, float]] = {
     "grpo": (0.2, 0.2),
     "dapo": (0.2, 0.28),
@@ -111,16 +128,20 @@ DEFAULT_EPS: dict[str, tuple[float, float]] = {
     "ce_gppo": (0.2, 0.2),
     "cispo": (0.2, 0.2),
     "gspo": (3e-4, 4e-4),
+    "sapo": (0.2, 0.2),  # not used by the loss (no clip band); kept for the recorder's run settings
+    "clip_cov": (0.2, 0.2),  # verl's clip_ratio
+    "kl_cov": (0.2, 0.2),  # recorded, unused: kl_cov clips nothing
 }
-DEFAULT_AGG: dict[str, str] = {m: ("seq-mean-token-mean" if m == "gspo" else "token-mean") for m in METHODS}
+DEFAULT_AGG: dict[str, str] = {m: ("seq-mean-token-mean" if m in ("gspo", "sapo") else "token-mean") for m in METHODS}
+SAPO_TAUS: tuple[float, float] = (1.0, 1.05)  # verl 0.9.1's tau_pos / tau_neg, TRL's sapo_temperature_pos / _neg
 
 
 @dataclass
 class PolicyLossOutput:
     """loss: scalar (scale included); columns: per-token [B, T] detached tensors named as the schema's
     token columns (float64 for float64 inputs), plus dual_clipped / token_kept / seq_kept / is_weight /
-    grad_coef_before_erc where their modifier is given (module docstring); metrics: 0-dim detached
-    tensors on the device named as the schema's steps columns (computed on first access;
+    grad_coef_before_erc where their modifier is given, sapo_weight for method="sapo" (module docstring);
+    metrics: 0-dim detached tensors on the device named as the schema's steps columns (computed on first access;
     :meth:`scalars` gives floats with one host copy); config: the resolved hyperparameters (method,
     eps_low, eps_high, ...)."""
 
@@ -153,13 +174,14 @@ class PolicyLossOutput:
 
 # Settings fixed for a run (run.json) and settings of one update (steps rows; they may change over a
 # run, e.g. a beta1 schedule). An update writes only the settings its method has.
-RUN_SETTINGS: tuple[str, ...] = ("method", "eps_low", "eps_high", "agg", "tau")
+RUN_SETTINGS: tuple[str, ...] = ("method", "eps_low", "eps_high", "agg", "tau", "sapo_tau_pos", "sapo_tau_neg")
 
 
 def update_settings(config: dict) -> dict[str, float]:
     """The per-update settings of a resolved loss ``config`` (PolicyLossOutput.config) that apply:
     beta1 / beta2 for ce_gppo only; dual_clip, erc_low / erc_high, entropy_coef, kl_coef where set;
-    loss_scale where not 1. Keys are steps columns (schema.STEPS). (delta, ratio_level and
+    loss_scale where not 1; with adaptive entropy control (``entropy_coef_adaptive`` in the config: the
+    controller's coefficient) entropy_coef is the applied one, 0 included. Keys are steps columns (schema.STEPS). (delta, ratio_level and
     kl_bias_correction have no steps column: they stay in the config.)"""
     out: dict[str, float] = {}
     if config.get("method") == "ce_gppo":
@@ -171,6 +193,9 @@ def update_settings(config: dict) -> dict[str, float]:
     for key in ("entropy_coef", "kl_coef"):
         if config.get(key):
             out[key] = float(config[key])
+    if config.get("entropy_coef_adaptive") is not None:  # adaptive control: the applied coefficient, 0 included
+        out["entropy_coef"] = float(config.get("entropy_coef") or 0.0)
+        out["entropy_coef_adaptive"] = float(config["entropy_coef_adaptive"])
     if config.get("scale", 1.0) != 1.0:
         out["loss_scale"] = float(config["scale"])
     return out
@@ -270,8 +295,8 @@ def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau,
     if not (beta1 >= 0 and beta2 >= 0) or not (math.isfinite(beta1) and math.isfinite(beta2)):
         raise ValueError(f"beta1 and beta2 must be finite and >= 0, got {beta1}, {beta2}")
     if dual_clip is not None:
-        if method == "cispo":
-            raise ValueError("dual_clip does not apply to cispo (its loss is not a clipped surrogate)")
+        if method in ("cispo", "sapo"):
+            raise ValueError(f"dual_clip does not apply to {method} (its loss is not a clipped surrogate)")
         if not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if delta is not None:
@@ -445,11 +470,47 @@ def cispo_surrogate(x: Tokens, clip: Clip) -> tuple[torch.Tensor, torch.Tensor, 
     return g * logp, g, None
 
 
+def sapo_surrogate(x: Tokens, ratio: Ratio, tau_pos: float, tau_neg: float, log_ratio_clamp: float | None,
+                   eps_low: float, eps_high: float):
+    """SAPO's soft gate on q (module docstring, stage 2): tau = tau_pos (A > 0) / tau_neg (A <= 0),
+    sigma = sigmoid(tau (q - 1)), v = -A (4 / tau) sigma, g = f s with f = -A w, s = q,
+    w = 4 sigma (1 - sigma) (0 where ``log_ratio_clamp`` cut log q: the clamp's zero gradient).
+    Returns (v, f, s, clip, w), all [B, T] detached; clip: the side of 1 of q, nothing clipped."""
+    a, q = x.advantage, ratio.value
+    taus = torch.where(a > 0, torch.full_like(q, tau_pos), torch.full_like(q, tau_neg))  # [B, T]
+    cut = torch.zeros_like(x.mask)
+    if log_ratio_clamp is not None:  # exp(clamp(log q, -c, c)) == clamp(q, exp(-c), exp(c)): exp is monotone
+        lo, hi = torch.exp(torch.tensor([-log_ratio_clamp, log_ratio_clamp], dtype=q.dtype, device=q.device))
+        cut = (q < lo) | (q > hi)
+        q = torch.minimum(torch.maximum(q, lo), hi)
+    sigma = torch.sigmoid(taus * (q - 1.0))  # [B, T]
+    v = -(sigma * (4.0 / taus)) * a
+    w = torch.where(cut, torch.zeros_like(q), 4.0 * sigma * (1.0 - sigma))  # [B, T] the gate weight
+    region = torch.sign(q - 1.0).to(torch.int8)  # CLIP_LOW -1 / CLIP_NONE 0 / CLIP_HIGH +1: the side of 1
+    none = torch.zeros_like(x.mask)
+    clip = Clip(ratio=q, region=region, low=none, high=none, eps_low=eps_low, eps_high=eps_high)
+    return v, -a * w, q, clip, w
+
+
+def _check_sapo(tau_pos, tau_neg, log_ratio_clamp) -> tuple[float, float, float | None]:
+    pos, neg = _finite_number("sapo_tau_pos", tau_pos), _finite_number("sapo_tau_neg", tau_neg)
+    if not (pos > 0 and neg > 0):
+        raise ValueError(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {pos}, {neg}")
+    if log_ratio_clamp is not None and not _finite_number("sapo_log_ratio_clamp", log_ratio_clamp) > 0:
+        raise ValueError(f"sapo_log_ratio_clamp must be > 0 or None, got {log_ratio_clamp}")
+    return pos, neg, None if log_ratio_clamp is None else float(log_ratio_clamp)
+
+
 def surrogate(method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: float, beta1: float, beta2: float):
     """(v [B,T], f [B,T], s [B,T] or None, clip) of ``method`` on ``ratio`` (module docstring, stage 2):
     the slope is g = f s (s None: 1), all detached."""
     clip = clip_of(x, ratio.value, eps_low, eps_high)
-    if method in ("grpo", "dapo", "gspo"):
+    if method == "kl_cov":  # no clip: v = g = -A q, every token inside (clip 0)
+        clip = Clip(ratio=clip.ratio, region=torch.zeros_like(clip.region), low=torch.zeros_like(clip.low),
+                    high=torch.zeros_like(clip.high), eps_low=eps_low, eps_high=eps_high)
+        g = -x.advantage * clip.ratio
+        return g, g, None, clip
+    if method in ("grpo", "dapo", "gspo", "clip_cov"):
         v, f, s = ppo_clip_surrogate(x, clip)
     elif method in ("gppo", "ce_gppo"):
         b1, b2 = (1.0, 1.0) if method == "gppo" else (float(beta1), float(beta2))
@@ -513,6 +574,51 @@ def kl_term(x: Tokens, ref_logprobs: torch.Tensor, kl_coef: float, ratio: Ratio 
     return kl * (ratio.value * ratio.unit), local * ratio.value, kl.detach() * ratio.value
 
 
+def cov_settings(method: str, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef,
+                 ratio_level: str, dual_clip, delta) -> dict:
+    """The resolved Clip-Cov / KL-Cov settings of ``method`` (cov.py; defaults verl's), checked; {} for
+    the other methods."""
+    if method not in COV_METHODS:
+        return {}
+    if ratio_level != "token":
+        raise ValueError(f"{method} is token-level (verl's): ratio_level must be 'token', got {ratio_level!r}")
+    if method == "clip_cov":
+        out = dict(clip_cov_ratio=float(CLIP_COV_RATIO if clip_cov_ratio is None else clip_cov_ratio),
+                   clip_cov_lb=float(CLIP_COV_LB if clip_cov_lb is None else clip_cov_lb),
+                   clip_cov_ub=float(CLIP_COV_UB if clip_cov_ub is None else clip_cov_ub))
+        if not out["clip_cov_lb"] < out["clip_cov_ub"]:
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {out['clip_cov_lb']}, {out['clip_cov_ub']}")
+        ratio_key = "clip_cov_ratio"
+    else:
+        if dual_clip is not None or delta is not None:
+            raise ValueError("dual_clip and delta do not apply to kl_cov (its surrogate -A r is not clipped)")
+        out = dict(kl_cov_ratio=float(KL_COV_RATIO if kl_cov_ratio is None else kl_cov_ratio),
+                   ppo_kl_coef=float(PPO_KL_COEF if ppo_kl_coef is None else ppo_kl_coef))
+        if not (math.isfinite(out["ppo_kl_coef"]) and out["ppo_kl_coef"] >= 0):
+            raise ValueError(f"ppo_kl_coef must be a finite number >= 0, got {out['ppo_kl_coef']}")
+        ratio_key = "kl_cov_ratio"
+    if not 0.0 < out[ratio_key] <= 1.0:
+        raise ValueError(f"{ratio_key} must be in (0, 1], got {out[ratio_key]}")
+    return out
+
+
+def apply_cov(method: str, x: Tokens, clip: Clip, v, f, cov: torch.Tensor, capped: torch.Tensor | None,
+              settings: dict, generator: torch.Generator | None):
+    """Clip-Cov / KL-Cov on (v, f) (cov.py): clip_cov zeroes value and slope of its random selection
+    among the tokens PPO-clip (and dual-clip / delta) left alone; kl_cov adds ppo_kl_coef |log r| (slope
+    ppo_kl_coef sign(log r)) on its top-cov tokens (its f is the whole slope: s = None). Returns
+    (v, f, changed [B, T] bool: the tokens whose gradient the control changed, column name, selection)."""
+    if method == "clip_cov":
+        free = ~clip.clipped if capped is None else ~clip.clipped & ~capped
+        sel = clip_cov_select(cov, free, x.mask, settings["clip_cov_ratio"], settings["clip_cov_lb"],
+                              settings["clip_cov_ub"], generator)
+        zero = torch.zeros_like(v)
+        return torch.where(sel, zero, v), torch.where(sel, zero, f), sel & (x.advantage != 0), "cov_clipped", sel
+    sel = kl_cov_select(cov, x.mask, settings["kl_cov_ratio"])
+    pv, pg = kl_cov_penalty(x.log_ratio, sel, settings["ppo_kl_coef"])
+    return v + pv, f + pg, sel & (pg != 0), "kl_cov_penalised", sel
+
+
 def _policy_multiplier(x: Tokens, token_mask, seq_mask, is_weight) -> tuple[torch.Tensor | None, dict]:
     """P [B, T] (None without the modifiers) and its columns: token_kept, seq_kept, is_weight."""
     cols: dict[str, torch.Tensor] = {}
@@ -567,6 +673,15 @@ def policy_loss(
     ratio_level: str = "token",
     kl_bias_correction: bool = False,
     entropy_weights: torch.Tensor | None = None,
+    sapo_tau_pos: float = SAPO_TAUS[0],
+    sapo_tau_neg: float = SAPO_TAUS[1],
+    sapo_log_ratio_clamp: float | None = 20.0,
+    clip_cov_ratio: float | None = None,
+    clip_cov_lb: float | None = None,
+    clip_cov_ub: float | None = None,
+    kl_cov_ratio: float | None = None,
+    ppo_kl_coef: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> PolicyLossOutput:
     """Policy loss of ``method`` over response tokens. Shapes: logprobs, old_logprobs, mask [B, T];
     advantages [B] (one per sequence) or [B, T]; entropy / old_entropy / ref_logprobs [B, T].
@@ -584,6 +699,13 @@ def policy_loss(
     gradient through the sequence mean; not gspo, which is sequence-level in its token form);
     ``kl_bias_correction``: k3 times the ratio with its gradient (use_bias_correction_kl);
     ``entropy_weights`` [B, T]: weights of the entropy bonus, scale included (default scale * w).
+    ``sapo_tau_pos`` / ``sapo_tau_neg`` / ``sapo_log_ratio_clamp``: method="sapo"'s gate temperatures
+    (A > 0 / A <= 0) and verl's clamp of log q (20; None: none, as TRL).
+
+    Cui et al.'s covariance controls (verl's clip_cov / kl_cov, :mod:`.cov`; defaults verl's):
+    method="clip_cov" with ``clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` and ``generator`` (the
+    random selection's torch.Generator; None: the global CPU generator, as verl), method="kl_cov" with
+    ``kl_cov_ratio`` / ``ppo_kl_coef``. Every method gets the ``cov`` column.
 
     float64 logprobs / old_logprobs are computed in float64, else float32.
     ``columns['grad_coef']`` == autograd.grad(loss, logprobs) in every combination (closed form)."""
@@ -596,6 +718,8 @@ def policy_loss(
     delta = None if delta is None else _finite_number("delta", delta)
     _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy,
               entropy_coef, scale, delta, ratio_level, loss_scale_factor)
+    cov_cfg = cov_settings(method, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, ratio_level,
+                           dual_clip, delta)
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     shape = tuple(logprobs.shape)
@@ -617,8 +741,13 @@ def policy_loss(
     live = x.mask if p is None else x.mask & (p != 0)  # tokens the policy term reaches
 
     ratio = ratio_of(method, x, ratio_level)
-    v, f, s, clip = surrogate(method, x, ratio, eps_low, eps_high, beta1, beta2)  # slope g = f s
-    changed = clip.clipped
+    if method == "sapo":
+        sapo = _check_sapo(sapo_tau_pos, sapo_tau_neg, sapo_log_ratio_clamp)
+        v, f, s, clip, columns["sapo_weight"] = sapo_surrogate(x, ratio, *sapo, eps_low, eps_high)
+        changed = (columns["sapo_weight"] != 1.0) & (x.advantage != 0) & x.mask
+    else:
+        v, f, s, clip = surrogate(method, x, ratio, eps_low, eps_high, beta1, beta2)  # slope g = f s
+        changed = clip.clipped
     if method == "cispo":  # cispo's clip changes the slope wherever q leaves the band and A != 0
         changed = (clip.region != CLIP_NONE) & (x.advantage != 0) & x.mask
 
@@ -627,6 +756,11 @@ def policy_loss(
                                   clipped_value=method in ("grpo", "dapo", "gspo"))
         changed = changed | capped
         columns["dual_clipped"] = capped
+    if cov_cfg:  # the covariance term, only where the loss selects on it (the analyses derive it from the rows)
+        columns["cov"] = token_covariance(x.advantage, x.logp, x.mask)  # [B, T]
+        v, f, cov_changed, name, columns[name] = apply_cov(method, x, clip, v, f, columns["cov"],
+                                                           columns.get("dual_clipped"), cov_cfg, generator)
+        changed = changed | cov_changed
     if entropy is not None:
         columns["entropy"] = entropy.detach().to(dt)
     f_before_erc = None
@@ -693,8 +827,10 @@ def policy_loss(
         method=method, eps_low=eps_low, eps_high=eps_high, beta1=float(beta1), beta2=float(beta2),
         dual_clip=dual_clip, erc=tuple(erc) if erc is not None else None, agg=agg, tau=tau,
         entropy_coef=entropy_coef, kl_coef=kl_coef, scale=scale, delta=delta, ratio_level=ratio_level,
-        kl_bias_correction=bool(kl_bias_correction),
+        kl_bias_correction=bool(kl_bias_correction), **cov_cfg,
     )
+    if method == "sapo":
+        config.update(sapo_tau_pos=sapo[0], sapo_tau_neg=sapo[1], sapo_log_ratio_clamp=sapo[2])
     if agg == "seq-mean-token-sum-norm":
         config["loss_scale_factor"] = float(mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     # finite as float32: what the check saw in float32 (float64 inputs only when computed in float32)

@@ -36,18 +36,27 @@ def test_harness_on_tiny_runs(tmp_path):
 
     con = connect(dirs["paper"])
     metrics = claims.per_run_metrics(con)
-    assert len(metrics) == 18
+    assert len(metrics) == 2 * len(claims.CONFIGS)
     m = metrics["grpo-s0"]
     assert m["grad_clip"] == 3.0 and m["seed"] == 0 and 0.0 <= m["gclip_share"] <= 1.0
     assert isinstance(m["destabilised"], bool) and m["kl"] >= 0
     found = claims.evaluate(con, metrics)
     assert [c.key for c in found][:8] == [str(i) for i in range(1, 9)]
-    claims.figures(con, tmp_path, "paper", found)
-    for c in found:
-        assert (tmp_path / f"paper-claims-paper-{c.figure}.png").stat().st_size > 1000
+    rows = claims.compare.method_rows(claims.by_config(metrics), "grpo", order=claims.CONFIGS)
+    assert [r["method"] for r in rows] == list(claims.CONFIGS)  # grpo first already
+    claims.figures(con, tmp_path, "paper", found, rows)
+    for stem in [c.figure for c in found] + ["methods-entropy", "methods-reward"]:
+        assert (tmp_path / f"paper-claims-paper-{stem}.png").stat().st_size > 1000
+    from entropylens.demo.toy.beside import token_entropy_shares
+
+    shares = token_entropy_shares(con, {r: m["config"] for r, m in metrics.items()})
+    assert set(shares) == set(claims.CONFIGS)
     res = claims.regime_result("paper", metrics, found, seeds=2, steps=TINY["steps"], workers=2, minutes=1.0,
-                               core_minutes=2.0)
+                               core_minutes=2.0, rows=rows, shares=shares)
     assert res["reduced"] and res["settings"]["lr"] == 2e-4
     (tmp_path / "paper-claims-paper.json").write_text(json.dumps(res, default=float))
     text = claims.write_markdown(tmp_path).read_text()
     assert "paper (REDUCED: 2 seeds x 3 steps)" in text and "![clipped-prob](paper-claims-paper-clipped-prob.png)" in text
+    for n in claims.CONFIGS:  # one line a method in the methods table
+        assert sum(line.startswith(f"| {n} | loss ") for line in text.splitlines()) == 1, n
+    assert "## Token-entropy shares beside the 80/20 paper" in text

@@ -394,3 +394,26 @@ def test_trl_sum_p_squared_asked_only_in_the_training_pass(tmp_path, monkeypatch
     assert all(grad) and not any(nograd)
     t = _rows(tmp_path / "sq")
     assert t["logit_grad_norm"].notna().all() and (t["old_entropy"] > 0).all()
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_trl_at_its_defaults_is_on_policy_and_says_so(tmp_path, num_iterations):
+    """TRL's defaults (num_iterations 1, steps_per_generation = gradient_accumulation_steps) keep no old
+    log-probs: every ratio is 1. The trainer warns once, and `check` notes on_policy; num_iterations 2 neither."""
+    import warnings
+
+    from entropylens.report.checks import notes
+    from entropylens.report.run_findings import ON_POLICY_TEXT
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = trl_tiny.trainer(tmp_path, "r", max_steps=2, num_iterations=num_iterations)
+        tr.train()
+    said = [str(w.message) for w in caught if "on_policy" in str(w.message)]
+    found = [f for f in notes(tmp_path / "r") if f.rule == "on_policy"]
+    ratios = connect(tmp_path / "r").execute("SELECT count(*), count(*) FILTER (WHERE ratio <> 1) FROM tokens").fetchone()
+    if num_iterations == 1:
+        assert len(said) == 1 and ON_POLICY_TEXT in said[0], said
+        assert [f.signal for f in found] == [ON_POLICY_TEXT] and ratios[0] > 0 and ratios[1] == 0
+    else:
+        assert said == [] and found == [] and ratios[1] > 0

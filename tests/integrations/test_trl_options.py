@@ -287,3 +287,56 @@ def test_dapo_equals_trls_dapo_over_two_processes(tmp_path, model_dir):
         assert 0.1 < kept < 0.4, (loss, kept)
     assert _moved(model_dir, w["dapo"]) > 1e-3
     _assert_same_weights(w["dapo"], w["trl"])
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(importance_sampling_level="sequence", sapo_temperature_pos=0.8,
+                                               sapo_temperature_neg=1.3)], ids=["token", "sequence-temps"])
+def test_sapo_equals_trls_sapo_and_records_its_gate(tmp_path, model_dir, opts):
+    """loss="sapo" under TRL's loss_type="sapo" with the base run's options (GA 2, two iterations, KL, the
+    top-entropy mask; then sequence-level ratios and other temperatures) ends with TRL's own sapo weights;
+    every token row has its gate weight (sapo_weight, < 1 off r = 1), none is clipped, and steps carry
+    sapo_weight_mean."""
+    _, trl_w = _train(tmp_path, "trl", model_dir, loss_type="sapo", max_steps=2, **opts)
+    _, el_w = _train(tmp_path, "el", model_dir, el_loss="sapo", loss_type="sapo", max_steps=2, **opts)
+    assert _moved(model_dir, el_w) > 1e-4
+    _assert_same_weights(el_w, trl_w)
+    con = connect(tmp_path / "el")
+    n, n_w, lo, clipped = con.execute("SELECT count(*), count(sapo_weight), min(sapo_weight), "
+                                      "count(*) FILTER (clipped) FROM tokens").fetchone()
+    assert n > 0 and n_w == n and 0.0 < lo < 1.0 and clipped == 0
+    means = con.execute("SELECT sapo_weight_mean FROM steps WHERE n_tokens > 0").fetchall()
+    assert means and all(0.0 < m <= 1.0 for (m,) in means)
+    # step 1 updates with old != current (second iteration): the gate acted there
+    assert con.execute("SELECT min(sapo_weight_mean) FROM steps WHERE step = 1 AND n_tokens > 0").fetchone()[0] < 1.0
+    cfg = json.loads((tmp_path / "el" / "run.json").read_text())
+    assert cfg["loss"]["sapo_tau_pos"] == opts.get("sapo_temperature_pos", 1.0)
+
+
+@pytest.mark.parametrize("loss", ["clip_cov", "kl_cov"])
+def test_clip_cov_and_kl_cov_train_under_trls_options(tmp_path, model_dir, loss):
+    # Clip-Cov / KL-Cov with KL, the top-entropy mask and the vLLM IS weight: the columns are there and
+    # agree with each other (cov over each update's tokens, the step share = the tokens' share, a
+    # Clip-Cov token has no policy gradient)
+    from entropylens.integrations.trl import EntropyLensGRPOTrainer
+
+    cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {})
+    cov = {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0} if loss == "clip_cov" else {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}
+    tr = trl_tiny.trainer(tmp_path, "cov", cls=cls, model=model_dir, **{**BASE, "max_steps": 2, "beta": 0.0},
+                          el=dict(loss=loss, cov=cov))
+    tr.train()
+    con = connect(tmp_path / "cov")
+    t = con.execute("SELECT * FROM tokens").df()
+    col, frac = ("cov_clipped", "cov_clipped_frac") if loss == "clip_cov" else ("kl_cov_penalised", "kl_cov_frac")
+    other = "kl_cov_penalised" if loss == "clip_cov" else "cov_clipped"
+    assert len(t) > 0 and t["cov"].notna().all() and t[col].notna().all() and t[other].isna().all()
+    assert t[col].any()
+    for (_, _), g in t.groupby(["step", "update"]):
+        a, lp = g["advantage"].to_numpy(np.float64), g["logprob"].to_numpy(np.float64)
+        np.testing.assert_allclose(g["cov"], (a - a.mean()) * (lp - lp.mean()), rtol=1e-4, atol=1e-5)
+    s = con.execute("SELECT step, update, " + frac + " FROM steps").df()
+    share = t.groupby(["step", "update"])[col].mean().reset_index()
+    merged = s.merge(share, on=["step", "update"])
+    assert len(merged) == len(s) and np.allclose(merged[frac], merged[col])
+    if loss == "clip_cov":
+        assert (t.loc[t["cov_clipped"], "grad_coef"] == 0).all()
+        assert not (t["cov_clipped"] & t["clipped"]).any()

@@ -62,8 +62,23 @@ def test_registered_ce_gppo_equals_policy_loss_every_region_float64(verl_python)
     run_checks(verl_python, "registered_ce_gppo or gppo_is_ce_gppo or rollout_correction")
 
 
+def test_clip_cov_and_kl_cov_equal_verls_own(verl_python):
+    run_checks(verl_python, "cov_losses_equal")
+
+
+def test_rollout_log_probs_equal_verls_rollout_corr_metrics(verl_python):
+    run_checks(verl_python, "rollout_log_probs_recorded")
+
+
 def test_aggregation_matches_verl_vanilla_loss(verl_python):
     run_checks(verl_python, "entropylens_grpo_equals_verl_vanilla")
+
+
+def test_sapo_equals_verls_sapo_and_verls_own_losses_record_by_hand(verl_python):
+    """entropylens_sapo == verl's own compute_policy_loss_sapo (loss and gradient, float64: max relative
+    difference 1.8e-16 / 3.4e-16); verl's gpg and dro recorded as they are through the Recorder. The CPU-harness
+    run with sapo_weight recorded is test_trainer_records_sapo_weight (selected by "trainer_" below)."""
+    run_checks(verl_python, "sapo_equals_verl_sapo or own_gpg_and_dro")
 
 
 def test_loss_function_with_real_verl_objects_records_rows(verl_python):
@@ -82,7 +97,8 @@ def test_trainer_update_actor_on_verls_update_path(verl_python):
     """EntropyLensTrainer._update_actor through verl's own update path (a real TransferQueue store,
     verl's worker / engine code on a CPU engine; tests/verl_env/cpu_actor.py says what is stood in for):
     the step is recorded, the logged metrics are the step's values and verl's keys equal ppo_loss's,
-    fused kernels ask for no sum pi^2, an entropy bonus leaves entropy_effect null."""
+    fused kernels ask for no sum pi^2, an entropy bonus leaves entropy_effect null, the forking mask and the
+    adaptive entropy coefficient are recorded (token_kept, steps.entropy_coef / entropy_coef_adaptive)."""
     run_checks(verl_python, "trainer_")
 
 

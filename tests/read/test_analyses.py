@@ -2,15 +2,26 @@
 
 import math
 
+import pandas as pd
 import pytest
 
 from entropylens.read.query import QueryError, analysis_info, connect, list_analyses, run_analysis
+import covlaw_runs
 from fixture_runs import MEAN_ABS_LOG, build
 
 
 @pytest.fixture(scope="module")
 def con(tmp_path_factory):
     return connect(build(tmp_path_factory.mktemp("fixture")))
+
+
+@pytest.fixture(scope="module")
+def law_con(tmp_path_factory):
+    """Recorded runs of the Cui et al. laws (tests/covlaw_runs.py): 20 steps, and one of 1 step."""
+    root = tmp_path_factory.mktemp("law")
+    covlaw_runs.record_run(root, "law-20", 20)
+    covlaw_runs.record_run(root, "law-1", 1, seed=1)
+    return connect(root)
 
 
 def rows(df, **where):
@@ -290,5 +301,242 @@ def test_responses(con):
     assert (row.gen_step, row.reward, row.length, row.tokens, row.updates, row.clipped) == (0, 0.25, 2, 2, 2, 2)
     assert row.mean_entropy == pytest.approx(0.75) and row.max_entropy == pytest.approx(1.0)
     assert row.entropy_effect == pytest.approx(-0.2) and row.entropy_effect_dropped == pytest.approx(0.8)
-    assert row.erc_dropped == 0  # no ERC: erc_kept is null, nothing dropped
+    assert pd.isna(row.erc_dropped)  # no ERC: erc_kept is null, so ERC-dropped is not applicable (null, not 0)
     assert len(df) == 6  # a: 2 + 2, b: 2
+
+
+# ---------------------------------------------------------------------------------- Cui et al. (covlaw)
+# A tiny run "cov", step 0, two batches (update 0: 5 tokens; update 1: 2 tokens), log pi = logprob:
+#   update 0: A = 2, 1, -1, -1, 0; L = -0.5, -2.5, -0.5, -3.5, -0.5
+#     mean A = 1/5 = 0.2, mean L = -7.5/5 = -1.5
+#     A - mean A = 1.8, 0.8, -1.2, -1.2, -0.2;  L - mean L = 1, -1, 1, -2, 1
+#     c = 1.8, -0.8, -1.2, 2.4, -0.2  (PA&HP, PA&LP, NA&HP, NA&LP, ZA); sum 2.0
+#   update 1: A = 1, -1; L = -0.5, -0.5 (PA&HP, NA&HP): L - mean L = 0 -> c = 0, 0
+#   step 0: PA&HP 1.8 over 2 tokens (mean 0.9), NA&HP -1.2 over 2 (mean -0.6), step_cov = 2.0 / 7;
+#   contribution PA&HP = 1.8 / 7. (Centred over the whole step instead: mean L = -10.5 / 7 = -1.5,
+#   mean A = 0.2 / 7, and update 1's tokens would count: PA&HP 1.8 + (1 - 0.2/7)(1) -> not 1.8.)
+# Step 1: update 0 only, A = 1, -1, L = -0.5, -2.5: mean A 0, mean L -1.5, c = 1 * 1, -1 * -1 = 1, 1 -> cov 1.
+COV_A = {(0, 0): [2.0, 1.0, -1.0, -1.0, 0.0], (0, 1): [1.0, -1.0], (1, 0): [1.0, -1.0]}
+COV_L = {(0, 0): [-0.5, -2.5, -0.5, -3.5, -0.5], (0, 1): [-0.5, -0.5], (1, 0): [-0.5, -2.5]}
+COV_Q = {(0, 0): [1, 2, 3, 4, 0], (0, 1): [1, 3], (1, 0): [1, 4]}  # PA&HP=1, PA&LP=2, NA&HP=3, NA&LP=4, ZA=0
+COV_H = {0: 1.5, 1: 1.2}  # steps' old_entropy_mean
+
+
+@pytest.fixture(scope="module")
+def cov_con(tmp_path_factory):
+    import json
+
+    import numpy as np
+
+    from entropylens.record.writer import write_steps, write_tokens
+
+    root = tmp_path_factory.mktemp("cov")
+    d = root / "cov"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"run": "cov", "method": "grpo", "status": "finished", "tau": 0.5,
+                                            "schema_version": 1, "config": {"method": "grpo"}}))
+    for step in (0, 1):
+        updates = [u for (s, u) in COV_A if s == step]
+        for u in updates:
+            a, lp = np.array(COV_A[step, u], np.float32), np.array(COV_L[step, u], np.float32)
+            n = len(a)
+            write_tokens(d, step, 0, u, {"update": np.full(n, u, np.int16), "seq": np.arange(n, dtype=np.int32),
+                                         "group": np.zeros(n, np.int32), "pos": np.zeros(n, np.int32),
+                                         "token_id": np.zeros(n, np.int32), "logprob": lp, "old_logprob": lp,
+                                         "advantage": a, "quadrant": np.array(COV_Q[step, u], np.int8)})
+        write_steps(d, step, 0, [{"update": u, "n_tokens": len(COV_A[step, u]), "old_entropy_mean": COV_H[step]}
+                                 for u in updates])
+    return connect(root)
+
+
+def test_covariance_by_quadrant(cov_con):
+    df = run_analysis(cov_con, "covariance_by_quadrant")
+    assert list(df.columns) == ["run", "method", "step", "quadrant", "tokens", "cov_sum", "cov_mean", "contribution",
+                                "step_cov"]
+    assert one(df, "cov_sum", step=0, quadrant="PA&HP") == pytest.approx(1.8)
+    assert one(df, "tokens", step=0, quadrant="PA&HP") == 2
+    assert one(df, "cov_mean", step=0, quadrant="PA&HP") == pytest.approx(0.9)
+    assert one(df, "cov_sum", step=0, quadrant="PA&LP") == pytest.approx(-0.8)
+    assert one(df, "cov_sum", step=0, quadrant="NA&HP") == pytest.approx(-1.2)
+    assert one(df, "cov_mean", step=0, quadrant="NA&HP") == pytest.approx(-0.6)
+    assert one(df, "cov_sum", step=0, quadrant="NA&LP") == pytest.approx(2.4)
+    assert one(df, "cov_sum", step=0, quadrant="ZA") == pytest.approx(-0.2)
+    assert one(df, "contribution", step=0, quadrant="PA&HP") == pytest.approx(1.8 / 7)
+    assert set(rows(df, step=0)["step_cov"].round(9)) == {round(2.0 / 7, 9)}
+    assert rows(df, step=0)["contribution"].sum() == pytest.approx(2.0 / 7)  # the parts add up
+    assert one(df, "step_cov", step=1, quadrant="NA&LP") == pytest.approx(1.0)
+
+
+def test_covariance_law_by_step(cov_con, law_con):
+    import numpy as np
+
+    df = run_analysis(cov_con, "covariance_law_by_step")
+    assert one(df, "cov", step=0) == pytest.approx(2.0 / 7)  # = covariance_by_quadrant's step_cov
+    assert one(df, "cov", step=1) == pytest.approx(1.0)
+    # cov_prob: pi A in place of A, pi = exp(L), centred per batch (numpy on the same tiny table)
+    num = 0.0
+    for u in (0, 1):
+        a, lp = np.array(COV_A[0, u]), np.array(COV_L[0, u])
+        pa = np.exp(lp) * a
+        num += ((pa - pa.mean()) * (lp - lp.mean())).sum()
+    assert one(df, "cov_prob", step=0) == pytest.approx(num / 7, rel=1e-6)
+    # measured: 1.2 - 1.5 at step 0 (none after the last step); one step in the fit: scale = -0.3 * -cov / cov^2
+    assert one(df, "measured_dh", step=0) == pytest.approx(-0.3, rel=1e-6)
+    assert math.isnan(one(df, "measured_dh", step=1))
+    assert one(df, "steps", step=0) == 1
+    assert one(df, "scale", step=0) == pytest.approx(0.3 / (2.0 / 7), rel=1e-6)
+    assert one(df, "predicted_dh", step=0) == pytest.approx(-0.3, rel=1e-6)  # one point: fitted exactly
+    # a recorded run of 20 steps (tests/covlaw_runs.py): the per-run correlation and scale equal numpy's
+    law = run_analysis(law_con, "covariance_law_by_step")
+    g = law[law["run"] == "law-20"].dropna(subset=["measured_dh"])
+    x, y = -g["cov"].to_numpy(), g["measured_dh"].to_numpy()
+    assert len(g) == 19 and (g["steps"] == 19).all()
+    r = np.corrcoef(x, y)[0, 1]
+    assert g["corr"].iloc[0] == pytest.approx(r, rel=1e-9)
+    assert g["corr_prob"].iloc[0] == pytest.approx(np.corrcoef(-g["cov_prob"], y)[0, 1], rel=1e-9)
+    assert g["scale"].iloc[0] == pytest.approx(np.linalg.lstsq(x[:, None], y, rcond=None)[0][0], rel=1e-9)
+    assert r > 0.8  # built to follow dH = -ETA Cov: the law's direction, and the scale near ETA
+    assert g["scale"].iloc[0] == pytest.approx(covlaw_runs.ETA, rel=0.2)
+
+
+def test_entropy_performance_fit(law_con):
+    import numpy as np
+
+    from entropylens.report.covlaw import fit_entropy_performance
+
+    df = run_analysis(law_con, "entropy_performance_fit")
+    g = df[df["run"] == "law-20"]
+    # rewards built as B_FIT - A_FIT exp(H_s) (float32 rewards): the fit recovers a and b
+    assert len(g) == 20 and (g["steps"] == 20).all()
+    assert g["a"].iloc[0] == pytest.approx(covlaw_runs.A_FIT, rel=1e-5)
+    assert g["b"].iloc[0] == pytest.approx(covlaw_runs.B_FIT, rel=1e-5)
+    assert g["rmse"].iloc[0] < 1e-6 and g["r2"].iloc[0] == pytest.approx(1.0, abs=1e-9)
+    assert g["entropy"].to_numpy() == pytest.approx([covlaw_runs.entropy_at(s) for s in range(20)], rel=1e-6)
+    # with noise: the SQL fit equals numpy's least squares (polyfit in exp(H)) and the library's
+    rng = np.random.default_rng(0)
+    h = np.linspace(0.3, 2.0, 40)
+    r = 0.9 - 0.05 * np.exp(h) + rng.normal(0, 0.01, 40)
+    slope, icpt = np.polyfit(np.exp(h), r, 1)
+    fit = fit_entropy_performance(h, r)
+    assert (fit.a, fit.b) == pytest.approx((-slope, icpt), rel=1e-9)
+    assert fit.a == pytest.approx(0.05, rel=0.1) and fit.b == pytest.approx(0.9, rel=0.02)
+    res = r - (icpt + slope * np.exp(h))
+    assert fit.rmse == pytest.approx(np.sqrt(np.mean(res ** 2)), rel=1e-9)
+    assert fit.r2 == pytest.approx(np.corrcoef(np.exp(h), r)[0, 1] ** 2, rel=1e-9)
+    sql_fit = fit_entropy_performance(g["entropy"], g["reward"])  # the library and the SQL agree on a run
+    assert (sql_fit.a, sql_fit.b, sql_fit.n) == pytest.approx((g["a"].iloc[0], g["b"].iloc[0], 20), rel=1e-9)
+    # one step: no fit (a, b null), and the run keeps its row
+    one_step = df[df["run"] == "law-1"]
+    assert len(one_step) == 1 and one_step["steps"].iloc[0] == 1 and one_step["a"].isna().all()
+
+
+# --- sampler-trainer mismatch (tests/mismatch_runs.py: run m with sampler log-probs, run n without) ----
+# the quadrant / share analyses are checked at mismatch=0.1 (t1, t3 mismatched by |d|; t3 also masked)
+
+@pytest.fixture(scope="module")
+def mcon(tmp_path_factory):
+    import mismatch_runs
+
+    return connect(mismatch_runs.build(tmp_path_factory.mktemp("mismatch")))
+
+
+def test_mismatch_by_step(mcon):
+    df = run_analysis(mcon, "mismatch_by_step")
+    assert list(df.columns) == ["run", "method", "step", "tokens", "mean_abs_log_ratio", "max_abs_log_ratio",
+                                "kl_k1", "kl_k3", "masked_frac", "clipped_mismatched_frac"]
+    # step 0 of run m: updates of 10 and 30 tokens, token-weighted
+    assert one(df, "tokens", run="m", step=0) == 40
+    assert one(df, "mean_abs_log_ratio", run="m", step=0) == pytest.approx((10 * 0.1 + 30 * 0.2) / 40)  # 0.175
+    assert one(df, "max_abs_log_ratio", run="m", step=0) == pytest.approx(0.9)  # max(0.5, 0.9)
+    assert one(df, "kl_k1", run="m", step=0) == pytest.approx((10 * 0.01 + 30 * 0.03) / 40)  # 0.025
+    assert one(df, "kl_k3", run="m", step=0) == pytest.approx((10 * 0.02 + 30 * 0.04) / 40)  # 0.035
+    assert one(df, "masked_frac", run="m", step=0) == pytest.approx((10 * 0 + 30 * 0.1) / 40)  # 0.075
+    assert one(df, "clipped_mismatched_frac", run="m", step=0) == pytest.approx((10 * 0.5 + 30 * 0.25) / 40)
+    assert one(df, "mean_abs_log_ratio", run="m", step=1) == pytest.approx(0.1)  # step 1: update 0 alone
+    # run n has no sampler log-probs: NULL, never 0
+    n = rows(df, run="n")
+    assert len(n) == 2 and n[["tokens", "mean_abs_log_ratio", "max_abs_log_ratio", "kl_k1", "kl_k3",
+                              "masked_frac", "clipped_mismatched_frac"]].isna().all().all()
+
+
+def _mismatch_quadrant_checks(df, per):
+    import math as m
+    # per = rows per token in a group (run-wide: 3 rows each, step 0: 2); delta t0..t3 = 0, .2, -.05, .3
+    for q, d in (("PA&HP", 0.0), ("PA&LP", 0.2), ("NA&LP", -0.05), ("NA&HP", 0.3)):
+        assert one(df, "sampled", quadrant=q, run="m") == per
+        assert one(df, "mean_abs_log_ratio", quadrant=q, run="m") == pytest.approx(abs(d), abs=1e-6)
+        assert one(df, "kl_k1", quadrant=q, run="m") == pytest.approx(-d, abs=1e-6)
+        # k3 = exp(d) - 1 - d: t1 e^.2 - 1.2 = 0.0214028; t3 e^.3 - 1.3 = 0.0498588
+        assert one(df, "kl_k3", quadrant=q, run="m") == pytest.approx(m.exp(d) - 1 - d, abs=1e-6)
+        assert one(df, "mismatched_frac", quadrant=q, run="m") == (1.0 if abs(d) > 0.1 else 0.0)
+    assert one(df, "masked_frac", quadrant="NA&HP", run="m") == 1.0  # t3 masked by the IS correction
+    assert one(df, "masked_frac", quadrant="PA&LP", run="m") == 0.0
+    # the clipped tokens t1 (PA&LP, mismatched) and t2 (NA&LP, |d| = .05: not)
+    assert one(df, "clipped", quadrant="PA&LP", run="m") == per
+    assert one(df, "clipped_mismatched_frac", quadrant="PA&LP", run="m") == 1.0
+    assert one(df, "clipped_mismatched_frac", quadrant="NA&LP", run="m") == 0.0
+    assert pd_isna(one(df, "clipped_mismatched_frac", quadrant="NA&HP", run="m"))  # none clipped there
+    assert one(df, "unclipped_mismatched_frac", quadrant="NA&HP", run="m") == 1.0
+    # entropy_effect t0..t3 = -0.1, 0, 0, 0.3: the mismatched NA&HP token t3 carries all its quadrant's
+    assert one(df, "effect_mismatched", quadrant="NA&HP", run="m") == pytest.approx(0.3 * per)
+    assert one(df, "abs_effect_mismatched_share", quadrant="NA&HP", run="m") == pytest.approx(1.0)
+    assert one(df, "abs_effect", quadrant="PA&HP", run="m") == pytest.approx(0.1 * per)  # |-0.1| per row
+    assert one(df, "abs_effect_mismatched_share", quadrant="PA&HP", run="m") == pytest.approx(0.0)
+    n = rows(df, run="n")
+    assert len(n) == 4 and (n["sampled"] == 0).all()
+    assert n[["mean_abs_log_ratio", "kl_k1", "kl_k3", "mismatched_frac", "masked_frac", "clipped",
+              "clipped_mismatched_frac", "effect", "abs_effect", "abs_effect_mismatched_share"]].isna().all().all()
+
+
+def pd_isna(v):
+    import pandas as pd
+
+    return bool(pd.isna(v))
+
+
+def test_mismatch_by_quadrant(mcon):
+    df = run_analysis(mcon, "mismatch_by_quadrant", mismatch=0.1)
+    _mismatch_quadrant_checks(df, per=3)  # steps 0 (updates 0, 1) and 1: each token three times
+    assert one(df, "tokens", run="n", quadrant="PA&HP") == 3
+    # a lower threshold makes t2 (|d| = 0.05) mismatched too
+    low = run_analysis(mcon, "mismatch_by_quadrant", mismatch=0.01)
+    assert one(low, "clipped_mismatched_frac", quadrant="NA&LP", run="m") == 1.0
+    with pytest.raises(QueryError, match="mismatch"):
+        run_analysis(mcon, "mismatch_by_quadrant", mismatch=-1)
+    # the default is steps.clipped_mismatched_frac's: |d| > ln 2 or masked by the IS correction: t3 alone
+    d = run_analysis(mcon, "mismatch_by_quadrant")
+    assert one(d, "mismatched_frac", quadrant="NA&HP", run="m") == 1.0  # t3: |0.3| < ln 2, but masked
+    assert one(d, "mismatched_frac", quadrant="PA&LP", run="m") == 0.0  # t1: 0.2 < ln 2
+    assert one(d, "clipped_mismatched_frac", quadrant="PA&LP", run="m") == 0.0
+
+
+def test_mismatch_by_quadrant_by_step(mcon):
+    df = run_analysis(mcon, "mismatch_by_quadrant_by_step", mismatch=0.1)
+    _mismatch_quadrant_checks(df[df["step"] == 0], per=2)  # step 0: updates 0 and 1
+    assert one(df, "sampled", run="m", step=1, quadrant="PA&LP") == 1
+
+
+def test_mismatch_shares_by_step(mcon):
+    df = run_analysis(mcon, "mismatch_shares_by_step", mismatch=0.1)
+    # step 0 of run m: t0..t3 at updates 0 and 1 (8 rows); mismatched (|d| > 0.1): t1, t3 -> 4 of 8
+    assert one(df, "sampled", run="m", step=0) == 8 and one(df, "mismatched_frac", run="m", step=0) == 0.5
+    # clipped t1 (mismatched), t2 (not): 2 of 4 clipped rows; the others t0 (not), t3 (mismatched): 2 of 4
+    assert one(df, "clipped", run="m", step=0) == 4
+    assert one(df, "clipped_mismatched_frac", run="m", step=0) == 0.5
+    assert one(df, "unclipped_mismatched_frac", run="m", step=0) == 0.5
+    # entropy_effect -0.1, 0, 0, 0.3 per update: effect 2 x 0.2 = 0.4; mismatched t1 + t3: 2 x 0.3 = 0.6
+    assert one(df, "effect", run="m", step=0) == pytest.approx(0.4)
+    assert one(df, "effect_mismatched", run="m", step=0) == pytest.approx(0.6)
+    assert one(df, "abs_effect_mismatched_share", run="m", step=0) == pytest.approx(0.6 / 0.8)
+    n = rows(df, run="n")
+    assert len(n) == 2 and (n["sampled"] == 0).all() and n[["mismatched_frac", "clipped", "effect",
+                                                            "abs_effect_mismatched_share"]].isna().all().all()
+    # the report's figure pools mismatch_by_quadrant_by_step's rows (plots.mismatch_pooled) to the same shares
+    from entropylens.report.plots import mismatch_pooled
+
+    q = run_analysis(mcon, "mismatch_by_quadrant_by_step", mismatch=0.1)
+    for step in (0, 1):
+        p = mismatch_pooled(q[(q["run"] == "m") & (q["step"] == step)]).iloc[0]
+        for a, b in (("clipped_mm", "clipped_mismatched_frac"), ("unclipped_mm", "unclipped_mismatched_frac"),
+                     ("effect_mm", "abs_effect_mismatched_share"), ("mismatched", "mismatched_frac")):
+            assert p[a] == pytest.approx(one(df, b, run="m", step=step)), (step, a)

@@ -16,6 +16,7 @@ from entropylens.read.query import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
 import trl_tiny  # noqa: E402
+from sampler_api import needs_sampler_api  # noqa: E402
 
 
 def _update(rec, step, h):
@@ -90,3 +91,44 @@ def test_on_alarm_listeners_get_every_finding(tmp_path):
     assert [(f.step, f.rule) for f in seen] == [(2, "collapse"), (4, "explosion")]
     with Recorder(tmp_path, run="m") as rec, pytest.raises(ValueError, match="on_alarm needs alarms="):
         rec.on_alarm(print)
+
+
+@needs_sampler_api
+def test_mismatch_fires_live_and_reaches_the_trackers(tmp_path):
+    """A plain loop recording sampler log-probs: the sampler-trainer gap is 0.01 nats on every token for 6
+    steps (k3 ~5e-5: the run's start), then 0.2 (k3 = e^0.2 - 1.2 = 0.0214 > max(10 x start, 1e-3)): the
+    live rule fires at step 6, a stop_on rule stops the loop, and the finding is the tracker's alert."""
+    from entropylens.record.trackers import Tracker
+
+    class Alerts(Tracker):
+        name = "alerts"
+
+        def __init__(self):
+            self.seen = []
+
+        def log(self, step, metrics):  # the step metrics: not this test's
+            pass
+
+        def alert(self, title, text, level, step):
+            self.seen.append((title, level, step, text))
+
+    tr = Alerts()
+    lp = torch.full((2, 3), -0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with Recorder(tmp_path, run="mm", alarms=Thresholds(mismatch_warmup=5), stop_on=("mismatch",),
+                      log_to=tr) as rec:
+            for step in range(40):
+                d = 0.2 if step >= 6 else 0.01
+                rec.record_update(step, 0, mask=torch.ones(2, 3, dtype=torch.bool),
+                                  advantages=torch.tensor([1.0, -1.0]), logprobs=lp, old_logprobs=lp,
+                                  entropy=torch.full((2, 3), 1.0), old_entropy=torch.full((2, 3), 1.0),
+                                  sampler_logprobs=lp - d)
+                rec.end_step(step)
+                time.sleep(0.02)
+                if rec.should_stop:
+                    break
+            reason = rec.stop_reason
+    assert reason is not None and reason.startswith("run=mm step=6 rule=mismatch value=0.0214")
+    assert 6 <= step < 39
+    assert [(t, lv, s) for t, lv, s, _ in tr.seen] == [("entropylens alarm: mismatch", "ERROR", 6)]

@@ -5,6 +5,7 @@ step and quadrant), the token table (its rows are Parquet rows) and a live alarm
 mocked: each tracker's own files are read back."""
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -332,3 +333,38 @@ def test_trl_report_to_trackio(tmp_path):
     (alert,) = SQLiteStorage.get_alerts(project, run_name="tk")  # trackio.alert on TRL's run
     assert alert["title"] == "entropylens alarm: explosion" and alert["level"] == "warn"
     assert alert["text"].startswith(ALERT_LINE.format(run="tk"))
+
+
+# ---------------------------------------------------------------- two clip definitions on one step
+def test_the_two_clip_definitions_on_one_batch(tmp_path):
+    """TRL's clip_ratio/low_mean is the mean of the micro-batches' token shares; entropylens/clip_low_frac is
+    the pooled share of the step's tokens. One step, two micro-batches of 2 x 61 tokens each (t the positions
+    0..60 of both rows), ratio 0.7 (below 1 - 0.2) on A < 0 tokens, else 1:
+      micro-batch 0: row 1 (A = -1) clips its first 10 tokens -> 10 / 122 = 0.08197
+      micro-batch 1: row 1 (A = -1) clips its first  1 token  ->  1 / 122 = 0.00820
+    TRL: (10/122 + 1/122) / 2 = 11/244 = 0.04508; pooled: (10 + 1) / 244 = 0.04508: equal when the
+    micro-batches are of one size. With micro-batch 1 of 2 x 30 tokens (1 / 60 = 0.01667): TRL
+    (0.08197 + 0.01667) / 2 = 0.04932, pooled 11 / 182 = 0.06044. Both are right; they weight differently."""
+    import torch
+
+    from entropylens.rl.losses import policy_loss
+
+    seen: dict[int, dict] = {}
+    with Recorder(tmp_path, run="r", log_to=lambda step, m: seen.setdefault(step, m)) as rec:
+        trl_fracs = []
+        for u, (length, n_clip) in enumerate([(61, 10), (30, 1)]):
+            mask = torch.ones(2, length, dtype=torch.bool)
+            adv = torch.tensor([1.0, -1.0])
+            old = torch.full((2, length), -1.0)
+            logp = old.clone()
+            logp[1, :n_clip] += math.log(0.7)  # ratio 0.7 on the A < 0 row's first n_clip tokens
+            out = policy_loss(logp, old, adv, mask, method="grpo")
+            low = (out.columns["clip"] == -1) & (adv[:, None] < 0) & mask  # TRL's is_low_clipped
+            trl_fracs.append(float(low.sum() / mask.sum()))  # TRL: global_masked_mean per micro-batch
+            rec.record_update(0, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old,
+                              seq_ids=torch.arange(2) + 2 * u, loss=out)
+        rec.end_step(0)
+    trl = sum(trl_fracs) / len(trl_fracs)  # TRL's log(): the mean over the micro-batches
+    assert trl == pytest.approx((10 / 122 + 1 / 60) / 2)
+    assert seen[0]["entropylens/clip_low_frac"] == pytest.approx(11 / 182, rel=1e-6)
+    assert abs(trl - 11 / 182) > 0.01

@@ -30,7 +30,9 @@ def test_entropy_caption_calls_a_small_gap_level():
     # CE-GPPO's tail 0.318 against DAPO's 0.31: a gap of 0.008 nats, 2.6% of 0.31 (under the 5% of LEVEL)
     df.loc[(df.method == "ce_gppo") & (df.step == 9), "old_entropy"] = 0.318
     text = captions.entropy(df)
-    assert "CE-GPPO is above GRPO / DAPO by only 0.008 nats (under 5%): level" in text, text
+    # compared with the higher of GRPO (0.30) and DAPO (0.31): it names DAPO
+    assert ("CE-GPPO's lowest is above the higher of GRPO / DAPO (dapo-s0 0.31) by only 0.008 nats (under 5%): "
+            "level") in text, text
     assert "the paper's direction" not in text
     # 0.33 against 0.31: a gap of 0.02, 6.5%: above
     df.loc[(df.method == "ce_gppo") & (df.step == 9), "old_entropy"] = 0.33
@@ -86,3 +88,17 @@ def test_clip_caption_with_no_clipped_token_draws_no_conclusion():
     df.loc[1, "clipped_frac"] = 0.2
     text = captions.clip_by_quadrant(df, _rs({"a": 0.5}))
     assert "14.3% vs 0.0%" in text and "differs" not in text and "No token" not in text
+
+
+def test_entropy_budget_caption_explains_a_sign_by_p_against_exp_minus_h():
+    """A run at H = 3.5 nats (exp(-H) = 0.0302) split at tau = 0.5: PA&LP tokens (p in [0.03, 0.5)) lie above
+    exp(-H) and lower entropy, against the law's + for PA&LP: the caption says why."""
+    rows = [{"run": "a", "method": "grpo", "step": s, "quadrant": q, "effect": e, "dropped": 0.0, "step_effect": -0.4,
+             "entropy": 3.5} for s in range(2) for q, e in (("PA&HP", -0.1), ("PA&LP", -0.2), ("NA&HP", 0.1),
+                                                             ("NA&LP", -0.2))]
+    text = captions.entropy_budget(pd.DataFrame(rows), _rs({"a": 0.5}))
+    assert "law's sign in 3 of 4" in text, text
+    assert "-delta p_a (log p_a + H)" in text and "exp(-H) = 0.0302, below tau = 0.5" in text, text
+    assert "between 0.0302 and 0.5 are LP by tau" in text
+    agree = [dict(r, effect=-r["effect"]) if r["quadrant"] == "PA&LP" else r for r in rows]
+    assert "Why the signs differ" not in captions.entropy_budget(pd.DataFrame(agree), _rs({"a": 0.5}))

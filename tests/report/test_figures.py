@@ -594,3 +594,89 @@ def test_the_registry_imports_no_matplotlib():
     code = "import sys, entropylens.report.build; print('matplotlib' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------ layout at 1, 2, 4 and 8 runs, palettes
+def _runs(n: int) -> dict:
+    methods = ("grpo", "dapo", "ce_gppo", "erc_dapo")
+    return frames([spec(f"{methods[k % 4]}-s{k}", methods[k % 4], seed=k) for k in range(n)])
+
+
+@pytest.mark.parametrize("n_runs", [1, 2, 4, 8])
+def test_every_figure_fits_its_canvas_and_keeps_its_legend_narrow(n_runs):
+    """No title, label or legend outside the canvas (matplotlib's tight bbox inside the figure: a one-run
+    entropy budget, 5.2 inches wide, cut its title at both edges); a legend right of the panels takes at
+    most a fifth of the width (a wider one goes above them)."""
+    f = _runs(n_runs)
+    drawn = 0
+    for fig_def in FIGURES:
+        if fig_def.analysis not in f:
+            continue
+        fig = fig_def.plot(f[fig_def.analysis], band=None, legend_title="run")
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        box = fig.get_tightbbox(r)
+        w, h = fig.get_figwidth(), fig.get_figheight()
+        assert box.x0 >= -0.01 and box.y0 >= -0.01 and box.x1 <= w + 0.01 and box.y1 <= h + 0.01, \
+            (fig_def.name, n_runs, box, (w, h))
+        right = max(ax.get_window_extent(r).x1 for ax in visible(fig))
+        for lg in fig.legends:
+            lb = lg.get_window_extent(r)
+            if lb.x0 >= right - 1:  # a legend right of the panels
+                assert lb.width / fig.dpi <= w / 5 + 0.01, (fig_def.name, n_runs, lb.width / fig.dpi, w)
+        drawn += 1
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    assert drawn >= 12
+
+
+def test_quadrant_colours_are_fixed_and_never_a_runs():
+    """One palette for quadrants in every figure (and the viewer, test_viewer_browser), none of its colours
+    a run's: the quadrant panels' titles sit on their quadrant's colour, in black."""
+    from entropylens.report.palette import QUADRANT_COLORS, RUN_COLORS
+
+    assert not set(QUADRANT_COLORS.values()) & set(RUN_COLORS)
+    assert plots.series_colors([f"r{i}" for i in range(10)]) == dict(zip([f"r{i}" for i in range(10)], RUN_COLORS))
+    f = _runs(4)
+    fig = plots.quadrant_share(f["quadrant_share_by_step"])
+    for ax, q in zip(visible(fig), QUADS):
+        assert ax.get_title() == q and to_hex(ax.title.get_color()) == "#000000"
+        assert to_hex(ax.title.get_bbox_patch().get_facecolor()[:3]) == QUADRANT_COLORS[q]
+    fig = plots.entropy_budget(f["entropy_budget_by_step"])
+    handles = {t.get_text(): hd for t, hd in zip(fig.legends[0].get_texts(), fig.legends[0].legend_handles)}
+    assert all(to_hex(handles[q].get_facecolor()[:3]) == QUADRANT_COLORS[q] for q in QUADS)
+
+
+def test_mismatch_figure_with_and_without_sampler_logprobs(tmp_path):
+    """The mismatch figure of a run with sampler log-probs draws |delta log p| by quadrant and the shares;
+    one without says so in its row (no line at 0), and so does the caption."""
+    import mismatch_runs
+    from entropylens.read.query import connect, run_analysis
+
+    df = run_analysis(connect(mismatch_runs.build(tmp_path / "runs")), "mismatch_by_quadrant_by_step")
+    fig = plots.mismatch(df)
+    left, right, none_l, none_r = fig.axes
+    lines = {ln.get_label(): ln for ln in left.get_lines()}
+    # delta t0..t3 = 0, .2, -.05, .3 at every step: |delta| per quadrant and the all-token mean 0.1375
+    assert lines["PA&LP"].get_ydata() == pytest.approx([0.2, 0.2], abs=1e-6)
+    assert lines["NA&HP"].get_ydata() == pytest.approx([0.3, 0.3], abs=1e-6)
+    assert lines["all tokens"].get_ydata() == pytest.approx([0.1375, 0.1375], abs=1e-6)
+    shares = {ln.get_label(): list(ln.get_ydata()) for ln in right.get_lines()}
+    # mismatched (default: |delta| > ln 2 or masked): t3 alone (masked). Clipped t1, t2: none of them; the
+    # others t0, t3: half; t3's |effect| 0.3 of 0.1 + 0.3
+    assert shares["of the clipped tokens"] == pytest.approx([0.0, 0.0])
+    assert shares["of the other tokens"] == pytest.approx([0.5, 0.5])
+    assert shares["of sum |entropy effect|"] == pytest.approx([0.75, 0.75])
+    assert not none_l.get_lines() and not none_r.get_lines() and not none_l.axison
+    assert "no sampler log-probs recorded" in " ".join(t.get_text() for t in none_l.texts)
+    fig.savefig(tmp_path / "both.png")
+    text = captions.mismatch(df, None)
+    assert "m (grpo) mean |delta log p| 0.138 nats" in text and "25.0% of tokens mismatched" in text
+    assert "0.0% of the clipped tokens vs 50.0% of the others" in text
+    assert "75.0% of sum |entropy effect|" in text
+    assert "No sampler log-probs recorded in n (grpo)" in text
+    only = captions.mismatch(df[df["run"] == "n"], None)
+    assert only.startswith("No sampler log-probs recorded in n (grpo)") and "Here" not in only
+    fig = plots.mismatch(df[df["run"] == "n"])
+    assert not any(ax.get_lines() for ax in fig.axes)

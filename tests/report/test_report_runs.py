@@ -178,7 +178,10 @@ def test_check_over_the_user_runs_names_what_is_wrong(user):
     runs = ["grpo-lr3e-3", "nan-grad", "zero-adv", "stable"]
     res = CliRunner().invoke(app, ["check", str(root), *sum((["--run", r] for r in runs), [])])
     assert res.exit_code == 1, res.output
-    lines = res.output.splitlines()
+    lines = [x for x in res.output.splitlines() if not x.startswith("note: ")]
+    noted = [x for x in res.output.splitlines() if x.startswith("note: ")]
+    # stable updates on the sampling policy (every ratio 1): a note, not an alarm
+    assert [x.split(" signal=")[0] for x in noted] == ["note: run=stable step=0 rule=on_policy value=0 threshold=0"], noted
     h = exp["grpo-lr3e-3"]["old_entropy"]
     base = 0.25 * np.mean([h[s] for s in range(3)])  # collapse: below 0.25 x the mean of the first 3 steps
     first = min(s for s in range(3, user_runs.STEPS) if h[s] < base)
@@ -189,7 +192,7 @@ def test_check_over_the_user_runs_names_what_is_wrong(user):
     assert not any("run=stable" in x for x in lines)
     assert len(lines) == 3, lines
     quiet = CliRunner().invoke(app, ["check", str(root), "--run", "stable"])
-    assert quiet.exit_code == 0 and "no alarm" in quiet.output
+    assert quiet.exit_code == 0 and "no alarm" in quiet.output and "rule=on_policy" in quiet.output
 
 
 def test_a_series_mixing_erc_and_plain_runs_says_so(user, tmp_path):

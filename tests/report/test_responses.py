@@ -181,3 +181,14 @@ def test_page_data_values_equal_the_rows_and_the_size_stays_bounded(tmp_path):
     assert resp["forking"] == [p for p, f in zip(resp["pos"], R.forking([0.1 * (p % 7) + 0.01 * resp["seq"]
                                                                          for p in resp["pos"]])) if f]
     assert "</" not in R.dumps({"t": "</script><b>"})
+
+
+def test_erc_dropped_is_null_without_erc_and_counts_over_the_updates_with_it(tmp_path):
+    """A run without ERC (no erc_kept column) says "not applicable" (null, the page's "–") for ERC-dropped,
+    never 0 in one table and "–" in the next; clipped sums the step's updates: sequence 2's 5 tokens are
+    clipped at update 1 only -> 5, and sequence 0 has none -> 0."""
+    con = connect(_run(tmp_path / "runs", clipped_seq=2))
+    df = run_analysis(con, "responses")
+    assert df["erc_dropped"].isna().all()
+    at9 = df[df["step"] == 9].set_index("seq")
+    assert int(at9.loc[2, "clipped"]) == 5 and int(at9.loc[0, "clipped"]) == 0

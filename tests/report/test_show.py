@@ -134,8 +134,9 @@ def test_list_matches_the_responses_analysis(runs):
     for cells, line in zip(rows, expected.to_dict("records")):
         assert cells == [show.fmt(line[c]) for _, c in show.LIST_COLUMNS]
     # by construction (fixture_runs.py): seq 0 holds t0, t1 (t1 clipped, at both updates), seq 1 t2, t3
-    assert rows[0] == ["0", "0", "0", "0.25", "1", "2", "2", "2", "0.75", "2", "0", "-0.2"]
-    assert rows[1] == ["0", "1", "0", "0.75", "-1", "2", "2", "2", "1.5", "2", "0", "0.6"]
+    # ERC-dropped "-": the fixture has no ERC (not applicable, as in the viewer), not 0
+    assert rows[0] == ["0", "0", "0", "0.25", "1", "2", "2", "2", "0.75", "2", "-", "-0.2"]
+    assert rows[1] == ["0", "1", "0", "0.75", "-1", "2", "2", "2", "1.5", "2", "-", "0.6"]
     for header in ("rank", "seq", "group", "reward", "advantage", "length", "tokens", "updates", "entropy",
                    "clipped", "ERC-", "dropped", "effect"):
         assert header in out
@@ -171,9 +172,9 @@ def test_response_without_text(runs):
     assert "colour: entropy H(pi_theta), nats 0.4" in flat(out) and "1.5 (this response's min .. max)" in flat(out)
     assert "forking: bold underlined: the top 20%" in flat(out) and "(1 of 2;" in out
     # the response across its step's updates: mean ratio (1 + 1.5) / 2, mean entropy ratio (1 + 1.2) / 2 and
-    # (0.8 + 1.5) / 2, one clipped token (t1) at each update, no ERC
-    assert table_rows(out.replace(" (shown)", ""), 6) == [["0", "2", "1.25", "1.1", "1", "0"],
-                                                          ["1", "2", "1.25", "1.15", "1", "0"]]
+    # (0.8 + 1.5) / 2, one clipped token (t1) at each update, no ERC, no sampler log-probs (mismatch '-')
+    assert table_rows(out.replace(" (shown)", ""), 7) == [["0", "2", "1.25", "1.1", "1", "0", "-"],
+                                                          ["1", "2", "1.25", "1.15", "1", "0", "-"]]
     out0 = ok("show", runs, "--run", "a", "--step", "0", "--seq", "0", "--update", "0")
     assert "update 0 (its updates: 0, 1)" in out0
     assert "0.5" in out0.split("colour:")[1].split("\n")[0]  # update 0: H 0.5 .. 1.2
@@ -308,3 +309,18 @@ def test_help_is_true():
         assert opt in out
     for key in R.METRIC_KEYS:
         assert key in out
+
+
+def test_response_mismatch_column_and_colour(tmp_path):
+    """tests/mismatch_runs.py's run m: seq 1 holds t2 (delta -0.05) and t3 (delta +0.3); the per-update table's
+    mean |mismatch| = (0.05 + 0.3) / 2 = 0.175 (beside mean ratio (0.5 + 1) / 2, entropy ratio (0.9 + 1) / 2 at
+    update 0 and (0.7 + 1.2) / 2 at 1, t2 clipped); the colour by sampler_log_ratio puts them on the two sides."""
+    import mismatch_runs
+
+    root = mismatch_runs.build(tmp_path / "runs")
+    out = ok("show", root, "--run", "m", "--step", "0", "--seq", "1")
+    assert table_rows(out.replace(" (shown)", ""), 7) == [["0", "2", "0.75", "0.95", "1", "0", "0.175"],
+                                                          ["1", "2", "0.75", "0.95", "1", "0", "0.175"]]
+    text = coloured("show", root, "--run", "m", "--step", "0", "--seq", "1", "--color", "sampler_log_ratio")
+    assert "mismatch log pi_old - log pi_sampler" in text.plain
+    assert bg(token_style(text, "⟨5⟩")) != bg(token_style(text, "⟨6⟩"))

@@ -23,6 +23,7 @@ from entropylens import Recorder
 from entropylens.report import responses
 from entropylens.rl.losses import policy_loss
 from entropylens.read.query import connect
+from entropylens.report.palette import QUADRANT_COLORS
 from entropylens.report.viewer import page_name, write_page
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -36,9 +37,11 @@ VOCAB = [" the", " cat", " sat", " on", " a", " mat", "\n", "\t", ".", ",", " 42
          "</script><script>window.PWNED=1</script>", "<!--<script>", " é", "  ", "Hello", " world", " ü", "\n\n",
          " x", " y", " +", " -", " (", ")", " if", " then", " else", " end", " ok", " no"]
 FLOAT_COLS = {"prob", "logprob", "old_logprob", "ratio", "advantage", "entropy", "old_entropy", "entropy_ratio",
-              "is_weight", "grad_coef", "logit_grad_norm", "entropy_effect", "entropy_effect_dropped"}
+              "is_weight", "grad_coef", "logit_grad_norm", "entropy_effect", "entropy_effect_dropped",
+              "sampler_logprob", "sampler_log_ratio"}
 DERIVED = {"prob": "exp(old_logprob)", "ratio": "exp(logprob - old_logprob)",
-           "entropy_ratio": "(entropy + 1e-8) / (old_entropy + 1e-8)"}  # entropylens/schema.py's view formulas
+           "entropy_ratio": "(entropy + 1e-8) / (old_entropy + 1e-8)",
+           "sampler_log_ratio": "old_logprob - sampler_logprob"}  # entropylens/schema.py's view formulas
 
 
 def record(root: Path, run: str = RUN, *, b: int = B, t: int = T, steps: int = STEPS, min_len: int = 12,
@@ -140,6 +143,11 @@ def details(pg) -> dict[str, str]:
                                    "r => [r.getAttribute('data-col'), r.querySelector('td.v').textContent]))")
 
 
+def _rgb(hex_: str) -> str:
+    """'#2e7d32' as the browser's computed style writes it: 'rgb(46, 125, 50)'."""
+    return "rgb({}, {}, {})".format(*(int(hex_[i:i + 2], 16) for i in (1, 3, 5)))
+
+
 def colours(pg) -> list[str]:
     return pg.eval_on_selector_all("#el-text span.tk", "ss => ss.map(s => getComputedStyle(s).backgroundColor)")
 
@@ -150,6 +158,8 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
     assert pg.evaluate("window.PWNED") is None  # the "</script>" token did not break out of the data
     assert pg.text_content("#el-run") == RUN
     assert data["selection"] in pg.text_content("#el-selection")
+    assert "summed over the updates" in pg.text_content("#el-counts")  # what the counts sum over, and what "–" means
+    assert "not applicable" in pg.text_content("#el-counts")
     assert "vocabulary" in pg.text_content("#el-textsource") or data["text_source"] in pg.text_content("#el-textsource")
     assert pg.get_attribute("#el-back", "href") == "index.html"
 
@@ -234,6 +244,14 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
             c = responses.category(metric, {k: (None if v is None or v != v else v) for k, v in r.items()})
             want["null" if c is None else c] = want.get("null" if c is None else c, 0) + 1
         assert {k: v for k, v in counts.items() if v} == want, metric
+    pg.select_option("#el-metric", "quadrant")  # the quadrants in the figures' own colours (palette.py)
+    seen = set()
+    for c, r in zip(colours(pg), rows_u1):
+        q = responses.category("quadrant", {k: (None if v is None or v != v else v) for k, v in r.items()})
+        if q in QUADRANT_COLORS:
+            assert c == _rgb(QUADRANT_COLORS[q]), (q, c)
+            seen.add(q)
+    assert len(seen) >= 2, seen
     pg.select_option("#el-metric", "clip")
     assert pg.locator("#el-chart svg rect[fill]").count() == len(rows_u1)  # a coloured mark per position
     pg.select_option("#el-metric", "entropy_ratio")

@@ -13,6 +13,7 @@ import pytest
 
 from entropylens.report import responses
 from entropylens.read.query import connect
+from entropylens.report.palette import QUADRANT_COLORS, RUN_COLORS
 from entropylens.report.viewer import page_name, render_page, write_page
 from fixture_runs import build
 
@@ -50,7 +51,10 @@ def embedded(html: str) -> tuple[dict, Scripts]:
     p.feed(html)
     data = [t for a, t in p.scripts if a.get("id") == "el-data"]
     assert len(data) == 1 and [a.get("type") for a, _ in p.scripts] == ["application/json", None]
-    return json.loads(data[0]), p
+    got = json.loads(data[0])
+    palette = got.pop("palette")  # added by the page: the report's palettes (palette.py)
+    assert palette == {"quadrant": QUADRANT_COLORS, "update": list(RUN_COLORS)}
+    return got, p
 
 
 def test_one_offline_file_with_its_data(tmp_path):

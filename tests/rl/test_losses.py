@@ -17,7 +17,11 @@ import pytest
 import torch
 
 from entropylens.rl import stats
+from entropylens.rl.cov import COV_METHODS
 from entropylens.rl.losses import METHODS, policy_loss
+
+# the methods whose region rules these tests spell out (Clip-Cov / KL-Cov: tests/rl/test_cov_losses.py)
+METHODS = tuple(m for m in METHODS if m not in COV_METHODS)
 
 R = [1.0, 0.5, 0.5, 1.5, 1.5, 20.0, 1.25]
 A = [1.0, 1.0, -1.0, 1.0, -1.0, -1.0, 1.0]
@@ -302,6 +306,9 @@ def test_extreme_log_ratios_give_finite_exact_gradients(method):
         exp_g = torch.where(low, -0.8 * a, torch.where(high, -1.2 * a, -r * a))
     elif method == "ce_gppo":
         exp_g = torch.where(low, -0.5 * 0.8 * a, torch.where(high, -1.0 * 1.2 * a, -r * a))
+    elif method == "sapo":  # gate weight 4 sig (1 - sig) at tau 1 / 1.05; verl's clamp |log r| <= 20: g = 0 beyond
+        sig = torch.sigmoid(torch.where(a > 0, 1.0, 1.05) * (r - 1.0))
+        exp_g = torch.where(lr.abs() > 20.0, torch.zeros_like(r), -4.0 * sig * (1.0 - sig) * r * a)
     else:  # cispo
         exp_g = -r.clamp(0.8, 1.2) * a
     if method == "gspo":  # one sequence: s = exp(mean log r) = exp(-80.23) -> whole sequence low side
@@ -352,7 +359,7 @@ def test_grad_coef_unclipped_is_autograd_of_unclipped_surrogate(method):
     h = torch.tensor([[1.0, 0.94, 0.96, 1.04, 1.06, 1.0, 2.0]], dtype=torch.float64)  # ERC drops t1, t4, t6
     ref = old + 0.1
     kw = dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), ref_logprobs=ref, kl_coef=0.05, scale=0.5)
-    if method != "cispo":
+    if method not in ("cispo", "sapo"):  # no clipped surrogate: no dual-clip
         kw["dual_clip"] = 10.0
     out = policy_loss(logp, old, adv, mask, method=method, **kw)
     w = torch.full((1, 7), 1 / 7, dtype=torch.float64)  # token-mean (gspo: one sequence of 7 -> 1/7 too)
@@ -410,7 +417,7 @@ def test_grad_coef_is_autograd_bit_for_bit_in_float32(method):
     kws = [dict(), dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), token_mask=torch.rand(b, t, generator=g) > 0.3,
                         seq_mask=torch.tensor([1.0, 0.0, 1.0, 1.0]), is_weight=torch.rand(b, t, generator=g) + 0.5,
                         weights=torch.rand(b, t, generator=g), scale=0.5)]
-    if method != "cispo":
+    if method not in ("cispo", "sapo"):
         kws[1].update(delta=1.3, dual_clip=2.0)
     for kw in kws:
         out = policy_loss(logp, old, adv, mask, method=method, **kw)

@@ -36,12 +36,12 @@ def actor_config(**policy_loss):
     ]
     for k, v in policy_loss.items():
         if k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
-                 "use_kl_loss", "calculate_entropy"):
+                 "use_kl_loss", "calculate_entropy", "tau_pos", "tau_neg"):
             overrides.append(f"actor_rollout_ref.actor.{k}={v}")
         elif k == "loss_mode":
             overrides.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={v}")
         else:
-            overrides.append(f"+actor_rollout_ref.actor.policy_loss.{k}={'null' if v is None else v}")
+            overrides.append(f"++actor_rollout_ref.actor.policy_loss.{k}={'null' if v is None else v}")
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
@@ -74,7 +74,8 @@ def test_entry_point_registers_on_import_verl():
         "import sys, verl\n"
         "from verl.trainer.ppo.core_algos import get_policy_loss_fn\n"
         "assert 'entropylens.integrations.verl' in sys.modules, 'plug-in not loaded by import verl'\n"
-        "for n in ('gppo', 'ce_gppo', 'entropylens_grpo', 'entropylens_dapo', 'entropylens_cispo'):\n"
+        "for n in ('gppo', 'ce_gppo', 'entropylens_grpo', 'entropylens_dapo', 'entropylens_cispo',\n"
+        "          'entropylens_sapo'):\n"
         "    print(n, get_policy_loss_fn(n).entropylens_method)\n"
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "import entropylens.integrations.verl as el_verl\n"
@@ -85,6 +86,7 @@ def test_entry_point_registers_on_import_verl():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "ce_gppo ce_gppo" in p.stdout and "gppo gppo" in p.stdout and "entropylens_cispo cispo" in p.stdout
+    assert "entropylens_sapo sapo" in p.stdout
     assert "trainer EntropyLensTrainer" in p.stdout
 
     # with plug-ins off, nothing is registered, and verl's own error names the loss
@@ -199,6 +201,57 @@ def test_entropylens_grpo_equals_verl_vanilla(agg):
     torch.testing.assert_close(g_ours.double(), g_theirs.double(), rtol=1e-6, atol=1e-9)
 
 
+def _cov_batch(seed=0, b=8, t=16):
+    """float64 tokens with large advantages, so that many covariances fall in Clip-Cov's band (1, 5)."""
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4 - 0.05
+    logp = (old + (torch.rand(b, t, generator=g, dtype=torch.float64) - 0.5) * 1.6).requires_grad_(True)
+    adv = (torch.randn(b, generator=g, dtype=torch.float64) * 3).unsqueeze(1).expand(b, t).clone()
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[1, -5:] = False
+    mask[4, -2:] = False
+    return old, logp, adv, mask
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_cov_losses_equal_verls(mode, agg):
+    """entropylens_clip_cov / entropylens_kl_cov equal verl's own clip_cov / kl_cov (value and gradient) on
+    the same float64 batch, Clip-Cov's random draw seeded the same way (torch.manual_seed before each call:
+    both draw torch.randperm on the global CPU generator); the selection is nonempty and, for Clip-Cov,
+    more tokens lie in the band than are drawn (so the draw matters)."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from entropylens.integrations.verl.registered import compute_loss
+
+    settings = ({"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0} if mode == "clip_cov"
+                else {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3})
+    cfg = actor_config(loss_mode=f"entropylens_{mode}", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg,
+                       **settings)
+    old, logp, adv, mask = _cov_batch()
+    cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+    torch.manual_seed(11)
+    ours, _ = get_policy_loss_fn(f"entropylens_{mode}")(old, logp, adv, mask, agg, cfg, None)
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    torch.manual_seed(11)
+    theirs, _ = get_policy_loss_fn(mode)(old, logp, adv, mask, agg, cfg, None)
+    (g_theirs,) = torch.autograd.grad(theirs, logp)
+    torch.manual_seed(11)
+    out = compute_loss(mode, old, logp.detach(), adv, mask, agg, cfg)
+    col = out.columns["cov_clipped" if mode == "clip_cov" else "kl_cov_penalised"]
+    assert col.any()
+    if mode == "clip_cov":
+        band = (out.columns["cov"] > 1) & (out.columns["cov"] < 5) & mask & ~out.columns["clipped"]
+        assert int(band.sum()) > int(col.sum()), "every band token drawn: the seed would not matter"
+    rel_loss = float((ours.double() - theirs.double()).abs() / theirs.double().abs())
+    rel_grad = float(((g_ours - g_theirs).abs().max() / g_theirs.abs().max()))
+    print(f"{mode} {agg}: max rel diff loss {rel_loss:.2e} grad {rel_grad:.2e}")
+    torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_ours.double(), g_theirs.double(), rtol=1e-12, atol=1e-14)
+    if mode == "clip_cov":  # verl's own gradient is 0 on the tokens our column names (the selected set)
+        assert (g_theirs[col] == 0).all()
+
+
 def test_gppo_is_ce_gppo_with_unit_betas():
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
@@ -222,6 +275,89 @@ def test_rollout_correction_weights_refused():
     old, logp, adv, mask = region_batch()
     with pytest.raises(ValueError, match="rollout_is_weights"):
         get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, "token-mean", cfg, torch.ones_like(old))
+
+
+# ----------------------------------------------------------------------------------- SAPO and verl's other losses
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / |b| over b != 0 (and a == b where b == 0, asserted)."""
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    nz = b != 0
+    assert torch.equal(a[~nz], b[~nz])
+    return float(((a[nz] - b[nz]).abs() / b[nz].abs()).max().detach()) if nz.any() else 0.0
+
+
+@pytest.mark.parametrize("agg, taus", [("token-mean", (1.0, 1.05)), ("seq-mean-token-sum", (0.7, 1.6))])
+def test_entropylens_sapo_equals_verl_sapo(agg, taus):
+    """entropylens_sapo (policy_loss method='sapo' with verl's config) == verl's own compute_policy_loss_sapo on
+    the same float64 batch: loss, gradient and verl's metrics, with verl's global normalisation (dp 2); verl's
+    sapo aggregates seq-mean-token-mean whatever loss_agg_mode says, and clamps log r to [-20, 20] (two tokens
+    beyond it here). Prints the max relative differences."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    cfg = actor_config(loss_mode="entropylens_sapo", loss_agg_mode=agg, tau_pos=taus[0], tau_neg=taus[1])
+    assert (cfg.tau_pos, cfg.tau_neg) == taus
+    old, logp, adv, mask = region_batch(seed=4)
+    with torch.no_grad():
+        logp[0, 2] = old[0, 2] + 24.0  # beyond verl's clamp: r = e^20 there, no gradient
+        logp[2, 5] = old[2, 5] - 23.0
+    n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2,
+                                 loss_scale_factor=None)
+    ours, m_ours = get_policy_loss_fn("entropylens_sapo")(old, logp, adv, mask, agg, cfg, None)
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    theirs, m_theirs = get_policy_loss_fn("sapo")(old, logp, adv, mask, agg, cfg, None)
+    (g_theirs,) = torch.autograd.grad(theirs, logp)
+    rel_loss, rel_grad = _max_rel(ours, theirs), _max_rel(g_ours, g_theirs)
+    print(f"SAPO vs verl ({agg}, tau {taus}): max rel diff loss {rel_loss:.3g}, gradient {rel_grad:.3g}")
+    # verl's seq-mean-token-mean divides by (L + 1e-8): ~1e-9 relative
+    assert rel_loss < 1e-8 and rel_grad < 1e-8
+    assert g_theirs[0, 2] == 0 and g_ours[0, 2] == 0 and g_ours[2, 5] == 0
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        assert m_ours[key] == pytest.approx(m_theirs[key], rel=1e-12, abs=1e-15), key
+    assert 0.0 < m_ours["entropylens/sapo_weight_mean"] < 1.0
+
+
+def test_verls_own_gpg_and_dro_record_through_the_recorder(tmp_path):
+    """verl's own losses are recorded as they are at the function level: the Recorder takes the update's
+    inputs and grad_coef = dLoss/dlogp from autograd of verl's loss (gpg: -A logp; dro: -(A logp - beta/2
+    (log r)^2)), as TRL's own loss is recorded; the columns only entropylens' losses compute stay null.
+    (The verl plug-in itself refuses record_dir with verl's own loss_mode: docs/losses.md.)"""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    from entropylens import Recorder
+    from entropylens.read import query
+
+    for mode in ("gpg", "dro", "dppo_tv", "dppo_kl", "geo_mean"):  # the plug-in does not record verl's own losses
+        with pytest.raises(Exception, match="verl's own loss; ERC and recording need"):
+            actor_config(loss_mode=mode, record_dir=str(tmp_path / "refused"))
+    old, logp, adv, mask = region_batch(seed=5)
+    n_tok = int(mask.sum())
+    for mode, extra in (("gpg", {}), ("dro", {"dro_beta": 0.1})):
+        cfg = actor_config(loss_mode="entropylens_grpo")
+        if extra:  # verl's PolicyLossConfig field (frozen after construction), read as config.policy_loss.dro_beta
+            object.__setattr__(cfg.policy_loss, "dro_beta", extra["dro_beta"])
+        cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
+        loss, _ = get_policy_loss_fn(mode)(old, logp, adv, mask, "token-mean", cfg, None)
+        (g,) = torch.autograd.grad(loss, logp)
+        # hand form of verl's gradient, token-mean over n_tok tokens: gpg -A / n; dro (-A + beta log r) / n
+        want = -adv + (0.1 * (logp.detach() - old) if mode == "dro" else 0.0)
+        torch.testing.assert_close(g[mask], (want / n_tok)[mask], rtol=1e-12, atol=1e-15)
+
+        class Own:  # what record_update(loss=...) reads
+            columns = {"grad_coef": g.float()}
+            config = {"method": mode}
+
+        Own.loss = loss.detach()
+        with Recorder(tmp_path, run=mode, config={"method": mode}) as rec:
+            rec.record_update(0, 0, mask=mask, advantages=adv, logprobs=logp.detach(), old_logprobs=old, loss=Own,
+                              seq_ids=torch.arange(mask.shape[0]))
+        con = query.connect(tmp_path / mode)
+        n, n_g, max_err, dropped, sapo = con.execute(
+            "select count(*), count(grad_coef), max(abs(grad_coef - ?)), count(entropy_effect_dropped), "
+            "count(sapo_weight) from tokens", [0.0]).fetchone()
+        assert (n, n_g, dropped, sapo) == (n_tok, n_tok, 0, 0)
+        rows = con.execute("select seq, pos, grad_coef from tokens").fetchall()
+        assert max(abs(v - float(g[s, p])) for s, p, v in rows) < 1e-7 * float(g.abs().max())
 
 
 # ----------------------------------------------------------------------------------- real objects
@@ -736,6 +872,44 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
     assert one["entropylens/dual_clip_frac"] == pytest.approx(logged["dual_clip_frac"], rel=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
+    """loss_mode=entropylens_clip_cov / _kl_cov through verl's update path on the CPU engine, with verl's own
+    config keys: the step is recorded with cov on every token, the control's column on every token (the
+    other null), its step share equal to the tokens' share per update, cov equal to its definition over
+    each micro-batch (update), and Clip-Cov's tokens without gradient."""
+    from entropylens.read import query
+
+    ca = store
+    work = tmp_path / mode
+    keys = (["clip_cov_ratio=0.2", "clip_cov_lb=0.0"] if mode == "clip_cov" else ["kl_cov_ratio=0.2", "ppo_kl_coef=0.5"])
+    with ca.on_cpu():
+        t, _, _ = _trainer(ca, work, loss_mode=f"entropylens_{mode}",
+                           extra=[f"actor_rollout_ref.actor.policy_loss.{k}" for k in keys])
+        meta, _ = ca.put_rollout("train", seed=3)
+        t.global_steps = 1
+        t._update_actor(meta, {})
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    con = query.connect(work / "runs" / "trainer-test")
+    col, frac = ("cov_clipped", "cov_clipped_frac") if mode == "clip_cov" else ("kl_cov_penalised", "kl_cov_frac")
+    other = "kl_cov_penalised" if mode == "clip_cov" else "cov_clipped"
+    n, n_cov, n_col, n_sel, n_other = con.execute(
+        f"select count(*), count(cov), count({col}), count(*) filter (where {col}), count({other}) from tokens").fetchone()
+    assert n > 0 and n_cov == n and n_col == n and n_sel > 0 and n_other == 0
+    rows = con.execute(f"select update, advantage, logprob, cov, {col}, grad_coef from tokens order by update").fetchall()
+    for u in sorted({r[0] for r in rows}):
+        g = [r for r in rows if r[0] == u]
+        a = torch.tensor([r[1] for r in g], dtype=torch.float64)
+        lp = torch.tensor([r[2] for r in g], dtype=torch.float64)
+        torch.testing.assert_close(torch.tensor([r[3] for r in g], dtype=torch.float64),
+                                   (a - a.mean()) * (lp - lp.mean()), rtol=1e-4, atol=1e-5)
+        share = sum(bool(r[4]) for r in g) / len(g)
+        got = con.execute(f"select {frac} from steps where update = {u}").fetchone()[0]
+        assert got == pytest.approx(share, rel=1e-6)
+        if mode == "clip_cov":
+            assert all(r[5] == 0 for r in g if r[4])
+
+
 def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
     """actor_rollout_ref.model.use_fused_kernels=True (verl's torch fused-kernel forward): the trainer
     does not ask for sum pi^2, which verl refuses with fused kernels (NotImplementedError in
@@ -783,6 +957,39 @@ def test_trainer_entropy_bonus_leaves_entropy_effect_null(tmp_path, store):
     assert n > 0 and effect == 0
     coef, budget = con.execute("select min(entropy_coef), count(entropy_effect) from steps").fetchone()
     assert coef == pytest.approx(0.01) and budget == 0
+
+
+def test_trainer_records_sapo_weight(tmp_path, store):
+    """loss_mode=entropylens_sapo on verl's update path (CPU harness): every token row has its gate weight
+    (sapo_weight == 4 sigma (1 - sigma) of its recorded ratio, tau 1.0 / 1.05 by its advantage's sign), no
+    token is clipped, and the step has sapo_weight_mean (also in verl's logs)."""
+    import math
+
+    from entropylens.read import query
+
+    ca = store
+    work = tmp_path / "s"
+    with ca.on_cpu():
+        t, _, _ = _trainer(ca, work, loss_mode="entropylens_sapo")
+        meta, ref = ca.put_rollout("train", seed=9)
+        t.global_steps = 2
+        metrics = {}
+        t._update_actor(meta, metrics)
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    n_tok = int(sum(int(m.sum()) for m in ref["mask"]))
+    con = query.connect(work / "runs" / "trainer-test")
+    rows = con.execute("select logprob, old_logprob, advantage, sapo_weight, clipped from tokens").fetchall()
+    assert len(rows) == n_tok and not any(c for *_, c in rows)
+    for lp, old, a, w, _ in rows:
+        r = math.exp(min(max(lp - old, -20.0), 20.0))
+        sig = 1.0 / (1.0 + math.exp(-(1.0 if a > 0 else 1.05) * (r - 1.0)))
+        assert w == pytest.approx(4.0 * sig * (1.0 - sig), rel=1e-4, abs=1e-6)
+    # one steps row per micro-batch (2 samples each, 4 of them): each row's mean, and the logged step value
+    means = con.execute("select sapo_weight_mean, n_tokens from steps where n_tokens > 0").fetchall()
+    assert len(means) == 4 and all(0.0 < m < 1.0 for m, _ in means)
+    method, token_mean = con.execute("select r.method, avg(t.sapo_weight) from runs r, tokens t group by 1").fetchone()
+    assert method == "sapo" and sum(m * n for m, n in means) / n_tok == pytest.approx(token_mean, rel=1e-5)
+    assert metrics["entropylens/sapo_weight_mean"] == pytest.approx(token_mean, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------- settings and ranks
@@ -882,8 +1089,84 @@ def test_every_step_metric_has_an_aggregation_rule():
     verl's pg_loss aggregation) are the steps table's only."""
     from entropylens.integrations.verl import metric_rule
     from entropylens.schema import STEP_METRICS
-    from entropylens.rl.aggregates import BUDGET_NAMES
+    from entropylens.rl.aggregates import BUDGET_NAMES, SAMPLER_METRICS
 
     left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if metric_rule(n) is None}
     assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",
-                        "lgn_mean_pa_hp", "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp"}
+                        "lgn_mean_pa_hp", "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp",
+                        *SAMPLER_METRICS}
+
+
+def test_trainer_forking_mask_and_adaptive_coef(tmp_path, store):
+    """policy_loss.top_entropy_quantile=0.2 and adaptive_entropy on verl's update path: token_kept is the
+    forking mask (recomputed from the recorded entropies of each micro-batch: equal), ~80% of tokens are
+    masked, and the coefficient follows TRL's rule: step 1 gate shut (no previous step), step 2 applies
+    entropy_coeff + delta (the entropy ~ log V is below the target 100)."""
+    from entropylens.read import query
+    from entropylens.rl.forking import top_entropy_mask
+
+    ca = store
+    work = tmp_path / "f"
+    pl = "+actor_rollout_ref.actor.policy_loss."
+    with ca.on_cpu():
+        t, _, _ = _trainer(ca, work, extra=["actor_rollout_ref.actor.entropy_coeff=0.01",
+                                            pl + "top_entropy_quantile=0.2", pl + "adaptive_entropy=true",
+                                            pl + "entropy_target=100.0", pl + "entropy_coef_delta=0.02"])
+        for step in (1, 2):
+            meta, _ = ca.put_rollout("train", seed=8 + step)
+            t.global_steps = step
+            t._update_actor(meta, {})
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+    con = query.connect(work / "runs" / "trainer-test")
+    rows = con.execute("select step, min(entropy_coef), max(entropy_coef), min(entropy_coef_adaptive), "
+                       "max(entropy_coef_adaptive), avg(token_masked_frac) from steps group by step "
+                       "order by step").fetchall()
+    assert len(rows) == 2
+    (s1, a1, b1, c1, d1, f1), (s2, a2, b2, c2, d2, f2) = rows
+    assert (a1, b1) == (0.0, 0.0) and (c1, d1) == (pytest.approx(0.01), pytest.approx(0.01))
+    assert (a2, b2) == (pytest.approx(0.03), pytest.approx(0.03)) and (c2, d2) == (a2, b2)
+    assert 0.6 < f1 < 0.9 and 0.6 < f2 < 0.9
+    n = 0
+    for step, update, h, kept in con.execute("select step, update, list(entropy order by seq, pos), "
+                                             "list(token_kept order by seq, pos) from tokens group by step, "
+                                             "update").fetchall():
+        ht = torch.tensor(h).reshape(1, -1)
+        want = top_entropy_mask(ht, torch.ones_like(ht, dtype=torch.bool), 0.2).reshape(-1).tolist()
+        assert kept == want, (step, update)
+        n += 1
+    assert n >= 2
+
+
+
+
+def test_rollout_log_probs_recorded_and_equal_verls_rollout_corr_metrics(tmp_path):
+    """A batch with rollout_log_probs: the recorded sampler_logprob is verl's, and the steps' sampler_kl_k1 /
+    sampler_kl_k3 / sampler_abs_log_ratio_* equal verl's rollout correction metrics (rollout_corr/kl, k3_kl;
+    log_ratio = old - rollout) on the same batch, and TIS's weights' statistics match ours over the tokens."""
+    from entropylens.integrations.verl.batch import read_micro_batch
+    from entropylens.rl.aggregates import mismatch_aggregates
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    td, ref = rollout_batch(seed=4)
+    g = torch.Generator().manual_seed(9)
+    rollout = (ref["old_lp"] + 0.4 * torch.randn(ref["old_lp"].shape, generator=g, dtype=torch.float64)) * ref["mask"]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), ref["r_len"].cumsum(0)])
+    td["rollout_log_probs"] = torch.nested.nested_tensor_from_jagged(
+        torch.cat([rollout[i, : ref["r_len"][i]] for i in range(len(ref["r_len"]))]), offsets)
+    out, _, _ = model_output(tiny_qwen2(), td)
+    b = read_micro_batch(out, td)
+    assert torch.allclose(b.rollout_log_prob.double() * ref["mask"], rollout.float().double())
+    _, _, metrics = compute_rollout_correction_and_rejection_mask(
+        ref["old_lp"], rollout, ref["mask"].double(), rollout_is="token", rollout_is_threshold=2.0)
+    cols = {"old_logprob": ref["old_lp"].float(), "sampler_logprob": b.rollout_log_prob,
+            "clipped": torch.zeros_like(ref["mask"]), "quadrant": torch.ones_like(ref["old_lp"], dtype=torch.long)}
+    m = ref["mask"].reshape(1, -1)
+    ours = {k: float(v) for k, v in mismatch_aggregates({k: v.unsqueeze(0) for k, v in cols.items()}, m,
+                                                        cols["quadrant"].reshape(1, -1)).items()}
+    worst = 0.0
+    for mine, theirs in (("sampler_kl_k1", "rollout_corr/kl"), ("sampler_kl_k3", "rollout_corr/k3_kl")):
+        worst = max(worst, abs(ours[mine] - metrics[theirs]) / abs(metrics[theirs]))
+    d = (ref["old_lp"] - rollout)[ref["mask"]]
+    assert ours["sampler_abs_log_ratio_max"] == pytest.approx(float(d.abs().max()), rel=1e-6)
+    print(f"verl rollout_corr max relative difference {worst:.2e}")
+    assert worst <= 1e-5  # float32 columns against verl's float64 metrics

@@ -10,6 +10,11 @@ and rewrites ``OUT/paper-claims.md`` from every regime's saved results (verdicts
 A verdict comes from the numbers and a fixed rule (``toy.rules``: one-sided Welch / one-sample t tests at
 5%, spike flags against the run's rolling median), never tuned to pass. ``--seeds`` below 5 or ``--steps``
 make a *reduced* run, labelled as such in the file.
+
+``--methods`` chooses the lab (default :data:`CONFIGS`: the claims' configs and every other entropy control
+of the registry, toy/methods.py); every method run is compared with ``--baseline`` (grpo) in one table
+per regime (toy/compare.py: settings, what differs, final entropy and reward, two-sided Welch tests with
+Holm's correction) and one entropy-path figure.
 """
 
 from __future__ import annotations
@@ -24,10 +29,19 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import rules
+from . import compare, methods, rules
 
-CONFIGS = ("grpo", "dapo", "ce_gppo", "ce_gppo_0.25_1", "ce_gppo_0.75_1", "ce_gppo_0.5_0.5",
-           "entropy_bonus_0.001", "entropy_bonus_0.003", "erc_dapo")
+# the configs the nine claims read
+CLAIM_CONFIGS = ("grpo", "dapo", "ce_gppo", "ce_gppo_0.25_1", "ce_gppo_0.75_1", "ce_gppo_0.5_0.5",
+                 "entropy_bonus_0.001", "entropy_bonus_0.003", "erc_dapo")
+# the other entropy controls of the registry, compared with the baseline in the methods table
+COMPARED = ("gppo", "cispo", "gspo", "sapo", "erc_gppo", "clip_cov", "kl_cov", "forking", "adaptive_entropy")
+CONFIGS = CLAIM_CONFIGS + COMPARED  # the full lab
+# the configs each claim needs (a claim whose configs were not run says so instead of a verdict)
+CLAIM_NEEDS = {"1": ("grpo",), "3": ("ce_gppo", "grpo", "dapo"),
+               "4": ("ce_gppo_0.25_1", "ce_gppo", "ce_gppo_0.75_1", "ce_gppo_0.5_0.5"),
+               "5": ("grpo", "entropy_bonus_0.001", "entropy_bonus_0.003"), "6": ("erc_dapo", "dapo"),
+               "9": ("grpo", "dapo")}
 FULL_SEEDS = 5
 COLLAPSE = 0.25  # "collapsed": final entropy below 0.25 x the run's initial entropy
 TAU = 0.5  # HP / LP threshold on the sampling probability
@@ -87,13 +101,14 @@ def timings(runs_dir: Path) -> dict[str, dict]:
     return {k: (v if isinstance(v, dict) else {"wall": v, "cpu": math.nan}) for k, v in t.items()}  # older: wall only
 
 
-def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fast", **overrides) -> None:
-    """Train every missing (config, seed) in ``workers`` processes (one torch thread each; ``overrides`` go
+def train_all(runs_dir: Path | dict, seeds: int, workers: int, regime: str = "fast", configs=CONFIGS,
+              **overrides) -> None:
+    """Train every missing (config of ``configs``, seed) in ``workers`` processes (one torch thread each; ``overrides`` go
     to every config); finished runs are kept, so an interrupted regeneration resumes. Seed-major order, so
     an interrupted run leaves whole seeds. ``runs_dir`` may map several regimes to their directories: their
     jobs interleave seed by seed (at any moment the regimes hold about as many finished seeds)."""
     dirs = {regime: Path(runs_dir)} if not isinstance(runs_dir, dict) else {k: Path(v) for k, v in runs_dir.items()}
-    jobs = [(n, s, str(d), reg, overrides) for s in range(seeds) for reg, d in dirs.items() for n in CONFIGS
+    jobs = [(n, s, str(d), reg, overrides) for s in range(seeds) for reg, d in dirs.items() for n in configs
             if not _finished(d / f"{n}-s{s}")]
     # spawn, not Linux's default fork: a forked child inherits torch's native thread pool (see demo/runner.py)
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -124,7 +139,8 @@ def per_run_metrics(con) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for run, name, config in q("SELECT run, method, config FROM runs").fetchall():
         cfg = json.loads(config) if config else {}
-        out[run] = {"config": name, "seed": cfg.get("seed"), "grad_clip": cfg.get("grad_clip", 1.0)}
+        out[run] = {"config": name, "seed": cfg.get("seed"), "grad_clip": cfg.get("grad_clip", 1.0),
+                    "settings": methods.settings(cfg) if cfg.get("method") else None}  # as recorded
     ent = q("""SELECT run, step, sum(old_entropy_mean * n_tokens) / sum(n_tokens) AS h, max(reward_mean) AS r
                FROM steps GROUP BY run, step ORDER BY run, step""").df()
     for run, g in ent.groupby("run"):
@@ -329,12 +345,13 @@ def claim_bonus(agg) -> Claim:
 def claim_erc(agg) -> Claim:
     """6. ERC vs its base (DAPO): entropy-ratio spread, |r - 1| and grad-norm variance each lower by Welch."""
     parts, texts = [], []
+    erc, dapo = agg.get("erc_dapo", {}), agg.get("dapo", {})
     for key, label in (("rho_spread", "entropy-ratio spread p95 - p05"), ("abs_r_minus_1", "mean |r - 1|"),
                        ("gn_var", "grad-norm variance")):
-        w = rules.welch(agg.get("dapo", {}).get(key, []), agg.get("erc_dapo", {}).get(key, []))
+        w = rules.welch(dapo.get(key, []), erc.get(key, []))
         parts.append(w.holds)
-        texts.append(f"{label} ERC-DAPO {_fmt(*_ms(agg['erc_dapo'][key]), 4)} vs DAPO "
-                     f"{_fmt(*_ms(agg['dapo'][key]), 4)}, DAPO above ERC: {w.text()}")
+        texts.append(f"{label} ERC-DAPO {_fmt(*_ms(erc.get(key, [])), 4)} vs DAPO "
+                     f"{_fmt(*_ms(dapo.get(key, [])), 4)}, DAPO above ERC: {w.text()}")
     e = agg.get("erc_dapo", {})
     attribution = ""
     if any(v is not None for v in e.get("effect_erc_dropped", [])):
@@ -347,8 +364,8 @@ def claim_erc(agg) -> Claim:
                  "norm steadier than its base method.", "erc", _verdict(parts),
                  "; ".join(texts) + " (rule: ERC lower on each by a one-sided Welch test at 5%; the verdict counts "
                  "how many hold)." + attribution, [beside(agg, n) for n in ("erc_dapo", "dapo")],
-                 caption=f"entropy-ratio spread p95 - p05: ERC-DAPO {_ms(agg['erc_dapo']['rho_spread'])[0]:.3f}, DAPO "
-                         f"{_ms(agg['dapo']['rho_spread'])[0]:.3f}")
+                 caption=f"entropy-ratio spread p95 - p05: ERC-DAPO {_ms(erc.get('rho_spread', []))[0]:.3f}, DAPO "
+                         f"{_ms(dapo.get('rho_spread', []))[0]:.3f}")
 
 
 def claim_drift(drift) -> Claim:
@@ -457,17 +474,31 @@ def evaluate(con, metrics) -> list[Claim]:
     drift = run_analysis(con, "drift_by_prob_bin", bins=10)
     seeds = {run: m["seed"] for run, m in metrics.items()}
     drift = drift.assign(seed=drift["run"].map(seeds))
-    return [claim_collapse(agg), claim_clipped_lp(per_seed, agg.get("grpo", {}).get("lp_clipped", [])),
-            claim_ce_gppo(agg), claim_betas(agg), claim_bonus(agg), claim_erc(agg), claim_drift(drift),
-            (claim_quadrant_signs_attributed(metrics) if any(m.get("effect_q") for m in metrics.values())
-             else claim_quadrant_signs(run_analysis(con, "entropy_change_by_quadrant"))),
-            claim_clip_drop(metrics)]
+    found = [claim_collapse(agg), claim_clipped_lp(per_seed, agg.get("grpo", {}).get("lp_clipped", [])),
+             claim_ce_gppo(agg), claim_betas(agg), claim_bonus(agg), claim_erc(agg), claim_drift(drift),
+             (claim_quadrant_signs_attributed(metrics) if any(m.get("effect_q") for m in metrics.values())
+              else claim_quadrant_signs(run_analysis(con, "entropy_change_by_quadrant"))),
+             claim_clip_drop(metrics)]
+    return [not_run(c, agg) for c in found]
+
+
+def not_run(claim: Claim, agg) -> Claim:
+    """The claim as it is, or, when a config it needs (CLAIM_NEEDS) was not run, marked 'not run' (never a
+    verdict on missing runs)."""
+    missing = [n for n in CLAIM_NEEDS.get(claim.key, ()) if n not in agg]
+    if not missing:
+        return claim
+    return Claim(claim.key, claim.text, claim.figure, f"not run ({', '.join(missing)} not in this lab)",
+                 f"Not measured: the lab did not run {', '.join(missing)}.", caption="not run")
 
 
 # ------------------------------------------------------------------ figures
-def figures(con, out: Path, regime: str, found: list[Claim] | None = None) -> None:
+def figures(con, out: Path, regime: str, found: list[Claim] | None = None, rows: list[dict] | None = None,
+            baseline: str = compare.BASELINE) -> None:
     """One figure per claim, the one that shows it: paper-claims-<regime>-<stem>.png, titled with what the
-    claim measured in this regime (``found``)."""
+    claim measured in this regime (``found``); and the methods' entropy and reward paths against the
+    baseline (paper-claims-<regime>-methods-entropy.png / -methods-reward.png), titled with the methods
+    table's verdicts (``rows``: compare.method_rows)."""
     import matplotlib.pyplot as plt
 
     from ...report import plots
@@ -506,6 +537,53 @@ def figures(con, out: Path, regime: str, found: list[Claim] | None = None) -> No
             fig.tight_layout(rect=(0, 0, 1, 1 - 0.17 * (title.count("\n") + 1) / fig.get_figheight()))
         fig.savefig(out / f"paper-claims-{regime}-{stem}.png", dpi=100)
         plt.close(fig)
+    method_figures(con, out, regime, rows, baseline, ent)
+
+
+def _moved(rows, key: str) -> str:
+    """'higher: a, b; lower: c; no difference at 5%: the other 4' from the rows' verdicts on ``key``."""
+    by: dict[str, list[str]] = {}
+    for r in rows or []:
+        v = r.get(f"{key}_verdict")
+        if v:
+            by.setdefault(v.split(" (")[0], []).append(r["method"])
+    parts = [f"{v}: {', '.join(n)}" for v, n in by.items() if v in ("higher", "lower")]
+    rest = sum(len(n) for v, n in by.items() if v not in ("higher", "lower"))
+    if rest:
+        parts.append(f"no difference at 5% or too few seeds: {rest} method(s)")
+    return "; ".join(parts) or "no comparison"
+
+
+def method_figures(con, out: Path, regime: str, rows, baseline: str, ent=None) -> None:
+    """paper-claims-<regime>-methods-entropy.png and -methods-reward.png: every method's path (mean over
+    its seeds, min-max band) on its own panel, the baseline's in grey on each; the title says what the
+    table's two-sided Welch tests found in this regime."""
+    import textwrap
+
+    import matplotlib.pyplot as plt
+
+    from ...read.query import run_analysis
+    from .lab_plots import method_paths
+
+    ent = run_analysis(con, "entropy_by_step") if ent is None else ent
+    order = [r["method"] for r in rows] if rows else None
+    n_seeds = max((r["seeds"] for r in rows), default=0) if rows else 0
+    for stem, df, y, label, key, what in (
+            ("methods-entropy", ent, "old_entropy", "entropy (nats)", "entropy", "final entropy (stable seeds)"),
+            ("methods-reward", run_analysis(con, "reward_by_step"), "reward", "mean reward", "reward",
+             "final reward (all seeds)")):
+        labels = {r["method"]: (f"final {r['h_final'].split(' ± ')[0]} ({r['stable']}/{r['seeds']} stable)"
+                                if key == "entropy" else f"final {r['r_final'].split(' ± ')[0]} ({r['seeds']} seeds)")
+                  for r in rows or []}  # the table's numbers
+        fig = method_paths(df, y, baseline=baseline, ylabel=label, order=order, labels=labels)
+        title = (f"[{regime}] {key} path per method: mean over up to {n_seeds} seeds (band: min-max), {baseline} in "
+                 f"grey. {what} vs {baseline}, two-sided Welch at 5%: {_moved(rows, key)}")
+        width = int(fig.get_figwidth() * 13)
+        title = textwrap.fill(title, width)
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()  # (the suptitle is part of the layout)
+        fig.savefig(out / f"paper-claims-{regime}-{stem}.png", dpi=100)
+        plt.close(fig)
 
 
 # ------------------------------------------------------------------ the file
@@ -517,14 +595,20 @@ TABLE_COLS = (("h_final", "final entropy", 3), ("h_min", "min entropy", 3), ("r_
 
 
 def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None, workers: int,
-                  minutes: float | None, core_minutes: float, run_minutes: float = math.nan) -> dict:
-    """Everything the claims file shows for one regime (saved as JSON, so regimes regenerate separately)."""
+                  minutes: float | None, core_minutes: float, run_minutes: float = math.nan, configs=CONFIGS,
+                  rows: list[dict] | None = None, baseline: str = compare.BASELINE, shares: dict | None = None,
+                  cui: dict | None = None) -> dict:
+    """Everything the claims file shows for one regime (saved as JSON, so regimes regenerate separately);
+    ``rows``: the methods table (compare.method_rows; made from ``metrics`` when not given), ``shares``:
+    the token-entropy shares beside the 80/20 paper's, ``cui``: Cui et al.'s laws per method (toy/beside.py)."""
     from .config import config_for
 
     cfg = config_for("grpo", regime=regime, **({"steps": steps} if steps else {}))
     agg = by_config(metrics)
+    order = [*configs, *(n for n in agg if n not in configs)]
+    rows = compare.method_rows(agg, baseline, order=order) if rows is None else rows
     table = {}
-    for name in CONFIGS:
+    for name in order:
         if name not in agg:
             continue
         row = {}
@@ -537,12 +621,18 @@ def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None
     cmd = f"python -m entropylens.demo.toy.claims --regime {regime} --out reports --seeds {seeds} --workers {workers}"
     if steps:
         cmd += f" --steps {steps}"
+    if tuple(configs) != CONFIGS:
+        cmd += f" --methods {','.join(configs)}"
+    if baseline != compare.BASELINE:
+        cmd += f" --baseline {baseline}"
     return {"regime": regime, "seeds": seeds, "steps": cfg.steps, "reduced": seeds < FULL_SEEDS or steps is not None,
             "command": cmd, "minutes": minutes, "core_minutes": core_minutes, "run_minutes": run_minutes,
             "workers": workers,
             "settings": {k: getattr(cfg, k) for k in ("lr", "prompts", "group", "minibatches", "epochs", "grad_clip",
                                                       "steps", "sft_steps")},
             "measured": measured, "table": table, "claims": [asdict(c) for c in claims],
+            "compare": {"baseline": baseline, "rows": compare.as_json(rows), "tests": compare.n_tests(rows)},
+            "token_shares": shares or {}, "cui": cui or {},
             "runs": {r: {k: v for k, v in m.items() if k not in ("grad_spikes", "kl_spikes")}
                      for r, m in metrics.items()}}
 
@@ -556,6 +646,38 @@ def config_for_steps(regime: str, steps: int | None) -> int:
 
 def _label(res: dict) -> str:
     return f"{res['regime']} ({'REDUCED: ' if res['reduced'] else ''}{res['seeds']} seeds x {res['steps']} steps)"
+
+
+def methods_markdown(results: list[dict]) -> list[str]:
+    """Every method each regime ran against its baseline: what each method is (once), then per regime its
+    training settings, the table (compare.markdown) and the entropy / reward path figures."""
+    have = [r for r in results if r.get("compare", {}).get("rows")]
+    if not have:
+        return []
+    base = have[0]["compare"]["baseline"]
+    seen: dict[str, dict] = {}
+    for r in have:
+        for row in r["compare"]["rows"]:
+            seen.setdefault(row["method"], row)
+    lines = [f"## Every method against {base}", "",
+             "One line a method. *Loss settings*: what its runs' recorded configs used, each method's defaults "
+             "resolved; *what differs*: every loss or training setting that is not the baseline's, with the "
+             "baseline's value. Final entropy over the seeds not destabilised (a blow-up never counts as entropy "
+             "kept); final reward over all seeds (a blow-up's reward counts against its method). Tests: two-sided "
+             f"Welch t tests at {rules.ALPHA:.0%} of the method's seeds against the baseline's (the direction is not "
+             "fixed in advance), and whether each holds after Holm's correction over all the regime table's tests "
+             "(with many tests, a few pass at 5% by chance alone).", "", "The methods:", "",
+             *compare.legend(list(seen.values())), ""]
+    for r in have:
+        c = r["compare"]
+        training = next((row["training"] for row in c["rows"] if row["method"] == c["baseline"]),
+                        c["rows"][0]["training"])
+        lines += [f"### {_label(r)}", "", f"Training settings of {c['baseline']} (the others' differences are in "
+                  f"the table): {training}. Tests in the table: {c['tests']} (Holm's correction over these).", ""]
+        lines += compare.markdown(c["rows"], c["baseline"])
+        lines += ["", f"![methods-entropy](paper-claims-{r['regime']}-methods-entropy.png)", "",
+                  f"![methods-reward](paper-claims-{r['regime']}-methods-reward.png)", ""]
+    return lines
 
 
 def write_markdown(out: Path) -> Path:
@@ -587,7 +709,7 @@ def write_markdown(out: Path) -> Path:
         lines.append(f"| {r['regime']} | `{r['command']}` | {cpu}the runs' own clocks summed "
                      f"{r.get('run_minutes', math.nan):.0f} min under load); {wall} "
                      f"| {'**REDUCED** ' if r['reduced'] else 'full: '}"
-                     f"{r['seeds']} seeds x {len(CONFIGS)} configs x {r['steps']} steps |")
+                     f"{r['seeds']} seeds x {len(r.get('table') or CONFIGS)} configs x {r['steps']} steps |")
     lines += ["", "Core-minutes are the CPU time of the runs' worker processes (one torch thread each, the Parquet "
               "writer thread included), summed: on free cores a regeneration takes about core-minutes / workers. "
               "The runs were trained on a shared 2-core machine while other jobs ran, so their own clocks and the "
@@ -637,7 +759,12 @@ def write_markdown(out: Path) -> Path:
             f"`{k}` (`python -m entropylens.demo.toy.claims --regime {k} --out reports --seeds {FULL_SEEDS} --workers 2`)"
             for k in missing) + "."]
     lines += ["", f"The destabilised flag is deliberately less sensitive than `entropylens check`'s spike alarms "
-              "(an early warning): it marks blow-ups, not ordinary jitter."]
+              "(an early warning): it marks blow-ups, not ordinary jitter.", ""]
+    lines += methods_markdown(results)
+    from .beside import cui_markdown, shares_markdown
+
+    lines += shares_markdown(results, _label)
+    lines += cui_markdown(results, _label)
     for r in results:
         lines += ["", f"## Regime {_label(r)}", ""]
         if r["reduced"]:
@@ -671,11 +798,25 @@ def main(argv=None) -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--steps", type=int, default=None, help="override the steps per run (a reduced run)")
     ap.add_argument("--no-train", action="store_true", help="only evaluate the finished runs of the first SEEDS seeds")
+    ap.add_argument("--methods", default=",".join(CONFIGS),
+                    help="comma-separated methods of the lab (toy/methods.py; default: the claims' configs and the "
+                         "other entropy controls)")
+    ap.add_argument("--baseline", default=compare.BASELINE, help="the method every other is compared with")
     a = ap.parse_args(argv)
     regimes = [r.strip() for r in a.regime.split(",") if r.strip()]
     bad = [r for r in regimes if r not in REGIMES]
     if bad or not regimes:
         ap.error(f"unknown regime {', '.join(bad) or a.regime!r}; known: {', '.join(REGIMES)}")
+    configs = tuple(dict.fromkeys(m.strip() for m in a.methods.split(",") if m.strip()))
+    if not configs:
+        ap.error("--methods is empty")
+    for m in configs:
+        try:
+            methods.lookup(m)
+        except ValueError as e:
+            ap.error(f"--methods: {e}".replace("unknown run", "unknown method"))
+    if a.baseline not in configs:
+        ap.error(f"--baseline {a.baseline!r} is not among --methods")
     out = Path(a.out)
     root = Path(a.runs) if a.runs else out / "paper-claims-runs"
     dirs = {r: root / r for r in regimes}
@@ -683,19 +824,24 @@ def main(argv=None) -> None:
         d.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if not a.no_train:
-        train_all(dirs, a.seeds, a.workers, **({"steps": a.steps} if a.steps else {}))
+        train_all(dirs, a.seeds, a.workers, configs=configs, **({"steps": a.steps} if a.steps else {}))
     from ...read.query import connect
 
     wall = (time.time() - t0) / 60
     for regime, runs_dir in dirs.items():
-        ids = [f"{n}-s{s}" for s in range(a.seeds) for n in CONFIGS]
+        ids = [f"{n}-s{s}" for s in range(a.seeds) for n in configs]
         missing = [i for i in ids if not _finished(runs_dir / i)]
         if missing:
             raise SystemExit(f"{runs_dir}: runs not finished: {', '.join(missing)}")
         con = connect(runs_dir, runs=ids)
         metrics = per_run_metrics(con)
         claims = evaluate(con, metrics)
-        figures(con, out, regime, claims)
+        rows = compare.method_rows(by_config(metrics), a.baseline, order=configs)
+        figures(con, out, regime, claims, rows, a.baseline)
+        from .beside import cui_summary, token_entropy_shares
+
+        config_of = {run: m["config"] for run, m in metrics.items()}
+        shares, cui = token_entropy_shares(con, config_of), cui_summary(con, config_of)
         t = timings(runs_dir)
         minutes = wall
         if a.no_train:  # re-evaluating: keep the wall time of the invocation that trained these runs, if known
@@ -706,7 +852,8 @@ def main(argv=None) -> None:
         res = regime_result(regime, metrics, claims, seeds=a.seeds, steps=a.steps, workers=a.workers,
                             minutes=minutes,
                             core_minutes=sum(t.get(i, {}).get("cpu", math.nan) for i in ids) / 60,
-                            run_minutes=sum(t.get(i, {}).get("wall", math.nan) for i in ids) / 60)
+                            run_minutes=sum(t.get(i, {}).get("wall", math.nan) for i in ids) / 60,
+                            configs=configs, rows=rows, baseline=a.baseline, shares=shares, cui=cui)
         (out / f"paper-claims-{regime}.json").write_text(json.dumps(res, indent=1, default=float))
     print(write_markdown(out).read_text())
 

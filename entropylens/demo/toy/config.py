@@ -1,11 +1,15 @@
-"""One frozen config for a toy run, and the named runs (methods) the demo can select."""
+"""One frozen config for a toy run, the named regimes, and the named runs (toy/methods.py's registry)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, replace
 
 from ...rl.losses import AGGS, METHODS
+from . import methods as _methods
+
+# policy_loss arguments a ToyConfig field (or the training loop) already sets: not a loss option
+_SET_BY_CONFIG = ("logprobs", "old_logprobs", "advantages", "mask", "method", "eps_low", "eps_high", "beta1", "beta2",
+                  "dual_clip", "entropy", "old_entropy", "erc", "agg", "entropy_coef", "tau", "generator")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class ToyConfig:
     lr: float = 7e-4  # Adam learning rate of the RL phase
     grad_clip: float = 1.0  # global grad-norm clip (the norm before clipping is recorded)
     temperature: float = 1.0  # sampling temperature
+    mismatch: str = ""  # a sampler that differs from the trainer (sampler.py): '', 'bf16' or 'temp:S'
+    tis: float = 0.0  # TIS: the policy term times min(pi_old / pi_sampler, tis); 0: no IS correction
     # loss
     method: str = "grpo"
     eps_low: float | None = None  # None: the method's default (0.2; dapo 0.2/0.28; gspo 3e-4/4e-4)
@@ -35,9 +41,15 @@ class ToyConfig:
     beta1_schedule: tuple[tuple[int, float], ...] = ()  # ((step, beta1), ...): from that step on
     dual_clip: float | None = None
     erc: tuple[float, float] | None = None  # Entropy Ratio Clipping band
-    entropy_coef: float = 0.0  # entropy bonus
+    entropy_coef: float = 0.0  # entropy bonus (with entropy_target: the adaptive coefficient's start)
+    entropy_target: float | None = None  # adaptive entropy coefficient (rl.forking.AdaptiveEntropyCoef): target H
+    entropy_coef_delta: float = 0.005  # its step per optimizer step (TRL's / Skywork-OR1's defaults)
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    top_entropy_quantile: float = 1.0  # the 80/20 forking rule: policy gradient on the top share by entropy
     agg: str | None = None
     tau: float = 0.5  # HP / LP threshold on the sampling probability
+    loss_options: tuple[tuple[str, object], ...] = ()  # ((name, value), ...): further policy_loss kwargs
     # recording
     sample: float = 1.0  # token-row keep fraction
     probe_every: int = 0  # parameter-space entropy probe on update 0 of every K-th step (0: off)
@@ -68,12 +80,28 @@ class ToyConfig:
             )
         if not (self.lr > 0 and self.sft_lr > 0 and self.temperature > 0):
             raise ValueError("lr, sft_lr and temperature must be > 0")
+        from .sampler import check_mismatch
+
+        check_mismatch(self.mismatch)
+        if not self.tis >= 0:
+            raise ValueError(f"tis must be >= 0 (0: no IS correction), got {self.tis}")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         if self.probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {self.probe_every}")
         if not 0 < self.sample <= 1:
             raise ValueError(f"sample must be in (0, 1], got {self.sample}")
+        _check_loss_options(self.loss_options)
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must lie in [0, 1], got {self.top_entropy_quantile}")
+        if self.entropy_target is not None:
+            if not self.entropy_target >= 0:
+                raise ValueError(f"entropy_target must be >= 0, got {self.entropy_target}")
+            if not (self.entropy_coef_delta >= 0 and 0 <= self.entropy_coef_min <= self.entropy_coef_max):
+                raise ValueError("entropy_coef_delta must be >= 0 and 0 <= entropy_coef_min <= entropy_coef_max")
+        if self.probe_every and (self.top_entropy_quantile < 1.0 or self.entropy_target is not None):
+            raise ValueError("probe_every: the probe's update does not apply top_entropy_quantile or the adaptive "
+                             "entropy coefficient; run these methods without the probe")
 
     @property
     def updates(self) -> int:
@@ -111,30 +139,37 @@ REGIMES: dict[str, dict] = {
     "paper": dict(lr=2e-4, minibatches=4, epochs=1, steps=200, grad_clip=3.0),
 }
 
-# Named runs: the paper's methods and baselines. Values override ToyConfig's defaults.
-RUNS: dict[str, dict] = {
-    "grpo": dict(method="grpo"),
-    "dapo": dict(method="dapo"),
-    "gppo": dict(method="gppo"),
-    "ce_gppo": dict(method="ce_gppo", beta1=0.5, beta2=1.0),
-    "ce_gppo_b0": dict(method="ce_gppo", beta1=0.0, beta2=1.0),
-    "ce_gppo_switch": dict(method="ce_gppo", beta1=0.0, beta2=1.0, beta1_schedule=((-1, 0.0), (60, 0.5))),
-    "cispo": dict(method="cispo"),
-    "gspo": dict(method="gspo"),
-    "erc_dapo": dict(method="dapo", erc=(0.95, 1.05)),
-    "erc_gppo": dict(method="gppo", erc=(0.95, 1.05)),
-}
-_PATTERNS = (
-    (re.compile(r"entropy_bonus_([0-9.]+)"), lambda m: dict(method="grpo", entropy_coef=float(m.group(1)))),
-    (re.compile(r"ce_gppo_([0-9.]+)_([0-9.]+)"), lambda m: dict(method="ce_gppo", beta1=float(m.group(1)),
-                                                               beta2=float(m.group(2)))),
-    (re.compile(r"dual_clip_([0-9.]+)"), lambda m: dict(method="grpo", dual_clip=float(m.group(1)))),
-)
+# Named runs: toy/methods.py's registry (one entry a method). RUNS: name -> the options it sets.
+RUNS: dict[str, dict] = {name: m.options for name, m in _methods.REGISTRY.items()}
 DEMO_DEFAULT = ("grpo", "dapo", "ce_gppo", "erc_dapo")
 
 
 def run_names() -> list[str]:
-    return [*RUNS, "entropy_bonus_<coef>", "ce_gppo_<beta1>_<beta2>", "dual_clip_<c>"]
+    return _methods.names()
+
+
+def _check_loss_options(options) -> None:
+    """Each loss option names a keyword argument of policy_loss that no ToyConfig field sets and that
+    is not a tensor (a config holds numbers and names; tensors come from the training loop)."""
+    import inspect
+
+    from ...rl.losses import policy_loss
+
+    valid = [n for n, p in inspect.signature(policy_loss).parameters.items()
+             if n not in _SET_BY_CONFIG and "Tensor" not in str(p.annotation)]
+    for item in options:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"loss_options: each item must be a (name, value) pair, got {item!r}")
+        if item[0] not in valid:
+            raise ValueError(f"loss_options: {item[0]!r} is not a policy_loss option; valid: {', '.join(valid)}")
+
+
+def _preset(name: str) -> dict:
+    """A named run's options as ToyConfig fields (loss_options as sorted (name, value) pairs)."""
+    opts = dict(_methods.lookup(name).options)
+    if isinstance(opts.get("loss_options"), dict):
+        opts["loss_options"] = tuple(sorted(opts["loss_options"].items()))
+    return opts
 
 
 def config_for(name: str, regime: str = "fast", **overrides) -> ToyConfig:
@@ -142,16 +177,7 @@ def config_for(name: str, regime: str = "fast", **overrides) -> ToyConfig:
     regime ('fast', the default, or 'paper'): regime settings, then the run's preset, then ``overrides``."""
     if regime not in REGIMES:
         raise ValueError(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
-    if name in RUNS:
-        preset = RUNS[name]
-    else:
-        for pat, make in _PATTERNS:
-            m = pat.fullmatch(name)
-            if m:
-                preset = make(m)
-                break
-        else:
-            raise ValueError(f"unknown run {name!r}; known: {', '.join(run_names())}")
+    preset = _preset(name)
     cfg = replace(ToyConfig(), **{**REGIMES[regime], **preset, **overrides}, name=name, regime=regime)
     cfg.validate()
     return cfg

@@ -43,14 +43,17 @@ def _cache_kw(model) -> str:
 
 
 @torch.no_grad()
-def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator, temperature: float = 1.0) -> torch.Tensor:
-    """Autoregressive sampling with a KV cache at ``temperature``: [n, length] token ids."""
+def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator, temperature: float = 1.0,
+           transform=None) -> torch.Tensor:
+    """Autoregressive sampling with a KV cache at ``temperature``: [n, length] token ids. ``transform``:
+    the sampler's own logits from the model's (sampler.sampler_logits: a mismatched sampler), or None."""
     kw = _cache_kw(model)
     out = model(input_ids=prompts, use_cache=True)
     past, logits = getattr(out, kw), out.logits[:, -1]
     toks = []
     for i in range(length):
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
+        z = logits.float() if transform is None else transform(logits)
+        probs = torch.softmax(z / temperature, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=gen)  # [n, 1]
         toks.append(nxt)
         if i + 1 < length:

@@ -6,7 +6,8 @@ with I_x(a, b) the regularised incomplete beta function, evaluated by its contin
 (modified Lentz), as in Numerical Recipes' ``betacf``. Welch's test:
     t = (mean_a - mean_b) / sqrt(v_a / n_a + v_b / n_b)
     nu = (v_a / n_a + v_b / n_b)^2 / ((v_a / n_a)^2 / (n_a - 1) + (v_b / n_b)^2 / (n_b - 1))
-(Welch-Satterthwaite), one-sided p = P(T_nu > t).
+(Welch-Satterthwaite), one-sided p = P(T_nu > t); two-sided p = 2 P(T_nu > |t|) (:func:`welch_two_sided`).
+Holm's step-down procedure (:func:`holm`) keeps the family-wise error of many such tests at ALPHA.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ class Welch:
     p: float
     n_a: int
     n_b: int
+    sides: int = 1  # 1: p = P(T > t) (mean(a) > mean(b)); 2: p = P(|T| > |t|) (the means differ)
 
     @property
     def holds(self) -> bool:
-        """mean(a) > mean(b) at one-sided level ALPHA."""
+        """mean(a) > mean(b) at one-sided level ALPHA (two-sided: the means differ at level ALPHA)."""
         return self.p < ALPHA
 
     def text(self) -> str:
@@ -112,7 +114,8 @@ class Welch:
             diff = "no difference" if math.isnan(self.diff) else f"difference {self.diff:+.3f}"  # a side without runs
             return f"{diff}, {n}: too few runs for a test"
         name = "t" if one else "Welch t"
-        return f"difference {self.diff:+.3f}, {name} = {self.t:.2f}, df = {self.df:.1f}, one-sided p = {self.p:.3f}, {n}"
+        side = "one" if self.sides == 1 else "two"
+        return f"difference {self.diff:+.3f}, {name} = {self.t:.2f}, df = {self.df:.1f}, {side}-sided p = {self.p:.3f}, {n}"
 
 
 def _clean(xs) -> list[float]:
@@ -136,6 +139,33 @@ def welch(a, b) -> Welch:
     t = diff / math.sqrt(qa + qb)
     df = (qa + qb) ** 2 / (qa**2 / (na - 1) + qb**2 / (nb - 1))
     return Welch(diff, t, df, t_sf(t, df), na, nb)
+
+
+def welch_two_sided(a, b) -> Welch:
+    """Welch's two-sided test that mean(a) != mean(b): the same t and df as :func:`welch`, p = 2 P(T_nu > |t|)
+    (fewer than 2 values on a side, or t = 0: p = 1; zero variances with different means: p = 0)."""
+    w = welch(a, b)
+    if w.n_a < 2 or w.n_b < 2 or math.isnan(w.t) or w.t == 0.0:
+        p = 1.0
+    elif math.isinf(w.t):
+        p = 0.0
+    else:
+        p = min(1.0, 2.0 * t_sf(abs(w.t), w.df))
+    return Welch(w.diff, w.t, w.df, p, w.n_a, w.n_b, sides=2)
+
+
+def holm(ps, alpha: float = ALPHA) -> list[bool]:
+    """Holm's step-down procedure over m p-values: sorted ascending, p_(i) (i = 1..m) is rejected while
+    p_(i) < alpha / (m - i + 1); the first that is not stops it. -> rejected?, in the input's order.
+    The family-wise error rate (any false rejection) stays at most alpha."""
+    ps = [float(p) for p in ps]
+    m = len(ps)
+    out = [False] * m
+    for rank, i in enumerate(sorted(range(m), key=lambda j: ps[j])):
+        if not ps[i] < alpha / (m - rank):
+            break
+        out[i] = True
+    return out
 
 
 def one_sample(xs, mu: float) -> Welch:
@@ -190,5 +220,5 @@ def stability(steps, grad_norm, kl) -> Stability:
     return Stability(g, k)
 
 
-__all__ = ["ALPHA", "GRAD_SPIKE", "KL_SPIKE", "SPIKE_WINDOW", "Stability", "Welch", "betainc", "one_sample",
-           "spikes", "stability", "t_ppf", "t_sf", "welch"]
+__all__ = ["ALPHA", "GRAD_SPIKE", "KL_SPIKE", "SPIKE_WINDOW", "Stability", "Welch", "betainc", "holm", "one_sample",
+           "spikes", "stability", "t_ppf", "t_sf", "welch", "welch_two_sided"]

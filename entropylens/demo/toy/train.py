@@ -25,6 +25,7 @@ from ...integrations.torch import entropy_bonus_effect, old_policy_pass, policy_
 from . import task
 from .config import ToyConfig
 from .model import build_model, response_logits, sample
+from .sampler import sampler_logits, sampler_logprobs, tis_weight
 
 _WARM_CACHE: dict[tuple, dict] = {}
 
@@ -119,16 +120,35 @@ class ToyTrainer:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.loss_kw = dict(method=cfg.method, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta2=cfg.beta2,
                             dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef,
-                            tau=cfg.tau)
+                            tau=cfg.tau, **dict(cfg.loss_options))  # the method's further policy_loss kwargs
+        if cfg.top_entropy_quantile < 1.0:  # the 80/20 forking rule (policy_update's option)
+            self.loss_kw["top_entropy_quantile"] = cfg.top_entropy_quantile
+        if cfg.method == "clip_cov":  # Clip-Cov's random selection: its own run-seeded generator
+            self.loss_kw["generator"] = torch.Generator().manual_seed(20_000 + cfg.seed)
+        self.entropy_ctrl = None  # the adaptive entropy coefficient: one controller for the run
+        if cfg.entropy_target is not None:
+            from ...rl.forking import AdaptiveEntropyCoef
+
+            self.entropy_ctrl = AdaptiveEntropyCoef(cfg.entropy_target, coef=cfg.entropy_coef,
+                                                    delta=cfg.entropy_coef_delta, coef_min=cfg.entropy_coef_min,
+                                                    coef_max=cfg.entropy_coef_max)
+            self.loss_kw["entropy_coef"] = self.entropy_ctrl
+        self.loss_hook = None  # an integrations.loss_hook.LossHook: updates recorded through it (benchmarks)
 
     def state(self) -> tuple:
         """A copy of what a step reads and changes: the weights, the optimizer's state and the sampling
         generator (:meth:`load_state` puts it back: the next step is then the same, bit for bit)."""
+        ctrl = self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None
+        cov = self.loss_kw["generator"].get_state() if "generator" in self.loss_kw else None
         return ({k: v.clone() for k, v in self.model.state_dict().items()}, copy.deepcopy(self.opt.state_dict()),
-                self.gen.get_state())
+                self.gen.get_state(), ctrl, cov)
 
     def load_state(self, state: tuple) -> None:
-        weights, opt, gen = state
+        weights, opt, gen, ctrl, cov = state
+        if ctrl is not None:
+            self.entropy_ctrl.load_state_dict(ctrl)
+        if cov is not None:
+            self.loss_kw["generator"].set_state(cov)
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
                 v.copy_(weights[k])
@@ -140,6 +160,18 @@ class ToyTrainer:
         fn = _probe_update_fn(self, rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
         rec.probe(step, self.model, self.opt, fn, None, update=u, max_grad_norm=self.cfg.grad_clip)
 
+    def _hooked_update(self, step, u, logits, tokens, mask, adv, old_lp, old_h, idx, beta1):
+        """One update recorded through ``self.loss_hook`` (integrations.loss_hook) beside ``policy_loss``,
+        as a trainer with its own loss would attach: the benchmarks' hook-on mode."""
+        from ...rl.losses import policy_loss
+        from ...rl.stats import logprobs_and_entropy
+
+        lp, h = logprobs_and_entropy(logits, tokens, temperature=self.cfg.temperature)  # [mb, T] each
+        self.loss_hook.watch(step, u, logprobs=lp, old_logprobs=old_lp, advantages=adv, mask=mask, entropy=h,
+                             old_entropy=old_h, logits=logits, tokens=tokens, seq_ids=idx,
+                             group_ids=idx // self.cfg.group)
+        return policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h, beta1=beta1, **self.loss_kw)
+
     def rl_step(self, step: int, rec: Recorder | None) -> tuple[float, float]:
         """Rollout, advantages, old-policy pass, ``updates`` recorded policy updates. -> (reward, entropy)."""
         cfg, model, gen = self.cfg, self.model, self.gen
@@ -149,15 +181,19 @@ class ToyTrainer:
         # 1. rollout: prompts x G samples at temperature T, verifiable rewards
         prompts = task.make_prompts(cfg.prompts, gen).repeat_interleave(cfg.group, dim=0)  # [n, P]
         model.eval()
-        resp = sample(model, prompts, task.RESPONSE_LEN, gen, cfg.temperature)  # [n, T]
+        transform = (lambda z: sampler_logits(z, cfg.mismatch)) if cfg.mismatch else None  # the sampler's logits
+        resp = sample(model, prompts, task.RESPONSE_LEN, gen, cfg.temperature, transform)  # [n, T]
         rewards = task.reward(prompts, resp)  # [n]
         adv = group_advantages(rewards, cfg.group)  # [n]
         seqs = torch.cat([prompts, resp], dim=1)  # [n, P + T]
         mask = torch.ones_like(resp, dtype=torch.bool)  # fixed-length responses
         # 2. the old policy: log-probs and full-vocabulary entropies, no grad
         with torch.no_grad():
-            old_lp, old_h = old_policy_pass(response_logits(model, seqs, p_len), resp,
-                                            temperature=cfg.temperature)  # [n, T] each
+            z = response_logits(model, seqs, p_len)  # [n, T, V]
+            old_lp, old_h = old_policy_pass(z, resp, temperature=cfg.temperature)  # [n, T] each
+            # the sampler's log-probs of the sampled tokens (a mismatched sampler only) [n, T]
+            samp_lp = sampler_logprobs(z, resp, cfg.mismatch, cfg.temperature) if cfg.mismatch else None
+            del z
         model.train()
         # 3. mini-batch policy updates: `epochs` passes, each over a fresh permutation
         beta1 = cfg.beta1_at(step)
@@ -169,13 +205,25 @@ class ToyTrainer:
                 self._probed_update(rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
                 continue
             logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
-            out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
-                                old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
-                                group_ids=idx // cfg.group, beta1=beta1, **self.loss_kw)
+            extra = {}
+            if samp_lp is not None:
+                if rec:  # recorded beside the trainer's (tokens.sampler_logprob); nothing to record without one
+                    extra["sampler_logprobs"] = samp_lp[idx]
+                if cfg.tis:
+                    extra["is_weight"] = tis_weight(old_lp[idx], samp_lp[idx], cfg.tis)
+            if rec and self.loss_hook is not None:  # benchmarks: the loss hook beside policy_loss instead
+                out = self._hooked_update(step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx], old_h[idx],
+                                          idx, beta1)
+            else:
+                out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
+                                    old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
+                                    group_ids=idx // cfg.group, beta1=beta1, **self.loss_kw, **extra)
             self.opt.zero_grad(set_to_none=True)
             out.loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             self.opt.step()
+            if self.entropy_ctrl is not None:  # the optimizer step's boundary: the coefficient moves
+                self.entropy_ctrl.step()
             if rec:
                 rec.record_step(step, update=u, grad_norm=gnorm, lr=cfg.lr)  # beta1: from the loss (ce_gppo)
         # 4. the step's sequences and scalars
@@ -196,8 +244,12 @@ def _probe_update_fn(trainer, rec, step, u, idx, seqs, resp, mask, adv, old_lp, 
     from ...rl.stats import logprobs_and_entropy
 
     cfg, p_len = trainer.cfg, task.PROMPT_LEN + 2
+    cov_gen = trainer.loss_kw.get("generator")  # Clip-Cov's draw: the same selection in every probe pass
+    cov_state = cov_gen.get_state() if cov_gen is not None else None
 
     def loss_fn(model, _batch):
+        if cov_gen is not None:
+            cov_gen.set_state(cov_state)
         logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
         lp, h, s = logprobs_and_entropy(logits, resp[idx], temperature=cfg.temperature, entropy_grad=True,
                                         sensitivity=True)

@@ -26,6 +26,7 @@ class MicroBatch:
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
     old_entropy: torch.Tensor | None  # the first of OLD_ENTROPY_KEYS in the batch, float32
+    rollout_log_prob: torch.Tensor | None = None  # the rollout engine's (rollout_log_probs): tokens.sampler_logprob
 
     @property
     def width(self) -> int:
@@ -38,7 +39,7 @@ def read_micro_batch(model_output, data) -> MicroBatch:
     keys = set(data.keys())
     old_key = next((k for k in OLD_ENTROPY_KEYS if k in keys), None)
     fields = ["response_mask", "old_log_probs", "advantages", "responses"]
-    fields += [k for k in ("rollout_is_weights", "ref_log_prob", SAMPLE_ID, STEP) if k in keys]
+    fields += [k for k in ("rollout_is_weights", "rollout_log_probs", "ref_log_prob", SAMPLE_ID, STEP) if k in keys]
     fields += [k for k in REWARD_KEYS if k in keys][:1]  # the score, for the sequences rows
     if old_key is not None:
         fields.append(old_key)
@@ -52,7 +53,9 @@ def read_micro_batch(model_output, data) -> MicroBatch:
                       entropy=padded(entropy, data, width) if entropy is not None else None,
                       sum_pi_squared=padded(spp, data, width) if spp is not None else None,
                       old_log_prob=fit(td["old_log_probs"], width), advantages=fit(td["advantages"], width),
-                      old_entropy=fit(td[old_key], width).float() if old_key is not None else None)
+                      old_entropy=fit(td[old_key], width).float() if old_key is not None else None,
+                      rollout_log_prob=fit(td["rollout_log_probs"], width).float()
+                      if "rollout_log_probs" in keys else None)
 
 
 def non_tensor(data, key: str, default=None):

@@ -31,6 +31,12 @@ class EntropyLensLossConfig(PolicyLossConfig):
     tau: HP/LP threshold. exact_logit_grad_norm: ask the engine for sum_pi^2 (an extra [N, V] pass).
     tokenizer: the tokenizer (a local path or cached hub name) that decodes the responses' texts and that
         run.json names for a token viewer; None: the one verl's trainer loaded (trainer_mode=entropylens).
+    top_entropy_quantile: the 80/20 forking-token rule (TRL's option of that name): the policy term on the
+        top q of valid tokens by entropy, the quantile over the data-parallel group's micro-batch
+        (``entropylens.rl.forking``); 1 = off. Needs actor.calculate_entropy (trainer_mode=entropylens).
+    adaptive_entropy: TRL's use_adaptive_entropy: actor.entropy_coeff is the start of a coefficient moved
+        by entropy_coef_delta towards entropy_target (clamped to [entropy_coef_min, entropy_coef_max]) once
+        per training step, applied only while the previous step's entropy is at or below the target.
     """
 
     beta1: float = 0.5
@@ -43,6 +49,12 @@ class EntropyLensLossConfig(PolicyLossConfig):
     tau: float = 0.5
     exact_logit_grad_norm: bool = True
     tokenizer: Optional[str] = None
+    top_entropy_quantile: float = 1.0
+    adaptive_entropy: bool = False
+    entropy_target: float = 0.2
+    entropy_coef_delta: float = 0.005
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
 
     def __post_init__(self):
         super_post = getattr(super(), "__post_init__", None)
@@ -63,6 +75,11 @@ class EntropyLensLossConfig(PolicyLossConfig):
             raise ValueError(f"beta1 and beta2 must be >= 0, got {self.beta1}, {self.beta2}")
         if not 0.0 < self.sample <= 1.0:
             raise ValueError(f"policy_loss.sample must be in (0, 1], got {self.sample}")
+        if not 0.0 <= float(self.top_entropy_quantile) <= 1.0:
+            raise ValueError(f"policy_loss.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if self.adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
+            raise ValueError(f"policy_loss.entropy_coef_min {self.entropy_coef_min} > entropy_coef_max "
+                             f"{self.entropy_coef_max}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"policy_loss.tau must be in (0, 1], got {self.tau}")
 

@@ -15,6 +15,7 @@ import torch
 from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
 from verl.utils.metric import AggregationType, Metric
 
+from ...rl.forking import AdaptiveEntropyCoef, all_reduce_sum, gather_valid, top_entropy_mask
 from ...rl.stats import logit_grad_norm_from_sum_p2
 from .batch import MicroBatch, fit, non_tensor, read_micro_batch
 from .config import pl_get
@@ -24,6 +25,10 @@ from .ranks import dp_rank
 from .recorders import (add_sequences, close_recorders, commit_recorders, end_step_recorders,
                         flush_earlier_sequences, open_recorder)
 from .registered import VERL_CLIP_KEYS, compute_loss, verl_clip_metrics
+
+
+# the adaptive entropy controllers of this worker, by (record_dir, run): [controller, its last step]
+_CONTROLLERS: dict[tuple[str, str | None], list] = {}
 
 
 class EntropyLensLoss:
@@ -65,6 +70,15 @@ class EntropyLensLoss:
         self.tokenizer = tokenizer or pl_get(config, "tokenizer")
         self._update: dict[int, int] = {}
         self._warned: set[str] = set()
+        self.top_entropy_quantile = float(pl_get(config, "top_entropy_quantile", 1.0))
+        self.adaptive_entropy = None  # AdaptiveEntropyCoef's arguments when on
+        if pl_get(config, "adaptive_entropy", False):
+            self.adaptive_entropy = dict(
+                target=float(pl_get(config, "entropy_target", 0.2)),
+                coef=float(getattr(config, "entropy_coeff", 0.0) or 0.0),
+                delta=float(pl_get(config, "entropy_coef_delta", 0.005)),
+                coef_min=float(pl_get(config, "entropy_coef_min", 0.0)),
+                coef_max=float(pl_get(config, "entropy_coef_max", 1.0)))
 
     # pickling: the trainer ships this object to every worker with set_loss_fn
     def __getstate__(self):
@@ -96,9 +110,17 @@ class EntropyLensLoss:
         b = read_micro_batch(model_output, data)
         self._check(b)
         entropy_coef = float(getattr(config, "entropy_coeff", 0.0) or 0.0) if b.entropy is not None else 0.0
+        keep, ctrl = self._forking_and_adaptive(b, dp_group)
+        if ctrl is not None:
+            entropy_coef = ctrl.applied
         out = compute_loss(self.method, b.old_log_prob, b.log_prob, b.advantages, b.mask, config.loss_agg_mode,
                            config, entropy=b.entropy, old_entropy=b.old_entropy if b.entropy is not None else None,
-                           erc=self.erc, entropy_coef=entropy_coef)
+                           erc=self.erc, entropy_coef=entropy_coef, token_mask=keep)
+        if ctrl is not None:
+            out.config["entropy_coef_adaptive"] = ctrl.coef
+            out.config.update(ctrl.settings())
+        if keep is not None:
+            out.config["top_entropy_quantile"] = self.top_entropy_quantile
         loss, metrics, ent_loss = _verl_terms(config, b, out.loss, aggregation)
         clip = verl_clip_metrics(b.log_prob, b.old_log_prob, b.advantages, b.mask, config, self.method)
         metrics.update(_loss_metrics(out, clip, ent_loss, entropy_coef, aggregation, int(data["dp_size"] or 1)))
@@ -106,6 +128,42 @@ class EntropyLensLoss:
         if rec is not None:
             self._record(rec, out, b, exact=entropy_coef == 0.0 and not config.use_kl_loss)
         return loss, metrics
+
+    def _forking_and_adaptive(self, b: MicroBatch, dp_group):
+        """The forking mask [B, T] (None: off) and the adaptive controller (None: off) for micro-batch ``b``:
+        the quantile over the data-parallel group (every rank runs the same number of micro-batches, as
+        verl's data-parallel update does); the controller lives on the worker (``_CONTROLLERS``: a shipped
+        copy of this object finds it again), steps once per training step (the first micro-batch of a new
+        step moves it with the previous step's entropy, summed over the group), and takes each
+        micro-batch's entropies over the tokens the bonus acts on."""
+        q = getattr(self, "top_entropy_quantile", 1.0)
+        adaptive = getattr(self, "adaptive_entropy", None)
+        if q >= 1.0 and adaptive is None:
+            return None, None
+        if b.entropy is None:
+            raise RuntimeError("entropylens: policy_loss.top_entropy_quantile / adaptive_entropy need the entropy "
+                               "(actor.calculate_entropy=True; trainer.v1.trainer_mode=entropylens provides it)")
+        group = dp_group if dp_group is not None and torch.distributed.is_initialized() else None
+        keep = None
+        if q < 1.0:
+            keep = top_entropy_mask(b.entropy, b.mask, q,
+                                    all_gather=None if group is None else (lambda t: gather_valid(t, group)))
+        if adaptive is None:
+            return keep, None
+        if STEP not in b.keys:
+            raise RuntimeError(f"entropylens: policy_loss.adaptive_entropy needs {STEP} in the batch "
+                               "(trainer.v1.trainer_mode=entropylens puts it there)")
+        step = int(b.td[STEP].reshape(-1).long().max())
+        key = (str(self.record_dir), str(pl_get(self.config, "run")))
+        if key not in _CONTROLLERS:
+            _CONTROLLERS[key] = [AdaptiveEntropyCoef(**adaptive), None]
+        ctrl, seen = _CONTROLLERS[key]
+        if seen is not None and step != seen:
+            ctrl.step(all_reduce_sum(group))
+        _CONTROLLERS[key][1] = step
+        e = b.mask.float() if keep is None else b.mask.float() * keep.float()
+        ctrl.observe(b.entropy, e)
+        return keep, ctrl
 
     def _check(self, b: MicroBatch) -> None:
         """Refuse what this loss cannot do: rollout correction weights, ERC without both entropies."""
@@ -155,7 +213,8 @@ class EntropyLensLoss:
         responses = fit(b.td["responses"], b.width)  # [B, T]
         rec.record_update(step, update, mask=b.mask, advantages=b.advantages, logprobs=b.log_prob.detach(),
                           old_logprobs=b.old_log_prob, entropy=b.entropy.detach() if b.entropy is not None else None,
-                          old_entropy=b.old_entropy, tokens=responses, seq_ids=sid, loss=_Columns(out, columns))
+                          old_entropy=b.old_entropy, tokens=responses, seq_ids=sid, loss=_Columns(out, columns),
+                          sampler_logprobs=b.rollout_log_prob)
         add_sequences(key, step, b, sid, responses, tokenizer=self.tokenizer, warned=self._warned)
 
 

@@ -30,6 +30,8 @@ def metric_rule(name: str) -> tuple[str, str | None] | None:
         return ("sum", None)
     if name.startswith("entropy_ratio_p") or name.startswith("lgn_mean_") or name == "loss":
         return None
+    if name.startswith("sampler_") or name == "clipped_mismatched_frac":  # over scored / clipped tokens, a max
+        return None
     if name.endswith("_frac") or name.endswith("_mean"):
         return ("mean", "n_tokens")
     return None

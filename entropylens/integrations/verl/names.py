@@ -10,7 +10,7 @@ from datetime import datetime
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 METHODS = ("gppo", "ce_gppo")  # registered under their own names
-PREFIXED = ("grpo", "dapo", "cispo")  # registered as entropylens_<name> (verl has its own vanilla etc.)
+PREFIXED = ("grpo", "dapo", "cispo", "sapo", "clip_cov", "kl_cov")  # registered as entropylens_<name> (verl has its own)
 SAMPLE_ID = "entropylens_sample_id"  # int64 [B] in the batch: run-unique id of the sample
 STEP = "entropylens_step"  # int64 [B] in the batch: the trainer step the update belongs to
 OLD_ENTROPY_KEYS = ("entropylens_old_entropy", "entropy", "old_entropys", "entropys")  # first found wins

@@ -1,5 +1,5 @@
 """Layer 1, the policy losses this plug-in registers in verl (``loss_mode`` gppo, ce_gppo, entropylens_grpo /
-_dapo / _cispo, each :func:`compute_loss`, i.e. entropylens' ``policy_loss`` with verl's configuration),
+_dapo / _cispo / _sapo / _clip_cov / _kl_cov, each :func:`compute_loss`, i.e. entropylens' ``policy_loss`` with verl's configuration),
 and verl's own clip diagnostics (:func:`verl_clip_metrics`), which the registered losses and the loss
 function both return. The trainer mode registers in trainer_mode.py.
 """
@@ -11,7 +11,8 @@ import logging
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from ...rl.losses import policy_loss
+from ...rl.cov import COV_METHODS
+from ...rl.losses import aggregation_weights, compute_dtype, policy_loss
 from .config import agg_and_scale, eps_from, pl_get
 from .metrics import METRIC_PREFIX, metric_rule
 from .names import METHODS, PREFIXED
@@ -22,24 +23,48 @@ logger = logging.getLogger(__name__)
 
 
 def compute_loss(method: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, *,
-                 entropy=None, old_entropy=None, erc=None, entropy_coef: float = 0.0):
+                 entropy=None, old_entropy=None, erc=None, entropy_coef: float = 0.0, token_mask=None,
+                 entropy_weights=None):
     """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high (:func:`eps_from`),
     dual-clip from clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the
     policy_loss config, aggregation with verl's global counts via ``scale``, ``entropy_coef`` (verl's
     entropy_coeff: the bonus is in the loss and in its config, where the recorder's entropy-bonus
-    rule reads it). Returns the PolicyLossOutput."""
+    rule reads it), ``token_mask`` (the forking mask) and ``entropy_weights`` as policy_loss takes them.
+    Returns the PolicyLossOutput."""
     eps_low, eps_high = eps_from(config, method)
     info = dict(getattr(config, "global_batch_info", None) or {})
+    if method == "sapo":  # verl's sapo aggregates seq-mean-token-mean whatever loss_agg_mode says
+        loss_agg_mode = "seq-mean-token-mean"
     agg, scale = agg_and_scale(loss_agg_mode, response_mask, info)
     scale = float(scale)
     scale = scale if scale > 0 else 1.0  # no token in this micro-batch: every weight is 0 anyway
-    dual = None if method == "cispo" else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
+    # verl's clip_cov / kl_cov have no dual-clip (nor cispo, nor sapo)
+    dual = None if method in ("cispo", "sapo", *COV_METHODS) else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
     lsf = info.get("loss_scale_factor") if agg == "seq-mean-token-sum-norm" else None
     kw = dict(method=method, eps_low=eps_low, eps_high=eps_high, dual_clip=dual, agg=agg,
               beta1=float(pl_get(config, "beta1", 0.5)), beta2=float(pl_get(config, "beta2", 1.0)),
               tau=float(pl_get(config, "tau", 0.5)), entropy=entropy, old_entropy=old_entropy, erc=erc,
-              entropy_coef=entropy_coef, loss_scale_factor=None if lsf is None else float(lsf))
+              entropy_coef=entropy_coef, loss_scale_factor=None if lsf is None else float(lsf),
+              token_mask=token_mask, entropy_weights=entropy_weights)
+    kw.update(cov_config(config, method))
+    if method == "sapo":  # verl's ActorConfig tau_pos / tau_neg (1.0 / 1.05) and its clamp of log r to [-20, 20]
+        kw.update(sapo_tau_pos=float(getattr(config, "tau_pos", 1.0)),
+                  sapo_tau_neg=float(getattr(config, "tau_neg", 1.05)), sapo_log_ratio_clamp=20.0)
+    if token_mask is not None and entropy_coef and entropy_weights is None:  # verl's bonus weights, kept tokens only
+        w = aggregation_weights(response_mask.bool(), agg, kw["loss_scale_factor"], compute_dtype(log_prob, old_log_prob))
+        kw["entropy_weights"] = w * scale * token_mask.to(w.dtype)
     return policy_loss(log_prob, old_log_prob, advantages, response_mask, scale=scale, **kw)
+
+
+def cov_config(config, method: str) -> dict:
+    """Clip-Cov / KL-Cov settings from verl's policy_loss config keys (clip_cov_ratio, clip_cov_lb,
+    clip_cov_ub; kl_cov_ratio, ppo_kl_coef; None: verl's defaults); {} for the other methods. The random
+    selection uses the global CPU generator, as verl's clip_cov does."""
+    if method == "clip_cov":
+        return {k: pl_get(config, k) for k in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")}
+    if method == "kl_cov":
+        return {k: pl_get(config, k) for k in ("kl_cov_ratio", "ppo_kl_coef")}
+    return {}
 
 
 def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: str) -> torch.Tensor:
@@ -47,7 +72,8 @@ def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: 
     (log-ratio clamped to +-20): [pg_clipfrac, ppo_kl, pg_clipfrac_lower], float64 [3] on the device.
     pg_clipfrac: share of tokens whose clipped surrogate exceeds the unclipped one (A > 0, r > 1+eps_high;
     A < 0, r < 1-eps_low); pg_clipfrac_lower: share with A < 0 and r above the dual-clip bound
-    clip_ratio_c (entropylens' dual_clipped); ppo_kl: mean of log pi_old - log pi."""
+    clip_ratio_c (entropylens' dual_clipped); ppo_kl: mean of log pi_old - log pi. sapo: both clip fractions
+    0, as compute_policy_loss_sapo returns them (no hard clip)."""
     eps_low, eps_high = eps_from(config, method)
     c = float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
     m = mask.bool()
@@ -59,6 +85,8 @@ def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: 
     clipfrac = ((l2 > l1) & m).sum() / denom
     lower = ((torch.maximum(l1, l2) > -a * c) & (a < 0) & m).sum() / denom
     kl = torch.where(m, -log_r, torch.zeros_like(log_r)).sum() / denom
+    if method == "sapo":
+        clipfrac = lower = torch.zeros((), dtype=torch.float64, device=kl.device)
     return torch.stack([clipfrac.double(), kl, lower.double()])
 
 

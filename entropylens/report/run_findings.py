@@ -1,0 +1,83 @@
+"""Findings about a whole run, from its token rows: a quadrant too thin to read (the tau was wrong for the
+run) and a run trained on-policy (every ratio exactly 1: clipping, CE-GPPO and ERC cannot act).
+
+- ``thin_quadrant``: a real quadrant (PA&HP, PA&LP, NA&HP, NA&LP) holds < 1% of the run's tokens of
+  nonzero advantage. The signal gives the run's token-probability quantiles (p05, p50, p95), exp(-H) at the
+  run's mean entropy H, and a suggested tau: the median token probability p50 (each of HP / LP then holds
+  half the tokens). ``entropylens report --tau`` re-splits after the fact (read/retau.py).
+- ``on_policy``: every recorded ratio r = exp(logprob - old_logprob) is exactly 1, over at least one token.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..alarms import Finding
+from ..schema import QUADRANTS
+
+class OnPolicyWarning(UserWarning):
+    """A trainer set up so that every ratio is 1 (TRL: it keeps no old log-probs): warned once, at its start."""
+
+
+THIN_SHARE = 0.01  # a quadrant below this share of a run's signed tokens is called thin
+ON_POLICY_TEXT = ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set num_iterations > 1 or "
+                  "steps_per_generation > gradient_accumulation_steps")
+
+
+def _rows(con, sql: str) -> list[dict]:
+    cur = con.execute(sql)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r)) for r in cur.fetchall()]
+
+
+def suggest_tau(p50: float) -> str:
+    """The median p as a --tau to type: 3 significant digits, rounded down so that the median token is HP
+    (p >= tau) and the split falls at the median, not above it."""
+    text = f"{p50:.3g}"
+    if float(text) > p50:
+        digits = 3 - 1 - math.floor(math.log10(p50))
+        text = f"{math.floor(p50 * 10 ** digits) / 10 ** digits:.{max(digits, 0)}f}".rstrip("0").rstrip(".")
+    return text
+
+
+def thin_quadrants(con) -> list[Finding]:
+    """One ``thin_quadrant`` finding per (run, quadrant) below THIN_SHARE (at the run's first step)."""
+    counts = ", ".join(f"count(*) FILTER (WHERE quadrant = '{q}') AS \"{q}\"" for q in QUADRANTS)
+    rows = _rows(con, f"""
+        SELECT run, min(step) AS step, count(*) AS n, {counts},
+               quantile_cont(prob, 0.05) AS p05, quantile_cont(prob, 0.5) AS p50, quantile_cont(prob, 0.95) AS p95,
+               avg(coalesce(old_entropy, entropy)) AS h, any_value(r.tau) AS tau
+        FROM tokens JOIN (SELECT run, tau FROM runs) AS r USING (run)
+        WHERE advantage <> 0 AND prob IS NOT NULL
+        GROUP BY run ORDER BY run""")
+    out = []
+    for r in rows:
+        if not r["n"]:
+            continue
+        for q in QUADRANTS:
+            share = r[q] / r["n"]
+            if share >= THIN_SHARE:
+                continue
+            h = r["h"]
+            eh = f", exp(-H) {math.exp(-h):.3g} at H {h:.3g} nats" if h is not None else ""
+            tau = f"tau {r['tau']:g}" if r["tau"] is not None else "its tau"
+            out.append(Finding(str(r["run"]), int(r["step"]), "thin_quadrant", share, THIN_SHARE,
+                               f"{q} holds {share:.2%} of the tokens at {tau}; token p: p05 {r['p05']:.3g}, "
+                               f"p50 {r['p50']:.3g}, p95 {r['p95']:.3g}{eh}; try --tau {suggest_tau(r['p50'])} (the median p)"))
+    return out
+
+
+def on_policy(con) -> list[Finding]:
+    """One ``on_policy`` finding per run whose every recorded ratio is exactly 1: logprob == old_logprob on
+    every token row (read from the log-probs, not the ratio column, which an overflow cannot cast; value 0;
+    at the run's first step)."""
+    rows = _rows(con, """
+        SELECT run, min(step) AS step, count(*) AS n, count(*) FILTER (WHERE logprob <> old_logprob) AS moved
+        FROM tokens WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""")
+    return [Finding(str(r["run"]), int(r["step"]), "on_policy", 0.0, 0.0, ON_POLICY_TEXT)
+            for r in rows if r["n"] and not r["moved"]]
+
+
+def run_findings(con) -> list[Finding]:
+    """Both rules over the runs of ``con``."""
+    return thin_quadrants(con) + on_policy(con)

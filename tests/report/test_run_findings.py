@@ -1,0 +1,42 @@
+"""Run-level findings (report/run_findings.py): a thin quadrant with a suggested tau, and a run on-policy."""
+
+from __future__ import annotations
+
+import pytest
+
+from entropylens.read.query import connect
+from entropylens.report.checks import notes
+from entropylens.report.run_findings import ON_POLICY_TEXT, on_policy, suggest_tau, thin_quadrants
+from retau_runs import record
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("findings")
+    record(root / "two", "two", 0.5, updates=2)  # num_iterations 2: update 1 moves the ratio
+    record(root / "one", "one", 0.5, updates=1)  # num_iterations 1: every ratio exactly 1
+    record(root / "low", "low", 0.02, updates=2)  # p in [0.02, 0.98]: almost every token HP
+    return root
+
+
+def test_a_loop_at_num_iterations_1_is_on_policy_and_at_2_is_not(runs):
+    found = on_policy(connect(runs))
+    assert [(f.run, f.rule, f.signal) for f in found] == [("one", "on_policy", ON_POLICY_TEXT)]
+    assert "num_iterations > 1 or steps_per_generation > gradient_accumulation_steps" in ON_POLICY_TEXT
+
+
+def test_thin_quadrant_names_the_quantiles_and_a_tau(runs):
+    con = connect(runs / "low")
+    found = thin_quadrants(con)
+    assert {f.signal.split(" ")[0] for f in found} == {"PA&LP", "NA&LP"}, found
+    p50 = float(con.execute("SELECT quantile_cont(prob, 0.5) FROM tokens WHERE advantage <> 0").fetchone()[0])
+    f = next(f for f in found if f.signal.startswith("PA&LP"))
+    assert f.value == pytest.approx(float(
+        con.execute("SELECT count(*) FILTER (WHERE quadrant = 'PA&LP') / count(*) FROM tokens WHERE advantage <> 0")
+        .fetchone()[0])) and f.value < 0.01
+    assert f"p50 {p50:.3g}" in f.signal and f"try --tau {suggest_tau(p50)}" in f.signal
+    assert "exp(-H)" not in f.signal  # no entropy recorded in this loop: no exp(-H) claimed
+    # at the suggested tau no quadrant is thin
+    assert notes(runs / "low", tau=float(suggest_tau(p50))) == []
+    assert suggest_tau(0.4975) == "0.497" and suggest_tau(0.12345) == "0.123" and float(suggest_tau(0.0301)) <= 0.0301
+    assert thin_quadrants(connect(runs / "two")) == []
