@@ -127,8 +127,9 @@ def clip_columns(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
                  *, eps_low: float | None, eps_high: float | None, dual_clip: float | None = None,
                  clip_mask: torch.Tensor | None = None, ratio: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``clip`` (int8 region: -1 r < 1 - eps_low, +1 r > 1 + eps_high) and ``clipped`` (bool: PPO-clip
-    removed the token's gradient: region -1 and A < 0, or +1 and A > 0; with ``dual_clip`` c also A < 0
-    and r > c, then ``dual_clipped``), r = exp(logp - logp_old) per token [B, T]. With the loss's own
+    removed the token's gradient: region -1 and A < 0, or +1 and A > 0), with ``dual_clip`` c also
+    ``dual_clipped`` (A < 0 and r > c: tokens PPO-clip did not clip, as the schema keeps the two apart),
+    r = exp(logp - logp_old) per token [B, T]. With the loss's own
     ``clip_mask`` [B, T] (True: clipped), clipped = clip_mask and its side is sign(r - 1). eps None and no
     clip_mask: {} (the columns stay NULL). ``ratio`` [B, T]: the ratio the loss clips where it is not the
     token's (GSPO's sequence ratio, broadcast); the ratio column itself stays the token's."""
@@ -151,9 +152,7 @@ def clip_columns(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
     region = clip_region(r, eps_low, eps_high)
     clipped = clipped_mask(region, a)
     if dual_clip is not None:
-        dual = (a < 0) & (r > dual_clip)
-        out["dual_clipped"] = dual & m
-        clipped = clipped | dual
+        out["dual_clipped"] = (a < 0) & (r > dual_clip) & m  # disjoint from clipped: A < 0 is clipped only below 1
     out["clip"], out["clipped"] = region, clipped & m
     return out
 

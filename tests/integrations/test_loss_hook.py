@@ -116,11 +116,12 @@ def test_clip_mask_from_the_loss_sets_clipped_and_side():
     cols = clip_columns(lp, old, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), eps_low=None,
                         eps_high=None, clip_mask=cm)
     assert cols["clip"].tolist() == [[1, -1, 0]] and cols["clipped"].tolist() == [[True, True, False]]
-    # dual clip: A < 0 and r = 4 > c = 3 -> clipped (and dual_clipped); r = 2 with A < 0: region +1, not gated
+    # dual clip: A < 0 and r = 4 > c = 3 -> dual_clipped, not clipped (PPO-clip gates A < 0 only below 1 - eps);
+    # r = 2 with A < 0: region +1, neither
     cols = clip_columns(lp, torch.log(torch.tensor([[0.125, 0.25, 0.5]])), torch.tensor([-1.0]),
                         torch.ones(1, 3, dtype=torch.bool), eps_low=0.2, eps_high=0.2, dual_clip=3.0)
     assert cols["clip"].tolist() == [[1, 1, 0]]
-    assert cols["clipped"].tolist() == [[True, False, False]] and cols["dual_clipped"].tolist() == [[True, False, False]]
+    assert cols["clipped"].tolist() == [[False, False, False]] and cols["dual_clipped"].tolist() == [[True, False, False]]
 
 
 @pytest.mark.parametrize("case, msg", [

@@ -62,7 +62,7 @@ def _run(loss_fn, lp, old, rollout, adv, mask, **kw):
 def _rel(a, b):
     if a is None and b is None:
         return 0.0
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    a, b = (torch.as_tensor(x.detach() if isinstance(x, torch.Tensor) else x, dtype=torch.float64) for x in (a, b))
     return float(((a - b).abs() / b.abs().clamp(min=1e-12)).max()) if a.numel() else 0.0
 
 
@@ -169,3 +169,44 @@ def test_patch_actor_hands_step_update_and_entropy():
     tr.ppo_train()
     tr.ppo_train()
     assert seen == [(0, 0, lp.shape), (0, 1, lp.shape), (1, 0, lp.shape), (1, 1, lp.shape)]
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo"])
+def test_dual_clip_columns_against_openrlhfs_definitions(tmp_path, kind):
+    """With dual clip acting on several tokens: OpenRLHF's clip_ratio counts lt(surr2, surr1) only, the tokens
+    its dual clip caps (A < 0, c A > min(surr1, surr2): loss -c A, no gradient) are recorded in dual_clipped,
+    and the hook's clipped is clip_ratio's indicator alone (the schema keeps the two apart): avg(clipped) = clip_ratio."""
+    c = 3.0
+    lp, old, rollout, adv, mask = _batch(21, b=8, t=10)
+    sign = torch.tensor([1.0, -1.0] * 4, dtype=lp.dtype).unsqueeze(1)
+    adv = (adv.abs() + 0.1) * sign  # [B, T]: sequences +, -, +, -, ...
+    old, lp = old.clone(), lp.clone()
+    old[1::2, :3], lp[1::2, :3], mask[1::2, :3] = np.log(0.1), np.log(0.5), True  # token ratio 5 > c, A < 0
+    old[3], lp[3], mask[3] = np.log(0.2), np.log(0.8), True  # sequence 3 whole at ratio 4 (GSPO's too)
+    old[4], lp[4], mask[4] = np.log(0.3), np.log(0.6), True  # ratio 2, A > 0: PPO-clipped high
+    rec = Recorder(tmp_path, run="dual")
+    ours = el_openrlhf.PolicyLoss(0.2, 0.28, dual_clip=c, policy_loss_type=kind, recorder=rec, on_error="raise")
+    out, grad = _run(ours, lp, old, rollout, adv, mask)
+    rec.close()
+    ref_loss = REF(0.2, 0.28, dual_clip=c, policy_loss_type=kind)
+    ref_out, ref_grad = _run(ref_loss, lp, old, rollout, adv, mask)
+    assert torch.equal(out[0], ref_out[0]) and torch.equal(grad, ref_grad) and torch.equal(out[1], ref_out[1])
+    # OpenRLHF's own definitions, from its forward: the ratio it clips, surr1 / surr2, dual clip's clip2
+    log_r = lp - old
+    if kind == "gspo":  # the sequence's exp(mean_t log r), broadcast
+        log_r = ((log_r * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand_as(lp)
+    ratio = log_r.clamp(-20.0, 20.0).exp()
+    surr1, surr2 = ratio * adv, ratio.clamp(0.8, 1.28) * adv
+    ppo_clipped = surr2 < surr1  # clip_ratio's indicator
+    dual = (adv < 0) & (c * adv > torch.min(surr1, surr2))  # where max(clip1, c A) takes c A
+    assert int(dual[mask].sum()) >= 10 and (ref_grad[dual & mask] == 0).all()
+    assert float(ref_out[1]) == pytest.approx(float(ppo_clipped[mask].double().mean()), rel=1e-6)
+    t = connect(rec.dir).execute("SELECT clipped, dual_clipped, clip FROM tokens ORDER BY seq, pos").df()
+    clipped, dual_clipped = t["clipped"].to_numpy().astype(bool), t["dual_clipped"].to_numpy().astype(bool)
+    assert len(t) == int(mask.sum())
+    assert (dual_clipped == dual[mask].numpy()).all()
+    assert (clipped == ppo_clipped[mask].numpy()).all() and not (clipped & dual_clipped).any()
+    assert clipped.mean() == pytest.approx(float(ref_out[1]), rel=1e-6)  # avg(clipped) is OpenRLHF's clip_ratio
+    assert (t["clip"].to_numpy()[dual_clipped] == 1).all()  # the dual-clipped sit in the high region
+    print(f"{kind}: clip_ratio {float(ref_out[1]):.6f}, avg(clipped) {clipped.mean():.6f}, "
+          f"avg(dual_clipped) {dual_clipped.mean():.6f} ({dual_clipped.sum()} of {len(t)} tokens)")
