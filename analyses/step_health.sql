@@ -9,8 +9,9 @@
 -- recorded. entropy_ratio_p05 / _p95: the lowest p05 and highest p95 of the step's updates; erc_low /
 -- erc_high: the widest ERC band of the step (NULL without ERC). n_nonfinite_ratio: tokens whose ratio or
 -- k3 overflowed. za_frac = n_za / n_tokens (tokens with advantage exactly 0); zero_grad_frac: share of the
--- step's rows with a grad norm whose grad norm is exactly 0. sampler_kl: KL(pi_sampler || pi_old), k3,
--- token-weighted (steps.sampler_kl_k3; NULL without sampler log-probs).
+-- step's rows with a grad norm whose grad norm is exactly 0. sampler_kl: KL(pi_sampler || pi_old), k3
+-- (steps.sampler_kl_k3; NULL without sampler log-probs), each update weighted by its tokens with a sampler
+-- log-prob (steps.n_sampled, the tokens the k3 mean is over; n_tokens in rows without it), as mismatch_by_step.
 SELECT
     s.run,
     r.method,
@@ -35,8 +36,8 @@ SELECT
     CAST(sum(s.n_nonfinite_ratio) AS BIGINT) AS n_nonfinite_ratio,
     CAST(sum(s.n_za) AS DOUBLE) / nullif(sum(CASE WHEN s.n_za IS NOT NULL THEN s.n_tokens END), 0) AS za_frac,
     avg(CASE WHEN s.grad_norm = 0 THEN 1.0 WHEN s.grad_norm IS NOT NULL THEN 0.0 END) AS zero_grad_frac,
-    sum(s.sampler_kl_k3 * s.n_tokens)
-        / nullif(sum(CASE WHEN s.sampler_kl_k3 IS NOT NULL THEN s.n_tokens END), 0) AS sampler_kl
+    sum(s.sampler_kl_k3 * coalesce(s.n_sampled, s.n_tokens))
+        / nullif(sum(CASE WHEN s.sampler_kl_k3 IS NOT NULL THEN coalesce(s.n_sampled, s.n_tokens) END), 0) AS sampler_kl
 FROM steps AS s
 JOIN runs AS r ON s.run = r.run
 GROUP BY s.run, r.method, s.step

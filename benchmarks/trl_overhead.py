@@ -1,10 +1,17 @@
 """A TRL GRPOTrainer step with and without entropylens' instrumentation, in one process.
 
-  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo]
+  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo] [--sampler]
 
 ``--kl`` (beta 0.04, TRL's bias-corrected KL default) and ``--top-entropy`` (top_entropy_quantile 0.2)
 turn TRL's options on for every trainer; ``--loss M`` also times entropylens' loss M replacing TRL's
 (``loss=M``: the same options composed; ratio against TRL's own loss at the same options).
+``--sampler`` also times full recording with sampler log-probs (the training-inference mismatch columns:
+tokens.sampler_logprob, steps.sampler_* / clipped_mismatched_frac / n_sampled): TRL's generation output gains
+``sampling_per_token_logps`` = its old log-probs minus a fixed per-token pattern (:data:`SAMPLER_DELTA`), as
+vLLM's would sit there; without vLLM's IS correction TRL's loss ignores it, so the sampler trainer does the same
+training as the others (tokens seen are printed per round) and only the recording differs. Ratios against
+plain TRL (the step ratio with the new columns) and against full recording without them (their own cost), as
+means and per-step pairs. The vLLM weight and is_masked are not exercised (no vLLM here).
 
 Trainers: TRL's own GRPOTrainer, and EntropyLensGRPOTrainer with full recording (TRL's loss kept;
 TRL's fused head asked for log_sum_sq_probs too, a hook on the log-probs, rows recorded after the
@@ -19,6 +26,8 @@ Three clocks per step: wall time; CPU time of the training thread (time.thread_t
 ``--threads 1`` all of torch's work runs on it, so this is what the instrumentation costs the
 trainer, robust when other processes share the cores); and the CPU time of the whole process
 (the Parquet writer thread included).
+With --sampler also trl_sampler_ratio=<sampler mean / plain mean (wall)>, trl_sampler_paired_ratio=<median
+per-step sampler / plain> and trl_sampler_columns_ratio=<median per-step sampler / entropylens>.
 Last line: trl_overhead_ratio=<instrumented mean / plain mean (wall), steps 2 .. n-2>
 """
 
@@ -32,6 +41,38 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+# --sampler: d = old_logprob - sampler_logprob of the tokens at positions 0, 1, 2 (mod 3): two small gaps and one
+# past ln 2 (a mismatched token), so every mismatch column has work to do
+SAMPLER_DELTA = (0.05, -0.1, 0.8)
+
+
+def with_sampler(trainer) -> None:
+    """The trainer's generation output gains ``sampling_per_token_logps`` = old log-probs - SAMPLER_DELTA (the
+    key vLLM's sampling log-probs arrive under; entropylens records it as tokens.sampler_logprob)."""
+    import torch
+
+    generate = trainer._generate_and_score_completions
+
+    def generate_with_sampler(batch):
+        out = generate(batch)
+        old = out.get("old_per_token_logps")
+        if old is None:
+            raise SystemExit("--sampler: TRL computed no old log-probs (needs num_iterations > 1 here)")
+        t = old.shape[1]
+        d = torch.tensor(SAMPLER_DELTA, dtype=old.dtype, device=old.device).repeat(t // len(SAMPLER_DELTA) + 1)[:t]
+        out["sampling_per_token_logps"] = old - d
+        return out
+
+    trainer._generate_and_score_completions = generate_with_sampler
+
+
+def sampled_tokens(run_dir) -> int:
+    """Token rows with a sampler log-prob in a recorded run (tokens.sampler_logprob): the sampler mode recorded
+    them."""
+    from entropylens.read.query import connect
+
+    return int(connect(run_dir).execute("SELECT count(sampler_logprob) FROM tokens").fetchone()[0])
 
 
 class StepTimer:
@@ -58,6 +99,8 @@ def main() -> None:
     ap.add_argument("--loss", default=None, help="also time entropylens' loss (e.g. dapo, ce_gppo) replacing TRL's")
     ap.add_argument("--attribution", action="store_true",
                     help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)")
+    ap.add_argument("--sampler", action="store_true",
+                    help="also time full recording with sampler log-probs (the mismatch columns)")
     a = ap.parse_args()
     import torch
 
@@ -72,12 +115,14 @@ def main() -> None:
         def __init__(self):
             StepTimer.__init__(self)
 
-    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *(["el-loss"] if a.loss else [])]
+    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *(["el-loss"] if a.loss else []),
+             *(["sampler"] if a.sampler else [])]
     options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
     runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
     writer_cpu: dict[str, list[float]] = {m: [] for m in modes}  # the writer thread's CPU per step, per run
     tokens: dict[str, list[int]] = {m: [] for m in modes}  # tokens the trainer saw per run: the same work?
+    sampled: list[int] = []  # tokens with a sampler log-prob the sampler mode recorded, per round
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             order = modes if r % 2 == 0 else modes[::-1]  # alternate the order: drift hits both
@@ -97,6 +142,8 @@ def main() -> None:
                     el.recorder.close()
                 else:
                     tr = el
+                if mode == "sampler":
+                    with_sampler(tr)
                 timer = Timer()
                 tr.add_callback(timer)
                 tr.train()  # closes the recorder: its writer has done all its work
@@ -105,6 +152,8 @@ def main() -> None:
                 runs[mode].append(timer.times)
                 seen = [h["num_tokens"] for h in tr.state.log_history if "num_tokens" in h]
                 tokens[mode].append(int(seen[-1]) if seen else -1)
+                if mode == "sampler":
+                    sampled.append(sampled_tokens(tr.recorder.dir))
     # Steps alternate between a generation step (rollout + updates) and an update-only step
     # (num_iterations = 2, gradient accumulation 2), so a median over steps falls between the two
     # kinds; the last step also waits for the writer's remaining work (the trainer logs every step's
@@ -144,6 +193,21 @@ def main() -> None:
           + "; ".join(" / ".join(str(tokens[m][r]) for m in modes) for r in range(a.rounds)))
     whole = [sum(x[0] for x in er[2:]) / sum(x[0] for x in pr[2:]) for er, pr in zip(runs["entropylens"], runs["plain"])]
     print("whole runs after warm-up (last step included), per round: " + ", ".join(f"{x:.3f}" for x in whole))
+    if a.sampler:
+        smp = [e / p for e, p in zip(mean["sampler"], mean["plain"])]
+        own = [e / p for e, p in zip(mean["sampler"], mean["entropylens"])]
+        print(f"sampler log-probs recorded (token rows with one, per round): {', '.join(map(str, sampled))}")
+        print(f"sampler (full recording + mismatch columns) against plain TRL: wall {smp[0]:.3f}, training-thread "
+              f"cpu {smp[1]:.3f}, process cpu {smp[2]:.3f}")
+        print(f"sampler against full recording without them (the columns' own cost): wall {own[0]:.3f}, "
+              f"training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}")
+        pairs = {other: [e[0] / p[0] for er, pr in zip(runs["sampler"], runs[other])
+                         for e, p in zip(er[2:-1], pr[2:-1])] for other in ("plain", "entropylens")}
+        print(f"per-step paired wall ratios: sampler / plain median {statistics.median(pairs['plain']):.3f}, "
+              f"sampler / entropylens median {statistics.median(pairs['entropylens']):.3f}, n = {len(pairs['plain'])}")
+        print(f"trl_sampler_ratio={smp[0]:.3f}")
+        print(f"trl_sampler_paired_ratio={statistics.median(pairs['plain']):.3f}")
+        print(f"trl_sampler_columns_ratio={statistics.median(pairs['entropylens']):.3f}")
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
     print(f"trl_overhead_paired_ratio={statistics.median(paired):.3f}")
     print(f"trl_overhead_ratio={ratio[0]:.3f}")

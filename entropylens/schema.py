@@ -21,7 +21,8 @@ Versions (numbered, like migrations):
      kl_cov_frac / entropy_effect_dropped_clip_cov / entropy_effect_dropped_kl_cov (Clip-Cov, KL-Cov);
      training-inference mismatch: tokens.sampler_logprob / is_masked, the derived tokens.sampler_log_ratio,
      steps.sampler_abs_log_ratio_mean / _max / sampler_kl_k1 / sampler_kl_k3 / is_masked_frac /
-     clipped_mismatched_frac / sampler_abs_log_ratio_mean_<quadrant>.
+     clipped_mismatched_frac / sampler_abs_log_ratio_mean_<quadrant> and their counts n_sampled /
+     n_sampled_clipped (the weights that pool them over a step's updates).
 """
 
 from __future__ import annotations
@@ -155,6 +156,12 @@ STEPS: tuple[Column, ...] = _STEP_KEYS + (
     _c("clipped_mismatched_frac", "float32", "share of the clipped tokens (tokens.clipped) that are mismatched: "
        "|old_logprob - sampler_logprob| > ln 2 (schema.MISMATCH_LOG_RATIO) or is_masked; null without sampler "
        "log-probs or without clipped tokens"),
+    _c("n_sampled", "int64", "tokens with a sampler log-prob (not NaN): the tokens sampler_abs_log_ratio_mean / "
+       "sampler_kl_k1 / sampler_kl_k3 are means over, the weight that pools them over updates; null without "
+       "sampler log-probs"),
+    _c("n_sampled_clipped", "int64", "clipped tokens (tokens.clipped) with a sampler log-prob: "
+       "clipped_mismatched_frac's denominator, the weight that pools it over updates; null without sampler "
+       "log-probs"),
     *(
         _c(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}", "float32", f"mean |old_logprob - sampler_logprob| of "
            f"{q} tokens; null without sampler log-probs")
@@ -237,7 +244,7 @@ STEP_METRICS: tuple[str, ...] = (
     "erc_drop_frac", "kl_k3", "n_nonfinite_ratio", "n_nonfinite_lgn",
     "dual_clip_frac", "token_masked_frac", "seq_masked_frac", "is_weight_mean", "sapo_weight_mean", "cov_clipped_frac",
     "kl_cov_frac", "sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
-    "is_masked_frac", "clipped_mismatched_frac",
+    "is_masked_frac", "clipped_mismatched_frac", "n_sampled", "n_sampled_clipped",
     *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS), "loss",
 )
 SEQUENCES: tuple[Column, ...] = (

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,6 +24,21 @@ def test_overhead_benchmark_pairs_the_same_work():
     # ended with the same weights: the recorder never changes training and the pairs are the same work
     assert "4 of 4 steps (2 measured, 2 warm-up rounds) ended with identical weights in all modes" in out
     assert "overhead_ratio=" in out and "paired_overhead_ratio=" in out and "hook_paired_overhead_ratio=" in out
+
+
+def test_trl_overhead_benchmark_times_the_sampler_columns():
+    """--sampler: a third trainer records TRL's sampling log-probs (old log-probs minus a fixed pattern); it saw
+    the same tokens as plain TRL and full recording without them (the same training), and recorded the sampler
+    log-probs; the ratios are printed (their values are not asserted)."""
+    pytest.importorskip("trl")
+    out = _run("trl_overhead.py", "--steps", "4", "--rounds", "1", "--sampler")
+    seen = next(line for line in out.splitlines() if line.startswith("tokens seen per round"))
+    plain, full, sampler = seen.rsplit(":", 1)[1].split("/")
+    assert int(plain) == int(full) == int(sampler) > 0
+    recorded = next(line for line in out.splitlines() if line.startswith("sampler log-probs recorded"))
+    assert int(recorded.rsplit(":", 1)[1]) > 0
+    for key in ("trl_sampler_ratio=", "trl_sampler_paired_ratio=", "trl_sampler_columns_ratio=", "trl_overhead_ratio="):
+        assert key in out
 
 
 def test_contention_benchmark_runs():

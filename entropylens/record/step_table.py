@@ -17,9 +17,16 @@ from typing import Any
 import numpy as np
 
 from ..schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
-from ..rl.aggregates import AGG_NAMES
+from ..rl.aggregates import AGG_NAMES, SAMPLER_COUNTS
 
 QUANTILES = {"entropy_ratio_p05": 0.05, "entropy_ratio_p50": 0.5, "entropy_ratio_p95": 0.95}
+# summary's weight of a mismatch mean that is not over all the update's tokens: the count it is a mean over
+# (n_tokens for the other aggregates). sampler_abs_log_ratio_mean_<q> is over quadrant q's tokens with a sampler
+# log-prob, which no column counts: n_<q> equals it where the sampler scored every token; where it left some of
+# q's tokens unscored (NaN) the pooled quadrant mean is an approximation
+MEAN_WEIGHTS = {"sampler_abs_log_ratio_mean": "n_sampled", "sampler_kl_k1": "n_sampled", "sampler_kl_k3": "n_sampled",
+                "clipped_mismatched_frac": "n_sampled_clipped",
+                **{f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}": f"n_{quadrant_slug(q)}" for q in QUADRANTS}}
 
 # Per-step histograms (trackers): 32 log-spaced bins over [0.5, 2] (edges 0.5 * 4**(i/32), i = 0..32: each
 # bin 2**(1/16) ~ 1.044 wide, 1.0 an edge), one underflow bin (x < 0.5) and one overflow bin (x >= 2, inf
@@ -265,7 +272,9 @@ class StepTable:
     def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
         """The step's aggregates over the updates of ``step`` so far: n_* counts summed, the entropy-ratio
         quantiles over all the step's tokens (linear interpolation, as torch.quantile), a *_max the maximum, the other
-        aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out).
+        aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out); the mismatch means
+        weighted by the count each is over (:data:`MEAN_WEIGHTS`: the tokens with a sampler log-prob, the clipped
+        ones among them for clipped_mismatched_frac), not by n_tokens.
         ``names``: only these aggregates (and n_tokens); with HISTOGRAMS_KEY among them also the step's
         histograms (:meth:`histograms`, under that key), with TABLE_KEY its token table where the step has
         one (a :class:`TokenTable`; never without ``names``). Empty once closed."""
@@ -283,6 +292,11 @@ class StepTable:
         for name in AGG_NAMES:
             if name == "n_tokens" or (names is not None and name not in names):
                 continue
+            if name in SAMPLER_COUNTS:  # null without sampler log-probs: left out, as the means they weigh
+                vals = [r[name] for r in rows if r.get(name) is not None and r[name] == r[name]]
+                if vals:
+                    out[name] = float(sum(vals))
+                continue
             if name.startswith("n_"):
                 out[name] = float(sum(r[name] for r in rows))
                 continue
@@ -291,7 +305,9 @@ class StepTable:
                 if vals:
                     out[name] = max(vals)
                 continue
-            pairs = [(r[name], r["n_tokens"]) for r in rows if r.get(name) is not None and r[name] == r[name]]
+            w = MEAN_WEIGHTS.get(name, "n_tokens")
+            pairs = [(r[name], r[w]) for r in rows if r.get(name) is not None and r[name] == r[name]
+                     and r.get(w) is not None and r[w] == r[w]]
             weight = sum(n for _, n in pairs)
             if weight:
                 out[name] = sum(v * n for v, n in pairs) / weight

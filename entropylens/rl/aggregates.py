@@ -41,6 +41,10 @@ SAMPLER_METRICS: tuple[str, ...] = (
     "sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
     "clipped_mismatched_frac", *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS),
 )
+# their counts (also null without sampler_logprob): the tokens with a sampler log-prob, and the clipped ones
+# among them, the weights that pool the means and clipped_mismatched_frac over a step's updates. Counts add
+# up over micro-batches (trainer logs carry them; the SAMPLER_METRICS themselves do not add up)
+SAMPLER_COUNTS: tuple[str, ...] = ("n_sampled", "n_sampled_clipped")
 
 
 def entropy_budget(cols: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
@@ -298,7 +302,7 @@ def step_aggregates(
     for name, col in FRACTION_COLUMNS.items():  # dual_clip_frac, ..., is_weight_mean, sapo_weight_mean
         agg[name] = tot[:, 7 + extra.index(col):8 + extra.index(col)] / denom if col in extra else nan(1)
     agg.update(mismatch_aggregates(cols, m, quad) if "sampler_logprob" in cols
-               else {name: nan(1) for name in SAMPLER_METRICS})
+               else {name: nan(1) for name in SAMPLER_METRICS + SAMPLER_COUNTS})
     out = torch.cat([agg[name] for name in STEP_METRICS] + [entropy_budget(cols, mask).reshape(u, -1)], 1)
     return out if batched else out[0]
 
@@ -310,7 +314,8 @@ def mismatch_aggregates(cols: dict[str, torch.Tensor], m: torch.Tensor, quad: to
       sampler_abs_log_ratio_mean = mean |d|, _max = max |d| (TRL's sampling/sampling_logp_difference/*),
       sampler_kl_k1 = mean(-d) (verl's rollout_corr/kl), sampler_kl_k3 = mean(exp(d) - d - 1) (verl's k3_kl),
       sampler_abs_log_ratio_mean_<q> = mean |d| over quadrant q's tokens,
-      clipped_mismatched_frac = #(clipped & mismatched) / #clipped, mismatched = |d| > ln 2 or is_masked.
+      clipped_mismatched_frac = #(clipped & mismatched) / #clipped, mismatched = |d| > ln 2 or is_masked,
+    and their counts (SAMPLER_COUNTS): n_sampled = the tokens counted, n_sampled_clipped = the clipped ones.
     NaN where no token counts (stored as null). m, quad [U, N] (bool, quadrant codes); cols [U, ...]."""
     u = m.shape[0]
     d = cols["old_logprob"].reshape(u, -1).double() - cols["sampler_logprob"].reshape(u, -1).double()  # [U, N]
@@ -330,8 +335,9 @@ def mismatch_aggregates(cols: dict[str, torch.Tensor], m: torch.Tensor, quad: to
     if "is_masked" in cols:
         mism = mism | (cols["is_masked"].reshape(u, -1).bool() & m)
     clipped = cols["clipped"].reshape(u, -1).bool() & ok
-    out["clipped_mismatched_frac"] = ((clipped & mism).sum(1, keepdim=True).double()
-                                      / _over(clipped.sum(1, keepdim=True).double()))
+    n_clipped = clipped.sum(1, keepdim=True).double()  # [U, 1]
+    out["clipped_mismatched_frac"] = (clipped & mism).sum(1, keepdim=True).double() / _over(n_clipped)
+    out["n_sampled"], out["n_sampled_clipped"] = n, n_clipped
     in_q = (quad.unsqueeze(2) == _codes(m.device)) & ok.unsqueeze(2)  # [U, N, 5]
     q_sum = torch.where(in_q, a.unsqueeze(2), 0.0).sum(1)  # [U, 5]
     q_n = in_q.sum(1).double()  # [U, 5]
@@ -364,7 +370,7 @@ def step_metrics(
         absent.add("loss")
     absent.update(name for name, col in FRACTION_COLUMNS.items() if col not in cols)
     if "sampler_logprob" not in cols:
-        absent.update(SAMPLER_METRICS)
+        absent.update(SAMPLER_METRICS + SAMPLER_COUNTS)
     if "entropy_effect" not in cols:
         absent.update(BUDGET_NAMES)
     elif "entropy_effect_dropped" not in cols:

@@ -444,19 +444,83 @@ def test_mismatch_by_step(mcon):
     df = run_analysis(mcon, "mismatch_by_step")
     assert list(df.columns) == ["run", "method", "step", "tokens", "mean_abs_log_ratio", "max_abs_log_ratio",
                                 "kl_k1", "kl_k3", "masked_frac", "clipped_mismatched_frac"]
-    # step 0 of run m: updates of 10 and 30 tokens, token-weighted
+    # tests/mismatch_runs.py's run m: hand-written steps rows without n_sampled: they weigh by n_tokens
     assert one(df, "tokens", run="m", step=0) == 40
     assert one(df, "mean_abs_log_ratio", run="m", step=0) == pytest.approx((10 * 0.1 + 30 * 0.2) / 40)  # 0.175
     assert one(df, "max_abs_log_ratio", run="m", step=0) == pytest.approx(0.9)  # max(0.5, 0.9)
-    assert one(df, "kl_k1", run="m", step=0) == pytest.approx((10 * 0.01 + 30 * 0.03) / 40)  # 0.025
-    assert one(df, "kl_k3", run="m", step=0) == pytest.approx((10 * 0.02 + 30 * 0.04) / 40)  # 0.035
     assert one(df, "masked_frac", run="m", step=0) == pytest.approx((10 * 0 + 30 * 0.1) / 40)  # 0.075
-    assert one(df, "clipped_mismatched_frac", run="m", step=0) == pytest.approx((10 * 0.5 + 30 * 0.25) / 40)
     assert one(df, "mean_abs_log_ratio", run="m", step=1) == pytest.approx(0.1)  # step 1: update 0 alone
     # run n has no sampler log-probs: NULL, never 0
     n = rows(df, run="n")
     assert len(n) == 2 and n[["tokens", "mean_abs_log_ratio", "max_abs_log_ratio", "kl_k1", "kl_k3",
                               "masked_frac", "clipped_mismatched_frac"]].isna().all().all()
+
+
+# Two updates of one step whose counts differ: update 0 has 10 tokens, all scored by the sampler, 4 of them
+# clipped (clipped_frac 0.4), 1 of those mismatched; update 1 has 30 tokens of which the sampler scored 6, 3
+# clipped (clipped_frac 0.1) of which 2 scored, both mismatched. Step 1: an update without clipped tokens
+# (its clipped_mismatched_frac NULL) beside one with 2 clipped, 1 mismatched.
+POOL_ROWS = {
+    0: [{"update": 0, "n_tokens": 10, "n_sampled": 10, "n_sampled_clipped": 4, "clipped_frac": 0.4,
+         "sampler_abs_log_ratio_mean": 0.1, "sampler_abs_log_ratio_max": 0.5, "sampler_kl_k1": 0.01,
+         "sampler_kl_k3": 0.02, "is_masked_frac": 0.0, "clipped_mismatched_frac": 0.25},
+        {"update": 1, "n_tokens": 30, "n_sampled": 6, "n_sampled_clipped": 2, "clipped_frac": 0.1,
+         "sampler_abs_log_ratio_mean": 0.2, "sampler_abs_log_ratio_max": 0.9, "sampler_kl_k1": 0.03,
+         "sampler_kl_k3": 0.04, "is_masked_frac": 0.1, "clipped_mismatched_frac": 1.0}],
+    1: [{"update": 0, "n_tokens": 20, "n_sampled": 20, "n_sampled_clipped": 0, "clipped_frac": 0.0,
+         "sampler_abs_log_ratio_mean": 0.1, "sampler_kl_k3": 0.02, "clipped_mismatched_frac": None},
+        {"update": 1, "n_tokens": 20, "n_sampled": 20, "n_sampled_clipped": 2, "clipped_frac": 0.1,
+         "sampler_abs_log_ratio_mean": 0.3, "sampler_kl_k3": 0.04, "clipped_mismatched_frac": 0.5}],
+}
+
+
+def _pool_runs(root):
+    """Run "w": POOL_ROWS as the recorder writes them (with the counts); run "h": the same rows written by
+    hand without n_sampled / n_sampled_clipped."""
+    import json
+
+    from entropylens.record.writer import write_steps
+
+    for run, drop in (("w", ()), ("h", ("n_sampled", "n_sampled_clipped"))):
+        d = root / run
+        d.mkdir(parents=True)
+        (d / "run.json").write_text(json.dumps({"run": run, "method": "grpo", "status": "finished",
+                                                "schema_version": 4, "config": {"method": "grpo"}}))
+        for step, rs in POOL_ROWS.items():
+            write_steps(d, step, 0, [{k: v for k, v in r.items() if k not in drop} for r in rs])
+    return connect(root)
+
+
+def test_mismatch_by_step_weighs_each_update_by_its_own_count(tmp_path):
+    con = _pool_runs(tmp_path)
+    df = run_analysis(con, "mismatch_by_step")
+    # run w, step 0: the means are over the tokens with a sampler log-prob, 10 + 6 = 16 of the step's 40:
+    #   mean_abs_log_ratio = (10 x 0.1 + 6 x 0.2) / 16 = 2.2 / 16 = 0.1375   (by n_tokens: 7 / 40 = 0.175)
+    #   kl_k1 = (10 x 0.01 + 6 x 0.03) / 16 = 0.28 / 16 = 0.0175             (by n_tokens: 0.025)
+    #   kl_k3 = (10 x 0.02 + 6 x 0.04) / 16 = 0.44 / 16 = 0.0275             (by n_tokens: 0.035)
+    # clipped_mismatched_frac: mismatched / clipped tokens with a sampler log-prob = (1 + 2) / (4 + 2):
+    #   (4 x 0.25 + 2 x 1.0) / 6 = 3 / 6 = 0.5                               (by n_tokens: 32.5 / 40 = 0.8125)
+    # masked_frac is a share of all tokens: (10 x 0 + 30 x 0.1) / 40 = 0.075
+    assert one(df, "tokens", run="w", step=0) == 40
+    assert one(df, "mean_abs_log_ratio", run="w", step=0) == pytest.approx(0.1375)
+    assert one(df, "kl_k1", run="w", step=0) == pytest.approx(0.0175)
+    assert one(df, "kl_k3", run="w", step=0) == pytest.approx(0.0275)
+    assert one(df, "clipped_mismatched_frac", run="w", step=0) == pytest.approx(0.5)
+    assert one(df, "masked_frac", run="w", step=0) == pytest.approx(0.075)
+    assert one(df, "max_abs_log_ratio", run="w", step=0) == pytest.approx(0.9)
+    # step 1: update 0 has no clipped token (share NULL): it counts nothing -> 1 / 2 = 0.5 (a 0 share weighed by
+    # n_tokens would give (20 x 0 + 20 x 0.5) / 40 = 0.25); the means weigh 20 and 20: (0.1 + 0.3) / 2 = 0.2
+    assert one(df, "clipped_mismatched_frac", run="w", step=1) == pytest.approx(0.5)
+    assert one(df, "mean_abs_log_ratio", run="w", step=1) == pytest.approx(0.2)
+    # run h (no counts): n_tokens for the means, round(clipped_frac x n_tokens) = 4 and 3 clipped tokens for the
+    # share, exact where the sampler scored every token:
+    #   mean_abs_log_ratio = (10 x 0.1 + 30 x 0.2) / 40 = 0.175; clipped_mismatched_frac = (4 x 0.25 + 3 x 1) / 7
+    assert one(df, "mean_abs_log_ratio", run="h", step=0) == pytest.approx(0.175)
+    assert one(df, "clipped_mismatched_frac", run="h", step=0) == pytest.approx(4 / 7)
+    # step_health's sampler_kl (the mismatch alarm's input) pools k3 the same way: 0.0275 (by n_tokens 0.035)
+    health = run_analysis(con, "step_health")
+    assert one(health, "sampler_kl", run="w", step=0) == pytest.approx(0.0275)
+    assert one(health, "sampler_kl", run="h", step=0) == pytest.approx((10 * 0.02 + 30 * 0.04) / 40)  # 0.035
 
 
 def _mismatch_quadrant_checks(df, per):

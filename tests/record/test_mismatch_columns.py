@@ -37,6 +37,8 @@ MASKED = torch.tensor([[False, False, False], [True, False, True]])
 ADV = torch.tensor([1.0, -1.0])
 K3 = ((math.exp(0.1) - 1.1) + (math.exp(-0.8) - 0.2) + (math.e - 2)) / 5
 WANT = (0.38, 1.0, -0.06, K3, 0.2, 0.5, None, 0.3, None, 0.5)
+# the counts the means are over: 5 tokens with a sampler log-prob, 2 of them clipped
+COUNT_COLS = ("n_sampled", "n_sampled_clipped")
 
 
 def _record(path, **kw):
@@ -54,6 +56,7 @@ def _approx(row, want):
 def test_hand_built_columns_and_step_figures(tmp_path):
     con = _record(tmp_path, sampler_logprobs=SAMPLER, is_masked=MASKED)
     _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(), WANT)
+    assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (5, 2)
     toks = con.execute("SELECT clipped, sampler_logprob, is_masked, sampler_log_ratio FROM tokens "
                        "ORDER BY seq, pos").fetchall()
     assert [t[0] for t in toks] == [False, True, False, False, True]
@@ -67,6 +70,7 @@ def test_hand_built_columns_and_step_figures(tmp_path):
 def test_absent_is_null_not_zero(tmp_path):
     con = _record(tmp_path)
     assert con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone() == (None,) * len(STEP_COLS)
+    assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (None, None)
     assert con.execute("SELECT count(*), count(sampler_logprob), count(is_masked), count(sampler_log_ratio) "
                        "FROM tokens").fetchone() == (5, 0, 0, 0)
 
@@ -89,6 +93,7 @@ def test_unscored_token_nan_is_null_and_left_out(tmp_path):
     k3 = ((math.exp(0.1) - 1.1) + (math.e - 2)) / 4
     _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(),
             (1.1 / 4, 1.0, -1.1 / 4, k3, 0.2, 0.0, None, 0.05, None, 0.5))
+    assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (4, 1)  # (0, 1) left out
     assert con.execute("SELECT sampler_logprob, sampler_log_ratio FROM tokens WHERE seq = 3 AND pos = 1").fetchone() \
         == (None, None)
 
@@ -110,6 +115,39 @@ def test_stacked_updates_equal_each_alone():
     host = packed_block.unpack(a.numpy(), layout)
     assert "is_masked" in layout.bool_names and "sampler_logprob" in layout.float_names
     assert [host.aggregates[n] for n in STEP_COLS[:6]] == pytest.approx(WANT[:6], rel=1e-6)
+    assert [host.aggregates[n] for n in COUNT_COLS] == [5, 2]
+
+
+def test_live_summary_weighs_each_mean_by_its_own_count(tmp_path):
+    """The step summary (trackers, the live alarms) pools a step's updates as mismatch_by_step does: the
+    means by the tokens with a sampler log-prob, clipped_mismatched_frac by the clipped ones among them.
+    Update 0: the hand batch (5 tokens, 5 scored, 2 of them clipped; k3 = K3, clipped_mismatched 1 / 2).
+    Update 1: the same 5 tokens, the sampler scored seq 1 alone: (1, 0) d = -1 - (-2) = 1 (masked) and
+    (1, 1) d = -1 - (-2) = 1 (clipped, |d| > ln 2: mismatched): n_sampled 2, n_sampled_clipped 1,
+    |d| mean 1, k1 -1, k3 e - 2, clipped_mismatched 1 / 1; PA&LP none scored (null), NA&LP mean 1.
+      sampler_kl_k3 = (5 K3 + 2 (e - 2)) / 7                (n_tokens-weighted: (5 K3 + 5 (e - 2)) / 10)
+      sampler_abs_log_ratio_mean = (5 x 0.38 + 2 x 1) / 7 = 3.9 / 7          (by n_tokens: 6.9 / 10)
+      sampler_kl_k1 = (5 x -0.06 + 2 x -1) / 7 = -2.3 / 7                     (by n_tokens: -5.3 / 10)
+      clipped_mismatched_frac = (2 x 0.5 + 1 x 1) / 3 = 2 / 3                 (by n_tokens: 0.75)
+      sampler_abs_log_ratio_mean_pa_lp = 0.3 (update 0 alone); _na_lp = (2 x 0.5 + 2 x 1) / 4 = 0.75"""
+    seq1 = torch.full((2, 3), float("nan"))
+    seq1[1, :2] = -2.0
+    with Recorder(tmp_path, run="s", tau=0.5) as rec:
+        for u, s in enumerate((SAMPLER, seq1)):
+            rec.record_update(0, u, mask=MASK, advantages=ADV, logprobs=NEW, old_logprobs=OLD,
+                              seq_ids=torch.tensor([3, 4]), sampler_logprobs=s, is_masked=MASKED)
+        summary = rec.step_summary(0)
+    assert (summary["n_sampled"], summary["n_sampled_clipped"]) == (7, 3)
+    assert summary["sampler_kl_k3"] == pytest.approx((5 * K3 + 2 * (math.e - 2)) / 7, rel=1e-6)
+    assert summary["sampler_abs_log_ratio_mean"] == pytest.approx(3.9 / 7, rel=1e-6)
+    assert summary["sampler_kl_k1"] == pytest.approx(-2.3 / 7, rel=1e-6)
+    assert summary["clipped_mismatched_frac"] == pytest.approx(2 / 3, rel=1e-6)
+    assert summary["sampler_abs_log_ratio_mean_pa_lp"] == pytest.approx(0.3, rel=1e-6)
+    assert summary["sampler_abs_log_ratio_mean_na_lp"] == pytest.approx(0.75, rel=1e-6)
+    with Recorder(tmp_path / "none", run="t", tau=0.5) as rec:
+        rec.record_update(0, 0, mask=MASK, advantages=ADV, logprobs=NEW, old_logprobs=OLD, seq_ids=torch.tensor([3, 4]))
+        summary = rec.step_summary(0)
+    assert not {"n_sampled", "n_sampled_clipped", "sampler_kl_k3"} & summary.keys()  # not measured: left out
 
 
 def test_policy_update_records_sampler_logprobs(tmp_path):
