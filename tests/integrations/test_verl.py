@@ -59,14 +59,33 @@ def test_entry_point_registers_losses_on_import_verl(verl_python):
 
 
 def test_registered_ce_gppo_equals_policy_loss_every_region_float64(verl_python):
+    """Also the registered losses with verl's rollout_is_weights (TIS, IcePop with zero weights, sequence-level)
+    == verl's own vanilla / clip_cov / kl_cov / sapo given the same weights: loss and gradient (float64, max
+    relative difference below 1e-15), verl's metrics (test_rollout_correction_weights_equal_verls_own)."""
     run_checks(verl_python, "registered_ce_gppo or gppo_is_ce_gppo or rollout_correction")
 
 
 def test_clip_cov_and_kl_cov_equal_verls_own(verl_python):
+    """entropylens_clip_cov / _kl_cov == verl's own clip_cov / kl_cov: loss, gradient and verl's metrics (the
+    same keys: clip_cov pg_clipfrac = Clip-Cov's selected share and ppo_kl, kl_cov ppo_kl = mean |log r|; the same
+    values). The trainer-mode path (EntropyLensLoss) against verl's ppo_loss: test_trainer_records_clip_cov_and_kl_cov,
+    selected by "trainer_" below."""
     run_checks(verl_python, "cov_losses_equal")
 
 
+def test_on_policy_config_warns_once(verl_python):
+    """ppo_epochs 1 over one mini-batch (ppo_mini_batch_size >= data.train_batch_size, no bypass mode) warns
+    OnPolicyWarning; ppo_epochs 2, two mini-batches, bypass mode and verl's defaults do not. The trainer built
+    that way warns once (test_trainer_warns_once_at_one_epoch_over_one_mini_batch, selected by "trainer_")."""
+    run_checks(verl_python, "on_policy_warning")
+
+
 def test_rollout_log_probs_equal_verls_rollout_corr_metrics(verl_python):
+    """read_micro_batch's rollout log-probs against verl's rollout_corr metrics, and end to end through
+    EntropyLensTrainer._update_actor on verl's update path with rollout_log_probs and rollout_is_weights in
+    TransferQueue: tokens.sampler_logprob / is_weight are the batch's, the step's sampler_kl_k1 / k3 verl's
+    rollout_corr/kl / k3_kl (relative 1.3e-6, float32 columns), the loss verl's vanilla ppo_loss with the
+    same weights."""
     run_checks(verl_python, "rollout_log_probs_recorded")
 
 

@@ -127,6 +127,54 @@ def test_config_dataclass_from_hydra_and_bad_values():
         actor_config(loss_mode="gppo", erc_low=1.01, erc_high=1.05)
 
 
+def _composed(*overrides):
+    """ppo_trainer.yaml composed with ``overrides`` (and the trainer mode entropylens), as main_ppo composes it."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    base = ["actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=ce_gppo", "trainer.use_v1=true",
+            "trainer.v1.trainer_mode=entropylens"]
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=base + list(overrides))
+
+
+@pytest.mark.parametrize("epochs, mini, train, bypass, warns", [
+    (1, 8, 8, False, True),      # one epoch over one mini-batch: the only update starts from the old log-probs
+    (2, 8, 8, False, False),     # a second epoch moves the policy away from them
+    (1, 4, 8, False, False),     # two mini-batches: the second starts after the first update
+    (1, 8, 8, True, False),      # bypass mode: the old log-probs are the rollout engine's, not the actor's
+    (1, 256, 1024, False, False),  # verl's defaults
+])
+def test_on_policy_warning_from_verls_config(epochs, mini, train, bypass, warns):
+    """The trainer mode warns once (OnPolicyWarning, the TRL text with verl's settings) exactly when verl's
+    composed config makes every ratio 1: actor.ppo_epochs 1 and ppo_mini_batch_size >= data.train_batch_size,
+    not in rollout-correction bypass mode (docs/verl.md, "On-policy")."""
+    import warnings
+
+    import entropylens.integrations.verl as el_verl
+    from entropylens.integrations.verl.config import ON_POLICY_TEXT, on_policy
+    from entropylens.report import run_findings
+
+    assert ON_POLICY_TEXT.split("; set ")[0] == run_findings.ON_POLICY_TEXT.split("; set ")[0]
+    assert ON_POLICY_TEXT.endswith("set actor_rollout_ref.actor.ppo_epochs > 1 or ppo_mini_batch_size < "
+                                   "data.train_batch_size")
+    cfg = _composed(f"actor_rollout_ref.actor.ppo_epochs={epochs}",
+                    f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"data.train_batch_size={train}",
+                    f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}")
+    assert (on_policy(cfg) is not None) == warns
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        el_verl.EntropyLensTrainer._el_warn_on_policy(None, cfg)
+    said = [str(w.message) for w in caught if issubclass(w.category, run_findings.OnPolicyWarning)]
+    assert len(said) == int(warns), said
+    if warns:
+        assert said[0].startswith(f"entropylens: on_policy: {ON_POLICY_TEXT} (")
+        assert "data.train_batch_size 8" in said[0]
+
+
 # ----------------------------------------------------------------------------------- the maths
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
                                  "token-sum"])
@@ -213,11 +261,27 @@ def _cov_batch(seed=0, b=8, t=16):
     return old, logp, adv, mask
 
 
+def _assert_verl_cov_metrics(mode, m_ours, m_theirs):
+    """Our verl-named metrics (all but entropylens/*) are verl's own clip_cov / kl_cov metrics: the same keys
+    (clip_cov: pg_clipfrac, ppo_kl; kl_cov: ppo_kl; neither pg_clipfrac_lower) and values. verl computes
+    pg_clipfrac in float32 ((corr == 0).float()): ours, float64, rounds to it exactly; ppo_kl is float64 in both."""
+    verl_keys = {k for k in m_ours if not k.startswith("entropylens/")}
+    assert verl_keys == set(m_theirs), (sorted(verl_keys), sorted(m_theirs))
+    assert set(m_theirs) == ({"actor/pg_clipfrac", "actor/ppo_kl"} if mode == "clip_cov" else {"actor/ppo_kl"})
+    for key, want in m_theirs.items():
+        got = m_ours[key]
+        if key == "actor/pg_clipfrac":
+            assert 0 < want < 1 and float(torch.tensor(got, dtype=torch.float32)) == want, (got, want)
+        else:
+            assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (key, got, want)
+        print(f"{mode} {key}: ours {got!r} verl {want!r}")
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
 def test_cov_losses_equal_verls(mode, agg):
-    """entropylens_clip_cov / entropylens_kl_cov equal verl's own clip_cov / kl_cov (value and gradient) on
-    the same float64 batch, Clip-Cov's random draw seeded the same way (torch.manual_seed before each call:
+    """entropylens_clip_cov / entropylens_kl_cov equal verl's own clip_cov / kl_cov (value, gradient and verl's
+    metrics: the same keys and values, :func:`_assert_verl_cov_metrics`) on the same float64 batch, Clip-Cov's random draw seeded the same way (torch.manual_seed before each call:
     both draw torch.randperm on the global CPU generator); the selection is nonempty and, for Clip-Cov,
     more tokens lie in the band than are drawn (so the draw matters)."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
@@ -231,11 +295,12 @@ def test_cov_losses_equal_verls(mode, agg):
     old, logp, adv, mask = _cov_batch()
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
     torch.manual_seed(11)
-    ours, _ = get_policy_loss_fn(f"entropylens_{mode}")(old, logp, adv, mask, agg, cfg, None)
+    ours, m_ours = get_policy_loss_fn(f"entropylens_{mode}")(old, logp, adv, mask, agg, cfg, None)
     (g_ours,) = torch.autograd.grad(ours, logp)
     torch.manual_seed(11)
-    theirs, _ = get_policy_loss_fn(mode)(old, logp, adv, mask, agg, cfg, None)
+    theirs, m_theirs = get_policy_loss_fn(mode)(old, logp, adv, mask, agg, cfg, None)
     (g_theirs,) = torch.autograd.grad(theirs, logp)
+    _assert_verl_cov_metrics(mode, m_ours, m_theirs)
     torch.manual_seed(11)
     out = compute_loss(mode, old, logp.detach(), adv, mask, agg, cfg)
     col = out.columns["cov_clipped" if mode == "clip_cov" else "kl_cov_penalised"]
@@ -268,13 +333,63 @@ def test_gppo_is_ce_gppo_with_unit_betas():
     torch.testing.assert_close(g1, g2, rtol=0, atol=0)
 
 
-def test_rollout_correction_weights_refused():
+def _rollout_is_weights(old, mask, kind: str):
+    """verl's own rollout correction weights for ``old`` against a rollout engine's log-probs that differ from it
+    by noise (compute_rollout_correction_weights, as compute_rollout_correction_and_add_to_batch makes them):
+    ``tis`` token-level truncated at 2 (no zero), ``icepop`` token-level with bounds 0.8_1.25 (weights 0 outside:
+    some zero), ``seq`` sequence-level truncated at 2 (one weight per sequence)."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    g = torch.Generator().manual_seed(21)
+    rollout = old + torch.randn(old.shape, generator=g, dtype=old.dtype) * 0.3
+    level, threshold = {"tis": ("token", 2.0), "icepop": ("token", "0.8_1.25"), "seq": ("sequence", 2.0)}[kind]
+    w, _ = compute_rollout_correction_weights(log_ratio=old - rollout, response_mask=mask.to(old.dtype),
+                                              rollout_is=level, rollout_is_threshold=threshold)
+    w = w.detach()
+    m = mask.bool()
+    assert (w[m] != 1).any() and (w[~m] == 0).all()
+    assert ((w[m] == 0).any() if kind == "icepop" else (w[m] > 0).all()), kind
+    return w
+
+
+@pytest.mark.parametrize("kind", ["tis", "icepop", "seq"])
+@pytest.mark.parametrize("mode", ["vanilla", "clip_cov", "kl_cov", "sapo"])
+def test_rollout_correction_weights_equal_verls_own(mode, kind):
+    """entropylens_<mode> given verl's rollout_is_weights == verl's own <mode> given the same weights (verl's
+    losses multiply the per-token policy loss by them, ``pg_losses * rollout_is_weights``; ours passes them as
+    policy_loss's is_weight, P_t *= sg(w_t)): loss, gradient and verl's metrics on the same float64 batch, with
+    verl's global normalisation (dp 2); the weights change the loss (not a no-op). Prints the max relative
+    differences."""
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
-    cfg = actor_config(loss_mode="ce_gppo")
-    old, logp, adv, mask = region_batch()
-    with pytest.raises(ValueError, match="rollout_is_weights"):
-        get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, "token-mean", cfg, torch.ones_like(old))
+    ours_name = "entropylens_grpo" if mode == "vanilla" else f"entropylens_{mode}"
+    settings = {"clip_cov": {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+                "kl_cov": {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3}}.get(mode, {})
+    agg = "token-mean" if mode in ("clip_cov", "kl_cov") else "seq-mean-token-sum"
+    cfg = actor_config(loss_mode=ours_name, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg, **settings)
+    old, logp, adv, mask = _cov_batch(seed=3) if mode in ("clip_cov", "kl_cov") else region_batch(seed=6)
+    w = _rollout_is_weights(old, mask, kind)
+    n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2,
+                                 loss_scale_factor=None)
+    res = {}
+    for name, fn in (("ours", get_policy_loss_fn(ours_name)), ("theirs", get_policy_loss_fn(mode))):
+        for weights in (w, None):
+            torch.manual_seed(11)  # Clip-Cov's draw (torch.randperm on the global generator) alike in both
+            loss, metrics = fn(old, logp, adv, mask, agg, cfg, weights)
+            (g,) = torch.autograd.grad(loss, logp)
+            res[name, weights is None] = (loss.detach(), g, metrics)
+    (ours, g_ours, m_ours), (theirs, g_theirs, m_theirs) = res["ours", False], res["theirs", False]
+    rel_loss, rel_grad = _max_rel(ours, theirs), _max_rel(g_ours, g_theirs)
+    print(f"rollout_is_weights {kind}: {ours_name} vs verl {mode}: max rel diff loss {rel_loss:.3g}, "
+          f"gradient {rel_grad:.3g}")
+    assert rel_loss < 1e-8 and rel_grad < 1e-8  # verl's seq-mean-token-mean divides by (L + 1e-8): ~1e-9
+    for key, want in m_theirs.items():  # verl's metrics of the method, with the weights as without
+        assert m_ours[key] == pytest.approx(want, rel=1e-6, abs=1e-12), key
+    assert float((ours - res["ours", True][0]).abs()) > 1e-6 * float(ours.abs())  # the weights act
+    if kind == "icepop":  # a zero weight: no gradient on that token, in both
+        z = (w == 0) & mask
+        assert (g_ours[z] == 0).all() and (g_theirs[z] == 0).all()
 
 
 # ----------------------------------------------------------------------------------- SAPO and verl's other losses
@@ -877,19 +992,44 @@ def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
     """loss_mode=entropylens_clip_cov / _kl_cov through verl's update path on the CPU engine, with verl's own
     config keys: the step is recorded with cov on every token, the control's column on every token (the
     other null), its step share equal to the tokens' share per update, cov equal to its definition over
-    each micro-batch (update), and Clip-Cov's tokens without gradient."""
+    each micro-batch (update), and Clip-Cov's tokens without gradient. The loss function (EntropyLensLoss)
+    logs verl's metrics of that loss as verl's own ppo_loss (loss_mode clip_cov / kl_cov) does through the
+    same update path, the draw seeded alike: the same keys (no pg_clipfrac_lower; kl_cov no pg_clipfrac),
+    the same values."""
+    from functools import partial
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
     from entropylens.read import query
 
     ca = store
     work = tmp_path / mode
     keys = (["clip_cov_ratio=0.2", "clip_cov_lb=0.0"] if mode == "clip_cov" else ["kl_cov_ratio=0.2", "ppo_kl_coef=0.5"])
+    extra = [f"actor_rollout_ref.actor.policy_loss.{k}" for k in keys]
     with ca.on_cpu():
-        t, _, _ = _trainer(ca, work, loss_mode=f"entropylens_{mode}",
-                           extra=[f"actor_rollout_ref.actor.policy_loss.{k}" for k in keys])
+        t, wg, _ = _trainer(ca, work, loss_mode=f"entropylens_{mode}", extra=extra)
         meta, _ = ca.put_rollout("train", seed=3)
         t.global_steps = 1
-        t._update_actor(meta, {})
+        ours: dict = {}
+        torch.manual_seed(7)
+        t._update_actor(meta, ours)
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
+            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode=mode, extra=extra)).actor_rollout_ref.actor)
+        wg.set_loss_fn(partial(ppo_loss, config=vcfg))
+        theirs: dict = {}
+        torch.manual_seed(7)
+        PPOTrainer._update_actor(t, meta, theirs)
+    verl_keys = {"actor/pg_clipfrac", "actor/ppo_kl"} if mode == "clip_cov" else {"actor/ppo_kl"}
+    clip_keys = {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    assert clip_keys & set(theirs) == verl_keys and clip_keys & set(ours) == verl_keys, (sorted(ours), sorted(theirs))
+    for key in sorted(verl_keys):
+        print(f"trainer {mode} {key}: ours {ours[key]!r} verl {theirs[key]!r}")
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-9), key
+    if mode == "clip_cov":
+        assert ours["actor/pg_clipfrac"] > 0
     con = query.connect(work / "runs" / "trainer-test")
     col, frac = ("cov_clipped", "cov_clipped_frac") if mode == "clip_cov" else ("kl_cov_penalised", "kl_cov_frac")
     other = "kl_cov_penalised" if mode == "clip_cov" else "cov_clipped"
@@ -908,6 +1048,29 @@ def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
         assert got == pytest.approx(share, rel=1e-6)
         if mode == "clip_cov":
             assert all(r[5] == 0 for r in g if r[4])
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_trainer_warns_once_at_one_epoch_over_one_mini_batch(tmp_path, store, epochs):
+    """EntropyLensTrainer built from a composed config with ppo_mini_batch_size == data.train_batch_size (8):
+    at ppo_epochs 1 it warns once, at its start (OnPolicyWarning), and not again at the update; at
+    ppo_epochs 2 it does not warn."""
+    import warnings
+
+    from entropylens.report.run_findings import OnPolicyWarning
+
+    ca = store
+    with ca.on_cpu():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t, _, _ = _trainer(ca, tmp_path / f"e{epochs}", record=False, loss_mode="entropylens_grpo", mini=8,
+                               micro=4, epochs=epochs, extra=["data.train_batch_size=8"])
+            meta, _ = ca.put_rollout("train", seed=2)
+            t._update_actor(meta, {})
+    said = [str(w.message) for w in caught if issubclass(w.category, OnPolicyWarning)]
+    assert len(said) == (1 if epochs == 1 else 0), said
+    if said:
+        assert "set actor_rollout_ref.actor.ppo_epochs > 1 or ppo_mini_batch_size < data.train_batch_size" in said[0]
 
 
 def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
@@ -1168,5 +1331,83 @@ def test_rollout_log_probs_recorded_and_equal_verls_rollout_corr_metrics(tmp_pat
         worst = max(worst, abs(ours[mine] - metrics[theirs]) / abs(metrics[theirs]))
     d = (ref["old_lp"] - rollout)[ref["mask"]]
     assert ours["sampler_abs_log_ratio_max"] == pytest.approx(float(d.abs().max()), rel=1e-6)
+    print(f"verl rollout_corr max relative difference {worst:.2e}")
+    assert worst <= 1e-5  # float32 columns against verl's float64 metrics
+
+
+def test_rollout_log_probs_recorded_end_to_end_on_verls_update_path(tmp_path, store):
+    """trainer_mode=entropylens's _update_actor on verl's update path (2 mini-batches x 2 micro-batches, shuffled)
+    with a batch that carries rollout_log_probs and verl's rollout_is_weights in TransferQueue, as the v1 trainer
+    leaves them with algorithm.rollout_correction (token-level TIS at 1.5, computed by verl's own
+    compute_rollout_correction_and_rejection_mask on the padded batch): read back with entropylens.connect,
+    tokens.sampler_logprob is the batch's rollout_log_probs and tokens.is_weight verl's weight on every masked-in
+    token (is_masked null: TIS masks nothing, and verl's rejection sampling edits response_mask, not the weights);
+    the step's sampler_kl_k1 / sampler_kl_k3 (pooled over its rows by n_sampled) equal verl's rollout_corr/kl
+    and rollout_corr/k3_kl on the same batch; and the loss logged with the weights equals verl's own ppo_loss
+    (loss_mode vanilla) given the same weights through the same update path."""
+    from functools import partial
+
+    import transfer_queue as tq
+    from tensordict import TensorDict
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.utils.losses import ppo_loss
+
+    import entropylens
+
+    ca = store
+    work = tmp_path / "rl"
+    common = ["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.clip_ratio_c=3.0"]
+    nested = lambda xs: torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)  # noqa: E731
+    with ca.on_cpu():
+        t, wg, _ = _trainer(ca, work, loss_mode="entropylens_grpo", extra=common)
+        meta, ref = ca.put_rollout("train", seed=13)
+        g = torch.Generator().manual_seed(17)
+        rollout = [o + 0.3 * torch.randn(o.shape, generator=g, dtype=torch.float64) for o in ref["old"]]
+        n, width = len(rollout), max(len(o) for o in ref["old"])
+        pad = lambda xs: torch.stack([torch.nn.functional.pad(x.double(), (0, width - len(x))) for x in xs])  # noqa: E731
+        old_p, roll_p, mask_p = pad(ref["old"]), pad(rollout), pad(ref["mask"])
+        w_proto, new_mask, verl_metrics = compute_rollout_correction_and_rejection_mask(
+            old_p, roll_p, mask_p, rollout_is="token", rollout_is_threshold=1.5)
+        assert torch.equal(new_mask, mask_p)  # no rejection sampling: response_mask unchanged
+        w = w_proto.batch["rollout_is_weights"]
+        assert (w[mask_p.bool()] < 1.5).any() and (w[mask_p.bool()] == 1.5).any()  # some truncated
+        lens = [len(o) for o in ref["old"]]
+        meta = tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
+            {"rollout_log_probs": nested(rollout), "rollout_is_weights": nested(w[i, :lens[i]] for i in range(n))},
+            batch_size=n))
+        t.global_steps = 2
+        ours: dict = {}
+        t._update_actor(meta, ours)
+        t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
+        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
+            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", extra=common)).actor_rollout_ref.actor)
+        wg.set_loss_fn(partial(ppo_loss, config=vcfg))
+        theirs: dict = {}
+        PPOTrainer._update_actor(t, meta, theirs)
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"):
+        print(f"trainer with rollout_is_weights {key}: ours {ours[key]!r} verl {theirs[key]!r}")
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-6, abs=1e-9), key
+
+    con = entropylens.connect(work / "runs" / "trainer-test")
+    rows = con.execute("select seq, pos, sampler_logprob, is_weight, is_masked from tokens where step = 2").fetchall()
+    n_tok = int(sum(int(m.sum()) for m in ref["mask"]))
+    assert len(rows) == n_tok
+    worst_lp = worst_w = 0.0
+    for seq, pos, slp, iw, masked in rows:
+        assert ref["mask"][seq][pos] == 1 and masked is None
+        worst_lp = max(worst_lp, abs(slp - float(rollout[seq][pos])))
+        worst_w = max(worst_w, abs(iw - float(w[seq, pos])))
+    print(f"sampler_logprob max abs diff {worst_lp:.2e}, is_weight max abs diff {worst_w:.2e}")
+    assert worst_lp < 1e-5 and worst_w < 1e-6  # float32 columns against the float64 batch
+    k1, k3, n_sampled, n_rows = con.execute(
+        "select sum(sampler_kl_k1 * n_sampled) / sum(n_sampled), sum(sampler_kl_k3 * n_sampled) / sum(n_sampled), "
+        "sum(n_sampled), count(*) from steps where step = 2").fetchone()
+    assert n_sampled == n_tok and n_rows == 4  # a row per recorded micro-batch (2 x 2), each token once
+    worst = 0.0
+    for mine, key in ((k1, "rollout_corr/kl"), (k3, "rollout_corr/k3_kl")):
+        worst = max(worst, abs(mine - verl_metrics[key]) / abs(verl_metrics[key]))
+        print(f"{key}: verl {verl_metrics[key]!r} ours {mine!r}")
     print(f"verl rollout_corr max relative difference {worst:.2e}")
     assert worst <= 1e-5  # float32 columns against verl's float64 metrics

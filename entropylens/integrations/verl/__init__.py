@@ -33,7 +33,7 @@ from .metrics import metric_rule, metric_shares, step_values  # noqa: E402
 from .names import check_registered, method_of, registered_names  # noqa: E402
 from .ranks import dp_rank, megatron_layout, recording_rank  # noqa: E402
 from .recorders import close_recorders, commit_recorders, end_step_recorders  # noqa: E402
-from .registered import compute_loss, register, verl_clip_metrics  # noqa: E402
+from .registered import compute_loss, register, verl_clip_metrics, verl_metric_keys  # noqa: E402
 from .trainer_mode import register_trainer  # noqa: E402
 
 register()
@@ -51,5 +51,6 @@ def __getattr__(name):  # EntropyLensTrainer imports verl's v1 trainer (Transfer
 __all__ = ["EntropyLensLossConfig", "EntropyLensLoss", "check_verl_version", "check_registered", "register",
            "register_trainer", "compute_loss", "agg_and_scale", "logit_grad_norm_from_sum_p2", "VERL_TESTED",
            "recording_rank", "megatron_layout", "dp_rank", "metric_rule", "metric_shares", "step_values",
-           "verl_clip_metrics", "eps_from", "method_of", "registered_names", "close_recorders", "commit_recorders",
-           "end_step_recorders", "ResumePlan", "resume_plan", "read_checkpoint_record", "write_checkpoint_record"]
+           "verl_clip_metrics", "verl_metric_keys", "eps_from", "method_of", "registered_names", "close_recorders",
+           "commit_recorders", "end_step_recorders", "ResumePlan", "resume_plan", "read_checkpoint_record",
+           "write_checkpoint_record"]

@@ -27,6 +27,7 @@ class MicroBatch:
     advantages: torch.Tensor
     old_entropy: torch.Tensor | None  # the first of OLD_ENTROPY_KEYS in the batch, float32
     rollout_log_prob: torch.Tensor | None = None  # the rollout engine's (rollout_log_probs): tokens.sampler_logprob
+    is_weight: torch.Tensor | None = None  # verl's rollout correction weights (rollout_is_weights): tokens.is_weight
 
     @property
     def width(self) -> int:
@@ -55,7 +56,8 @@ def read_micro_batch(model_output, data) -> MicroBatch:
                       old_log_prob=fit(td["old_log_probs"], width), advantages=fit(td["advantages"], width),
                       old_entropy=fit(td[old_key], width).float() if old_key is not None else None,
                       rollout_log_prob=fit(td["rollout_log_probs"], width).float()
-                      if "rollout_log_probs" in keys else None)
+                      if "rollout_log_probs" in keys else None,
+                      is_weight=fit(td["rollout_is_weights"], width) if "rollout_is_weights" in keys else None)
 
 
 def non_tensor(data, key: str, default=None):

@@ -1,6 +1,7 @@
 """The settings: :class:`EntropyLensLossConfig` (verl's policy-loss config plus entropylens' fields) and
-what is read from verl's actor config: eps (:func:`eps_from`) and the aggregation with verl's global
-counts (:func:`agg_and_scale`).
+what is read from verl's actor config: eps (:func:`eps_from`), the aggregation with verl's global
+counts (:func:`agg_and_scale`), and whether the run trains on-policy (:func:`on_policy`, from the trainer's
+whole config: the train batch size is not in the actor's).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from verl.workers.config import ActorConfig, PolicyLossConfig
 from .names import check_registered, method_of, registered_names
 
 DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025): eps_low 0.2, eps_high 0.28
+# report.run_findings.ON_POLICY_TEXT with verl's settings in place of TRL's
+ON_POLICY_TEXT = ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
+                  "or ppo_mini_batch_size < data.train_batch_size")
 
 
 @dataclass
@@ -144,3 +148,25 @@ def agg_and_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict) -> tuple[s
             raise ValueError("global_batch_size is required when dp_size > 1")
         return loss_agg_mode, (1.0 if gbs is None else n_seq.double() * dp / float(gbs))
     raise ValueError(f"loss_agg_mode: unknown {loss_agg_mode!r}")
+
+
+def on_policy(config) -> str | None:
+    """Why verl trains on-policy with the trainer's whole ``config`` (main_ppo's composed DictConfig), or None.
+
+    verl recomputes the old log-probs with the actor before its update (unless
+    ``algorithm.rollout_correction.bypass_mode``, where they are the rollout engine's), so the first
+    mini-batch of each step starts from them: every ratio is 1 there. With ``actor.ppo_epochs == 1`` and one
+    mini-batch (``actor.ppo_mini_batch_size >= data.train_batch_size``, both counted in prompts) that first
+    update is the only one, and every ratio of the run is 1. The actor's config alone (what the loss
+    functions see) has ppo_epochs and ppo_mini_batch_size but not data.train_batch_size: the rule needs the
+    trainer's config (docs/verl.md, "On-policy")."""
+    actor = config.actor_rollout_ref.actor
+    epochs, mini = actor.get("ppo_epochs", 1), actor.get("ppo_mini_batch_size", None)
+    train = config.get("data", {}).get("train_batch_size", None)
+    corr = config.get("algorithm", {}).get("rollout_correction", None) or {}
+    if epochs is None or mini is None or train is None or corr.get("bypass_mode", False):
+        return None
+    if int(epochs) != 1 or int(mini) < int(train):
+        return None
+    return (f"verl recomputes the old log-probs before the actor update, and actor.ppo_epochs 1 over one mini-batch "
+            f"(ppo_mini_batch_size {int(mini)} >= data.train_batch_size {int(train)}) is one update per step")

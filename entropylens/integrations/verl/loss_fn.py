@@ -24,7 +24,7 @@ from .names import OLD_ENTROPY_KEYS, SAMPLE_ID, STEP, method_of, new_run_id, reg
 from .ranks import dp_rank
 from .recorders import (add_sequences, close_recorders, commit_recorders, end_step_recorders,
                         flush_earlier_sequences, open_recorder)
-from .registered import VERL_CLIP_KEYS, compute_loss, verl_clip_metrics
+from .registered import compute_loss, verl_clip_metrics, verl_metric_keys
 
 
 # the adaptive entropy controllers of this worker, by (record_dir, run): [controller, its last step]
@@ -115,15 +115,17 @@ class EntropyLensLoss:
             entropy_coef = ctrl.applied
         out = compute_loss(self.method, b.old_log_prob, b.log_prob, b.advantages, b.mask, config.loss_agg_mode,
                            config, entropy=b.entropy, old_entropy=b.old_entropy if b.entropy is not None else None,
-                           erc=self.erc, entropy_coef=entropy_coef, token_mask=keep)
+                           erc=self.erc, entropy_coef=entropy_coef, token_mask=keep, is_weight=b.is_weight)
         if ctrl is not None:
             out.config["entropy_coef_adaptive"] = ctrl.coef
             out.config.update(ctrl.settings())
         if keep is not None:
             out.config["top_entropy_quantile"] = self.top_entropy_quantile
         loss, metrics, ent_loss = _verl_terms(config, b, out.loss, aggregation)
-        clip = verl_clip_metrics(b.log_prob, b.old_log_prob, b.advantages, b.mask, config, self.method)
-        metrics.update(_loss_metrics(out, clip, ent_loss, entropy_coef, aggregation, int(data["dp_size"] or 1)))
+        clip = verl_clip_metrics(b.log_prob, b.old_log_prob, b.advantages, b.mask, config, self.method,
+                                 cov_clipped=out.columns.get("cov_clipped"))
+        metrics.update(_loss_metrics(out, verl_metric_keys(self.method), clip, ent_loss, entropy_coef, aggregation,
+                                     int(data["dp_size"] or 1)))
         rec = self._recorder(dp_group, dynamic_cp=non_tensor(data, "local_cp_size") is not None)
         if rec is not None:
             self._record(rec, out, b, exact=entropy_coef == 0.0 and not config.use_kl_loss)
@@ -166,10 +168,7 @@ class EntropyLensLoss:
         return keep, ctrl
 
     def _check(self, b: MicroBatch) -> None:
-        """Refuse what this loss cannot do: rollout correction weights, ERC without both entropies."""
-        if b.td.get("rollout_is_weights", None) is not None:
-            raise ValueError("entropylens: rollout correction weights (rollout_is_weights) are not supported; "
-                             "turn algorithm.rollout_correction off")
+        """Refuse what this loss cannot do: ERC without both entropies."""
         if self.erc is not None and (b.entropy is None or b.old_entropy is None):
             raise RuntimeError(
                 "entropylens ERC needs the current entropy (actor.calculate_entropy=True) and the old policy's "
@@ -251,17 +250,19 @@ def _verl_terms(config, b: MicroBatch, loss, aggregation):
     return loss, metrics, ent_loss
 
 
-def _loss_metrics(out, clip, ent_loss, entropy_coef: float, aggregation, dp_size: int) -> dict[str, Any]:
+def _loss_metrics(out, clip_keys, clip, ent_loss, entropy_coef: float, aggregation, dp_size: int) -> dict[str, Any]:
     """verl's keys as ppo_loss makes them: pg_loss without the entropy bonus (out.loss = pg - coef * H_agg),
-    the clip diagnostics averaged over micro-batches (Metric MEAN, as ppo_loss wraps a policy loss's
+    the clip diagnostics ``clip`` under ``clip_keys`` (those verl's own loss of the method returns:
+    registered.verl_metric_keys) averaged over micro-batches (Metric MEAN, as ppo_loss wraps a policy loss's
     metrics); ours: the back-propagated policy loss (bonus included) with pg_loss's aggregation, and the
     step metrics as additive shares (Metric SUM), which EntropyLensTrainer turns into step values."""
     host = torch.cat([clip, ent_loss.detach().double().reshape(1) if ent_loss is not None
                       else torch.zeros(1, dtype=torch.float64, device=clip.device)]).tolist()  # one host copy
     scal = out.scalars()  # one host copy
     total = scal.get("loss", float("nan"))
-    metrics = {"actor/pg_loss": Metric(value=total + entropy_coef * host[3], aggregation=aggregation)}
-    for key, v in zip(VERL_CLIP_KEYS, host[:3]):
+    n_clip = len(clip_keys)
+    metrics = {"actor/pg_loss": Metric(value=total + entropy_coef * host[n_clip], aggregation=aggregation)}
+    for key, v in zip(clip_keys, host[:n_clip]):
         metrics[key] = Metric(value=v, aggregation=AggregationType.MEAN)
     metrics[METRIC_PREFIX + "loss"] = Metric(value=total, aggregation=aggregation)
     for k, v in metric_shares(scal, dp_size).items():

@@ -19,7 +19,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.utils.config import omega_conf_to_dataclass
 
 from .checkpoint import resume_plan, resumed_checkpoint_folder, write_checkpoint_record
-from .config import eps_from, pl_get
+from .config import ON_POLICY_TEXT, eps_from, on_policy, pl_get
 from .loss_fn import EntropyLensLoss
 from .metrics import MetricShares, logged_metrics
 from .names import SAMPLE_ID, STEP, check_registered, method_of, new_run_id, registered_names
@@ -47,6 +47,16 @@ class EntropyLensTrainer(PPOTrainerSync):
                 pl.run = self._el_new_run
         super().__init__(config)
         self._el_next_id = 0
+        self._el_warn_on_policy(config)
+
+    def _el_warn_on_policy(self, config) -> None:
+        """Warn once, at the start (on the driver), when every ratio of the run will be 1
+        (:func:`~.config.on_policy`), with TRL's OnPolicyWarning and its text in verl's settings."""
+        why = on_policy(config)
+        if why is not None:
+            from ...report.run_findings import OnPolicyWarning
+
+            warnings.warn(f"entropylens: on_policy: {ON_POLICY_TEXT} ({why})", OnPolicyWarning, stacklevel=3)
 
     def init(self):
         super().init()  # verl's _load_checkpoint ran: global_steps is the resumed checkpoint's step (0: none)
