@@ -186,3 +186,16 @@ def test_runnable_example_runs_as_written(page, k, tmp_path):
     res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "MPLBACKEND": "Agg"})
     assert res.returncode == 0, f"{page.relative_to(ROOT)} example {k} failed:\n{res.stdout}\n{res.stderr}"
+
+
+def test_default_agg_of_every_method_is_on_the_pages():
+    """docs/losses.md and docs/recording.md name each method's default agg (losses.DEFAULT_AGG)."""
+    from entropylens.rl.losses import DEFAULT_AGG
+
+    for page in ("losses.md", "recording.md"):
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        for agg in set(DEFAULT_AGG.values()):
+            methods = [m for m, a in DEFAULT_AGG.items() if a == agg]
+            # the sentence that gives this agg as a default names every method that has it
+            said = [s for s in re.split(r"[;.]", text) if f"`{agg}` for" in s or f"`{agg}` for" in s]
+            assert said and all(any(re.search(rf"\b{m}\b", s) for s in said) for m in methods), (page, agg, methods)

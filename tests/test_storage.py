@@ -114,7 +114,8 @@ def test_compaction_on_s3_keeps_every_answer(s3):
     con = connect(url)
     before = {name: run_analysis(con, name) for name in ("run_summary", "clip_by_quadrant", "entropy_by_step")}
     totals = con.execute("SELECT count(*), sum(entropy)::DOUBLE FROM tokens").fetchone()
-    (res,) = compact(url, grace_s=0)
+    with pytest.warns(UserWarning, match="step 8 not compacted"):  # step 8 has no steps file yet: left alone
+        (res,) = compact(url, grace_s=0)
     assert res.steps == (0, 7) and res.removed >= 8 * 2 * 3
     keys = _keys(url)
     assert not any("/tokens/step=3/" in k for k in keys)
@@ -157,4 +158,6 @@ def test_any_fsspec_url_works_the_same(tmp_path):
     assert con.execute("SELECT count(*), count(DISTINCT step) FROM tokens").fetchone() == (48, 3)
     (res,) = compact("memory://el-test/runs", grace_s=0)
     assert res.steps == (0, 2)
-    assert connect("memory://el-test/runs").execute("SELECT count(*) FROM tokens").fetchone() == (48,)
+    with pytest.warns(UserWarning, match="update-7.parquet: empty"):  # the empty file is still there: said again
+        after = connect("memory://el-test/runs")
+    assert after.execute("SELECT count(*) FROM tokens").fetchone() == (48,)

@@ -265,15 +265,20 @@ def _run_notes(con) -> dict[str, str]:
     clipping sections name the runs trained on-policy (every ratio 1), the quadrant share the thin quadrants."""
     if con is None:
         return {}
-    from .run_findings import ON_POLICY_TEXT, on_policy, thin_quadrants
+    from .run_findings import on_policy, thin_quadrants
 
     out = {}
-    runs = [f.run for f in on_policy(con)]
-    if runs:
+    by_advice: dict[str, list[str]] = {}  # the advice is in each run's trainer's settings
+    for f in on_policy(con):
+        by_advice.setdefault(f.signal, []).append(f.run)
+    parts = []
+    for advice, runs in by_advice.items():
         listed = ", ".join(runs[:runset.MAX_LISTED]) + (f" and {len(runs) - runset.MAX_LISTED} more"
                                                        if len(runs) > runset.MAX_LISTED else "")
+        parts.append(f"On-policy ({listed}): {advice}.")
+    if parts:
         for name in CLIP_FIGURES:
-            out[name] = f"On-policy ({listed}): {ON_POLICY_TEXT}."
+            out[name] = " ".join(parts)
     thin = thin_quadrants(con)
     if thin:
         out["quadrant_share"] = "Thin quadrants: " + "; ".join(f"{f.run}: {f.signal}" for f in thin[:runset.MAX_LISTED]) + "."

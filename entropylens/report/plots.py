@@ -1196,8 +1196,8 @@ def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
     """mismatch_by_quadrant_by_step -> one row of two panels per series (TIS / MIS: training-inference
     mismatch). Left: mean |delta log p| = |old_logprob - sampler_logprob| per step, by quadrant (colours)
     and over all tokens (black). Right, per step: the mismatched share (|delta| > the analysis's
-    threshold, ln 2, or masked) of the clipped tokens (red), of the other tokens (grey), and the mismatched tokens' share
-    of sum |entropy_effect| (purple). A series whose runs recorded no sampler log-probs (NULL) says so
+    threshold, ln 2, or masked) of the clipped tokens (black), of the other tokens (grey), and the mismatched tokens'
+    share of sum |entropy_effect| (black, dashed): no red, green or run colour, which name quadrants and runs. A series whose runs recorded no sampler log-probs (NULL) says so
     in its row instead of drawing zeros. Several runs in a series are pooled (token-weighted)."""
     from matplotlib.ticker import MaxNLocator
 
@@ -1230,9 +1230,9 @@ def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
         left.set_ylabel("mean |log p_old - log p_sampler|", fontsize=8)
         left.set_title(f"{name}: |delta log p| by quadrant", fontsize=9)
         mk = "." if len(p) <= 10 else None  # a short run's steps as points
-        right.plot(p["step"], p["clipped_mm"], color="#d62728", lw=1.4, marker=mk, label="of the clipped tokens")
+        right.plot(p["step"], p["clipped_mm"], color="k", lw=1.4, marker=mk, label="of the clipped tokens")
         right.plot(p["step"], p["unclipped_mm"], color="0.5", lw=1.2, label="of the other tokens")
-        right.plot(p["step"], p["effect_mm"], color="#9467bd", lw=1.4, ls="--", label="of sum |entropy effect|")
+        right.plot(p["step"], p["effect_mm"], color="k", lw=1.2, ls="--", label="of sum |entropy effect|")
         right.set_ylim(-0.02, 1.02)
         right.set_ylabel("share on mismatched tokens", fontsize=8)
         right.set_title(f"{name}: mismatched share of clipping, entropy effect", fontsize=9)

@@ -5,7 +5,10 @@ run) and a run trained on-policy (every ratio exactly 1: clipping, CE-GPPO and E
   nonzero advantage. The signal gives the run's token-probability quantiles (p05, p50, p95), exp(-H) at the
   run's mean entropy H, and a suggested tau: the median token probability p50 (each of HP / LP then holds
   half the tokens). ``entropylens report --tau`` re-splits after the fact (read/retau.py).
-- ``on_policy``: every recorded ratio r = exp(logprob - old_logprob) is exactly 1, over at least one token.
+- ``on_policy``: every recorded ratio r = exp(logprob - old_logprob) is 1, over at least one token (the advice
+  in the run's trainer's settings, ON_POLICY_BY_FRAMEWORK): every
+  |logprob - old_logprob| <= ON_POLICY_TOL (1e-5: the noise of an old log-prob recomputed in float32 in a
+  separate pass, far below the narrowest clip band, GSPO's 3e-4).
 """
 
 from __future__ import annotations
@@ -20,8 +23,17 @@ class OnPolicyWarning(UserWarning):
 
 
 THIN_SHARE = 0.01  # a quadrant below this share of a run's signed tokens is called thin
+ON_POLICY_TOL = 1e-5  # |log r| at or below this counts as r = 1 (a recomputed old log-prob's float32 noise)
 ON_POLICY_TEXT = ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set num_iterations > 1 or "
-                  "steps_per_generation > gradient_accumulation_steps")
+                  "steps_per_generation > gradient_accumulation_steps")  # TRL's settings
+# the same finding in the words of the run's trainer (run.json config.framework); a loop of one's own: generic
+ON_POLICY_BY_FRAMEWORK: dict[str | None, str] = {
+    "trl": ON_POLICY_TEXT,
+    "verl": ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
+             "or ppo_mini_batch_size < data.train_batch_size"),
+    None: ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; take more than one optimizer step per batch "
+           "of rollouts (TRL: num_iterations > 1; verl: ppo_epochs > 1 or several mini-batches)"),
+}
 
 
 def _rows(con, sql: str) -> list[dict]:
@@ -68,13 +80,17 @@ def thin_quadrants(con) -> list[Finding]:
 
 
 def on_policy(con) -> list[Finding]:
-    """One ``on_policy`` finding per run whose every recorded ratio is exactly 1: logprob == old_logprob on
-    every token row (read from the log-probs, not the ratio column, which an overflow cannot cast; value 0;
-    at the run's first step)."""
-    rows = _rows(con, """
-        SELECT run, min(step) AS step, count(*) AS n, count(*) FILTER (WHERE logprob <> old_logprob) AS moved
-        FROM tokens WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""")
-    return [Finding(str(r["run"]), int(r["step"]), "on_policy", 0.0, 0.0, ON_POLICY_TEXT)
+    """One ``on_policy`` finding per run whose every recorded ratio is 1: |logprob - old_logprob| <=
+    ON_POLICY_TOL on every token row (read from the log-probs, not the ratio column, which an overflow cannot
+    cast; value 0; at the run's first step)."""
+    rows = _rows(con, f"""
+        SELECT run, min(step) AS step, count(*) AS n,
+               count(*) FILTER (WHERE NOT abs(logprob - old_logprob) <= {ON_POLICY_TOL}) AS moved,
+               any_value(try(json_extract_string(r.config, '$.framework'))) AS framework
+        FROM tokens LEFT JOIN (SELECT run, config FROM runs) AS r USING (run)
+        WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""")
+    return [Finding(str(r["run"]), int(r["step"]), "on_policy", 0.0, 0.0,
+                    ON_POLICY_BY_FRAMEWORK.get(r["framework"], ON_POLICY_BY_FRAMEWORK[None]))
             for r in rows if r["n"] and not r["moved"]]
 
 

@@ -19,6 +19,7 @@ import math
 from . import responses as R
 from ..read.query import QueryError, run_sql
 from ..read.views import sql_str
+from .palette import QUADRANT_COLORS
 from .escape import terminal as _t, token  # every name / text a user gave, as printed: no raw control or bidi character
 
 NULL_COLOUR = "#808080"  # a token without a value for the metric
@@ -26,7 +27,7 @@ NULL_COLOUR = "#808080"  # a token without a value for the metric
 SEQUENTIAL = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37))
 DIVERGING = ((33, 102, 172), (103, 169, 207), (247, 247, 247), (239, 138, 98), (178, 24, 43))
 CATEGORY_COLOURS: dict[str, dict] = {
-    "quadrant": {"PA&HP": "#1a9850", "PA&LP": "#a6d96a", "NA&HP": "#d73027", "NA&LP": "#fdae61", "ZA": "#bababa"},
+    "quadrant": dict(QUADRANT_COLORS),  # the report's one quadrant palette (palette.py), as in every figure
     "clip": {"kept": "#e0e0e0", "low": "#9ecae1", "high": "#fdd0a2", "clipped low": "#2171b5",
              "clipped high": "#d94801"},
     "erc": {"kept": "#a1d99b", "dropped": "#de2d26", None: NULL_COLOUR},

@@ -82,6 +82,7 @@ def _run(root, name: str, repeat: bool, seed: int, boundary: bool = False) -> No
                                             "eps_high": 0.2, "tau": 0.5, "schema_version": 1}))
     for step in range(3):
         for rank in range(3):
+            rows = []
             for update in range(2):
                 seq0 = (step * 10 if repeat else (step * 2 + update) * 39 if boundary
                         else (step * 6 + update * 3) * 40) + rank * 1000
@@ -89,7 +90,8 @@ def _run(root, name: str, repeat: bool, seed: int, boundary: bool = False) -> No
                 if repeat:  # same tokens, new entropies
                     arrs["entropy"] = rng.uniform(0.1, 3.0, len(arrs["seq"])).astype(np.float32)
                 write_tokens(d, step, rank, update, arrs)
-            write_steps(d, step, rank, [{"update": u, "n_tokens": 1} for u in range(2)])
+                rows.append({"update": update, "n_tokens": len(arrs["seq"])})  # the steps row counts its tokens
+            write_steps(d, step, rank, rows)
 
 
 @pytest.fixture(scope="module")

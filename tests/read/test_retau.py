@@ -100,3 +100,20 @@ def test_a_replanned_connection_keeps_its_tau(runs):
     before = run_sql(con, q)
     assert lockdown.replan(con)  # as after a compaction removed the files the views read
     assert run_sql(con, q).equals(before) and run_sql(connect(runs / "at0.7"), q).equals(before)
+
+
+def test_report_at_tau_is_the_report_of_the_run_recorded_at_tau(runs, tmp_path):
+    """`report --tau 0.7` on the run recorded at 0.5 writes the report of the run recorded at 0.7: report.md
+    the same line for line (captions, tables, every quadrant count), but one line that says the split was
+    given after the fact."""
+    from cli_calls import ok
+
+    ok("report", runs / "at0.5", "--tau", "0.7", "--out", tmp_path / "resplit")
+    ok("report", runs / "at0.7", "--out", tmp_path / "recorded")
+    a = (tmp_path / "resplit" / "report.md").read_text().splitlines()
+    b = (tmp_path / "recorded" / "report.md").read_text().splitlines()
+    assert len(a) == len(b)
+    differ = [(x, y) for x, y in zip(a, b) if x != y]
+    assert len(differ) == 1, differ  # the run's description: the sentence about tau, then the same words
+    x, y = differ[0]
+    assert x.startswith("Quadrants split at tau = 0.7 (given after the fact)") and x.endswith(" " + y), differ

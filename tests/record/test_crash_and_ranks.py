@@ -336,14 +336,17 @@ def test_a_run_resumes_on_fewer_or_more_ranks(tmp_path):
     for rec in job(3, range(4)):
         rec.close(status="failed")
     assert (tmp_path / "w" / "ranks" / "rank-2.json").exists()
-    for rec in job(2, range(2, 4), resume=1):
+    with pytest.warns(UserWarning, match=r"resume=1 removed 2 complete steps of run 'w' \(rank [01]\)"):
+        resumed = job(2, range(2, 4), resume=1)
+    for rec in resumed:
         rec.close()
     con = connect(tmp_path)
     assert con.execute("SELECT step, rank FROM steps ORDER BY ALL").fetchall() == [
         (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (3, 0), (3, 1)]
     assert not (tmp_path / "w" / "ranks" / "rank-2.json").exists()
     assert con.execute("SELECT status, resumes FROM runs").fetchall() == [("finished", 1)]
-    with pytest.warns(UserWarning, match=r"resume=2: rank 2 has no steps 2-2 on disk .* did not take part"):
+    with pytest.warns(UserWarning, match=r"resume=2 removed 1 complete step of run 'w'"), \
+            pytest.warns(UserWarning, match=r"resume=2: rank 2 has no steps 2-2 on disk .* did not take part"):
         recs = job(4, range(3, 5), resume=2)  # rank 2 sat out the 2-rank job; rank 3 is new
     for rec in recs:
         rec.close()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.alarms import Thresholds
+from entropylens.alarms import EntropyAlarm, Thresholds
 from entropylens.read.query import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "helpers"))
@@ -67,7 +67,8 @@ def test_stop_on_is_checked(tmp_path):
 def test_trl_stops_training_when_a_stop_on_rule_fires(tmp_path):
     # explosion at 1e-3 x H0 fires at the first step after the baseline (any entropy is above it): the
     # trainer stops long before max_steps, with one warning naming the finding
-    with pytest.warns(UserWarning, match="entropylens: stopping training: run=stop step=1 rule=explosion"):
+    with pytest.warns(EntropyAlarm, match="run=stop step=1 rule=explosion"), \
+            pytest.warns(UserWarning, match="entropylens: stopping training: run=stop step=1 rule=explosion"):
         tr = trl_tiny.trainer(tmp_path, "stop", max_steps=20,
                               el=dict(alarms=Thresholds(baseline=1, explosion=1e-3), stop_on=("explosion",)))
         tr.train()

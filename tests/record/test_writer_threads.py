@@ -63,12 +63,11 @@ def test_without_it_a_thread_starts_its_own_team(two_threads):
     assert _in_thread(body) != set()
 
 
-def test_the_recorders_writer_thread_leaves_no_worker_threads(two_threads, tmp_path):
+def _record_one_step(root, run: str, check=None):
     from entropylens.rl.losses import policy_loss
 
-    before = _native_threads()
     b, t = 8, 6
-    with Recorder(tmp_path, run="r") as rec:
+    with Recorder(root, run=run) as rec:
         for u in range(2):
             lp = -torch.rand(b, t)
             m = torch.ones(b, t, dtype=torch.bool)
@@ -76,4 +75,19 @@ def test_the_recorders_writer_thread_leaves_no_worker_threads(two_threads, tmp_p
             rec.record_update(0, u, mask=m, advantages=torch.randn(b), logprobs=lp, old_logprobs=lp - 0.01,
                               seq_ids=torch.arange(b) + b * u, loss=out)
         rec.step_summary(0)  # the writer thread has built the blocks (aggregates: GEMMs on the CPU)
-        assert _native_threads() - before == set()
+        if check is not None:
+            check()
+
+
+def test_the_recorders_writer_thread_leaves_no_worker_threads(two_threads, tmp_path):
+    # a first recorder starts what the process keeps for good (pyarrow's and the Parquet writer's pools grow
+    # on first use, more so when the machine is busy); its writer thread has ended. A second recorder's new
+    # writer thread would start an OpenMP team of its own (the control test below: a new thread's team is
+    # new threads), so a thread appearing now is one it started.
+    _record_one_step(tmp_path, "warm")
+    before = _native_threads()
+    _record_one_step(tmp_path, "r", check=lambda: _check_no_new(before))
+
+
+def _check_no_new(before):
+    assert _native_threads() - before == set()

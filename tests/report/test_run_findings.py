@@ -6,7 +6,7 @@ import pytest
 
 from entropylens.read.query import connect
 from entropylens.report.checks import notes
-from entropylens.report.run_findings import ON_POLICY_TEXT, on_policy, suggest_tau, thin_quadrants
+from entropylens.report.run_findings import ON_POLICY_BY_FRAMEWORK, ON_POLICY_TEXT, on_policy, suggest_tau, thin_quadrants
 from retau_runs import record
 
 
@@ -16,13 +16,28 @@ def runs(tmp_path_factory):
     record(root / "two", "two", 0.5, updates=2)  # num_iterations 2: update 1 moves the ratio
     record(root / "one", "one", 0.5, updates=1)  # num_iterations 1: every ratio exactly 1
     record(root / "low", "low", 0.02, updates=2)  # p in [0.02, 0.98]: almost every token HP
+    record(root / "recomputed", "recomputed", 0.5, updates=1, recompute_noise=2e-6)  # old log-probs from another pass
+    record(root / "drift", "drift", 0.5, updates=1, recompute_noise=1e-3)  # a sampler 0.1% off: r != 1
     return root
 
 
 def test_a_loop_at_num_iterations_1_is_on_policy_and_at_2_is_not(runs):
     found = on_policy(connect(runs))
-    assert [(f.run, f.rule, f.signal) for f in found] == [("one", "on_policy", ON_POLICY_TEXT)]
+    # "recomputed": every |log r| <= 2e-6 (float32 noise of a second pass) is still on-policy; "drift": up to
+    # 1e-3 (r down to 0.999) is not, though no token leaves a 0.2 band
+    mine = ON_POLICY_BY_FRAMEWORK[None]  # a loop of one's own: the advice names no one trainer's settings only
+    assert [(f.run, f.rule, f.signal) for f in found] == [("one", "on_policy", mine), ("recomputed", "on_policy", mine)]
     assert "num_iterations > 1 or steps_per_generation > gradient_accumulation_steps" in ON_POLICY_TEXT
+    assert ON_POLICY_BY_FRAMEWORK["trl"] == ON_POLICY_TEXT and "ppo_epochs > 1" in ON_POLICY_BY_FRAMEWORK["verl"]
+    assert "more than one optimizer step per batch of rollouts" in mine
+
+
+def test_the_advice_is_in_the_runs_trainers_settings(tmp_path):
+    """A verl run trained on-policy is told verl's settings, a TRL run TRL's (run.json config.framework)."""
+    for framework in ("verl", "trl"):
+        record(tmp_path / framework, framework, 0.5, updates=1, config={"method": "grpo", "framework": framework})
+    found = {f.run: f.signal for f in on_policy(connect(tmp_path))}
+    assert found == {"verl": ON_POLICY_BY_FRAMEWORK["verl"], "trl": ON_POLICY_TEXT}
 
 
 def test_thin_quadrant_names_the_quantiles_and_a_tau(runs):
