@@ -446,6 +446,12 @@ def kl_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
                         legend_title=legend_title, logy=True, keep=lambda d: d["kl"] > 0)
 
 
+def _integer_ticks():
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
+
+
 def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", dotted: str | None = None,
                      empty="no data in these runs", title: str = ""):
     """One panel per quadrant, ``y`` vs step per series; optional dotted column (same colour). One legend
@@ -475,6 +481,7 @@ def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", 
         # run's colour on the text
         ax.set_title(q, color="black", bbox=dict(facecolor=QUAD_COLORS[q], alpha=0.45, edgecolor="none", pad=2))
         ax.set_xlabel("training step")
+        ax.xaxis.set_major_locator(_integer_ticks())  # steps are whole: no 0.5 on a short run
     axes[0].set_ylabel(ylabel)
     handles = _series_handles(colors, full["_s"].unique())
     if dotted is not None:
