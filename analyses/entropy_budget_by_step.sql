@@ -1,5 +1,5 @@
 -- title: Entropy budget per step: each quadrant's first-order entropy effect, kept and dropped
--- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_clip_low, dropped_clip_high, dropped_dual_clip, dropped_erc, entropy
+-- columns: run, method, step, quadrant, effect, dropped, step_effect, step_dropped, dropped_clip_low, dropped_clip_high, dropped_dual_clip, dropped_clip_cov, dropped_kl_cov, dropped_erc, entropy
 -- figure: CE-GPPO Sec. 3 / Fig. 1 (entropy effect of each quadrant; what PPO-clip drops)
 -- params: none
 -- effect = sum over the quadrant's tokens of g s / T^2 (the entropy change its gradient drives per unit
@@ -7,7 +7,8 @@
 -- clipping / CE-GPPO's beta / ERC / dual-clip changed: the effect that was taken away. step_* are the
 -- step totals (ZA tokens included); step_dropped split by cause (they add up to it): dropped_clip_low /
 -- dropped_clip_high (PPO-clip's sides, CE-GPPO's beta1 / beta2), dropped_dual_clip (dual-clip, TRL's
--- delta), dropped_erc (ERC's own share); NULL where the run had no such cause (no ERC, no dual-clip) or
+-- delta), dropped_clip_cov / dropped_kl_cov (Clip-Cov's selection, KL-Cov's penalty), dropped_erc (ERC's
+-- own share); NULL where the run had no such cause (no ERC, no dual-clip, another method) or
 -- was recorded before the split (schema version < 3). Exact: from the steps table (all tokens, also when
 -- token rows are sampled), summed over the step's updates and ranks. NULL where a run recorded no entropy
 -- sensitivity (or, for effect, an entropy bonus whose own term was not measured). entropy: the step's
@@ -21,6 +22,8 @@ WITH s AS (
         sum(entropy_effect_dropped_clip_low) AS dropped_clip_low,
         sum(entropy_effect_dropped_clip_high) AS dropped_clip_high,
         sum(entropy_effect_dropped_dual_clip) AS dropped_dual_clip,
+        sum(entropy_effect_dropped_clip_cov) AS dropped_clip_cov,
+        sum(entropy_effect_dropped_kl_cov) AS dropped_kl_cov,
         sum(entropy_effect_dropped_erc) AS dropped_erc,
         sum(entropy_effect_pa_hp) AS e_pa_hp,
         sum(entropy_effect_pa_lp) AS e_pa_lp,
@@ -57,6 +60,8 @@ SELECT
     s.dropped_clip_low,
     s.dropped_clip_high,
     s.dropped_dual_clip,
+    s.dropped_clip_cov,
+    s.dropped_kl_cov,
     s.dropped_erc,
     s.entropy
 FROM q

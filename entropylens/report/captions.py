@@ -495,7 +495,8 @@ def clipping_removed(df, rs: RunSet | None = None) -> str:
 
 
 _CAUSES = (("dropped_clip_low", "clip low side"), ("dropped_clip_high", "clip high side"),
-           ("dropped_dual_clip", "dual-clip"), ("dropped_erc", "ERC"))
+           ("dropped_dual_clip", "dual-clip"), ("dropped_clip_cov", "Clip-Cov"), ("dropped_kl_cov", "KL-Cov"),
+           ("dropped_erc", "ERC"))
 
 
 def _cause_note(df, rs: RunSet) -> str:

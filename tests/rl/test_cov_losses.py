@@ -204,3 +204,39 @@ def test_plain_loop_policy_update_records_clip_cov(tmp_path):
         "(select cov_clipped_frac from steps), (select entropy_effect_dropped_clip_cov from steps) from tokens"
     ).fetchone()
     assert n_sel == zero_g == 6 and frac == pytest.approx(0.1) and drop is not None
+
+
+@pytest.mark.parametrize("method, cause", [("clip_cov", "dropped_clip_cov"), ("kl_cov", "dropped_kl_cov")])
+def test_entropy_budget_names_the_cov_cause_and_the_parts_add_up(tmp_path, method, cause):
+    """entropy_budget_by_step's by-cause columns add up to step_dropped for Clip-Cov and KL-Cov too (a new
+    user's report once said 'the parts add up' while leaving these two out), and the report's caption names
+    the cause."""
+    from entropylens.integrations.torch import policy_update
+    from entropylens.read import query
+    from entropylens.record.recorder import Recorder
+    from entropylens.report.captions import _cause_note
+    from entropylens.report.runset import from_connection
+
+    g = torch.Generator().manual_seed(5)
+    b, t, v = 6, 10, 11
+    logits = (torch.randn(b, t, v, generator=g) * 2).requires_grad_(True)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    adv = torch.tensor([3.0, -3.0, 2.0, -2.0, 4.0, -1.0])
+    old = torch.log_softmax(logits.detach() + 0.3 * torch.randn(b, t, v, generator=g), -1).gather(
+        -1, tokens.unsqueeze(-1)).squeeze(-1)
+    kw = dict(clip_cov_ratio=0.1, clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0)) \
+        if method == "clip_cov" else dict(kl_cov_ratio=0.2)
+    with Recorder(tmp_path, method, config={"method": method}) as rec:
+        out = policy_update(rec, 0, 0, logits, tokens, mask, adv, old, method=method, **kw)
+        out.loss.backward()
+        rec.record_step(0)
+    con = query.connect(tmp_path)
+    df = query.run_analysis(con, "entropy_budget_by_step")
+    row = df.iloc[0]
+    parts = [c for c in ("dropped_clip_low", "dropped_clip_high", "dropped_dual_clip", "dropped_clip_cov",
+                         "dropped_kl_cov", "dropped_erc") if row[c] == row[c]]
+    assert cause in parts and row[cause] != 0
+    assert sum(row[c] for c in parts) == pytest.approx(row["step_dropped"], rel=1e-5, abs=1e-9)
+    note = _cause_note(df, from_connection(con))
+    assert ("Clip-Cov" if method == "clip_cov" else "KL-Cov") in note, note
