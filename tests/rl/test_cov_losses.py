@@ -177,11 +177,9 @@ def test_recorded_run_has_the_cov_columns(tmp_path):
     assert frac == pytest.approx(int(out.columns["kl_cov_penalised"].sum()) / int(mask.sum())) and cc is None
 
 
-def test_plain_loop_policy_update_records_clip_cov(tmp_path):
-    from entropylens.integrations.torch import policy_update
-    from entropylens.read import query
-    from entropylens.record.recorder import Recorder
 
+def _logit_batch():
+    """A seeded [6, 10, 11] logits batch for policy_update: (logits (grad), tokens, mask, adv [6], old logprobs)."""
     g = torch.Generator().manual_seed(5)
     b, t, v = 6, 10, 11
     logits = (torch.randn(b, t, v, generator=g) * 2).requires_grad_(True)
@@ -190,6 +188,15 @@ def test_plain_loop_policy_update_records_clip_cov(tmp_path):
     adv = torch.tensor([3.0, -3.0, 2.0, -2.0, 4.0, -1.0])
     old = torch.log_softmax(logits.detach() + 0.3 * torch.randn(b, t, v, generator=g), -1).gather(
         -1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logits, tokens, mask, adv, old
+
+
+def test_plain_loop_policy_update_records_clip_cov(tmp_path):
+    from entropylens.integrations.torch import policy_update
+    from entropylens.read import query
+    from entropylens.record.recorder import Recorder
+
+    logits, tokens, mask, adv, old = _logit_batch()
     rec = Recorder(tmp_path, "loop", config={"method": "clip_cov"})
     out = policy_update(rec, 0, 0, logits, tokens, mask, adv, old, method="clip_cov", clip_cov_ratio=0.1,
                         clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0))
@@ -217,14 +224,7 @@ def test_entropy_budget_names_the_cov_cause_and_the_parts_add_up(tmp_path, metho
     from entropylens.report.captions import _cause_note
     from entropylens.report.runset import from_connection
 
-    g = torch.Generator().manual_seed(5)
-    b, t, v = 6, 10, 11
-    logits = (torch.randn(b, t, v, generator=g) * 2).requires_grad_(True)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.ones(b, t, dtype=torch.bool)
-    adv = torch.tensor([3.0, -3.0, 2.0, -2.0, 4.0, -1.0])
-    old = torch.log_softmax(logits.detach() + 0.3 * torch.randn(b, t, v, generator=g), -1).gather(
-        -1, tokens.unsqueeze(-1)).squeeze(-1)
+    logits, tokens, mask, adv, old = _logit_batch()
     kw = dict(clip_cov_ratio=0.1, clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0)) \
         if method == "clip_cov" else dict(kl_cov_ratio=0.2)
     with Recorder(tmp_path, method, config={"method": method}) as rec:
