@@ -93,3 +93,82 @@ def test_trl_vllm_is_metrics_equal_recorded(tmp_path, mode):
                     "WHERE step = 0").fetchone()
     got = con.execute("SELECT sampler_kl_k1, sampler_kl_k3 FROM steps WHERE step = 0").fetchone()
     assert got == pytest.approx(k, rel=1e-4) and not any(math.isnan(x) for x in got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sequence_truncate", "sequence_mask"])
+def test_trl_sequence_level_is_equal_recorded(tmp_path, mode):
+    """TRL's sequence modes: one ratio a completion, exp(sum over its tokens of d), d = old - sampler (0 where
+    unscored), truncated to [lo, hi] or set to 0 outside it; its sampling/importance_sampling_ratio/* are
+    over the completions ([B, 1]), and every token of a completion records its completion's weight."""
+    lo, hi = 0.5, 2.0
+    tr, con = _train(tmp_path, mode, vllm_importance_sampling_clip_min=lo, vllm_importance_sampling_clip_max=hi)
+    logged = [e for e in tr.state.log_history if "sampling/sampling_logp_difference/mean" in e]
+    rows = con.execute("SELECT step, sampler_abs_log_ratio_mean, sampler_abs_log_ratio_max, is_masked_frac "
+                       "FROM steps ORDER BY step").fetchall()
+    assert len(rows) == len(logged) == 2
+    worst, outside_seen, inside_seen = 0.0, 0, 0
+    for (step, mean, mx, masked_frac), logs in zip(rows, logged):
+        for ours, theirs in ((mean, logs["sampling/sampling_logp_difference/mean"]),
+                             (mx, logs["sampling/sampling_logp_difference/max"])):
+            worst = max(worst, abs(ours - theirs) / abs(theirs))
+        seqs = con.execute("SELECT min(is_weight), max(is_weight), sum(coalesce(sampler_log_ratio, 0)), "
+                           "count(*) FILTER (WHERE is_masked), count(*) FROM tokens WHERE step = ? "
+                           "GROUP BY update, seq ORDER BY update, seq", [step]).fetchall()
+        assert len(seqs) == CFG["per_device_train_batch_size"]
+        weights = []
+        for w_min, w_max, d_sum, n_masked, n in seqs:
+            assert w_min == w_max  # one weight a completion, on each of its tokens
+            raw = math.exp(d_sum)  # the completion's ratio by hand (float64 over the float32 column)
+            outside = not lo <= raw <= hi
+            want = (min(max(raw, lo), hi) if mode == "sequence_truncate" else (0.0 if outside else raw))
+            assert w_min == pytest.approx(want, rel=1e-4, abs=1e-6)
+            if mode == "sequence_mask":  # all of a completion's tokens masked, or none
+                assert n_masked == (n if outside else 0)
+            else:
+                assert n_masked == 0
+            outside_seen += outside
+            inside_seen += not outside
+            weights.append(w_min)
+        for ours, key in ((min(weights), "min"), (sum(weights) / len(weights), "mean"), (max(weights), "max")):
+            theirs = logs[f"sampling/importance_sampling_ratio/{key}"]  # TRL's: over completions
+            worst = max(worst, abs(ours - theirs) / max(abs(theirs), 1e-12))
+        if mode == "sequence_mask":
+            n_all = sum(s[4] for s in seqs)
+            assert masked_frac == pytest.approx(sum(s[3] for s in seqs) / n_all, rel=1e-6)
+        else:
+            assert masked_frac is None
+    assert outside_seen and inside_seen  # the batch has completions on both sides of the bounds
+    print(f"{mode}: max relative difference to TRL's sampling/* metrics {worst:.2e}")
+    assert worst <= 1e-5
+
+
+@pytest.mark.slow
+def test_trl_clipped_tokens_mismatched_share(tmp_path):
+    """Off-policy updates (num_iterations 2, a tight clip) so PPO-clip acts: steps.clipped_mismatched_frac
+    equals the share, over the token rows, of the clipped tokens with a sampler log-prob whose |d| > ln 2
+    (schema.MISMATCH_LOG_RATIO), pooled over the step's updates; and the clipped share is TRL's."""
+    from entropylens.schema import MISMATCH_LOG_RATIO
+
+    tr, con = _train(tmp_path, "token_truncate", num_iterations=2, epsilon=0.02, max_steps=4,
+                     vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0)
+    got = dict(con.execute("SELECT step, sum(clipped_mismatched_frac * n_sampled_clipped) / "
+                           "nullif(sum(n_sampled_clipped), 0) FROM steps GROUP BY step").fetchall())
+    want = dict(con.execute(
+        "SELECT step, avg(CAST(abs(sampler_log_ratio) > ? AS DOUBLE)) FILTER (WHERE clipped AND sampler_log_ratio "
+        "IS NOT NULL) FROM tokens GROUP BY step", [MISMATCH_LOG_RATIO]).fetchall())
+    clipped = con.execute("SELECT count(*) FILTER (WHERE clipped) FROM tokens").fetchone()[0]
+    assert clipped > 0  # PPO-clip acted
+    assert set(got) == set(want) and any(v is not None for v in want.values())
+    for s in want:
+        if want[s] is None:
+            assert got[s] is None
+        else:
+            assert got[s] == pytest.approx(want[s], rel=1e-6)
+    # the clipped share (r outside the band on the advantage's side) against TRL's clip_ratio/region_mean
+    ours = dict(con.execute("SELECT step, sum(clipped_frac * n_tokens) / sum(n_tokens) FROM steps GROUP BY step")
+                .fetchall())
+    logs = [e for e in tr.state.log_history if "clip_ratio/region_mean" in e]
+    assert len(logs) == len(ours) == 4
+    for s, e in zip(sorted(ours), logs):
+        assert ours[s] == pytest.approx(e["clip_ratio/region_mean"], abs=1e-6)

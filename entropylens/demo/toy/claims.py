@@ -35,7 +35,8 @@ from . import compare, methods, rules
 CLAIM_CONFIGS = ("grpo", "dapo", "ce_gppo", "ce_gppo_0.25_1", "ce_gppo_0.75_1", "ce_gppo_0.5_0.5",
                  "entropy_bonus_0.001", "entropy_bonus_0.003", "erc_dapo")
 # the other entropy controls of the registry, compared with the baseline in the methods table
-COMPARED = ("gppo", "cispo", "gspo", "sapo", "erc_gppo", "clip_cov", "kl_cov", "forking", "adaptive_entropy")
+COMPARED = ("gppo", "cispo", "gspo", "sapo", "erc_gppo", "clip_cov", "kl_cov", "forking", "adaptive_entropy",
+            "grpo_mismatch", "grpo_mismatch_tis")
 CONFIGS = CLAIM_CONFIGS + COMPARED  # the full lab
 # the configs each claim needs (a claim whose configs were not run says so instead of a verdict)
 CLAIM_NEEDS = {"1": ("grpo",), "3": ("ce_gppo", "grpo", "dapo"),
@@ -597,10 +598,11 @@ TABLE_COLS = (("h_final", "final entropy", 3), ("h_min", "min entropy", 3), ("r_
 def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None, workers: int,
                   minutes: float | None, core_minutes: float, run_minutes: float = math.nan, configs=CONFIGS,
                   rows: list[dict] | None = None, baseline: str = compare.BASELINE, shares: dict | None = None,
-                  cui: dict | None = None) -> dict:
+                  cui: dict | None = None, mismatch: dict | None = None) -> dict:
     """Everything the claims file shows for one regime (saved as JSON, so regimes regenerate separately);
     ``rows``: the methods table (compare.method_rows; made from ``metrics`` when not given), ``shares``:
-    the token-entropy shares beside the 80/20 paper's, ``cui``: Cui et al.'s laws per method (toy/beside.py)."""
+    the token-entropy shares beside the 80/20 paper's, ``cui``: Cui et al.'s laws per method, ``mismatch``: the
+    sampler-trainer mismatch measures per method (toy/beside.py; the stable seeds' final entropy is added here)."""
     from .config import config_for
 
     cfg = config_for("grpo", regime=regime, **({"steps": steps} if steps else {}))
@@ -633,6 +635,7 @@ def regime_result(regime: str, metrics, claims, *, seeds: int, steps: int | None
             "measured": measured, "table": table, "claims": [asdict(c) for c in claims],
             "compare": {"baseline": baseline, "rows": compare.as_json(rows), "tests": compare.n_tests(rows)},
             "token_shares": shares or {}, "cui": cui or {},
+            "mismatch": mismatch or {}, "h_final": {n: stable_values(agg, n, "h_final") for n in agg},
             "runs": {r: {k: v for k, v in m.items() if k not in ("grad_spikes", "kl_spikes")}
                      for r, m in metrics.items()}}
 
@@ -761,10 +764,11 @@ def write_markdown(out: Path) -> Path:
     lines += ["", f"The destabilised flag is deliberately less sensitive than `entropylens check`'s spike alarms "
               "(an early warning): it marks blow-ups, not ordinary jitter.", ""]
     lines += methods_markdown(results)
-    from .beside import cui_markdown, shares_markdown
+    from .beside import cui_markdown, mismatch_markdown, shares_markdown
 
     lines += shares_markdown(results, _label)
     lines += cui_markdown(results, _label)
+    lines += mismatch_markdown(results, _label)
     for r in results:
         lines += ["", f"## Regime {_label(r)}", ""]
         if r["reduced"]:
@@ -838,10 +842,11 @@ def main(argv=None) -> None:
         claims = evaluate(con, metrics)
         rows = compare.method_rows(by_config(metrics), a.baseline, order=configs)
         figures(con, out, regime, claims, rows, a.baseline)
-        from .beside import cui_summary, token_entropy_shares
+        from .beside import cui_summary, mismatch_summary, token_entropy_shares
 
         config_of = {run: m["config"] for run, m in metrics.items()}
         shares, cui = token_entropy_shares(con, config_of), cui_summary(con, config_of)
+        mismatch = mismatch_summary(con, config_of)
         t = timings(runs_dir)
         minutes = wall
         if a.no_train:  # re-evaluating: keep the wall time of the invocation that trained these runs, if known
@@ -853,7 +858,8 @@ def main(argv=None) -> None:
                             minutes=minutes,
                             core_minutes=sum(t.get(i, {}).get("cpu", math.nan) for i in ids) / 60,
                             run_minutes=sum(t.get(i, {}).get("wall", math.nan) for i in ids) / 60,
-                            configs=configs, rows=rows, baseline=a.baseline, shares=shares, cui=cui)
+                            configs=configs, rows=rows, baseline=a.baseline, shares=shares, cui=cui,
+                            mismatch=mismatch)
         (out / f"paper-claims-{regime}.json").write_text(json.dumps(res, indent=1, default=float))
     print(write_markdown(out).read_text())
 

@@ -86,6 +86,14 @@ _ENTRIES: tuple[Method, ...] = (
            "GRPO with an entropy bonus whose coefficient steps by 0.005 towards keeping entropy above 0.2 nats",
            SKYWORK, "TRL's defaults (target 0.2, delta 0.005, coefficient from 0 in [0, 1]); the toy starts near "
                     "1.1 nats, so the coefficient only moves once entropy has fallen below 0.2"),
+    Method("grpo_mismatch", dict(method="grpo", mismatch="temp:1.5"),
+           "GRPO trained on samples from a mismatched sampler (temperature 1.5 x the trainer's), no IS correction",
+           "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
+           "a controlled mismatch (sampler.py: temp:1.5) in place of vLLM's bf16 / kernel differences"),
+    Method("grpo_mismatch_tis", dict(method="grpo", mismatch="temp:1.5", tis=2.0),
+           "grpo_mismatch with TIS: each token's policy term times min(pi_old / pi_sampler, 2)",
+           "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
+           "a controlled mismatch (sampler.py: temp:1.5); TIS cap 2 (verl's rollout_is_threshold default)"),
     Method("erc_dapo", dict(method="dapo", erc=(0.95, 1.05)),
            "DAPO plus Entropy Ratio Clipping: no gradient where H / H_old leaves (0.95, 1.05)", ERC),
     Method("erc_gppo", dict(method="gppo", erc=(0.95, 1.05)), "GPPO plus Entropy Ratio Clipping, band (0.95, 1.05)",
@@ -211,6 +219,9 @@ def loss_settings(cfg: dict) -> dict[str, str]:
                                f"{_fmt(cfg.get('entropy_coef_max', 1.0))}], from {_fmt(cfg.get('entropy_coef', 0.0))}")
     elif cfg.get("entropy_coef"):
         out["entropy_coef"] = _fmt(cfg["entropy_coef"])
+    if cfg.get("mismatch"):  # the toy's mismatched sampler (sampler.py) and its IS correction
+        out["sampler"] = cfg["mismatch"]
+        out["tis"] = _fmt(cfg["tis"]) if cfg.get("tis") else "none"
     if cfg.get("top_entropy_quantile", 1.0) < 1.0:
         out["top_entropy_quantile"] = _fmt(cfg["top_entropy_quantile"])
     for k, v in options.items():
