@@ -12,7 +12,7 @@ with the previous mode's writer work: sample=0.1 and no-fsync looked dearer than
 thread's own CPU per step is printed too. Then the cost of fsync per file on this disk: a token
 file of one toy step written with and without fsync (file + directory), alternating.
 
-  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full,hook]   (ENTROPYLENS_WRITER_IDLE=0: writer at nice 19, not SCHED_IDLE; ENTROPYLENS_WRITER_NICE=0: normal priority)
+  python benchmarks/overhead.py [--steps 30] [--fsync-files 40] [--modes off,full,hook,clip_cov,kl_cov]   (ENTROPYLENS_WRITER_IDLE=0: writer at nice 19, not SCHED_IDLE; ENTROPYLENS_WRITER_NICE=0: normal priority)
 Columns: wall ms and its ratio to "off"; the training thread's CPU ms (time.thread_time) and ratio;
 the writer thread's CPU ms per step; the untimed drain after each step.
 Every mode runs each step from the same saved state (weights, Adam state, sampling generator), so
@@ -22,7 +22,10 @@ medians, the median of the per-step paired ratios full / off (the same step from
 printed, with its 95% bootstrap interval.
 Last line: overhead_ratio=<full-recording median / off median (wall)>; with --modes ...,hook also
 hook_paired_overhead_ratio=<median per-step hook / off>: the loss hook (integrations/loss_hook.py) beside
-policy_loss, with entropy and a logit hook, instead of policy_update (ToyTrainer.loss_hook).
+policy_loss, with entropy and a logit hook, instead of policy_update (ToyTrainer.loss_hook); with
+--modes ...,clip_cov,kl_cov: full recording with Clip-Cov / KL-Cov in place of grpo (the step from the same
+state: the same rollout, another loss), clip_cov_paired_ratio= / kl_cov_paired_ratio= <median per-step / full>:
+what the per-token covariance term, the selection and their columns cost an update.
 """
 
 import argparse
@@ -42,6 +45,9 @@ from entropylens.integrations.loss_hook import LossHook
 from entropylens.record.writer import write_tokens
 from entropylens.rl.losses import resolve_eps
 from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
+
+
+LOSS_MODES = ("clip_cov", "kl_cov")  # modes that train the step with another loss (full recording)
 
 
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:
@@ -91,7 +97,7 @@ def main() -> None:
                          "fewer modes give the headline pair more steps in the same time")
     a = ap.parse_args()
     wanted = {"off", "full", *a.modes.split(",")}
-    unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1", "hook"}
+    unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1", "hook", *LOSS_MODES}
     if unknown:
         ap.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
     torch.set_num_threads(a.threads)
@@ -101,8 +107,14 @@ def main() -> None:
         make = {"off": lambda: None, "full": lambda: Recorder(d, run="full"),
                 "full-nofsync": lambda: Recorder(d, run="nf", fsync=False),
                 "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1),
-                "hook": lambda: Recorder(d, run="hook")}  # the loss hook beside policy_loss (loss_hook.py)
+                "hook": lambda: Recorder(d, run="hook"),  # the loss hook beside policy_loss (loss_hook.py)
+                **{m: (lambda m=m: Recorder(d, run=m)) for m in LOSS_MODES}}  # full recording, another loss
         eps = resolve_eps(cfg.method, cfg.eps_low, cfg.eps_high)
+        base_kw = dict(trainer.loss_kw)
+        # the covariance controls' modes: the same step from the same state, entropylens' Clip-Cov / KL-Cov in
+        # place of grpo (the per-token covariance term, the selection, its columns), with full recording
+        loss_kw = {m: {**base_kw, "method": m, **(dict(generator=torch.Generator().manual_seed(20_000))
+                                                  if m == "clip_cov" else {})} for m in LOSS_MODES if m in wanted}
         modes = {m: f() for m, f in make.items() if m in wanted}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
@@ -111,6 +123,7 @@ def main() -> None:
         names = list(modes)
         diverged = 0  # steps whose modes ended with different weights (the pairs would not be the same work)
         for i in range(a.steps + 2):  # two warm-up rounds
+            trainer.loss_kw = base_kw  # the state of grpo's step (a loss mode's generator is its own)
             state = trainer.state()
             # every mode runs step i from the same state (weights, Adam moments, sampling generator):
             # the same rollout, the same updates, bit for bit (the recorder never changes training), so a
@@ -120,13 +133,15 @@ def main() -> None:
             for m in names[i % len(names):] + names[: i % len(names)]:
                 trainer.load_state(state)
                 rec = modes[m]
+                trainer.loss_kw = loss_kw.get(m, base_kw)
                 trainer.loss_hook = LossHook(rec, eps_low=eps[0], eps_high=eps[1], dual_clip=cfg.dual_clip,
                                              temperature=cfg.temperature, on_error="raise") if m == "hook" else None
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
                 t1, c1 = time.perf_counter(), time.thread_time()
-                after.append(fingerprint(trainer))
+                if m not in LOSS_MODES:  # another loss trains other weights: left out of the identity check
+                    after.append(fingerprint(trainer))
                 if rec:
                     rec._writer.drain()  # untimed: this recorder's handed-over work ends before the next mode
                 if i >= 2:
@@ -171,6 +186,13 @@ def main() -> None:
     print(f"paired_overhead_ratio={statistics.median(paired):.3f}")
     print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
     print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")
+    for m in LOSS_MODES:  # the covariance controls against full recording with grpo, paired per step
+        if m in wall:
+            pw = statistics.median(x / f for x, f in zip(wall[m], wall["full"]))
+            pc = statistics.median(x / f for x, f in zip(cpu[m], cpu["full"]))
+            print(f"loss {m} against grpo, both recorded, paired per step: wall {pw:.3f}, training-thread CPU {pc:.3f}")
+            print(f"{m}_paired_ratio={pw:.3f}")
+            print(f"{m}_paired_cpu_ratio={pc:.3f}")
     if "hook" in wall:  # the loss hook (integrations.loss_hook) against recording off, paired per step
         hook = [h / o for h, o in zip(wall["hook"], wall["off"])]
         print(f"hook_paired_overhead_ratio={statistics.median(hook):.3f}")

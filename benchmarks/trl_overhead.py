@@ -1,10 +1,12 @@
 """A TRL GRPOTrainer step with and without entropylens' instrumentation, in one process.
 
-  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo] [--sampler]
+  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo[,M2,...]] [--sampler]
 
 ``--kl`` (beta 0.04, TRL's bias-corrected KL default) and ``--top-entropy`` (top_entropy_quantile 0.2)
 turn TRL's options on for every trainer; ``--loss M`` also times entropylens' loss M replacing TRL's
-(``loss=M``: the same options composed; ratio against TRL's own loss at the same options).
+(``loss=M``: the same options composed; ratio against TRL's own loss at the same options); several, comma-
+separated, are each also compared with the first (``--loss grpo,clip_cov,kl_cov``: what Clip-Cov's and KL-Cov's
+covariance term and selection cost a step beside entropylens' grpo).
 ``--sampler`` also times full recording with sampler log-probs (the training-inference mismatch columns:
 tokens.sampler_logprob, steps.sampler_* / clipped_mismatched_frac / n_sampled): TRL's generation output gains
 ``sampling_per_token_logps`` = its old log-probs minus a fixed per-token pattern (:data:`SAMPLER_DELTA`), as
@@ -96,7 +98,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--kl", action="store_true", help="beta 0.04 (TRL builds the reference model)")
     ap.add_argument("--top-entropy", action="store_true", help="top_entropy_quantile 0.2 (TRL's 80/20 mask)")
-    ap.add_argument("--loss", default=None, help="also time entropylens' loss (e.g. dapo, ce_gppo) replacing TRL's")
+    ap.add_argument("--loss", default=None,
+                    help="also time entropylens' loss replacing TRL's (e.g. dapo; comma-separated for several, e.g. "
+                         "grpo,clip_cov,kl_cov: each against the first, the covariance controls' own cost)")
     ap.add_argument("--attribution", action="store_true",
                     help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)")
     ap.add_argument("--sampler", action="store_true",
@@ -115,7 +119,9 @@ def main() -> None:
         def __init__(self):
             StepTimer.__init__(self)
 
-    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *(["el-loss"] if a.loss else []),
+    losses = [x.strip() for x in (a.loss or "").split(",") if x.strip()]
+    loss_of = {(f"el-{x}" if len(losses) > 1 else "el-loss"): x for x in losses}  # mode -> entropylens' loss
+    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *loss_of,
              *(["sampler"] if a.sampler else [])]
     options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
@@ -134,7 +140,7 @@ def main() -> None:
                         trl_grpo.build_model(trl_grpo.build_tokenizer(), r, a.hidden).save_pretrained(saved)
                 el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
                                            hidden=a.hidden, attribution=mode == "attribution", model=saved,
-                                           loss=a.loss if mode == "el-loss" else None, erc=None, **options)
+                                           loss=loss_of.get(mode), erc=None, **options)
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
                     model = saved or trl_grpo.build_model(el.processing_class, r, a.hidden)
                     tr = GRPOTrainer(model=model, reward_funcs=trl_grpo.digit_reward, args=el.args,
@@ -177,14 +183,22 @@ def main() -> None:
     if a.attribution:
         att = [e / p for e, p in zip(mean["attribution"], mean["plain"])]
         print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
-    if a.loss:
-        own = [e / p for e, p in zip(mean["el-loss"], mean["plain"])]
-        print(f"loss={a.loss} (recorded) against TRL's own loss unrecorded, options {options or 'none'}: "
+    for mode, loss in loss_of.items():
+        own = [e / p for e, p in zip(mean[mode], mean["plain"])]
+        print(f"loss={loss} (recorded) against TRL's own loss unrecorded, options {options or 'none'}: "
               f"wall {own[0]:.3f}, training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}")
-        rec = [e / p for e, p in zip(mean["el-loss"], mean["entropylens"])]
-        print(f"loss={a.loss} against TRL's own loss, both recorded: wall {rec[0]:.3f}, training-thread cpu "
+        rec = [e / p for e, p in zip(mean[mode], mean["entropylens"])]
+        print(f"loss={loss} against TRL's own loss, both recorded: wall {rec[0]:.3f}, training-thread cpu "
               f"{rec[1]:.3f}, process cpu {rec[2]:.3f}")
-        print(f"trl_loss_ratio={rec[0]:.3f}")
+        if len(losses) == 1:
+            print(f"trl_loss_ratio={rec[0]:.3f}")
+    first = next(iter(loss_of), None)
+    for mode, loss in list(loss_of.items())[1:]:  # each loss against the first, both entropylens' and recorded
+        vs = [e / p for e, p in zip(mean[mode], mean[first])]
+        pairs = [e[0] / p[0] for er, pr in zip(runs[mode], runs[first]) for e, p in zip(er[2:-1], pr[2:-1])]
+        print(f"loss={loss} against loss={losses[0]}: wall {vs[0]:.3f}, training-thread cpu {vs[1]:.3f}, process "
+              f"cpu {vs[2]:.3f}; per-step paired wall median {statistics.median(pairs):.3f}")
+        print(f"trl_{loss}_vs_{losses[0]}_cpu_ratio={vs[1]:.3f}")
     paired = [e[0] / p[0] for er, pr in zip(runs["entropylens"], runs["plain"]) for e, p in zip(er[2:-1], pr[2:-1])]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
     print(f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "
