@@ -200,6 +200,7 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
                             max_bytes=max_page_bytes, runs_filter=runs, con=con if engine == "duckdb" else None,
                             tau=tau)
              if responses else [])
+    remove_stale_pages(out, {p.file for p in pages})
     _write_markdown(out / "report.md", summary, rendered, not_shown, about, pages)
     index = out / "index.html"
     index.write_text(_html(summary, rendered, not_shown, about, pages))
@@ -237,6 +238,22 @@ def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | Non
         viewer.write_page(out / name, data, title=f"entropylens responses: {run}")
         pages.append(ResponsePage(run, name, tuple(d["step"] for d in data["steps"]), len(sel.rows), sel.text))
     return pages
+
+
+def remove_stale_pages(out: Path, keep: set[str]) -> list[str]:
+    """Deletes the responses pages an earlier report left in ``out`` (``responses-*.html`` whose head names
+    an entropylens responses page) that this report did not write (``keep``: file names), so a report
+    written over another links only its own runs' pages. Other files are never touched. -> names removed."""
+    removed = []
+    for f in sorted(Path(out).glob("responses-*.html")):
+        if f.name in keep or not f.is_file():
+            continue
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            head = fh.read(4096)
+        if "<title>entropylens responses:" in head:
+            f.unlink()
+            removed.append(f.name)
+    return removed
 
 
 def run_sql_rows(con, sql: str) -> list[tuple]:

@@ -56,3 +56,21 @@ def test_report_cli_options(tmp_path):
     line = err("report", runs, "--out", tmp_path / "bad", "--where", "nosuch = 1")
     assert "--where" in line and "nosuch" in line and not (tmp_path / "bad" / "index.html").exists()
     assert "unbalanced" in err("report", runs, "--out", tmp_path / "bad", "--where", "(clipped")
+
+
+def test_a_report_over_another_keeps_only_its_own_pages(tmp_path):
+    """Found by a new-user trial: a second report into the same folder left the first one's responses pages
+    beside it. Now the pages of runs no longer reported are removed; a file that is not an entropylens
+    responses page is never touched."""
+    runs = build(tmp_path / "runs")
+    out = tmp_path / "rep"
+    write_report(runs, out)
+    assert (out / "responses-a.html").is_file() and (out / "responses-b.html").is_file()
+    mine = out / "responses-notes.html"
+    mine.write_text("<html><title>my notes</title></html>")
+    write_report(runs, out, runs=["a"])
+    assert (out / "responses-a.html").is_file() and not (out / "responses-b.html").exists()
+    assert mine.read_text() == "<html><title>my notes</title></html>"
+    assert "responses-b.html" not in (out / "index.html").read_text()
+    write_report(runs, out, responses=0)  # no pages at all: none left behind
+    assert sorted(p.name for p in out.glob("responses-*.html")) == ["responses-notes.html"]
