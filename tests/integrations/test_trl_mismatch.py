@@ -158,6 +158,8 @@ def test_trl_clipped_tokens_mismatched_share(tmp_path):
         "SELECT step, avg(CAST(abs(sampler_log_ratio) > ? AS DOUBLE)) FILTER (WHERE clipped AND sampler_log_ratio "
         "IS NOT NULL) FROM tokens GROUP BY step", [MISMATCH_LOG_RATIO]).fetchall())
     clipped = con.execute("SELECT count(*) FILTER (WHERE clipped) FROM tokens").fetchone()[0]
+    print(f"clipped tokens {clipped}; clipped_mismatched_frac by step {got}; TRL's clip_ratio/region_mean "
+          f"{[e['clip_ratio/region_mean'] for e in tr.state.log_history if 'clip_ratio/region_mean' in e]}")
     assert clipped > 0  # PPO-clip acted
     assert set(got) == set(want) and any(v is not None for v in want.values())
     for s in want:
