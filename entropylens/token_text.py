@@ -34,7 +34,7 @@ class TokenTextWarning(UserWarning):
     """A tokenizer could not be loaded or saved (the ids are then shown as ⟨id⟩, or the next source used)."""
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{type(e).__name__}: {msg[0]}" if msg else type(e).__name__
 
@@ -99,7 +99,7 @@ class TokenizerDecoder(Decoder):
     def __init__(self, tokenizer, source: str | None = None) -> None:
         super().__init__()
         self.tokenizer = tokenizer_of(tokenizer)
-        self.source = source or f"tokenizer {_name_of(self.tokenizer) or type(self.tokenizer).__name__}"
+        self.source = source or f"tokenizer {name_of(self.tokenizer) or type(self.tokenizer).__name__}"
 
     def text(self, ids) -> str:
         return self._decode([int(i) for i in ids])
@@ -164,15 +164,15 @@ def tokenizer_of(obj):
     return getattr(obj, "tokenizer", obj)
 
 
-def _name_of(tok) -> str | None:
+def name_of(tok) -> str | None:
     return getattr(tok, "name_or_path", None) or None
 
 
-def _is_vocab(x) -> bool:
+def is_vocab(x) -> bool:
     return isinstance(x, (list, tuple))
 
 
-def _is_path(x) -> bool:
+def is_path(x) -> bool:
     return isinstance(x, (str, os.PathLike))
 
 
@@ -196,14 +196,14 @@ def make_decoder(tokenizer, source: str | None = None) -> Decoder:
         return Decoder()
     if isinstance(tokenizer, Decoder):
         return tokenizer
-    if _is_vocab(tokenizer):
+    if is_vocab(tokenizer):
         return VocabDecoder(tokenizer, source or "the given vocabulary")
-    if _is_path(tokenizer):
+    if is_path(tokenizer):
         name = os.fspath(tokenizer)
         try:
             tok = load_tokenizer(name)
         except Exception as e:  # noqa: BLE001 - whatever transformers raises: say so, show ids
-            warnings.warn(f"entropylens: tokenizer {name} could not be loaded ({_one_line(e)}); token ids are "
+            warnings.warn(f"entropylens: tokenizer {name} could not be loaded ({one_line(e)}); token ids are "
                           "shown as ⟨id⟩", TokenTextWarning, stacklevel=2)
             return Decoder()
         return TokenizerDecoder(tok, source or f"tokenizer {name}")
@@ -222,16 +222,16 @@ def tokenizer_info(tokenizer, save=None) -> dict | None:
     (id -> string)."""
     if tokenizer is None:
         return None
-    if _is_vocab(tokenizer):
+    if is_vocab(tokenizer):
         if not all(isinstance(v, str) for v in tokenizer):
             raise ValueError("tokenizer: a vocabulary must be a list of strings (token id -> its text)")
         return {"class": "vocabulary", "name_or_path": None, "saved": None, "vocab": list(tokenizer)}
-    if _is_path(tokenizer):
+    if is_path(tokenizer):
         name = os.fspath(tokenizer)
         name = os.path.abspath(name) if os.path.exists(name) else name
         return {"class": None, "name_or_path": name, "saved": SAVED_DIR if save is True else None}
     tok = tokenizer_of(tokenizer)
-    name = _name_of(tok)
+    name = name_of(tok)
     keeps = save is True or (save is None and not name)
     return {"class": type(tok).__name__, "name_or_path": name, "saved": SAVED_DIR if keeps else None}
 
@@ -247,26 +247,26 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
 
     from .storage import location
 
-    if tokenizer is None or save is False or _is_vocab(tokenizer):
+    if tokenizer is None or save is False or is_vocab(tokenizer):
         return False
-    if _is_path(tokenizer):
+    if is_path(tokenizer):
         if save is not True:
             return False
         try:
             tok = load_tokenizer(tokenizer)
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"entropylens: tokenizer {os.fspath(tokenizer)} could not be loaded to save it with the "
-                          f"run ({_one_line(e)})", TokenTextWarning, stacklevel=2)
+                          f"run ({one_line(e)})", TokenTextWarning, stacklevel=2)
             return False
     else:
         tok = tokenizer_of(tokenizer)
-        if save is None and _name_of(tok):
+        if save is None and name_of(tok):
             return False
     with tempfile.TemporaryDirectory(prefix="entropylens-tok-") as tmp:
         try:
             tok.save_pretrained(tmp)
         except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save: say so, train on
-            warnings.warn(f"entropylens: the tokenizer could not be saved with the run ({_one_line(e)})",
+            warnings.warn(f"entropylens: the tokenizer could not be saved with the run ({one_line(e)})",
                           TokenTextWarning, stacklevel=2)
             return False
         target = location(run_dir) / SAVED_DIR

@@ -24,7 +24,7 @@ import torch
 from ..rl.forking import AdaptiveEntropyCoef, bonus_weights, top_entropy_mask
 from ..rl.losses import PolicyLossOutput, policy_loss
 from ..record.recorder import Recorder
-from ..rl.stats import _chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
+from ..rl.stats import chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,7 +58,7 @@ def entropy_gradient_sq(logits: torch.Tensor, *, temperature: float = 1.0, chunk
     flat = logits.detach().reshape(-1, v)
     n = flat.shape[0]
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
-    rows = _chunk_rows(n, v, chunk_size, logits.device)
+    rows = chunk_rows(n, v, chunk_size, logits.device)
     for i in range(0, n, rows):
         lp = torch.log_softmax(flat[i:i + rows].float() / float(temperature), -1)  # [c, V]
         p = lp.exp()

@@ -54,7 +54,7 @@ import warnings
 from . import catalog as cat
 from .query import UnreadableFileWarning, run_status
 from ..storage import Location, location
-from ..record.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, _META, parquet_options
+from ..record.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, FILE_META, parquet_options
 
 ROW_GROUP_ROWS = 1 << 20  # ~1M rows per row group: large sequential reads, still prunable by step
 FILE_BYTES = 512 << 20  # compacted part size target (bytes of the original files it replaces)
@@ -342,7 +342,7 @@ def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int
             for u in group:
                 t = _with_keys(_read_whole(r.dir, u), *_step_rank(u))
                 if schema is None:
-                    schema = columns.with_metadata({**(t.schema.metadata or {}), **_META})
+                    schema = columns.with_metadata({**(t.schema.metadata or {}), **FILE_META})
                     opts = parquet_options(schema.names, dict_columns=(*_DICT.get(table, ()), "step", "rank"),
                                            float_columns=_FLOAT.get(table, ()))
                     writer = pq.ParquetWriter(tmp, schema, **opts)
@@ -418,7 +418,7 @@ def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes
             res.rows += rows
     steps = [_with_keys(_read_whole(r.dir, u), *_step_rank(u)) for u in sorted(chosen.get("steps", []), key=_step_rank)]
     commit = pa.concat_tables(steps, promote_options="default")
-    commit = commit.replace_schema_metadata({**(commit.schema.metadata or {}), **_META})
+    commit = commit.replace_schema_metadata({**(commit.schema.metadata or {}), **FILE_META})
     (r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet").write_with(
         lambda tmp: pq.write_table(commit, tmp, **parquet_options(commit.column_names)))  # ... the commit last
     res.files_out += 1

@@ -8,8 +8,8 @@ import os
 import tempfile
 import warnings
 
-from ..token_text import (SAVED_DIR, Decoder, TokenizerDecoder, TokenTextWarning, VocabDecoder, _is_path, _is_vocab,
-                          _name_of, _one_line, load_tokenizer, make_decoder, tokenizer_of)
+from ..token_text import (SAVED_DIR, Decoder, TokenizerDecoder, TokenTextWarning, VocabDecoder, is_path, is_vocab,
+                          name_of, one_line, load_tokenizer, make_decoder, tokenizer_of)
 
 
 def _run_dir(path, run: str, storage_options: dict | None):
@@ -54,7 +54,7 @@ def _from_run_json(d, info: dict) -> Decoder:
             return TokenizerDecoder(_load_saved(saved), f"tokenizer saved with the run ({saved})")
         except Exception as e:  # noqa: BLE001
             warnings.warn(f"entropylens: the tokenizer saved with the run ({saved}) could not be loaded "
-                          f"({_one_line(e)})", TokenTextWarning, stacklevel=3)
+                          f"({one_line(e)})", TokenTextWarning, stacklevel=3)
     vocab = tok.get("vocab")
     if isinstance(vocab, list):
         return VocabDecoder(vocab, "the run's vocabulary (run.json)")
@@ -63,7 +63,7 @@ def _from_run_json(d, info: dict) -> Decoder:
         try:
             return TokenizerDecoder(load_tokenizer(name), f"tokenizer {name} (run.json)")
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: tokenizer {name} (run.json) could not be loaded ({_one_line(e)}); token "
+            warnings.warn(f"entropylens: tokenizer {name} (run.json) could not be loaded ({one_line(e)}); token "
                           "ids are shown as ⟨id⟩", TokenTextWarning, stacklevel=3)
     return Decoder()
 
@@ -83,17 +83,17 @@ def decoder_for_run(path, run: str, tokenizer=None, *, storage_options: dict | N
     try:
         info = json.loads((d / "run.json").read_text())
     except Exception as e:  # noqa: BLE001 - a torn run.json: its tokenizer is not known
-        warnings.warn(f"entropylens: {d / 'run.json'} could not be read ({_one_line(e)}); token ids are shown "
+        warnings.warn(f"entropylens: {d / 'run.json'} could not be read ({one_line(e)}); token ids are shown "
                       "as ⟨id⟩", TokenTextWarning, stacklevel=2)
         return Decoder()
     return _from_run_json(d, info)
 
 
 def _given_source(tokenizer) -> str:
-    if _is_vocab(tokenizer):
+    if is_vocab(tokenizer):
         return "the given vocabulary"
-    if _is_path(tokenizer):
+    if is_path(tokenizer):
         return f"tokenizer {os.fspath(tokenizer)} (given)"
-    name = _name_of(tokenizer_of(tokenizer)) if not isinstance(tokenizer, Decoder) else None
+    name = name_of(tokenizer_of(tokenizer)) if not isinstance(tokenizer, Decoder) else None
     return f"tokenizer {name} (given)" if name else f"the given tokenizer ({type(tokenizer_of(tokenizer)).__name__})"
 

@@ -27,7 +27,7 @@ TOKEN_FLOAT_COLUMNS = tuple(
     c.name for c in stored_columns("tokens") if c.dtype == "float32" and c.name != "advantage"
 )
 _QUADRANT_DICT = pa.array([QUADRANT_NAMES[i] for i in range(len(QUADRANT_NAMES))], pa.string())
-_META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
+FILE_META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
 
 
 def parquet_options(names, *, dict_columns=(), float_columns=(), small: bool = False) -> dict:
@@ -62,7 +62,7 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
     ~2 ms of CPU per file). A table of up to ``small_bytes`` is written as a small file
     (:func:`parquet_options`)."""
     loc = location(path)
-    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **_META})
+    table = table.replace_schema_metadata({**(table.schema.metadata or {}), **FILE_META})
     size = table.get_total_buffer_size()
     opts = parquet_options(table.column_names, dict_columns=dict_columns, float_columns=float_columns,
                            small=size <= small_bytes)

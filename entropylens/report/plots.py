@@ -36,7 +36,7 @@ HIGH_SIDE = ("PA&HP", "PA&LP")
 _BANDS = ("minmax", "sd")
 
 
-def _plt():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -386,7 +386,7 @@ def _grouped_bars(ax, stats, col: str, cats, names, colors, nruns, *, scale: flo
 def _step_figure(df, y: str, ylabel: str, title: str, *, band=None, legend_title="run", logy=False,
                  window: int | None = None, keep=None):
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     if df.empty or y not in df or df[y].isna().all():
         return _empty(fig)
@@ -459,7 +459,7 @@ def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", 
     from matplotlib.lines import Line2D
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.0
     fig, axes = plt.subplots(1, 4, figsize=(11, height), sharey=True)
     if df.empty:
@@ -515,7 +515,7 @@ def clip_by_quadrant(df, *, band: str | None = None, legend_title: str = "run"):
     Each side shows the only two quadrants it can clip: the low side (r < 1 - eps_low, A < 0) NA&HP
     and NA&LP, the high side (r > 1 + eps_high, A > 0) PA&HP and PA&LP."""
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.4
     fig, axes = plt.subplots(1, 2, figsize=(9, height), sharey=True)
     d = df[df["step"].isna()] if "step" in df else df  # tolerate the old mixed table
@@ -549,7 +549,7 @@ def entropy_change(df, *, band: str | None = None, legend_title: str = "run"):
     import numpy as np
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     if df.empty:
         return _empty(fig)
@@ -596,7 +596,7 @@ def clipped_prob(df, tau: float = DEFAULT_TAU, *, band: str | None = None, legen
     from matplotlib.lines import Line2D
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.4
     fig, axes = plt.subplots(1, 2, figsize=(10, height), sharey=True)
     if df.empty:
@@ -663,7 +663,7 @@ def clipping_removed(df, *, band: str | None = None, legend_title: str = "run"):
     (sum over a run's steps of (g_unclipped - g) s / T^2, mean over a series' runs), beside the
     effect its gradient kept. CE-GPPO's argument: PA&LP (high side) and NA&LP (low side) dominate."""
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.4
     fig, axes = plt.subplots(1, 2, figsize=(10, height))
     if df.empty or df["effect"].isna().all():
@@ -691,7 +691,7 @@ def probe_vs_measured(df, *, band: str | None = None, legend_title: str = "run")
     and dropped part (hatched), per series (mean over its runs of each run's mean). Parameter-space
     counterpart of the entropy budget (CE-GPPO Sec. 3)."""
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.6
     fig, axes = plt.subplots(1, 2, figsize=(10, height))
     if df.empty:
@@ -738,7 +738,7 @@ def _series_grid(d, shown, *, cols: int, width: float, height: float, sharey: bo
     inner tick labels hidden; unused slots are not drawn): the grid and its number of rows."""
     import seaborn as sns
 
-    _plt()
+    pyplot()
     cols = min(cols, len(shown))
     grid = sns.FacetGrid(d[d["_s"].isin(shown)], col="_s", col_order=shown, col_wrap=cols, height=height,
                          aspect=width / height, sharex=True, sharey=sharey)
@@ -768,7 +768,7 @@ def ratio_vs_prob(df, *, span: float = 3.0, band: str | None = None, legend_titl
     from matplotlib.lines import Line2D
 
     _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     if df.empty:
         fig, _ = plt.subplots(figsize=(4.2, 3.8))
         return _empty(fig)
@@ -871,7 +871,7 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
     from matplotlib.patches import Patch
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     if df.empty:
         fig, _ = plt.subplots(figsize=(5.4, 2.7))
         return _empty(fig)
@@ -955,7 +955,7 @@ def drift_by_prob(df, *, band: str | None = None, legend_title: str = "run"):
     from matplotlib.lines import Line2D
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     if df.empty:
         return _empty(fig)
@@ -1002,7 +1002,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
 
     band = _check_band(band)
     if df.empty or df["effect"].isna().all():
-        fig, _ = _plt().subplots(figsize=(6.4, 3.0))
+        fig, _ = pyplot().subplots(figsize=(6.4, 3.0))
         return _empty(fig, "no entropy attribution recorded (entropy_sensitivity)")
     d = _prep(df.dropna(subset=["effect"]))
     names = sorted(d["_s"].unique())
@@ -1087,7 +1087,7 @@ def covariance_law(df, *, band: str | None = None, legend_title: str = "run"):
     from .covlaw import MIN_STEPS, law_summary
 
     band = _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     height = 3.6
     fig, axes = plt.subplots(1, 2, figsize=(10, height))
     d = _prep(df.dropna(subset=["measured_dh", "predicted_dh"])) if not df.empty else df
@@ -1140,7 +1140,7 @@ def entropy_performance(df, *, band: str | None = None, legend_title: str = "run
     from .covlaw import MIN_STEPS, fit_summary
 
     _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     if df.empty or df["reward"].isna().all():
         return _empty(fig, "no steps with both a reward and a mean entropy")
@@ -1209,7 +1209,7 @@ def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
     from matplotlib.ticker import MaxNLocator
 
     _check_band(band)
-    plt = _plt()
+    plt = pyplot()
     if df.empty:
         return _empty(plt.figure(figsize=(9.0, 3.0)))
     d = _prep(df)

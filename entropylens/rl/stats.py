@@ -31,7 +31,7 @@ _CHUNK_BYTES_CPU = 2 * 2**20
 _CHUNK_BYTES_DEVICE = 128 * 2**20
 
 
-def _chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, device: torch.device | None = None) -> int:
+def chunk_rows(n_rows: int, vocab: int, chunk_size: int | None, device: torch.device | None = None) -> int:
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -339,7 +339,7 @@ def logprobs_and_entropy(
     _check_logits_tokens(logits, tokens, temperature)
     v = logits.shape[-1]
     flat_tok = tokens.reshape(-1).long()
-    rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
+    rows = chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
     if one_hot_distance and not sensitivity:
         raise ValueError("one_hot_distance=True comes from the sensitivity's sums: pass sensitivity=True too")
     if logits.requires_grad and torch.is_grad_enabled():
@@ -378,7 +378,7 @@ def entropy_sensitivity(
     _check_logits_tokens(logits, tokens, temperature)
     v = logits.shape[-1]
     flat_tok = tokens.reshape(-1).long()
-    rows = _chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
+    rows = chunk_rows(flat_tok.numel(), v, chunk_size, logits.device)
     sens = torch.empty(flat_tok.numel(), dtype=torch.float32, device=logits.device)
     with torch.no_grad():
         _forward(logits.detach().reshape(-1, v), flat_tok, float(temperature), rows, True, sens_out=sens)
@@ -398,7 +398,7 @@ def entropy_from_logits(
     _check_logits_tokens(logits, None, temperature)
     v = logits.shape[-1]
     flat = logits.detach().reshape(-1, v)
-    rows = _chunk_rows(flat.shape[0], v, chunk_size, flat.device)
+    rows = chunk_rows(flat.shape[0], v, chunk_size, flat.device)
     with torch.no_grad():
         _, ent, _ = _forward(flat, None, float(temperature), rows, True)
     return ent.view(logits.shape[:-1])
@@ -410,7 +410,7 @@ def logsumexp_f32(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size:
     v = logits.shape[-1]
     flat = logits.detach().reshape(-1, v)
     with torch.no_grad():
-        _, _, lse = _forward(flat, None, float(temperature), _chunk_rows(flat.shape[0], v, chunk_size, flat.device), False)
+        _, _, lse = _forward(flat, None, float(temperature), chunk_rows(flat.shape[0], v, chunk_size, flat.device), False)
     return lse.view(logits.shape[:-1])
 
 
@@ -464,7 +464,7 @@ def logit_grad_norm(
     flat = logits.detach().reshape(-1, v)
     tok = tokens.reshape(-1).long()
     n = flat.shape[0]
-    rows = _chunk_rows(n, v, chunk_size, flat.device)
+    rows = chunk_rows(n, v, chunk_size, flat.device)
     out = torch.empty(n, dtype=torch.float32, device=flat.device)
     with torch.no_grad():
         if n:

@@ -15,9 +15,9 @@ def method_paths(df, y: str, *, baseline: str = "grpo", ylabel: str = "", order=
     first); the y axis is shared. Each panel's title: the method and ``labels[method]`` (default: the
     final value of the mean path, mean of its last 5 steps, and the number of runs). The caller titles
     the figure (what this run shows)."""
-    from ...report.plots import _plt
+    from ...report.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     d = df.dropna(subset=[y])
     names = [n for n in (order or sorted(d["method"].unique())) if n in set(d["method"])]
     if baseline in names:
