@@ -391,7 +391,7 @@ class LiveAlarms:
                 try:
                     listen(f)
                 except Exception as e:  # noqa: BLE001 - an alert that fails must not stop training
-                    warnings.warn(f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}")
+                    warnings.warn(f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}", stacklevel=2)
             if f.rule not in self.warned:
                 self.warned.add(f.rule)
                 from .caller import caller_stacklevel
@@ -400,5 +400,5 @@ class LiveAlarms:
                 warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=caller_stacklevel())
 
 
-__all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "check", "LiveAlarms", "check_stop_on", "EntropyAlarm",
+__all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "LiveAlarms", "check_stop_on", "EntropyAlarm",
            "NonFiniteWarning", "ScalarLog"]

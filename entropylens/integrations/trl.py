@@ -84,6 +84,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["EntropyLensGRPOTrainer", "check_trl_version", "unsupported_trl_options", "trl_clip_columns",
+__all__ = ["EntropyLensGRPOTrainer",  # noqa: F822 - resolved lazily by __getattr__ above
+           "check_trl_version", "unsupported_trl_options", "trl_clip_columns",
            "closed_form_logit_grad_norm", "TRL_TESTED", "TRL_NORMALISATION", "WINDOW_LOSS_TYPES",
            "PPO_CLIP_LOSS_TYPES", "trl_loss_weights", "completion_texts", "checkpoint_last_step"]

@@ -339,7 +339,7 @@ def _remove_leftovers(run_dir, ranks: set[int], after: int) -> None:
         return
     import os
 
-    for dirpath, dirnames, filenames in os.walk(run_dir.path, topdown=False):
+    for dirpath, _dirnames, filenames in os.walk(run_dir.path, topdown=False):
         rel = posixpath.relpath(dirpath.replace(os.sep, "/"), run_dir.path.replace(os.sep, "/"))
         owner = _owner(rel)
         if owner not in ranks:

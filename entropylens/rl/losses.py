@@ -780,7 +780,7 @@ def policy_loss(
     pol_seq = ratio.sequence and method != "cispo"
     u = ratio.unit if method != "cispo" else unit(x.log_ratio)
     s_l = None if s is None else torch.where(f != 0, s, zero)
-    l = torch.where(x.mask, v + f * (u - 1.0 if s_l is None else s_l * u - s_l), zero)  # [B, T]
+    l = torch.where(x.mask, v + f * (u - 1.0 if s_l is None else s_l * u - s_l), zero)  # noqa: E741 - the docstring's l [B, T]
     per_token = w_pol * l
     kl_value = zero
     kl_grad = zero  # d (c w kl) / dlogp, detached

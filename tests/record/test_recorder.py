@@ -125,9 +125,9 @@ def test_sampling_is_deterministic_whole_sequences_and_aggregates_exact(tmp_path
     b = kept_seqs(tmp_path / "b", "same", 0.3)
     assert a == b  # same run id, same kept sequences
     by_step = {}
-    for step, u, seqs in a:
+    for step, _u, seqs in a:
         by_step.setdefault(step, []).append(seqs)
-    for step, lists in by_step.items():
+    for lists in by_step.values():
         assert all(s == lists[0] for s in lists)  # every update of a kept sequence is kept
         assert 3 <= len(lists[0]) <= 25  # about 30% of 40
     con = connect(tmp_path / "a")

@@ -103,8 +103,7 @@ def parquet_rows(root: Path, run: str, step: int, seq: int, update: int | None =
 
 def check_value(col: str, shown: str, want) -> None:
     """One displayed value against the Parquet value: float32 exactly, ints, booleans, strings, null."""
-    missing = want is None or (isinstance(want, float) and math.isnan(want)) or want is getattr(
-        __import__("pandas"), "NA")
+    missing = want is None or (isinstance(want, float) and math.isnan(want)) or want is __import__("pandas").NA
     if missing:
         assert shown == "null", (col, shown, want)
     elif col in FLOAT_COLS:

@@ -232,7 +232,7 @@ def test_plain_loop_records_forking_and_adaptive(tmp_path):
     assert [r[2] for r in rows] == pytest.approx([0.05, 0.07])
     n_valid = int(mask.sum())
     kept = con.execute("SELECT step, sum(token_kept::int), count(*) FROM tokens GROUP BY step ORDER BY step").fetchall()
-    for (step, k, n), row in zip(kept, rows):
+    for (_step, k, n), row in zip(kept, rows):
         assert n == n_valid and 0 < k < n
         assert row[3] == pytest.approx(1 - k / n)
 
@@ -260,7 +260,7 @@ def test_trl_adaptive_coef_sequence_equals_trls_own(tmp_path, loss, target):
                       "ORDER BY step, update").fetchall()
     ctrl = AdaptiveEntropyCoef(target, coef=0.02, delta=0.01, coef_max=0.045)
     ours, applied, before = [], [], []
-    for step, update, h, kept in ent:  # each micro-batch's recorded entropies and forking mask
+    for _step, update, h, kept in ent:  # each micro-batch's recorded entropies and forking mask
         if update == 0:
             applied.append(ctrl.applied)
             before.append(ctrl.coef)

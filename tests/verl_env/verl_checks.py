@@ -536,7 +536,7 @@ def model_output(model, micro_batch):
     ids = micro_batch["input_ids"]  # nested [b, j1]
     cu = ids.offsets()
     lps, ents, spps, logits_list = [], [], [], []
-    for i, seq in enumerate(ids.unbind()):
+    for seq in ids.unbind():
         logits = model(input_ids=seq.unsqueeze(0)).logits[0]  # [L, V]
         logits.retain_grad()
         logits_list.append(logits)
