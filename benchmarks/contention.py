@@ -91,7 +91,7 @@ def main() -> None:
     wall = {m: [] for m in names}
     for i in range(a.steps + 2):  # two warm-up rounds
         state = trainer.state()
-        for m in names[i % len(names):] + names[: i % len(names)]:
+        for m in names[i % len(names) :] + names[: i % len(names)]:
             trainer.load_state(state)
             burner = burners[m]
             if burner:
@@ -103,15 +103,16 @@ def main() -> None:
                 burner.wait()  # untimed: a burn that outlasts the step ends before the next mode
             if i >= 2:
                 wall[m].append(t1 - t0)
-    print(f"toy step, recorder off, {a.steps} steps per mode from the same states, torch threads {a.threads}; "
-          f"background thread at {'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'} burning {a.burn_ms:g} ms CPU per step; load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"toy step, recorder off, {a.steps} steps per mode from the same states, torch threads {a.threads}; "
+        f"background thread at {'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'} burning {a.burn_ms:g} ms CPU per step; load average "
+        f"{os.getloadavg()[0]:.1f} at the end"
+    )
     print(f"{'background':<10} {'wall ms':>9} {'paired ratio':>13} {'95% interval':>15}")
     for m in names:
         paired = [x / o for x, o in zip(wall[m], wall["off"])]
         lo, hi = median_ci(paired)
-        print(f"{m:<10} {statistics.median(wall[m]) * 1e3:9.1f} {statistics.median(paired):13.3f} "
-              f"{lo:7.3f}-{hi:.3f}")
+        print(f"{m:<10} {statistics.median(wall[m]) * 1e3:9.1f} {statistics.median(paired):13.3f} {lo:7.3f}-{hi:.3f}")
 
 
 if __name__ == "__main__":

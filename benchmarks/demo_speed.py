@@ -76,8 +76,9 @@ def one_demo(mode: str, extra: list[str], keep: set[int] = frozenset()) -> dict:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out,
-                                start_new_session=True)  # its own process group: stopped whole, workers too
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out, start_new_session=True
+        )  # its own process group: stopped whole, workers too
         try:
             stdout, stderr = proc.communicate()
         finally:
@@ -119,8 +120,11 @@ def main(argv=None) -> None:
                 r = one_demo(m, a.demo_args, {p.pid for p in busy})
                 walls[m].append(r["wall"])
                 ph = ", ".join(f"{k} {v:.1f}" for k, v in r["phases"].items())
-                print(f"{m:10s} wall {r['wall']:6.1f} s  tree cpu {r['cpu']:6.1f} s  load1 before {r['load']:.2f}  "
-                      f"busy {a.busy}  phases: {ph}", flush=True)
+                print(
+                    f"{m:10s} wall {r['wall']:6.1f} s  tree cpu {r['cpu']:6.1f} s  load1 before {r['load']:.2f}  "
+                    f"busy {a.busy}  phases: {ph}",
+                    flush=True,
+                )
     finally:
         for p in busy:  # only the processes started here, by pid
             p.kill()

@@ -125,7 +125,8 @@ def child(kind: str, n: int, v: int, dtype: str, grad: bool) -> None:
 def measure_memory(kind, n, v, dtype, grad) -> float:
     out = subprocess.run(
         [sys.executable, __file__, "--child", kind, str(n), str(v), dtype, str(int(grad))],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
         # fixed mmap threshold: every large tensor is its own mapping, so RSS follows allocations
         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
     )
@@ -198,8 +199,10 @@ def sensitivity_section(shapes, repeats: int) -> float:
     eager chunked pass (ENTROPYLENS_NATIVE=0), then the native pass with the sensitivity against the
     eager pass without it. Returns the no-grad ratio at the first shape under the default pass."""
     passes = ["native", "eager"] if native.status() == "native" else ["eager"]
-    print(f"\n5. entropy sensitivity (two more reductions per row): fp32, medians over {repeats} alternating pairs; "
-          f"CPU row pass: {native.status()}")
+    print(
+        f"\n5. entropy sensitivity (two more reductions per row): fp32, medians over {repeats} alternating pairs; "
+        f"CPU row pass: {native.status()}"
+    )
     print(f"{'shape':>16} {'pass':>22} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
     first = None
     for n, v in shapes:
@@ -223,7 +226,8 @@ def sensitivity_section(shapes, repeats: int) -> float:
                 lp = logprobs_and_entropy(train_z, tokens, sensitivity=True, one_hot_distance=True)[0]
             else:
                 handle = train_z.register_hook(
-                    lambda g: norms.append(torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32)))
+                    lambda g: norms.append(torch.linalg.vector_norm(g, dim=-1, dtype=torch.float32))
+                )
                 lp = logprobs_and_entropy(train_z, tokens)[0]
             lp.sum().backward()
             if not attribution:
@@ -245,8 +249,10 @@ def sensitivity_section(shapes, repeats: int) -> float:
                     first = first or r
         if len(passes) == 2:
             without, with_, r = paired(native_vs_eager, repeats)
-            print(f"{str([n, v]):>16} {'no grad: eager -> native':>22} {without:11.1f} {with_:9.1f} {r:6.2f}"
-                  "  (eager without s, native with it)")
+            print(
+                f"{str([n, v]):>16} {'no grad: eager -> native':>22} {without:11.1f} {with_:9.1f} {r:6.2f}"
+                "  (eager without s, native with it)"
+            )
         del logits, tokens, train_z
     return first
 
@@ -272,14 +278,16 @@ def head_sensitivity_section(shapes, hidden_size: int, repeats: int) -> float:
     per-pair ratios. Returns the ratio at the first shape."""
     from entropylens.rl.stats import head_stats
 
-    print(f"\n5b. the same in head_stats (hidden {hidden_size} -> V through the LM head, fp32, forward + backward), "
-          f"medians over {repeats} alternating pairs")
+    print(
+        f"\n5b. the same in head_stats (hidden {hidden_size} -> V through the LM head, fp32, forward + backward), "
+        f"medians over {repeats} alternating pairs"
+    )
     print(f"{'shape':>16} {'without ms':>11} {'with ms':>9} {'ratio':>6}")
     first = None
     for n, v in shapes:
         g = torch.Generator().manual_seed(0)
         h = (torch.randn(n, hidden_size, generator=g)).requires_grad_(True)
-        w = (torch.randn(v, hidden_size, generator=g) * hidden_size ** -0.5 * 3).requires_grad_(True)
+        w = (torch.randn(v, hidden_size, generator=g) * hidden_size**-0.5 * 3).requires_grad_(True)
         tok = torch.randint(0, v, (n,), generator=g)
 
         def train(sens):
@@ -302,8 +310,10 @@ def tails_section(n: int, v: int, repeats: int) -> float:
     a tail (randn * 3, same shape and temperature); medians of per-pair ratios. The last row times a
     bare torch.exp of the unfloored shifted logits the same way: what the floor avoids. Returns the
     largest pass ratio."""
-    print(f"\n6. far tails at {[n, v]} fp32: the pass on logits with a tail / the same pass without one, "
-          f"medians over {repeats} alternating pairs")
+    print(
+        f"\n6. far tails at {[n, v]} fp32: the pass on logits with a tail / the same pass without one, "
+        f"medians over {repeats} alternating pairs"
+    )
     print(f"{'logits':>30} {'pass':>12} {'no tail ms':>11} {'tail ms':>8} {'ratio':>6}")
     g = torch.Generator().manual_seed(0)
     plain = torch.randn(n, v, generator=g) * 3
@@ -420,7 +430,9 @@ def main() -> None:
     print(f"\n4. does torch.compile help? the chunk body compiled (inductor), no grad, {[n0, v0]} fp32")
     try:
         c_ms, o_ms, first_s = compiled_vs_ours(n0, v0, a.repeats)
-        print(f"   ours {o_ms:.1f} ms; compiled chunk loop {c_ms:.1f} ms (x{c_ms / o_ms:.2f}); first call {first_s:.1f} s")
+        print(
+            f"   ours {o_ms:.1f} ms; compiled chunk loop {c_ms:.1f} ms (x{c_ms / o_ms:.2f}); first call {first_s:.1f} s"
+        )
     except Exception as e:  # no compiler toolchain: say so
         print(f"   torch.compile unavailable here: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 

@@ -42,10 +42,9 @@ from entropylens import Recorder
 from entropylens.demo.toy import config_for
 from entropylens.demo.toy.train import ToyTrainer
 from entropylens.integrations.loss_hook import LossHook
+from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
 from entropylens.record.writer import write_tokens
 from entropylens.rl.losses import resolve_eps
-from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
-
 
 LOSS_MODES = ("clip_cov", "kl_cov")  # modes that train the step with another loss (full recording)
 
@@ -53,13 +52,20 @@ LOSS_MODES = ("clip_cov", "kl_cov")  # modes that train the step with another lo
 def fsync_cost(n: int, rows: int) -> tuple[float, float]:
     """Median ms to write one token file of ``rows`` rows without / with fsync (file + directory)."""
     rng = np.random.default_rng(0)
-    arrs = {"update": np.zeros(rows, np.int16), "seq": np.arange(rows, dtype=np.int32) // 16,
-            "group": np.zeros(rows, np.int32), "pos": np.arange(rows, dtype=np.int32) % 16,
-            "token_id": rng.integers(0, 16, rows).astype(np.int32),
-            **{c: rng.standard_normal(rows).astype(np.float32) for c in
-               ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm")},
-            "quadrant": rng.integers(0, 5, rows).astype(np.int8), "clip": rng.integers(-1, 2, rows).astype(np.int8),
-            "clipped": rng.random(rows) < 0.1}
+    arrs = {
+        "update": np.zeros(rows, np.int16),
+        "seq": np.arange(rows, dtype=np.int32) // 16,
+        "group": np.zeros(rows, np.int32),
+        "pos": np.arange(rows, dtype=np.int32) % 16,
+        "token_id": rng.integers(0, 16, rows).astype(np.int32),
+        **{
+            c: rng.standard_normal(rows).astype(np.float32)
+            for c in ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm")
+        },
+        "quadrant": rng.integers(0, 5, rows).astype(np.int8),
+        "clip": rng.integers(-1, 2, rows).astype(np.int8),
+        "clipped": rng.random(rows) < 0.1,
+    }
     times = {False: [], True: []}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as d:  # the disk the runs go to, not a tmpfs
         for i in range(n):
@@ -92,9 +98,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (x 8 samples)")
     ap.add_argument("--fsync-files", type=int, default=40, help="token files per fsync setting (0: skip)")
     ap.add_argument("--sft-steps", type=int, default=50, help="supervised warm-up steps of the toy before RL")
-    ap.add_argument("--modes", default="off,full,full-nofsync,sample=0.1",
-                    help="comma-separated subset of off,full,full-nofsync,sample=0.1,hook (off and full always run); "
-                         "fewer modes give the headline pair more steps in the same time")
+    ap.add_argument(
+        "--modes",
+        default="off,full,full-nofsync,sample=0.1",
+        help="comma-separated subset of off,full,full-nofsync,sample=0.1,hook (off and full always run); "
+        "fewer modes give the headline pair more steps in the same time",
+    )
     a = ap.parse_args()
     wanted = {"off", "full", *a.modes.split(",")}
     unknown = wanted - {"off", "full", "full-nofsync", "sample=0.1", "hook", *LOSS_MODES}
@@ -104,17 +113,27 @@ def main() -> None:
     trainer = ToyTrainer(config_for("grpo", sft_steps=a.sft_steps, hidden=a.hidden, prompts=a.prompts))
     cfg = trainer.cfg
     with tempfile.TemporaryDirectory() as d:
-        make = {"off": lambda: None, "full": lambda: Recorder(d, run="full"),
-                "full-nofsync": lambda: Recorder(d, run="nf", fsync=False),
-                "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1),
-                "hook": lambda: Recorder(d, run="hook"),  # the loss hook beside policy_loss (loss_hook.py)
-                **{m: (lambda m=m: Recorder(d, run=m)) for m in LOSS_MODES}}  # full recording, another loss
+        make = {
+            "off": lambda: None,
+            "full": lambda: Recorder(d, run="full"),
+            "full-nofsync": lambda: Recorder(d, run="nf", fsync=False),
+            "sample=0.1": lambda: Recorder(d, run="s01", sample=0.1),
+            "hook": lambda: Recorder(d, run="hook"),  # the loss hook beside policy_loss (loss_hook.py)
+            **{m: (lambda m=m: Recorder(d, run=m)) for m in LOSS_MODES},
+        }  # full recording, another loss
         eps = resolve_eps(cfg.method, cfg.eps_low, cfg.eps_high)
         base_kw = dict(trainer.loss_kw)
         # the covariance controls' modes: the same step from the same state, entropylens' Clip-Cov / KL-Cov in
         # place of grpo (the per-token covariance term, the selection, its columns), with full recording
-        loss_kw = {m: {**base_kw, "method": m, **(dict(generator=torch.Generator().manual_seed(20_000))
-                                                  if m == "clip_cov" else {})} for m in LOSS_MODES if m in wanted}
+        loss_kw = {
+            m: {
+                **base_kw,
+                "method": m,
+                **(dict(generator=torch.Generator().manual_seed(20_000)) if m == "clip_cov" else {}),
+            }
+            for m in LOSS_MODES
+            if m in wanted
+        }
         modes = {m: f() for m, f in make.items() if m in wanted}
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
@@ -130,12 +149,22 @@ def main() -> None:
             # pair differs only by the recorder and the machine. The order of the modes rotates every step:
             # no mode always runs first after the rollout's allocations or right after another's writer work
             after: list = []
-            for m in names[i % len(names):] + names[: i % len(names)]:
+            for m in names[i % len(names) :] + names[: i % len(names)]:
                 trainer.load_state(state)
                 rec = modes[m]
                 trainer.loss_kw = loss_kw.get(m, base_kw)
-                trainer.loss_hook = LossHook(rec, eps_low=eps[0], eps_high=eps[1], dual_clip=cfg.dual_clip,
-                                             temperature=cfg.temperature, on_error="raise") if m == "hook" else None
+                trainer.loss_hook = (
+                    LossHook(
+                        rec,
+                        eps_low=eps[0],
+                        eps_high=eps[1],
+                        dual_clip=cfg.dual_clip,
+                        temperature=cfg.temperature,
+                        on_error="raise",
+                    )
+                    if m == "hook"
+                    else None
+                )
                 w0 = rec._writer.cpu_seconds if rec else 0.0
                 t0, c0 = time.perf_counter(), time.thread_time()
                 trainer.rl_step(i, rec)
@@ -155,25 +184,35 @@ def main() -> None:
             if rec:
                 rec.close()
     base_wall, base_cpu = statistics.median(wall["off"]), statistics.median(cpu["off"])
-    print(f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
-          f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread "
-          f"{'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'}"
-          f"{' (rescued in: ' + ', '.join(rescued) + ')' if rescued else ''}, "
-          f"load average {os.getloadavg()[0]:.1f} at the end")
-    print(f"every mode trained each step from the same state: {a.steps + 2 - diverged} of {a.steps + 2} steps "
-          f"({a.steps} measured, 2 warm-up rounds) ended with identical weights in all modes")
-    print(f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
-          f"{'drain ms':>9}")
+    print(
+        f"toy step: width {cfg.hidden}, {cfg.prompts * cfg.group} sequences x 16 tokens, {cfg.updates} updates, "
+        f"{a.steps} steps per mode, alternating, torch threads {a.threads}, writer thread "
+        f"{'SCHED_IDLE' if WRITER_IDLE else f'nice {WRITER_NICE}'}"
+        f"{' (rescued in: ' + ', '.join(rescued) + ')' if rescued else ''}, "
+        f"load average {os.getloadavg()[0]:.1f} at the end"
+    )
+    print(
+        f"every mode trained each step from the same state: {a.steps + 2 - diverged} of {a.steps + 2} steps "
+        f"({a.steps} measured, 2 warm-up rounds) ended with identical weights in all modes"
+    )
+    print(
+        f"{'recorder':<14} {'wall ms':>9} {'ratio':>7} {'thread cpu ms':>14} {'ratio':>7} {'writer cpu ms':>14} "
+        f"{'drain ms':>9}"
+    )
     for m in modes:
         w, c = statistics.median(wall[m]), statistics.median(cpu[m])
         wc, dr = statistics.median(writer_cpu[m]), statistics.median(drain[m])
-        print(f"{m:<14} {w * 1000:9.1f} {w / base_wall:7.3f} {c * 1000:14.1f} {c / base_cpu:7.3f} {wc * 1000:14.1f} "
-              f"{dr * 1000:9.1f}")
+        print(
+            f"{m:<14} {w * 1000:9.1f} {w / base_wall:7.3f} {c * 1000:14.1f} {c / base_cpu:7.3f} {wc * 1000:14.1f} "
+            f"{dr * 1000:9.1f}"
+        )
     if a.fsync_files:
         rows = cfg.prompts * cfg.group * 16 * cfg.epochs  # every update of the step: each sequence once per epoch
         plain, synced = fsync_cost(a.fsync_files, rows)
-        print(f"token file of one step ({rows} rows): {plain:.2f} ms without fsync, {synced:.2f} ms with fsync "
-              f"(file + directory), on the writer thread")
+        print(
+            f"token file of one step ({rows} rows): {plain:.2f} ms without fsync, {synced:.2f} ms with fsync "
+            f"(file + directory), on the writer thread"
+        )
     # paired: each step's full / off, both run from the same state (the same rollout and updates): the
     # toy's step time moves by +-20% as training goes on (data-dependent kernels, e.g. exp in the far
     # tail), which the pair cancels; their median is robust to drifts of the machine's speed too
@@ -181,8 +220,10 @@ def main() -> None:
     paired_cpu = [f / o for f, o in zip(cpu["full"], cpu["off"])]
     q = statistics.quantiles(paired, n=4)
     lo, hi = median_ci(paired)
-    print(f"paired per-step ratios (full / off): median {statistics.median(paired):.3f} (95% bootstrap interval "
-          f"{lo:.3f}-{hi:.3f}; quartiles {q[0]:.3f}, {q[2]:.3f}); training-thread CPU {statistics.median(paired_cpu):.3f}")
+    print(
+        f"paired per-step ratios (full / off): median {statistics.median(paired):.3f} (95% bootstrap interval "
+        f"{lo:.3f}-{hi:.3f}; quartiles {q[0]:.3f}, {q[2]:.3f}); training-thread CPU {statistics.median(paired_cpu):.3f}"
+    )
     print(f"paired_overhead_ratio={statistics.median(paired):.3f}")
     print(f"cpu_overhead_ratio={statistics.median(cpu['full']) / base_cpu:.3f}")
     print(f"overhead_ratio={statistics.median(wall['full']) / base_wall:.3f}")

@@ -17,11 +17,11 @@ import time
 
 import torch
 
+from entropylens.demo.toy import task
+from entropylens.demo.toy.model import build_model, response_logits
 from entropylens.rl import stats
 from entropylens.rl.losses import policy_loss
 from entropylens.rl.probe import ProbeForward, probe_update
-from entropylens.demo.toy import task
-from entropylens.demo.toy.model import build_model, response_logits
 
 
 def main() -> None:

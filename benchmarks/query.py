@@ -24,18 +24,29 @@ from writer import toy_like_rows  # noqa: E402
 
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect, list_analyses, run_analysis  # noqa: E402
+from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
 from entropylens.report.build import write_report  # noqa: E402
 from entropylens.rl.aggregates import AGG_NAMES  # noqa: E402
-from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
 
 
 def build_run(root: Path, rows: int, steps: int, files_per_step: int, run: str = "synthetic") -> Path:
     """A run directory with `rows` token rows spread over `steps` x `files_per_step` files."""
     d = root / run
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"run": run, "method": "grpo", "status": "finished", "eps_low": 0.2,
-                                            "eps_high": 0.2, "tau": 0.5, "schema_version": 1,
-                                            "config": {"method": "grpo"}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": run,
+                "method": "grpo",
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.2,
+                "tau": 0.5,
+                "schema_version": 1,
+                "config": {"method": "grpo"},
+            }
+        )
+    )
     data = toy_like_rows(rows)
     rng = np.random.default_rng(1)
     data["entropy"] = data["entropy"] * np.repeat(np.linspace(1.0, 0.1, steps), rows // steps + 1)[:rows]
@@ -48,13 +59,35 @@ def build_run(root: Path, rows: int, steps: int, files_per_step: int, run: str =
             chunk["update"] = np.full(len(chunk["seq"]), u, np.int16)
             write_tokens(d, s, 0, u, chunk)
             i += per
-        write_steps(d, s, 0, [{**{k: float(rng.random()) for k in AGG_NAMES}, "update": u, "n_tokens": per,
-                               "grad_norm": float(rng.random()), "lr": 1e-3} for u in range(files_per_step)])
+        write_steps(
+            d,
+            s,
+            0,
+            [
+                {
+                    **{k: float(rng.random()) for k in AGG_NAMES},
+                    "update": u,
+                    "n_tokens": per,
+                    "grad_norm": float(rng.random()),
+                    "lr": 1e-3,
+                }
+                for u in range(files_per_step)
+            ],
+        )
         n_seq = 256
-        write_sequences(d, s, 0, 0, {"seq": np.arange(n_seq, dtype=np.int32), "group": np.arange(n_seq) // 8,
-                                     "reward": rng.random(n_seq).astype(np.float32),
-                                     "advantage": rng.standard_normal(n_seq).astype(np.float32),
-                                     "length": np.full(n_seq, 16, np.int32)})
+        write_sequences(
+            d,
+            s,
+            0,
+            0,
+            {
+                "seq": np.arange(n_seq, dtype=np.int32),
+                "group": np.arange(n_seq) // 8,
+                "reward": rng.random(n_seq).astype(np.float32),
+                "advantage": rng.standard_normal(n_seq).astype(np.float32),
+                "length": np.full(n_seq, 16, np.int32),
+            },
+        )
     return d
 
 
@@ -113,8 +146,10 @@ def main() -> None:
 
         _, t_pd = timed(pandas_change)
         t_duck = times[heaviest]
-        print(f"  DuckDB {t_duck:.2f} s; pandas {t_pd:.2f} s + {t_load:.2f} s to load the columns "
-              f"(x{(t_pd + t_load) / t_duck:.1f})")
+        print(
+            f"  DuckDB {t_duck:.2f} s; pandas {t_pd:.2f} s + {t_load:.2f} s to load the columns "
+            f"(x{(t_pd + t_load) / t_duck:.1f})"
+        )
 
         def all_analyses():
             c = connect(run_dir)
@@ -125,8 +160,10 @@ def main() -> None:
         (res,), t_compact = timed(lambda: compact(run_dir, grace_s=0))
         _, t_all_after = best(all_analyses)
         print(f"\n{res.summary()} in {t_compact:.1f} s")
-        print(f"  all analyses (connect included): {t_all_before:.2f} s before, {t_all_after:.2f} s after "
-              f"(x{t_all_before / t_all_after:.1f})")
+        print(
+            f"  all analyses (connect included): {t_all_before:.2f} s before, {t_all_after:.2f} s after "
+            f"(x{t_all_before / t_all_after:.1f})"
+        )
 
         small_files_ratio(root)
     print(f"report_s={t_report:.2f} rows={a.rows}")
@@ -140,9 +177,12 @@ def small_files_ratio(root: Path) -> None:
     (res,), t_compact = timed(lambda: compact(small, grace_s=0))
     got, t_big = best(lambda: connect(small).execute(q).fetchall())
     assert sorted(got) == sorted(expect) or all(
-        a[0] == b[0] and a[2] == b[2] and abs(a[1] - b[1]) < 1e-9 for a, b in zip(sorted(got), sorted(expect)))
-    print(f"2M rows in 4,000 files of 500 rows: {t_small:.2f} s; after compaction ({res.files_out} files, "
-          f"{t_compact:.1f} s to compact): {t_big:.2f} s (x{t_small / t_big:.1f}); connect + query, same answer")
+        a[0] == b[0] and a[2] == b[2] and abs(a[1] - b[1]) < 1e-9 for a, b in zip(sorted(got), sorted(expect))
+    )
+    print(
+        f"2M rows in 4,000 files of 500 rows: {t_small:.2f} s; after compaction ({res.files_out} files, "
+        f"{t_compact:.1f} s to compact): {t_big:.2f} s (x{t_small / t_big:.1f}); connect + query, same answer"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ def copies(src: Path, dst: Path, n: int) -> None:
                 t.parent.mkdir(parents=True, exist_ok=True)
                 os.link(f, t)
         cfg = {**info.get("config", {}), "lr": 1e-4 * (1 + i % 5), "seed": i // 5}
-        (d / "run.json").write_text(json.dumps({**info, "run": d.name, "method": methods[i % len(methods)],
-                                                "config": cfg}))
+        (d / "run.json").write_text(
+            json.dumps({**info, "run": d.name, "method": methods[i % len(methods)], "config": cfg})
+        )
 
 
 def timed(path, out, **kw) -> float:
@@ -58,8 +59,7 @@ def main() -> None:
         timed(work / "one", work / "warm")  # imports, matplotlib's font cache
         one = timed(work / "one", work / "rep1", group_by=a.group_by)
         many = timed(work / "many", work / "repn", group_by=a.group_by)
-        print(f"report over 1 run: {one:.2f} s; over {a.copies} runs: {many:.2f} s "
-              f"({many / a.copies:.3f} s per run)")
+        print(f"report over 1 run: {one:.2f} s; over {a.copies} runs: {many:.2f} s ({many / a.copies:.3f} s per run)")
         print(f"runs={a.copies} report_1_s={one:.2f} report_n_s={many:.2f} per_run_ratio={many / (a.copies * one):.3f}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -74,9 +74,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     trainer = ToyTrainer(config_for("grpo", sft_steps=a.sft_steps, prompts=a.prompts))
     with tempfile.TemporaryDirectory() as d:
-        modes = {"recording": Recorder(d, run="plain"),
-                 "+tb scalars": Recorder(d, run="tbs", log_to={"tensorboard": Path(d) / "tbs"}, log_histograms=False),
-                 "+tb histograms": Recorder(d, run="tb", log_to={"tensorboard": Path(d) / "tb"})}
+        modes = {
+            "recording": Recorder(d, run="plain"),
+            "+tb scalars": Recorder(d, run="tbs", log_to={"tensorboard": Path(d) / "tbs"}, log_histograms=False),
+            "+tb histograms": Recorder(d, run="tb", log_to={"tensorboard": Path(d) / "tb"}),
+        }
         wall = {m: [] for m in modes}
         cpu = {m: [] for m in modes}
         writer_cpu = {m: [] for m in modes}
@@ -101,32 +103,41 @@ def main() -> None:
             rec.close()
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        acc = EventAccumulator(str(next((Path(d) / "tb").glob("events.*")).parent),
-                               size_guidance={"scalars": 0, "histograms": 0})
+        acc = EventAccumulator(
+            str(next((Path(d) / "tb").glob("events.*")).parent), size_guidance={"scalars": 0, "histograms": 0}
+        )
         acc.Reload()
         n_logged = len(acc.Scalars("entropylens/clip_low_frac"))
         n_hist = len(acc.Histograms("entropylens/hist/entropy_ratio"))
         # the same work timed alone (no step-time noise): a ready summary through StepLog to TensorBoard
         direct = _direct_cost(Path(d) / "tb-direct")
-    print(f"toy step: {trainer.cfg.prompts * trainer.cfg.group} sequences, {trainer.cfg.updates} updates, "
-          f"{a.steps} steps per mode, rotating, torch threads {a.threads}; TensorBoard got {n_logged} steps x "
-          f"{len(acc.Tags()['scalars'])} scalars and {n_hist} steps x {len(acc.Tags()['histograms'])} histograms "
-          f"(trackers left: {n_trackers})")
+    print(
+        f"toy step: {trainer.cfg.prompts * trainer.cfg.group} sequences, {trainer.cfg.updates} updates, "
+        f"{a.steps} steps per mode, rotating, torch threads {a.threads}; TensorBoard got {n_logged} steps x "
+        f"{len(acc.Tags()['scalars'])} scalars and {n_hist} steps x {len(acc.Tags()['histograms'])} histograms "
+        f"(trackers left: {n_trackers})"
+    )
     print(f"{'mode':<15} {'wall ms':>9} {'thread cpu ms':>14} {'writer cpu ms':>14}")
     for m in modes:
-        print(f"{m:<15} {statistics.median(wall[m]) * 1e3:9.2f} {statistics.median(cpu[m]) * 1e3:14.2f} "
-              f"{statistics.median(writer_cpu[m]) * 1e3:14.2f}")
+        print(
+            f"{m:<15} {statistics.median(wall[m]) * 1e3:9.2f} {statistics.median(cpu[m]) * 1e3:14.2f} "
+            f"{statistics.median(writer_cpu[m]) * 1e3:14.2f}"
+        )
     ratios = {}
     for m in names[1:]:
         paired = [t / r for t, r in zip(wall[m], wall["recording"])]
         paired_cpu = [t / r for t, r in zip(cpu[m], cpu["recording"])]
         q = statistics.quantiles(paired, n=4)
         ratios[m] = (statistics.median(paired), statistics.median(paired_cpu))
-        print(f"paired per-step ratios ({m} / recording): median {ratios[m][0]:.4f} (quartiles {q[0]:.4f}, "
-              f"{q[2]:.4f}); training-thread CPU {ratios[m][1]:.4f}")
+        print(
+            f"paired per-step ratios ({m} / recording): median {ratios[m][0]:.4f} (quartiles {q[0]:.4f}, "
+            f"{q[2]:.4f}); training-thread CPU {ratios[m][1]:.4f}"
+        )
     step_ms = statistics.median(wall["recording"]) * 1e3
-    print(f"one step's scalars and histograms through StepLog to TensorBoard, timed alone: {direct * 1e3:.3f} ms on "
-          f"the training thread = {direct * 1e3 / step_ms * 100:.3f}% of a {step_ms:.1f} ms step")
+    print(
+        f"one step's scalars and histograms through StepLog to TensorBoard, timed alone: {direct * 1e3:.3f} ms on "
+        f"the training thread = {direct * 1e3 / step_ms * 100:.3f}% of a {step_ms:.1f} ms step"
+    )
     print(f"trackers_direct_ratio={1 + direct * 1e3 / step_ms:.4f}")
     print(f"trackers_scalars_ratio={ratios['+tb scalars'][0]:.4f}")
     print(f"trackers_cpu_ratio={ratios['+tb histograms'][1]:.4f}")

@@ -58,18 +58,40 @@ def child(mode: str, out: str, completion: int, generations: int, options: dict,
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    cfg = Qwen2Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=completion + 32,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=1, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=completion + 32,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg)
     if options.get("beta"):  # TRL builds the KL reference model from a path
         model.save_pretrained(f"{out}/model")
         model = f"{out}/model"
-    args = GRPOConfig(**options,
-        output_dir=f"{out}/.trl", max_steps=1, per_device_train_batch_size=generations,
-        num_generations=generations, gradient_accumulation_steps=1, max_completion_length=completion,
-        learning_rate=1e-3, logging_steps=1, report_to=[], use_cpu=True, seed=0, save_strategy="no",
-        bf16=False, dataloader_num_workers=0, disable_tqdm=True,
+    args = GRPOConfig(
+        **options,
+        output_dir=f"{out}/.trl",
+        max_steps=1,
+        per_device_train_batch_size=generations,
+        num_generations=generations,
+        gradient_accumulation_steps=1,
+        max_completion_length=completion,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        bf16=False,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
 
     def reward(completions, **kw):
@@ -82,14 +104,20 @@ def child(mode: str, out: str, completion: int, generations: int, options: dict,
     else:
         from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
-        trainer = EntropyLensGRPOTrainer(**common, entropylens_root=out, run="mem",
-                                         attribution=mode == "attribution",
-                                         loss=loss if mode == "el-loss" else None)
+        trainer = EntropyLensGRPOTrainer(
+            **common,
+            entropylens_root=out,
+            run="mem",
+            attribution=mode == "attribution",
+            loss=loss if mode == "el-loss" else None,
+        )
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark to the current RSS
     trainer.train()
     peak = _rss_kb("VmHWM")
-    lengths = [int(x) for x in trainer._buffered_inputs[0]["completion_mask"].sum(1)] if trainer._buffered_inputs else []
+    lengths = (
+        [int(x) for x in trainer._buffered_inputs[0]["completion_mask"].sum(1)] if trainer._buffered_inputs else []
+    )
     return {"mode": mode, "before_mb": before / 1024, "peak_mb": peak / 1024, "completion_lengths": lengths}
 
 
@@ -109,17 +137,39 @@ def main() -> None:
     if a.child:
         print("RESULT " + json.dumps(child(a.child, a.out, a.completion, a.generations, options, a.loss)))
         return
-    res: dict[str, list[dict]] = {"plain": [], "entropylens": [], **({"attribution": []} if a.attribution else {}),
-                                  **({"el-loss": []} if a.loss else {})}
-    flags = [*(["--kl"] if a.kl else []), *(["--top-entropy"] if a.top_entropy else []),
-             *(["--loss", a.loss] if a.loss else [])]
+    res: dict[str, list[dict]] = {
+        "plain": [],
+        "entropylens": [],
+        **({"attribution": []} if a.attribution else {}),
+        **({"el-loss": []} if a.loss else {}),
+    }
+    flags = [
+        *(["--kl"] if a.kl else []),
+        *(["--top-entropy"] if a.top_entropy else []),
+        *(["--loss", a.loss] if a.loss else []),
+    ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
             for mode in res:
-                p = subprocess.run([sys.executable, __file__, "--child", mode, "--out", f"{d}/{mode}{r}",
-                                    "--completion", str(a.completion), "--generations", str(a.generations), *flags],
-                                   capture_output=True, text=True, env=env)
+                p = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        mode,
+                        "--out",
+                        f"{d}/{mode}{r}",
+                        "--completion",
+                        str(a.completion),
+                        "--generations",
+                        str(a.generations),
+                        *flags,
+                    ],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
                 line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
                 if p.returncode != 0 or not line:
                     sys.exit(f"{mode} child failed:\n{p.stderr[-3000:]}")
@@ -129,13 +179,17 @@ def main() -> None:
     lens = res["plain"][0]["completion_lengths"]
     prompt_len = 5
     logits_mb = len(lens) * (prompt_len + a.completion) * V * 4 / 2**20
-    print(f"One TRL GRPO step, tiny Qwen2 (hidden 64) with V = {V}, {a.generations} completions x "
-          f"{a.completion} tokens (lengths {min(lens) if lens else '?'}-{max(lens) if lens else '?'}); "
-          f"one pass's full float32 logits would be {logits_mb:.0f} MB. Peak RSS per fresh process, "
-          f"max over {a.rounds} rounds:")
+    print(
+        f"One TRL GRPO step, tiny Qwen2 (hidden 64) with V = {V}, {a.generations} completions x "
+        f"{a.completion} tokens (lengths {min(lens) if lens else '?'}-{max(lens) if lens else '?'}); "
+        f"one pass's full float32 logits would be {logits_mb:.0f} MB. Peak RSS per fresh process, "
+        f"max over {a.rounds} rounds:"
+    )
     for m in res:
-        print(f"  {m:<12} peak {peak[m]:8.0f} MB   before the step {before[m]:8.0f} MB   "
-              f"step's own {peak[m] - before[m]:8.0f} MB")
+        print(
+            f"  {m:<12} peak {peak[m]:8.0f} MB   before the step {before[m]:8.0f} MB   "
+            f"step's own {peak[m] - before[m]:8.0f} MB"
+        )
     step_ratio = (peak["entropylens"] - before["entropylens"]) / max(1e-9, peak["plain"] - before["plain"])
     print(f"step_memory_ratio={step_ratio:.3f}")
     if a.attribution:

@@ -98,22 +98,28 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--kl", action="store_true", help="beta 0.04 (TRL builds the reference model)")
     ap.add_argument("--top-entropy", action="store_true", help="top_entropy_quantile 0.2 (TRL's 80/20 mask)")
-    ap.add_argument("--loss", default=None,
-                    help="also time entropylens' loss replacing TRL's (e.g. dapo; comma-separated for several, e.g. "
-                         "grpo,clip_cov,kl_cov: each against the first, the covariance controls' own cost)")
-    ap.add_argument("--attribution", action="store_true",
-                    help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)")
-    ap.add_argument("--sampler", action="store_true",
-                    help="also time full recording with sampler log-probs (the mismatch columns)")
+    ap.add_argument(
+        "--loss",
+        default=None,
+        help="also time entropylens' loss replacing TRL's (e.g. dapo; comma-separated for several, e.g. "
+        "grpo,clip_cov,kl_cov: each against the first, the covariance controls' own cost)",
+    )
+    ap.add_argument(
+        "--attribution",
+        action="store_true",
+        help="also time attribution=True (every pass through entropylens' head_stats, s_t recorded)",
+    )
+    ap.add_argument(
+        "--sampler", action="store_true", help="also time full recording with sampler log-probs (the mismatch columns)"
+    )
     a = ap.parse_args()
     import torch
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    import trl_grpo
     from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    import trl_grpo
 
     class Timer(StepTimer, TrainerCallback):
         def __init__(self):
@@ -121,8 +127,13 @@ def main() -> None:
 
     losses = [x.strip() for x in (a.loss or "").split(",") if x.strip()]
     loss_of = {(f"el-{x}" if len(losses) > 1 else "el-loss"): x for x in losses}  # mode -> entropylens' loss
-    modes = ["plain", "entropylens", *(["attribution"] if a.attribution else []), *loss_of,
-             *(["sampler"] if a.sampler else [])]
+    modes = [
+        "plain",
+        "entropylens",
+        *(["attribution"] if a.attribution else []),
+        *loss_of,
+        *(["sampler"] if a.sampler else []),
+    ]
     options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
     runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
@@ -138,13 +149,27 @@ def main() -> None:
                     saved = f"{d}/model{r}"
                     if not Path(saved).exists():
                         trl_grpo.build_model(trl_grpo.build_tokenizer(), r, a.hidden).save_pretrained(saved)
-                el = trl_grpo.make_trainer(f"{d}/{mode}{r}", steps=a.steps, seed=r, run=f"{mode}{r}",
-                                           hidden=a.hidden, attribution=mode == "attribution", model=saved,
-                                           loss=loss_of.get(mode), erc=None, **options)
+                el = trl_grpo.make_trainer(
+                    f"{d}/{mode}{r}",
+                    steps=a.steps,
+                    seed=r,
+                    run=f"{mode}{r}",
+                    hidden=a.hidden,
+                    attribution=mode == "attribution",
+                    model=saved,
+                    loss=loss_of.get(mode),
+                    erc=None,
+                    **options,
+                )
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
                     model = saved or trl_grpo.build_model(el.processing_class, r, a.hidden)
-                    tr = GRPOTrainer(model=model, reward_funcs=trl_grpo.digit_reward, args=el.args,
-                                     train_dataset=el.train_dataset, processing_class=el.processing_class)
+                    tr = GRPOTrainer(
+                        model=model,
+                        reward_funcs=trl_grpo.digit_reward,
+                        args=el.args,
+                        train_dataset=el.train_dataset,
+                        processing_class=el.processing_class,
+                    )
                     el.recorder.close()
                 else:
                     tr = el
@@ -169,15 +194,19 @@ def main() -> None:
     kept = {m: [x for run in rs for x in run[2:-1]] for m, rs in runs.items()}
     mean = {m: [statistics.fmean(x[i] for x in t) for i in range(3)] for m, t in kept.items()}
     last = {m: statistics.median(run[-1][0] for run in rs) for m, rs in runs.items()}
-    print(f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, options {options or 'none'}, torch threads "
-          f"{torch.get_num_threads()}, "
-          f"{a.rounds} rounds x {a.steps} steps; steps 2..{a.steps - 2} of each run, means (ms):")
+    print(
+        f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, options {options or 'none'}, torch threads "
+        f"{torch.get_num_threads()}, "
+        f"{a.rounds} rounds x {a.steps} steps; steps 2..{a.steps - 2} of each run, means (ms):"
+    )
     print(f"  {'trainer':<12} {'wall':>8} {'thread cpu':>11} {'process cpu':>12} {'last step':>10}")
     for m, v in mean.items():
         print(f"  {m:<12} {v[0] * 1000:8.1f} {v[1] * 1000:11.1f} {v[2] * 1000:12.1f} {last[m] * 1000:10.1f}")
     for m, w in writer_cpu.items():
         if w:
-            print(f"  {m}: writer thread {statistics.median(w) * 1000:.1f} ms CPU per step (all its work, close included)")
+            print(
+                f"  {m}: writer thread {statistics.median(w) * 1000:.1f} ms CPU per step (all its work, close included)"
+            )
     ratio = [e / p for e, p in zip(mean["entropylens"], mean["plain"])]
     print(f"ratios of the means: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
     if a.attribution:
@@ -185,46 +214,67 @@ def main() -> None:
         print(f"attribution ratios: wall {att[0]:.3f}, training-thread cpu {att[1]:.3f}, process cpu {att[2]:.3f}")
     for mode, loss in loss_of.items():
         own = [e / p for e, p in zip(mean[mode], mean["plain"])]
-        print(f"loss={loss} (recorded) against TRL's own loss unrecorded, options {options or 'none'}: "
-              f"wall {own[0]:.3f}, training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}")
+        print(
+            f"loss={loss} (recorded) against TRL's own loss unrecorded, options {options or 'none'}: "
+            f"wall {own[0]:.3f}, training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}"
+        )
         rec = [e / p for e, p in zip(mean[mode], mean["entropylens"])]
-        print(f"loss={loss} against TRL's own loss, both recorded: wall {rec[0]:.3f}, training-thread cpu "
-              f"{rec[1]:.3f}, process cpu {rec[2]:.3f}")
+        print(
+            f"loss={loss} against TRL's own loss, both recorded: wall {rec[0]:.3f}, training-thread cpu "
+            f"{rec[1]:.3f}, process cpu {rec[2]:.3f}"
+        )
         if len(losses) == 1:
             print(f"trl_loss_ratio={rec[0]:.3f}")
     first = next(iter(loss_of), None)
     for mode, loss in list(loss_of.items())[1:]:  # each loss against the first, both entropylens' and recorded
         vs = [e / p for e, p in zip(mean[mode], mean[first])]
         pairs = [e[0] / p[0] for er, pr in zip(runs[mode], runs[first]) for e, p in zip(er[2:-1], pr[2:-1])]
-        print(f"loss={loss} against loss={losses[0]}: wall {vs[0]:.3f}, training-thread cpu {vs[1]:.3f}, process "
-              f"cpu {vs[2]:.3f}; per-step paired wall median {statistics.median(pairs):.3f}")
+        print(
+            f"loss={loss} against loss={losses[0]}: wall {vs[0]:.3f}, training-thread cpu {vs[1]:.3f}, process "
+            f"cpu {vs[2]:.3f}; per-step paired wall median {statistics.median(pairs):.3f}"
+        )
         print(f"trl_{loss}_vs_{losses[0]}_cpu_ratio={vs[1]:.3f}")
     paired = [e[0] / p[0] for er, pr in zip(runs["entropylens"], runs["plain"]) for e, p in zip(er[2:-1], pr[2:-1])]
     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else [paired[0]] * 3
-    print(f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "
-          f"quartiles {q[0]:.3f} .. {q[2]:.3f}, n = {len(paired)}")
-    print("tokens seen per round (prompts + completions; equal when both trainers did the same work): "
-          + "; ".join(" / ".join(str(tokens[m][r]) for m in modes) for r in range(a.rounds)))
-    whole = [sum(x[0] for x in er[2:]) / sum(x[0] for x in pr[2:]) for er, pr in zip(runs["entropylens"], runs["plain"])]
+    print(
+        f"per-step paired wall ratios (step i against step i, same round): median {statistics.median(paired):.3f}, "
+        f"quartiles {q[0]:.3f} .. {q[2]:.3f}, n = {len(paired)}"
+    )
+    print(
+        "tokens seen per round (prompts + completions; equal when both trainers did the same work): "
+        + "; ".join(" / ".join(str(tokens[m][r]) for m in modes) for r in range(a.rounds))
+    )
+    whole = [
+        sum(x[0] for x in er[2:]) / sum(x[0] for x in pr[2:]) for er, pr in zip(runs["entropylens"], runs["plain"])
+    ]
     print("whole runs after warm-up (last step included), per round: " + ", ".join(f"{x:.3f}" for x in whole))
     if a.sampler:
         smp = [e / p for e, p in zip(mean["sampler"], mean["plain"])]
         own = [e / p for e, p in zip(mean["sampler"], mean["entropylens"])]
         print(f"sampler log-probs recorded (token rows with one, per round): {', '.join(map(str, sampled))}")
-        print(f"sampler (full recording + mismatch columns) against plain TRL: wall {smp[0]:.3f}, training-thread "
-              f"cpu {smp[1]:.3f}, process cpu {smp[2]:.3f}")
-        print(f"sampler against full recording without them (the columns' own cost): wall {own[0]:.3f}, "
-              f"training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}")
-        pairs = {other: [e[0] / p[0] for er, pr in zip(runs["sampler"], runs[other])
-                         for e, p in zip(er[2:-1], pr[2:-1])] for other in ("plain", "entropylens")}
-        print(f"per-step paired wall ratios: sampler / plain median {statistics.median(pairs['plain']):.3f}, "
-              f"sampler / entropylens median {statistics.median(pairs['entropylens']):.3f}, n = {len(pairs['plain'])}")
+        print(
+            f"sampler (full recording + mismatch columns) against plain TRL: wall {smp[0]:.3f}, training-thread "
+            f"cpu {smp[1]:.3f}, process cpu {smp[2]:.3f}"
+        )
+        print(
+            f"sampler against full recording without them (the columns' own cost): wall {own[0]:.3f}, "
+            f"training-thread cpu {own[1]:.3f}, process cpu {own[2]:.3f}"
+        )
+        pairs = {
+            other: [e[0] / p[0] for er, pr in zip(runs["sampler"], runs[other]) for e, p in zip(er[2:-1], pr[2:-1])]
+            for other in ("plain", "entropylens")
+        }
+        print(
+            f"per-step paired wall ratios: sampler / plain median {statistics.median(pairs['plain']):.3f}, "
+            f"sampler / entropylens median {statistics.median(pairs['entropylens']):.3f}, n = {len(pairs['plain'])}"
+        )
         print(f"trl_sampler_ratio={smp[0]:.3f}")
         print(f"trl_sampler_paired_ratio={statistics.median(pairs['plain']):.3f}")
         print(f"trl_sampler_columns_ratio={statistics.median(pairs['entropylens']):.3f}")
     print(f"trl_overhead_cpu_ratio={ratio[1]:.3f}")
     print(f"trl_overhead_paired_ratio={statistics.median(paired):.3f}")
     print(f"trl_overhead_ratio={ratio[0]:.3f}")
+
 
 if __name__ == "__main__":
     main()

@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.rl.aggregates import AGG_NAMES
 from entropylens.record.writer import (
     TOKEN_DICT_COLUMNS,
     TOKEN_FLOAT_COLUMNS,
@@ -35,6 +34,7 @@ from entropylens.record.writer import (
     write_parquet_atomic,
     write_steps,
 )
+from entropylens.rl.aggregates import AGG_NAMES
 
 
 def toy_like_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -62,14 +62,24 @@ def toy_like_rows(n: int, seed: int = 0) -> dict[str, np.ndarray]:
     grad_coef = (-adv * ratio / n * (clip == 0)).astype(np.float32)
     return {
         "update": np.full(n, 2, np.int16),
-        "seq": seq, "group": group, "pos": pos,
+        "seq": seq,
+        "group": group,
+        "pos": pos,
         "token_id": np.minimum(rng.zipf(1.6, n), 40).astype(np.int32) - 1,
-        "prob": prob, "logprob": logprob, "old_logprob": old_logprob, "ratio": ratio, "advantage": adv,
-        "quadrant": quad.astype(np.int8), "clip": clip,
+        "prob": prob,
+        "logprob": logprob,
+        "old_logprob": old_logprob,
+        "ratio": ratio,
+        "advantage": adv,
+        "quadrant": quad.astype(np.int8),
+        "clip": clip,
         "clipped": ((clip == -1) & (adv < 0)) | ((clip == 1) & (adv > 0)),
-        "entropy": entropy, "old_entropy": old_entropy, "entropy_ratio": (entropy / old_entropy).astype(np.float32),
+        "entropy": entropy,
+        "old_entropy": old_entropy,
+        "entropy_ratio": (entropy / old_entropy).astype(np.float32),
         "erc_kept": np.abs(np.log(entropy / old_entropy)) < 0.05,
-        "grad_coef": grad_coef, "logit_grad_norm": (np.abs(grad_coef) * (1 - prob)).astype(np.float32),
+        "grad_coef": grad_coef,
+        "logit_grad_norm": (np.abs(grad_coef) * (1 - prob)).astype(np.float32),
     }
 
 
@@ -104,8 +114,18 @@ def toy_steps_rows(updates: int = 8, seed: int = 0) -> list[dict]:
     for u in range(updates):
         row = {name: float(rng.random()) for name in AGG_NAMES}
         row.update({k: float(rng.integers(0, 4096)) for k in AGG_NAMES if k.startswith("n_")})
-        row.update({"lgn_mean_pa_hp": float("nan"), "erc_drop_frac": float("nan"), "update": u, "grad_norm": 0.5,
-                    "lr": 1e-3, "reward_mean": 0.4375, "accuracy": 0.25, "policy_entropy": 1.5})
+        row.update(
+            {
+                "lgn_mean_pa_hp": float("nan"),
+                "erc_drop_frac": float("nan"),
+                "update": u,
+                "grad_norm": 0.5,
+                "lr": 1e-3,
+                "reward_mean": 0.4375,
+                "accuracy": 0.25,
+                "policy_entropy": 1.5,
+            }
+        )
         rows.append(row)
     return rows
 
@@ -182,11 +202,15 @@ def main() -> None:
     print(f"{'entropylens (dict+BSS, zstd-1)':<34} {rps:12,.0f} {bpr:10.2f}")
     print(f"speed x{rps / base_rps:.2f}, size x{bpr / base_bpr:.2f} against the defaults")
     if steps:
-        print(f"steps file of a toy step (8 rows x {steps[2]} columns): {steps[0]:.3f} ms CPU, was "
-              f"{steps[1]:.3f} ms (x{steps[0] / steps[1]:.2f}); same table read back")
+        print(
+            f"steps file of a toy step (8 rows x {steps[2]} columns): {steps[0]:.3f} ms CPU, was "
+            f"{steps[1]:.3f} ms (x{steps[0] / steps[1]:.2f}); same table read back"
+        )
     if checks:
-        print(f"claim check before each file: {checks[0]:.1f} us CPU, {checks[1]:.1f} us wall"
-              + (f" ({checks[0] / (steps[0] * 1e3):.1%} of a steps file's CPU)" if steps else ""))
+        print(
+            f"claim check before each file: {checks[0]:.1f} us CPU, {checks[1]:.1f} us wall"
+            + (f" ({checks[0] / (steps[0] * 1e3):.1%} of a steps file's CPU)" if steps else "")
+        )
     print(f"rows_per_s={rps:.0f} bytes_per_row={bpr:.2f}")
 
 

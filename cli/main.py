@@ -12,7 +12,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -55,13 +55,21 @@ def _check_tau(tau: float | None) -> None:
 DEFAULT_TIMEOUT_S = 300.0  # the heaviest analysis over 100M uncompacted rows: ~90 s CPU (docs/performance.md)
 DEFAULT_MEMORY = "50%"  # of this machine's RAM: room for a training job beside the query; DuckDB spills past it
 
-TimeoutOpt = Annotated[float, typer.Option(
-    "--timeout", metavar="SECONDS", min=0,
-    help="Stop the query after this many seconds (exit 2); 0: no limit.")]
-MemoryOpt = Annotated[str, typer.Option(
-    "--memory-limit", metavar="SIZE",
-    help="DuckDB's memory limit for the query, e.g. 4GB, 512MB or 50% (of RAM); past it DuckDB spills to a "
-         "private temporary folder, and a query that still needs more stops (exit 2).")]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout", metavar="SECONDS", min=0, help="Stop the query after this many seconds (exit 2); 0: no limit."
+    ),
+]
+MemoryOpt = Annotated[
+    str,
+    typer.Option(
+        "--memory-limit",
+        metavar="SIZE",
+        help="DuckDB's memory limit for the query, e.g. 4GB, 512MB or 50% (of RAM); past it DuckDB spills to a "
+        "private temporary folder, and a query that still needs more stops (exit 2).",
+    ),
+]
 
 
 def _memory_settings(size: str) -> dict:
@@ -97,7 +105,9 @@ def _spark_connect(path, runs: list[str] | None = None):
 
 @app.command()
 def schema(
-    table: Annotated[Optional[str], typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens, probes).")] = None,
+    table: Annotated[
+        str | None, typer.Argument(metavar="TABLE", help="Only this table (runs, steps, sequences, tokens, probes).")
+    ] = None,
     markdown: Annotated[bool, typer.Option("--markdown", help="Print Markdown tables (as in docs/schema.md).")] = False,
 ) -> None:
     """Print the column contract (name, dtype, meaning) of every table."""
@@ -128,10 +138,15 @@ def runs(path: PathArg) -> None:
 @user_errors
 def query(
     path: PathArg,
-    sql: Annotated[str, typer.Argument(
-        metavar="SQL", help="One read-only statement (SELECT, WITH, VALUES, FROM, DESCRIBE, SHOW, SUMMARIZE, PIVOT, "
-                            "EXPLAIN of one of those, a few reporting PRAGMAs) over "
-                            "the views runs, steps, sequences, tokens; `-` reads it from stdin.")],
+    sql: Annotated[
+        str,
+        typer.Argument(
+            metavar="SQL",
+            help="One read-only statement (SELECT, WITH, VALUES, FROM, DESCRIBE, SHOW, SUMMARIZE, PIVOT, "
+            "EXPLAIN of one of those, a few reporting PRAGMAs) over "
+            "the views runs, steps, sequences, tokens; `-` reads it from stdin.",
+        ),
+    ],
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     run: RunsOpt = None,
@@ -149,6 +164,7 @@ def query(
     SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
     """
     from entropylens.cli.sql_guard import check_read_only
+
     from entropylens.read.query import run_sql
 
     check_output(fmt, output)  # a bad --output fails before the query runs
@@ -177,7 +193,10 @@ def analyze(
     path: PathArg,
     name: Annotated[str, typer.Argument(metavar="NAME", help="Analysis name (see `entropylens analyses`).")],
     run: RunsOpt = None,
-    param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="K=V", help="An analysis parameter, e.g. bins=5 (repeatable).")] = None,
+    param: Annotated[
+        list[str] | None,
+        typer.Option("--param", "-p", metavar="K=V", help="An analysis parameter, e.g. bins=5 (repeatable)."),
+    ] = None,
     fmt: FormatOpt = None,
     output: OutputOpt = None,
     engine: EngineOpt = Engine.duckdb,
@@ -224,28 +243,53 @@ def report(
     run: RunsOpt = None,
     out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Output directory.")] = Path("entropylens-report"),
     engine: EngineOpt = Engine.duckdb,
-    group_by: Annotated[Optional[str], typer.Option(
-        "--group-by", metavar="method|config|KEY",
-        help="Draw runs that share this as one series: their mean with a band over the runs. 'method'; "
-             "'config' (runs whose configs differ only in the seed); or a config key such as lr or seed. "
-             "Default: one line, bar or panel per run.")] = None,
-    band: Annotated[Band, typer.Option(
-        "--band", help="With --group-by: the band of a series, minmax (min to max over its runs) or sd (mean +- 1 sd).")]
-    = Band.minmax,
-    responses: Annotated[int, typer.Option(
-        "--responses", metavar="N", min=0,
-        help="Responses per run on its token-viewer page (responses-RUN.html): from steps spread over the "
-             "run, the highest and lowest reward, most clipped, largest entropy effect, most ERC-dropped, "
-             "highest entropy. 0: no pages. Each page's data stays under 4 MB (fewer responses if needed).")] = 40,
+    group_by: Annotated[
+        str | None,
+        typer.Option(
+            "--group-by",
+            metavar="method|config|KEY",
+            help="Draw runs that share this as one series: their mean with a band over the runs. 'method'; "
+            "'config' (runs whose configs differ only in the seed); or a config key such as lr or seed. "
+            "Default: one line, bar or panel per run.",
+        ),
+    ] = None,
+    band: Annotated[
+        Band,
+        typer.Option(
+            "--band",
+            help="With --group-by: the band of a series, minmax (min to max over its runs) or sd (mean +- 1 sd).",
+        ),
+    ] = Band.minmax,
+    responses: Annotated[
+        int,
+        typer.Option(
+            "--responses",
+            metavar="N",
+            min=0,
+            help="Responses per run on its token-viewer page (responses-RUN.html): from steps spread over the "
+            "run, the highest and lowest reward, most clipped, largest entropy effect, most ERC-dropped, "
+            "highest entropy. 0: no pages. Each page's data stays under 4 MB (fewer responses if needed).",
+        ),
+    ] = 40,
     tau: TauOpt = None,
-    where: Annotated[Optional[str], typer.Option(
-        "--where", metavar="SQL",
-        help="Only responses with a token row where this condition holds: a SQL condition on the tokens "
-             "columns and the response's reward and length, e.g. \"quadrant = 'PA&LP' AND clipped\".")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(
-        "--tokenizer", metavar="PATH",
-        help="A tokenizer (a local folder, loaded offline) to show the tokens' text, in place of the one a run "
-             "names (TRL and verl runs name theirs; without any, token ids are shown).")] = None,
+    where: Annotated[
+        str | None,
+        typer.Option(
+            "--where",
+            metavar="SQL",
+            help="Only responses with a token row where this condition holds: a SQL condition on the tokens "
+            "columns and the response's reward and length, e.g. \"quadrant = 'PA&LP' AND clipped\".",
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            metavar="PATH",
+            help="A tokenizer (a local folder, loaded offline) to show the tokens' text, in place of the one a run "
+            "names (TRL and verl runs name theirs; without any, token ids are shown).",
+        ),
+    ] = None,
 ) -> None:
     """Write the paper-style report (index.html, report.md, PNG figures, one token-viewer page per run)
     for the runs under PATH.
@@ -261,8 +305,18 @@ def report(
     _connect(path, run)  # path errors first, as one line
     check_out_dir(out)
     with writing("--out", out, reading_too=True), FileWarnings():  # e.g. an --out under /proc: one line
-        index = write_report(path, out, runs=run or None, engine=engine.value, group_by=group_by,
-                             band=band.value, responses=responses, where=where, tokenizer=tokenizer, tau=tau)
+        index = write_report(
+            path,
+            out,
+            runs=run or None,
+            engine=engine.value,
+            group_by=group_by,
+            band=band.value,
+            responses=responses,
+            where=where,
+            tokenizer=tokenizer,
+            tau=tau,
+        )
     typer.echo(f"report: {index}")
 
 
@@ -270,32 +324,59 @@ def report(
 @user_errors
 def show(
     path: PathArg,
-    run: Annotated[Optional[str], typer.Option(
-        "--run", help="The run (may be left out when PATH holds one run).")] = None,
-    step: Annotated[Optional[int], typer.Option(
-        "--step", help="The step (default: the run's last step with token rows).")] = None,
-    seq: Annotated[Optional[int], typer.Option(
-        "--seq", help="One response: print its tokens coloured by --color. Without it: list the step's "
-                      "responses.")] = None,
-    rank: Annotated[Optional[int], typer.Option(
-        "--rank", help="The rank that recorded the response, where several ranks recorded that --seq; without "
-                       "--seq: list only this rank's responses.")] = None,
-    update: Annotated[Optional[int], typer.Option(
-        "--update", help="With --seq: the update to show (default: the step's last update with rows for the "
-                         "response).")] = None,
-    color: Annotated[Optional[str], typer.Option(
-        "--color", metavar="METRIC",
-        help="With --seq: the metric that colours the tokens (default entropy): entropy, old_entropy, prob, ratio, "
-             "entropy_ratio, quadrant, clip, erc, logit_grad_norm, grad_coef, entropy_effect, "
-             "entropy_effect_dropped, sampler_log_ratio (the sampler-trainer mismatch).")] = None,
-    where: Annotated[Optional[str], typer.Option(
-        "--where", metavar="SQL",
-        help="Without --seq: list only the responses with a token row where this holds (the tokens view's "
-             "columns, plus the response's reward and length), e.g. \"quadrant = 'PA&LP' AND clipped\".")] = None,
-    tokenizer: Annotated[Optional[str], typer.Option(
-        "--tokenizer", metavar="PATH",
-        help="With --seq: a tokenizer (a local directory, or a Hugging Face name already in the local cache) "
-             "for the tokens' text. Default: the one the run recorded; without any, token ids as ⟨id⟩.")] = None,
+    run: Annotated[str | None, typer.Option("--run", help="The run (may be left out when PATH holds one run).")] = None,
+    step: Annotated[
+        int | None, typer.Option("--step", help="The step (default: the run's last step with token rows).")
+    ] = None,
+    seq: Annotated[
+        int | None,
+        typer.Option(
+            "--seq", help="One response: print its tokens coloured by --color. Without it: list the step's responses."
+        ),
+    ] = None,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank",
+            help="The rank that recorded the response, where several ranks recorded that --seq; without "
+            "--seq: list only this rank's responses.",
+        ),
+    ] = None,
+    update: Annotated[
+        int | None,
+        typer.Option(
+            "--update",
+            help="With --seq: the update to show (default: the step's last update with rows for the response).",
+        ),
+    ] = None,
+    color: Annotated[
+        str | None,
+        typer.Option(
+            "--color",
+            metavar="METRIC",
+            help="With --seq: the metric that colours the tokens (default entropy): entropy, old_entropy, prob, ratio, "
+            "entropy_ratio, quadrant, clip, erc, logit_grad_norm, grad_coef, entropy_effect, "
+            "entropy_effect_dropped, sampler_log_ratio (the sampler-trainer mismatch).",
+        ),
+    ] = None,
+    where: Annotated[
+        str | None,
+        typer.Option(
+            "--where",
+            metavar="SQL",
+            help="Without --seq: list only the responses with a token row where this holds (the tokens view's "
+            "columns, plus the response's reward and length), e.g. \"quadrant = 'PA&LP' AND clipped\".",
+        ),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            metavar="PATH",
+            help="With --seq: a tokenizer (a local directory, or a Hugging Face name already in the local cache) "
+            "for the tokens' text. Default: the one the run recorded; without any, token ids as ⟨id⟩.",
+        ),
+    ] = None,
     tau: TauOpt = None,
 ) -> None:
     """Read a step's responses in the terminal: a list of them, or one token by token, coloured.
@@ -312,11 +393,14 @@ def show(
     from entropylens.report import show as view
 
     if seq is None:
-        given = [name for name, v in (("--update", update), ("--color", color), ("--tokenizer", tokenizer))
-                 if v is not None]
+        given = [
+            name for name, v in (("--update", update), ("--color", color), ("--tokenizer", tokenizer)) if v is not None
+        ]
         if given:
-            fail(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to one response: add --seq "
-                 "SEQ (without it the step's responses are listed)")
+            fail(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to one response: add --seq "
+                "SEQ (without it the step's responses are listed)"
+            )
     elif where is not None:
         fail("--where chooses which responses are listed: leave it out with --seq")
     view.metric_for(color or "entropy")  # an unknown --color before touching the data
@@ -338,8 +422,9 @@ def show(
         for w in caught:
             if issubclass(w.category, TokenTextWarning):
                 typer.echo(f"warning: {str(w.message).removeprefix('entropylens: ')}", err=True)
-        out = view.show_response(con, run, step, seq, rank=rank, update=update, color=color or "entropy",
-                                 decoder=decoder)
+        out = view.show_response(
+            con, run, step, seq, rank=rank, update=update, color=color or "entropy", decoder=decoder
+        )
     wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
     Console(highlight=False, width=None if wide else 120).print(out)
 
@@ -349,46 +434,91 @@ def show(
 def check(
     path: PathArg,
     run: RunsOpt = None,
-    collapse: Annotated[float, typer.Option(
-        "--collapse", help="collapse: entropy below this fraction of its initial value.")] = 0.25,
-    explosion: Annotated[float, typer.Option(
-        "--explosion", help="explosion: entropy above this multiple of its initial value.")] = 2.0,
-    budget_steps: Annotated[int, typer.Option(
-        "--budget-steps", help="negative_budget: entropy budget below 0 for this many steps in a row ...")] = 10,
-    budget_entropy: Annotated[float, typer.Option(
-        "--budget-entropy", help="negative_budget: ... while entropy is below this fraction of its initial value.")] = 0.5,
-    clip_spike: Annotated[float, typer.Option(
-        "--clip-spike", help="clip_spike: clipped fraction above this multiple of its rolling median ...")] = 3.0,
-    clip_floor: Annotated[float, typer.Option(
-        "--clip-floor", help="clip_spike: ... and at least this clipped fraction (its floor).")] = 0.05,
-    kl_spike: Annotated[float, typer.Option(
-        "--kl-spike", help="kl_spike: KL above this multiple of its rolling median.")] = 5.0,
-    grad_norm_spike: Annotated[float, typer.Option(
-        "--grad-norm-spike", help="grad_norm_spike: grad norm above this multiple of its rolling median.")] = 3.0,
-    erc_drop_min: Annotated[float, typer.Option(
-        "--erc-drop-min", help="erc_drop_rate: ERC drop fraction below this while the step's entropy ratios "
-                               "(p05 / p95) leave the ERC band.")] = 0.001,
-    erc_drop_max: Annotated[float, typer.Option(
-        "--erc-drop-max", help="erc_drop_rate: ERC drop fraction above this.")] = 0.5,
-    no_signal_share: Annotated[float, typer.Option(
-        "--no-signal-share", help="no_signal: a step is signal-free when at least this share of its tokens has "
-                                  "advantage 0, or of its updates grad norm 0.")] = 0.5,
-    no_signal_steps: Annotated[int, typer.Option(
-        "--no-signal-steps", help="no_signal: this many signal-free steps in a row, or at least this many making "
-                                  "up --no-signal-share of the last --window steps.")] = 3,
-    mismatch: Annotated[float, typer.Option(
-        "--mismatch", help="mismatch: sampler-trainer KL above this multiple of its median over the run's first "
-                           "--mismatch-warmup steps ...")] = 10.0,
-    mismatch_floor: Annotated[float, typer.Option(
-        "--mismatch-floor", help="mismatch: ... and above this KL (nats).")] = 1e-3,
-    mismatch_warmup: Annotated[int, typer.Option(
-        "--mismatch-warmup", help="mismatch: the run's first steps with a sampler KL that set its start "
-                                  "(no alarm during them).")] = 5,
-    window: Annotated[int, typer.Option(
-        "--window", help="The previous steps in the spike rules' rolling median; the last steps in "
-                         "no_signal's share.")] = 20,
-    baseline: Annotated[int, typer.Option(
-        "--baseline", help="First steps whose mean entropy is the initial entropy.")] = 3,
+    collapse: Annotated[
+        float, typer.Option("--collapse", help="collapse: entropy below this fraction of its initial value.")
+    ] = 0.25,
+    explosion: Annotated[
+        float, typer.Option("--explosion", help="explosion: entropy above this multiple of its initial value.")
+    ] = 2.0,
+    budget_steps: Annotated[
+        int,
+        typer.Option("--budget-steps", help="negative_budget: entropy budget below 0 for this many steps in a row ..."),
+    ] = 10,
+    budget_entropy: Annotated[
+        float,
+        typer.Option(
+            "--budget-entropy", help="negative_budget: ... while entropy is below this fraction of its initial value."
+        ),
+    ] = 0.5,
+    clip_spike: Annotated[
+        float,
+        typer.Option("--clip-spike", help="clip_spike: clipped fraction above this multiple of its rolling median ..."),
+    ] = 3.0,
+    clip_floor: Annotated[
+        float, typer.Option("--clip-floor", help="clip_spike: ... and at least this clipped fraction (its floor).")
+    ] = 0.05,
+    kl_spike: Annotated[
+        float, typer.Option("--kl-spike", help="kl_spike: KL above this multiple of its rolling median.")
+    ] = 5.0,
+    grad_norm_spike: Annotated[
+        float,
+        typer.Option("--grad-norm-spike", help="grad_norm_spike: grad norm above this multiple of its rolling median."),
+    ] = 3.0,
+    erc_drop_min: Annotated[
+        float,
+        typer.Option(
+            "--erc-drop-min",
+            help="erc_drop_rate: ERC drop fraction below this while the step's entropy ratios "
+            "(p05 / p95) leave the ERC band.",
+        ),
+    ] = 0.001,
+    erc_drop_max: Annotated[
+        float, typer.Option("--erc-drop-max", help="erc_drop_rate: ERC drop fraction above this.")
+    ] = 0.5,
+    no_signal_share: Annotated[
+        float,
+        typer.Option(
+            "--no-signal-share",
+            help="no_signal: a step is signal-free when at least this share of its tokens has "
+            "advantage 0, or of its updates grad norm 0.",
+        ),
+    ] = 0.5,
+    no_signal_steps: Annotated[
+        int,
+        typer.Option(
+            "--no-signal-steps",
+            help="no_signal: this many signal-free steps in a row, or at least this many making "
+            "up --no-signal-share of the last --window steps.",
+        ),
+    ] = 3,
+    mismatch: Annotated[
+        float,
+        typer.Option(
+            "--mismatch",
+            help="mismatch: sampler-trainer KL above this multiple of its median over the run's first "
+            "--mismatch-warmup steps ...",
+        ),
+    ] = 10.0,
+    mismatch_floor: Annotated[
+        float, typer.Option("--mismatch-floor", help="mismatch: ... and above this KL (nats).")
+    ] = 1e-3,
+    mismatch_warmup: Annotated[
+        int,
+        typer.Option(
+            "--mismatch-warmup",
+            help="mismatch: the run's first steps with a sampler KL that set its start (no alarm during them).",
+        ),
+    ] = 5,
+    window: Annotated[
+        int,
+        typer.Option(
+            "--window",
+            help="The previous steps in the spike rules' rolling median; the last steps in no_signal's share.",
+        ),
+    ] = 20,
+    baseline: Annotated[
+        int, typer.Option("--baseline", help="First steps whose mean entropy is the initial entropy.")
+    ] = 3,
     tau: TauOpt = None,
 ) -> None:
     """Alarms over the runs' step aggregates: one line per finding (run, step, rule, value, threshold[,
@@ -430,12 +560,25 @@ def check(
     from entropylens.alarms import Thresholds
     from entropylens.report.checks import check as run_check
 
-    t = Thresholds(collapse=collapse, explosion=explosion, budget_steps=budget_steps,
-                   budget_entropy=budget_entropy, clip_spike=clip_spike, clip_floor=clip_floor, kl_spike=kl_spike,
-                   grad_norm_spike=grad_norm_spike, erc_drop_min=erc_drop_min, erc_drop_max=erc_drop_max,
-                   no_signal_share=no_signal_share, no_signal_steps=no_signal_steps, window=window,
-                   baseline=baseline, mismatch=mismatch, mismatch_floor=mismatch_floor,
-                   mismatch_warmup=mismatch_warmup)
+    t = Thresholds(
+        collapse=collapse,
+        explosion=explosion,
+        budget_steps=budget_steps,
+        budget_entropy=budget_entropy,
+        clip_spike=clip_spike,
+        clip_floor=clip_floor,
+        kl_spike=kl_spike,
+        grad_norm_spike=grad_norm_spike,
+        erc_drop_min=erc_drop_min,
+        erc_drop_max=erc_drop_max,
+        no_signal_share=no_signal_share,
+        no_signal_steps=no_signal_steps,
+        window=window,
+        baseline=baseline,
+        mismatch=mismatch,
+        mismatch_floor=mismatch_floor,
+        mismatch_warmup=mismatch_warmup,
+    )
     _check_tau(tau)
     _connect(path, run)  # path errors first, as one line
     from entropylens.report.checks import notes
@@ -457,8 +600,9 @@ def check(
 def watch(
     path: PathArg,
     run: RunsOpt = None,
-    interval: Annotated[float, typer.Option(
-        "--interval", help="Seconds between refreshes (each re-reads the committed steps).")] = 2.0,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between refreshes (each re-reads the committed steps).")
+    ] = 2.0,
 ) -> None:
     """A live terminal view of runs being written: per run the latest steps' entropy (sparkline and
     table), reward, clip fractions by side and quadrant, entropy-ratio quantiles and the share outside
@@ -477,8 +621,9 @@ def watch(
         typer.echo("watch: stopped (Ctrl-C)")
         return
     snap, interrupted = live(path, runs=run or None, interval=interval, first=first)
-    typer.echo("watch: stopped (Ctrl-C); " + summary_line(snap).removeprefix("watch: ") if interrupted
-               else summary_line(snap))
+    typer.echo(
+        "watch: stopped (Ctrl-C); " + summary_line(snap).removeprefix("watch: ") if interrupted else summary_line(snap)
+    )
 
 
 @app.command()
@@ -505,24 +650,34 @@ def verify(path: PathArg) -> None:
 def compact(
     path: PathArg,
     run: RunsOpt = None,
-    grace: Annotated[float, typer.Option(
-        "--grace", metavar="SECONDS", help="Seconds between committing the compacted files and removing the originals, "
-                        "so that queries already running finish.")] = 10.0,
-    file_mb: Annotated[int, typer.Option("--file-mb", metavar="MB", help="Target size of a compacted file (MB of originals).")]
-        = 512,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            help="Seconds between committing the compacted files and removing the originals, "
+            "so that queries already running finish.",
+        ),
+    ] = 10.0,
+    file_mb: Annotated[
+        int, typer.Option("--file-mb", metavar="MB", help="Target size of a compacted file (MB of originals).")
+    ] = 512,
 ) -> None:
     """Rewrite each run's many small per-step files into few large ones (readers never see both).
 
     A compaction interrupted after its commit (killed during --grace) is finished: the originals it superseded are removed once --grace has passed since its commit. Hidden temporary files of processes no longer alive on this host are removed too (in compacted/, or in a run that is no longer running); a live process's are never touched.
     """
     from entropylens.read.compact import compact as run_compact
-    from entropylens.report.escape import terminal
     from entropylens.read.query import find_runs
+    from entropylens.report.escape import terminal
 
     find_runs(path, runs=run or None)  # path errors first, as one line (before the banner); a listing, no reading
     if grace > 0:  # say why it waits, so the waits do not look like a hang
-        typer.echo(f"compacting: each run waits --grace {grace:g} s after its commit before removing the originals "
-                   "(queries already planned on them finish)", err=True)
+        typer.echo(
+            f"compacting: each run waits --grace {grace:g} s after its commit before removing the originals "
+            "(queries already planned on them finish)",
+            err=True,
+        )
     with FileWarnings():
         results = run_compact(path, runs=run or None, grace_s=grace, file_bytes=file_mb << 20)
     for r in results:
@@ -532,31 +687,74 @@ def compact(
 @app.command()
 @user_errors
 def demo(
-    out: Annotated[Path, typer.Option("--out", metavar="DIR", help="Output directory (runs/ and report/ inside).")] = Path(
-        "entropylens-demo"),
-    methods: Annotated[str, typer.Option("--methods", metavar="A,B,...", help="Comma-separated named runs.")] = "grpo,dapo,ce_gppo,erc_dapo",
-    steps: Annotated[Optional[int], typer.Option(
-        "--steps", metavar="N", help="RL steps per run (default 32, about a minute on 2 cores; 120: the fast "
-                                     "regime's full length, about 3 minutes).")] = None,
+    out: Annotated[
+        Path, typer.Option("--out", metavar="DIR", help="Output directory (runs/ and report/ inside).")
+    ] = Path("entropylens-demo"),
+    methods: Annotated[
+        str, typer.Option("--methods", metavar="A,B,...", help="Comma-separated named runs.")
+    ] = "grpo,dapo,ce_gppo,erc_dapo",
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            "--steps",
+            metavar="N",
+            help="RL steps per run (default 32, about a minute on 2 cores; 120: the fast "
+            "regime's full length, about 3 minutes).",
+        ),
+    ] = None,
     seeds: Annotated[int, typer.Option("--seeds", metavar="K", help="Seeds per method.")] = 1,
-    quick: Annotated[bool, typer.Option("--quick", help="Tiny runs (seconds: 6 RL steps after a 40-step warm-up), for tests and a first look at the pages; the toy is still near uniform, so some quadrants stay empty: --steps 32 shows the dynamics.")] = False,
-    workers: Annotated[Optional[int], typer.Option(
-        "--workers", metavar="N", help="Runs trained in parallel processes (1 torch thread each); default: one per core.")] = None,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Replace runs of the same name already under --out (refused otherwise).")] = False,
-    probe_every: Annotated[int, typer.Option(
-        "--probe-every", metavar="K", min=0,
-        help="Parameter-space entropy probe (probes table) on every K-th step; 0: off.")] = 0,
-    mismatch: Annotated[str, typer.Option(
-        "--mismatch", metavar="bf16|temp:S",
-        help="A sampler that differs from the trainer (logits rounded to bf16, or sampling at S x the "
-             "temperature): each method runs twice, <method>-<sampler> and <method>-<sampler>-tis (TIS at "
-             "--tis), so the report shows what the mismatch does to entropy and clipping.")] = "",
-    tis: Annotated[Optional[float], typer.Option(
-        "--tis", metavar="C", help="With --mismatch: TIS's cap C on the weight pi_old / pi_sampler (default 2).",
-        show_default=False)] = None,
-    list_methods: Annotated[bool, typer.Option(
-        "--list-methods", help="List every method --methods accepts (options, what it does, paper) and exit.")] = False,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick",
+            help="Tiny runs (seconds: 6 RL steps after a 40-step warm-up), for tests and a first look at the pages; the toy is still near uniform, so some quadrants stay empty: --steps 32 shows the dynamics.",
+        ),
+    ] = False,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            "--workers",
+            metavar="N",
+            help="Runs trained in parallel processes (1 torch thread each); default: one per core.",
+        ),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace runs of the same name already under --out (refused otherwise).")
+    ] = False,
+    probe_every: Annotated[
+        int,
+        typer.Option(
+            "--probe-every",
+            metavar="K",
+            min=0,
+            help="Parameter-space entropy probe (probes table) on every K-th step; 0: off.",
+        ),
+    ] = 0,
+    mismatch: Annotated[
+        str,
+        typer.Option(
+            "--mismatch",
+            metavar="bf16|temp:S",
+            help="A sampler that differs from the trainer (logits rounded to bf16, or sampling at S x the "
+            "temperature): each method runs twice, <method>-<sampler> and <method>-<sampler>-tis (TIS at "
+            "--tis), so the report shows what the mismatch does to entropy and clipping.",
+        ),
+    ] = "",
+    tis: Annotated[
+        float | None,
+        typer.Option(
+            "--tis",
+            metavar="C",
+            help="With --mismatch: TIS's cap C on the weight pi_old / pi_sampler (default 2).",
+            show_default=False,
+        ),
+    ] = None,
+    list_methods: Annotated[
+        bool,
+        typer.Option(
+            "--list-methods", help="List every method --methods accepts (options, what it does, paper) and exit."
+        ),
+    ] = False,
 ) -> None:
     """Train the built-in toy policy under each method, record every run, write the report.
 
@@ -570,8 +768,10 @@ def demo(
         from entropylens.demo.toy.methods import listing
 
         for m in listing():
-            typer.echo(f"{m.name}: {m.description}. Options: {m.options}. Paper: {m.paper}."
-                       + (f" Toy: {m.toy}." if m.toy else ""))
+            typer.echo(
+                f"{m.name}: {m.description}. Options: {m.options}. Paper: {m.paper}."
+                + (f" Toy: {m.toy}." if m.toy else "")
+            )
         return
     names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if not names:
@@ -599,7 +799,9 @@ def demo(
             fail(runs_exist_message(out / "runs", taken))
     from entropylens.demo.workers import start_fork_server
 
-    start_fork_server(len(names) * (2 if mismatch else 1) * max(1, seeds), workers)  # its imports overlap ours (torch: seconds)
+    start_fork_server(
+        len(names) * (2 if mismatch else 1) * max(1, seeds), workers
+    )  # its imports overlap ours (torch: seconds)
     from entropylens.demo.runner import run_demo
     from entropylens.demo.toy.config import config_for
 
@@ -609,11 +811,21 @@ def demo(
                 config_for(n, **({"steps": steps} if steps is not None else {}))
             except ValueError as e:
                 if str(e).startswith("unknown run "):  # the user typed a method name
-                    raise ValueError(f"--methods: unknown method {str(e)[len('unknown run '):]}") from None
+                    raise ValueError(f"--methods: unknown method {str(e)[len('unknown run ') :]}") from None
                 raise
         t_run = time.perf_counter()
-        res = run_demo(out, methods=names, steps=steps, seeds=seeds, quick=quick, workers=workers,
-                       overwrite=overwrite, probe_every=probe_every, mismatch=mismatch, tis=tis)
+        res = run_demo(
+            out,
+            methods=names,
+            steps=steps,
+            seeds=seeds,
+            quick=quick,
+            workers=workers,
+            overwrite=overwrite,
+            probe_every=probe_every,
+            mismatch=mismatch,
+            tis=tis,
+        )
     t0 = time.perf_counter()
     emit(_summary(res.runs_dir, [r.run for r in res.runs], res.summary), Format.table, None)
     typer.echo(f"runs: {res.runs_dir}")
@@ -639,8 +851,19 @@ def _summary(runs_dir: Path, runs: list[str], table=None):
         from entropylens.read.query import connect, run_analysis
 
         df = run_analysis(connect(runs_dir, runs=runs), "run_summary")
-    return df[["run", "method", "steps", "final_entropy", "min_entropy", "final_reward", "clip_low_frac",
-               "clip_high_frac", "erc_drop_frac"]]
+    return df[
+        [
+            "run",
+            "method",
+            "steps",
+            "final_entropy",
+            "min_entropy",
+            "final_reward",
+            "clip_low_frac",
+            "clip_high_frac",
+            "erc_drop_frac",
+        ]
+    ]
 
 
 def _reflow_help(typer_app: typer.Typer) -> None:

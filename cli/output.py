@@ -45,9 +45,11 @@ def output_format(fmt: Format | None, output: Path | None) -> Format:
     suffix = output.suffix.lower()
     if suffix not in _SUFFIX_FORMATS and suffix not in _TEXT_SUFFIXES:
         want = {Format.table: ".txt", Format.json: ".json", Format.parquet: ".parquet"}.get(fmt, ".csv")
-        fail(f"--output {output.name}: unknown extension {output.suffix}; entropylens writes .csv, .json, "
-             f".parquet (.pq) or .txt (a text table): name the file {output.with_suffix(want).name}, or leave "
-             "the extension out and pick the format with --format")
+        fail(
+            f"--output {output.name}: unknown extension {output.suffix}; entropylens writes .csv, .json, "
+            f".parquet (.pq) or .txt (a text table): name the file {output.with_suffix(want).name}, or leave "
+            "the extension out and pick the format with --format"
+        )
     implied = _SUFFIX_FORMATS.get(suffix) or (Format.table if suffix else None)
     if fmt is None:
         return implied or Format.table
@@ -55,8 +57,10 @@ def output_format(fmt: Format | None, output: Path | None) -> Format:
         return fmt  # csv and json are text too
     if implied is not None and implied != fmt:
         ext = {Format.table: ".txt"}.get(fmt, f".{fmt.value}")
-        fail(f"--format {fmt.value} but --output {output.name} says {implied.value}: drop --format (the "
-             f"extension decides) or name the file {output.with_suffix(ext).name}")
+        fail(
+            f"--format {fmt.value} but --output {output.name} says {implied.value}: drop --format (the "
+            f"extension decides) or name the file {output.with_suffix(ext).name}"
+        )
     return fmt
 
 
@@ -72,8 +76,10 @@ def check_output(fmt: Format | None, output: Path | None) -> Format:
         fail(f"--output {output}: the directory {output.parent} does not exist")
     run = None if output is None else _run_folder_holding(output)
     if run is not None:
-        fail(f"--output {output} is inside the run folder {run}: a query never writes into a run (it would "
-             "replace the run's own files); give a path outside it")
+        fail(
+            f"--output {output} is inside the run folder {run}: a query never writes into a run (it would "
+            "replace the run's own files); give a path outside it"
+        )
     return fmt
 
 
@@ -144,8 +150,9 @@ def json_text(df) -> str:
             return {str(k): plain(x) for k, x in v.items()}
         return v
 
-    columns = {c: [plain(v) for v in (df[c].to_numpy() if df[c].dtype == np.float32 else df[c].tolist())]
-               for c in df.columns}  # float32 values stay np.float32: plain() prints them as float32
+    columns = {
+        c: [plain(v) for v in (df[c].to_numpy() if df[c].dtype == np.float32 else df[c].tolist())] for c in df.columns
+    }  # float32 values stay np.float32: plain() prints them as float32
     rows = [dict(zip(columns, r)) for r in zip(*columns.values())] if len(df.columns) else [{} for _ in range(len(df))]
     return json.dumps(rows, indent=1, ensure_ascii=False, default=str) + "\n"
 
@@ -192,8 +199,18 @@ def table_text(df) -> str:
     for c in d.columns:
         if d[c].dtype == object:  # None and pd.NA print as themselves; NaN takes na_rep
             d[c] = d[c].where(d[c].notna(), float("nan"))
-    with pd.option_context("display.max_rows", 500, "display.max_columns", 50, "display.width", 250,
-                           "display.max_colwidth", widest, "display.float_format", _number):
+    with pd.option_context(
+        "display.max_rows",
+        500,
+        "display.max_columns",
+        50,
+        "display.width",
+        250,
+        "display.max_colwidth",
+        widest,
+        "display.float_format",
+        _number,
+    ):
         text = d.to_string(index=False, na_rep="NULL") + "\n"
     if folded:
         text += f"({', '.join(folded)} folded to {FOLD} characters; --format json prints them whole)\n"

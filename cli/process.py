@@ -59,11 +59,11 @@ class OneLineErrors(typer.core.TyperGroup):
             from click.exceptions import Abort
 
         try:
-            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, in click's standalone mode
-            return super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                                standalone_mode=standalone_mode, **extra)
+            return super().main(
+                args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=standalone_mode, **extra
+            )
         except click.ClickException as e:
             if not standalone_mode:
                 raise

@@ -5,14 +5,22 @@ Heavy modules (torch, pyarrow, duckdb) load on first use, so ``import entropylen
 
 from __future__ import annotations
 
-from .schema import SCHEMA_VERSION
 from ._source_layout import install as _source_layout
+from .schema import SCHEMA_VERSION
 
 _source_layout()  # a source checkout on sys.path (python in the repo root): entropylens.cli / .analyses too
 
 __version__ = "0.1.0"
-__all__ = ["SCHEMA_VERSION", "Recorder", "policy_loss", "logprobs_and_entropy", "connect", "run_analysis", "open",
-           "write_report"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "Recorder",
+    "policy_loss",
+    "logprobs_and_entropy",
+    "connect",
+    "run_analysis",
+    "open",
+    "write_report",
+]
 
 _LAZY = {
     "Recorder": ("entropylens.record.recorder", "Recorder"),

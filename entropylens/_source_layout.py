@@ -28,14 +28,18 @@ class _CheckoutFinder(importlib.abc.MetaPathFinder):
         folder = _MAPPED.get(fullname)
         if folder is None:
             return None
-        return importlib.util.spec_from_file_location(fullname, folder / "__init__.py",
-                                                      submodule_search_locations=[str(folder)])
+        return importlib.util.spec_from_file_location(
+            fullname, folder / "__init__.py", submodule_search_locations=[str(folder)]
+        )
 
 
 def is_checkout() -> bool:
     """The package is the ``entropylens/`` folder of a source checkout (not an install)."""
-    return (not (_PACKAGE / "cli").is_dir() and (_ROOT / "pyproject.toml").is_file()
-            and all((folder / "__init__.py").is_file() for folder in _MAPPED.values()))
+    return (
+        not (_PACKAGE / "cli").is_dir()
+        and (_ROOT / "pyproject.toml").is_file()
+        and all((folder / "__init__.py").is_file() for folder in _MAPPED.values())
+    )
 
 
 def install() -> None:

@@ -102,8 +102,18 @@ class Thresholds:
             raise ValueError(f"erc_drop_min {self.erc_drop_min} is above erc_drop_max {self.erc_drop_max}")
 
 
-RULES: tuple[str, ...] = ("nonfinite", "collapse", "explosion", "negative_budget", "clip_spike", "kl_spike",
-                          "grad_norm_spike", "erc_drop_rate", "no_signal", "mismatch")
+RULES: tuple[str, ...] = (
+    "nonfinite",
+    "collapse",
+    "explosion",
+    "negative_budget",
+    "clip_spike",
+    "kl_spike",
+    "grad_norm_spike",
+    "erc_drop_rate",
+    "no_signal",
+    "mismatch",
+)
 NONFINITE_SIGNALS: tuple[str, ...] = ("loss", "grad_norm", "lr", "kl", "entropy", "old_entropy")
 
 
@@ -119,8 +129,10 @@ class Finding:
     def line(self) -> str:
         from .report.escape import terminal  # the run id as printed: no raw control or bidi character
 
-        text = (f"run={terminal(self.run)} step={self.step} rule={self.rule} value={self.value:.4g} "
-                f"threshold={self.threshold:.4g}")
+        text = (
+            f"run={terminal(self.run)} step={self.step} rule={self.rule} value={self.value:.4g} "
+            f"threshold={self.threshold:.4g}"
+        )
         return text + (f" signal={self.signal}" if self.signal else "")
 
 
@@ -161,11 +173,11 @@ class Monitor:
         fired, thr = False, math.nan
         if value is not None:
             if len(hist) >= 5:
-                med = statistics.median(hist[-self.t.window:])
+                med = statistics.median(hist[-self.t.window :])
                 thr = factor * med
                 fired = med > 0 and value > thr
             hist.append(value)
-            del hist[:-self.t.window]
+            del hist[: -self.t.window]
         return fired, thr
 
     def observe(self, step: int, row: dict) -> list[Finding]:
@@ -201,8 +213,11 @@ class Monitor:
             self._neg = self._neg + 1 if budget < 0 else 0
             if self._neg >= t.budget_steps and h0 is not None and h < t.budget_entropy * h0:
                 hits["negative_budget"] = (budget, 0.0)
-        for key, rule, factor in (("clipped_frac", "clip_spike", t.clip_spike), ("kl", "kl_spike", t.kl_spike),
-                                  ("grad_norm", "grad_norm_spike", t.grad_norm_spike)):
+        for key, rule, factor in (
+            ("clipped_frac", "clip_spike", t.clip_spike),
+            ("kl", "kl_spike", t.kl_spike),
+            ("grad_norm", "grad_norm_spike", t.grad_norm_spike),
+        ):
             v = _fin(row, key)
             fired, thr = self._spike(key, v, factor)
             if fired and rule == "clip_spike" and v < t.clip_floor:  # the floor: too small a share to matter
@@ -245,11 +260,16 @@ class Monitor:
         za, zero_grad = _fin(row, "za_frac"), _fin(row, "zero_grad_frac")
         if za is None and zero_grad is None:
             return  # the step says nothing about its signal
-        lacks = ("za_frac" if za is not None and za >= t.no_signal_share else
-                 "zero_grad_frac" if zero_grad is not None and zero_grad >= t.no_signal_share else None)
+        lacks = (
+            "za_frac"
+            if za is not None and za >= t.no_signal_share
+            else "zero_grad_frac"
+            if zero_grad is not None and zero_grad >= t.no_signal_share
+            else None
+        )
         self._quiet_run = self._quiet_run + 1 if lacks else 0
         self._quiet.append(lacks is not None)
-        del self._quiet[:-t.window]
+        del self._quiet[: -t.window]
         k, n = sum(self._quiet), len(self._quiet)
         if self._quiet_run >= t.no_signal_steps:
             hits["no_signal"] = (float(self._quiet_run), float(t.no_signal_steps), lacks)
@@ -332,9 +352,12 @@ class ScalarLog:
             self.warned = True
             where = f"record_step({step}" + (f", update={update})" if update is not None else ")")
             what = ", ".join(f"{k}={v}" for k, v in bad)
-            warnings.warn(f"entropylens: {where} recorded {what}, stored as it is (a blow-up? `entropylens check` "
-                          f"rule nonfinite); later non-finite values of run {self.run!r} are stored without a warning",
-                          NonFiniteWarning, stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"entropylens: {where} recorded {what}, stored as it is (a blow-up? `entropylens check` "
+                f"rule nonfinite); later non-finite values of run {self.run!r} are stored without a warning",
+                NonFiniteWarning,
+                stacklevel=caller_stacklevel(),
+            )
 
 
 def _mean(xs: list[float] | None) -> float | None:
@@ -370,12 +393,19 @@ class LiveAlarms:
         self.listeners: list = []
 
     def observe(self, step: int, summary: dict) -> None:
-        row = {"old_entropy": summary.get("old_entropy_mean"), "entropy": summary.get("entropy_mean"),
-               "entropy_effect": summary.get("entropy_effect"), "clipped_frac": summary.get("clipped_frac"),
-               "kl": summary.get("kl_k3"), "loss": summary.get("loss"), "erc_drop_frac": summary.get("erc_drop_frac"),
-               "entropy_ratio_p05": summary.get("entropy_ratio_p05"),
-               "entropy_ratio_p95": summary.get("entropy_ratio_p95"),
-               "n_nonfinite_ratio": summary.get("n_nonfinite_ratio"), "sampler_kl": summary.get("sampler_kl_k3")}
+        row = {
+            "old_entropy": summary.get("old_entropy_mean"),
+            "entropy": summary.get("entropy_mean"),
+            "entropy_effect": summary.get("entropy_effect"),
+            "clipped_frac": summary.get("clipped_frac"),
+            "kl": summary.get("kl_k3"),
+            "loss": summary.get("loss"),
+            "erc_drop_frac": summary.get("erc_drop_frac"),
+            "entropy_ratio_p05": summary.get("entropy_ratio_p05"),
+            "entropy_ratio_p95": summary.get("entropy_ratio_p95"),
+            "n_nonfinite_ratio": summary.get("n_nonfinite_ratio"),
+            "sampler_kl": summary.get("sampler_kl_k3"),
+        }
         n, za = summary.get("n_tokens"), summary.get("n_za")
         row["za_frac"] = za / n if n and za is not None else None
         scalars = self.scalar_log.take(step) if self.scalar_log is not None else {}
@@ -391,7 +421,9 @@ class LiveAlarms:
                 try:
                     listen(f)
                 except Exception as e:  # noqa: BLE001 - an alert that fails must not stop training
-                    warnings.warn(f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}", stacklevel=2)
+                    warnings.warn(
+                        f"entropylens alarm listener {listen!r} failed: {type(e).__name__}: {e}", stacklevel=2
+                    )
             if f.rule not in self.warned:
                 self.warned.add(f.rule)
                 from .caller import caller_stacklevel
@@ -400,5 +432,15 @@ class LiveAlarms:
                 warnings.warn(f"entropylens alarm: {f.line()}", EntropyAlarm, stacklevel=caller_stacklevel())
 
 
-__all__ = ["Thresholds", "Finding", "Monitor", "RULES", "evaluate", "LiveAlarms", "check_stop_on", "EntropyAlarm",
-           "NonFiniteWarning", "ScalarLog"]
+__all__ = [
+    "Thresholds",
+    "Finding",
+    "Monitor",
+    "RULES",
+    "evaluate",
+    "LiveAlarms",
+    "check_stop_on",
+    "EntropyAlarm",
+    "NonFiniteWarning",
+    "ScalarLog",
+]

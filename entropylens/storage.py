@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 LOCAL_PROTOCOLS = ("file", "local")
 
@@ -38,12 +39,13 @@ def _fsync_path(path: str) -> None:
 
 def _write_file(path: str, data, fsync: bool) -> None:
     """Write ``data`` to a new local file through one descriptor (fsync'd through it when ``fsync``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0),
-                 0o666)
+    fd = os.open(
+        path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0), 0o666
+    )
     try:
         view = memoryview(data).cast("B")
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         if fsync:
             os.fsync(fd)
     finally:
@@ -80,14 +82,14 @@ class Location:
         return posixpath.basename(self.path.rstrip("/"))
 
     @property
-    def parent(self) -> "Location":
+    def parent(self) -> Location:
         return self.at(posixpath.dirname(self.path.rstrip("/")))
 
-    def at(self, path: str) -> "Location":
+    def at(self, path: str) -> Location:
         """The same filesystem at another (protocol-less) path, e.g. one returned by a listing."""
         return Location(self.protocol, path, self.options)
 
-    def __truediv__(self, part: str | os.PathLike) -> "Location":
+    def __truediv__(self, part: str | os.PathLike) -> Location:
         return self.at(posixpath.join(self.path, str(part)))
 
     def url(self, path: str | None = None) -> str:
@@ -98,7 +100,7 @@ class Location:
     def __str__(self) -> str:
         return self.url()
 
-    def relative(self, other: "Location") -> str:
+    def relative(self, other: Location) -> str:
         return posixpath.relpath(other.path, self.path)
 
     # ---------------------------------------------------------------- filesystem
@@ -135,8 +137,11 @@ class Location:
             return out
         self.fs.invalidate_cache(self.path)  # s3fs caches listings: a reader must see new files
         found = self.fs.find(self.path, detail=True)
-        return {p: int(i.get("size") or 0) for p, i in found.items()
-                if i.get("type", "file") == "file" and not any(s.startswith(".") for s in p.split("/"))}
+        return {
+            p: int(i.get("size") or 0)
+            for p, i in found.items()
+            if i.get("type", "file") == "file" and not any(s.startswith(".") for s in p.split("/"))
+        }
 
     def read_bytes(self) -> bytes:
         if not self.remote:
@@ -236,7 +241,7 @@ class Location:
         try:
             view = memoryview(data).cast("B")
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -272,15 +277,16 @@ def filesystem(protocol: str, options: dict | None = None):
 
             fs = fsspec.filesystem(protocol, **(options or {}))
         except ImportError as e:
-            raise StorageError(f"{protocol}:// needs an extra package ({e.name or e}): "
-                               f"pip install 'entropylens[s3]'") from None
+            raise StorageError(
+                f"{protocol}:// needs an extra package ({e.name or e}): pip install 'entropylens[s3]'"
+            ) from None
         except ValueError as e:
             raise StorageError(f"unsupported storage URL {protocol}://: {e}") from None
         _FS_CACHE[key] = fs
     return fs
 
 
-def location(path: "str | os.PathLike | Location", storage_options: dict | None = None) -> Location:
+def location(path: str | os.PathLike | Location, storage_options: dict | None = None) -> Location:
     """A :class:`Location` for a local path or a URL (``s3://bucket/prefix``, ``gs://...``, ...)."""
     if isinstance(path, Location):
         return path if storage_options is None else Location(path.protocol, path.path, dict(storage_options))

@@ -24,8 +24,10 @@ import os
 import tempfile
 import warnings
 
-HOW_TO_GET_TEXT = ("Token texts need a tokenizer: pass one to the Recorder (Recorder(..., tokenizer=tok_or_path)) or "
-                   "to entropylens report/show --tokenizer PATH; TRL and verl record theirs themselves.")
+HOW_TO_GET_TEXT = (
+    "Token texts need a tokenizer: pass one to the Recorder (Recorder(..., tokenizer=tok_or_path)) or "
+    "to entropylens report/show --tokenizer PATH; TRL and verl record theirs themselves."
+)
 SAVED_DIR = "tokenizer"  # the run's own copy of its tokenizer: <run>/tokenizer/ (save_pretrained's files)
 _REPLACEMENT = "\ufffd"  # what decode gives for bytes that are not a whole UTF-8 character
 
@@ -203,14 +205,19 @@ def make_decoder(tokenizer, source: str | None = None) -> Decoder:
         try:
             tok = load_tokenizer(name)
         except Exception as e:  # noqa: BLE001 - whatever transformers raises: say so, show ids
-            warnings.warn(f"entropylens: tokenizer {name} could not be loaded ({one_line(e)}); token ids are "
-                          "shown as ⟨id⟩", TokenTextWarning, stacklevel=2)
+            warnings.warn(
+                f"entropylens: tokenizer {name} could not be loaded ({one_line(e)}); token ids are shown as ⟨id⟩",
+                TokenTextWarning,
+                stacklevel=2,
+            )
             return Decoder()
         return TokenizerDecoder(tok, source or f"tokenizer {name}")
     if callable(getattr(tokenizer_of(tokenizer), "decode", None)):
         return TokenizerDecoder(tokenizer, source)
-    raise TypeError(f"tokenizer: expected a tokenizer (with decode), a path or a list of token strings, got "
-                    f"{type(tokenizer).__name__}")
+    raise TypeError(
+        f"tokenizer: expected a tokenizer (with decode), a path or a list of token strings, got "
+        f"{type(tokenizer).__name__}"
+    )
 
 
 def tokenizer_info(tokenizer, save=None) -> dict | None:
@@ -255,8 +262,12 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
         try:
             tok = load_tokenizer(tokenizer)
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: tokenizer {os.fspath(tokenizer)} could not be loaded to save it with the "
-                          f"run ({one_line(e)})", TokenTextWarning, stacklevel=2)
+            warnings.warn(
+                f"entropylens: tokenizer {os.fspath(tokenizer)} could not be loaded to save it with the "
+                f"run ({one_line(e)})",
+                TokenTextWarning,
+                stacklevel=2,
+            )
             return False
     else:
         tok = tokenizer_of(tokenizer)
@@ -266,8 +277,11 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
         try:
             tok.save_pretrained(tmp)
         except Exception as e:  # noqa: BLE001 - a tokenizer that cannot save: say so, train on
-            warnings.warn(f"entropylens: the tokenizer could not be saved with the run ({one_line(e)})",
-                          TokenTextWarning, stacklevel=2)
+            warnings.warn(
+                f"entropylens: the tokenizer could not be saved with the run ({one_line(e)})",
+                TokenTextWarning,
+                stacklevel=2,
+            )
             return False
         target = location(run_dir) / SAVED_DIR
         target.mkdirs()
@@ -277,4 +291,15 @@ def save_tokenizer(tokenizer, run_dir, save=None) -> bool:
     return True
 
 
-__all__ = ["Decoder", "VocabDecoder", "TokenizerDecoder", "TokenTextWarning", "HOW_TO_GET_TEXT", "make_decoder", "load_tokenizer", "tokenizer_info", "save_tokenizer", "tokenizer_of"]
+__all__ = [
+    "Decoder",
+    "VocabDecoder",
+    "TokenizerDecoder",
+    "TokenTextWarning",
+    "HOW_TO_GET_TEXT",
+    "make_decoder",
+    "load_tokenizer",
+    "tokenizer_info",
+    "save_tokenizer",
+    "tokenizer_of",
+]

@@ -28,10 +28,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     a = ap.parse_args()
     import torch
+    import trl_grpo
     from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    import trl_grpo
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_trl_step: no CUDA device")
@@ -48,20 +47,37 @@ def main() -> None:
             torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self.t0)
 
-    opts = dict(use_cpu=False, beta=0.04, top_entropy_quantile=0.2, bf16=True, max_completion_length=128,
-                per_device_train_batch_size=8)
+    opts = dict(
+        use_cpu=False,
+        beta=0.04,
+        top_entropy_quantile=0.2,
+        bf16=True,
+        max_completion_length=128,
+        per_device_train_batch_size=8,
+    )
     res = {}
     with tempfile.TemporaryDirectory() as d:
         saved = f"{d}/model"
         trl_grpo.build_model(trl_grpo.build_tokenizer(), 0, a.hidden).save_pretrained(saved)
         for mode in ("trl", "recorded", "el-dapo", "trl", "recorded", "el-dapo"):
-            el = trl_grpo.make_trainer(f"{d}/{mode}{len(res)}", steps=a.steps, model=saved, erc=None,
-                                       loss="dapo" if mode == "el-dapo" else None, **opts)
+            el = trl_grpo.make_trainer(
+                f"{d}/{mode}{len(res)}",
+                steps=a.steps,
+                model=saved,
+                erc=None,
+                loss="dapo" if mode == "el-dapo" else None,
+                **opts,
+            )
             tr = el
             if mode == "trl":
                 el.recorder.close()
-                tr = GRPOTrainer(model=saved, reward_funcs=trl_grpo.digit_reward, args=el.args,
-                                 train_dataset=el.train_dataset, processing_class=el.processing_class)
+                tr = GRPOTrainer(
+                    model=saved,
+                    reward_funcs=trl_grpo.digit_reward,
+                    args=el.args,
+                    train_dataset=el.train_dataset,
+                    processing_class=el.processing_class,
+                )
             timer = Timer()
             tr.add_callback(timer)
             torch.cuda.empty_cache()
@@ -74,7 +90,9 @@ def main() -> None:
     for m, (t, p) in mean.items():
         print(f"  {m:<9} step {t * 1000:8.1f} ms   peak {p:6.2f} GiB")
     for m in ("recorded", "el-dapo"):
-        print(f"{m} / trl: step time {mean[m][0] / mean['trl'][0]:.3f}x, peak memory {mean[m][1] / mean['trl'][1]:.3f}x")
+        print(
+            f"{m} / trl: step time {mean[m][0] / mean['trl'][0]:.3f}x, peak memory {mean[m][1] / mean['trl'][1]:.3f}x"
+        )
 
 
 if __name__ == "__main__":

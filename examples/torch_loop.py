@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from entropylens import Recorder
-from entropylens.rl.losses import METHODS
 from entropylens.integrations.torch import old_policy_pass, policy_update
+from entropylens.rl.losses import METHODS
 
 V, P, T, G = 24, 4, 8, 8  # vocab, prompt length, answer length, samples per prompt
 
@@ -27,18 +27,32 @@ def _positive(text: str) -> int:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="entropylens-runs",
-                    help="runs directory, or an object-store URL such as s3://bucket/runs (needs the s3 extra)")
+    ap.add_argument(
+        "--out",
+        default="entropylens-runs",
+        help="runs directory, or an object-store URL such as s3://bucket/runs (needs the s3 extra)",
+    )
     ap.add_argument("--steps", type=_positive, default=20, help="training steps (default 20)")
-    ap.add_argument("--method", default="ce_gppo", choices=METHODS, metavar="METHOD",
-                    help="policy loss: grpo, dapo, gppo, ce_gppo, cispo or gspo (default ce_gppo)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: a model this small is fastest on one, and more "
-                         "spin against other jobs on a busy machine)")
-    ap.add_argument("--run", default=None,
-                    help="run id (default: torch-loop-<method>-<time>-<random>, new each time)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="replace an earlier run of the same --run id under --out (refused otherwise)")
+    ap.add_argument(
+        "--method",
+        default="ce_gppo",
+        choices=METHODS,
+        metavar="METHOD",
+        help="policy loss: grpo, dapo, gppo, ce_gppo, cispo or gspo (default ce_gppo)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: a model this small is fastest on one, and more "
+        "spin against other jobs on a busy machine)",
+    )
+    ap.add_argument("--run", default=None, help="run id (default: torch-loop-<method>-<time>-<random>, new each time)")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run of the same --run id under --out (refused otherwise)",
+    )
     a = ap.parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(a.threads)
@@ -51,8 +65,17 @@ def main(argv=None):
 def train(a):
     """The loop itself (``a``: the parsed options)."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=V,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    )
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     run = a.run or f"torch-loop-{a.method}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -73,15 +96,33 @@ def train(a):
                 old_lp, old_h = old_policy_pass(model(seqs).logits[:, P - 1 : -1], answer)
             for u, idx in enumerate(torch.randperm(len(seqs), generator=gen).chunk(4)):
                 logits = model(seqs[idx]).logits[:, P - 1 : -1]  # [16, T, V]
-                out = policy_update(rec, step, u, logits, answer[idx], mask[idx], adv[idx], old_lp[idx],
-                                    old_entropy=old_h[idx], seq_ids=idx, group_ids=idx // G, method=a.method)
+                out = policy_update(
+                    rec,
+                    step,
+                    u,
+                    logits,
+                    answer[idx],
+                    mask[idx],
+                    adv[idx],
+                    old_lp[idx],
+                    old_entropy=old_h[idx],
+                    seq_ids=idx,
+                    group_ids=idx // G,
+                    method=a.method,
+                )
                 opt.zero_grad()
                 out.loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 rec.record_step(step, update=u, grad_norm=gn, lr=3e-3)
-            rec.record_sequences(step, seq_ids=torch.arange(len(seqs)), rewards=reward, advantages=adv,
-                                 lengths=mask.sum(1), group_ids=torch.arange(len(seqs)) // G)
+            rec.record_sequences(
+                step,
+                seq_ids=torch.arange(len(seqs)),
+                rewards=reward,
+                advantages=adv,
+                lengths=mask.sum(1),
+                group_ids=torch.arange(len(seqs)) // G,
+            )
             rec.end_step(step)  # the step is written now, not when the next one begins
             print(f"step {step:3d}  reward {reward.mean():.3f}  entropy {old_h.mean():.3f}")
     print(f"run: {rec.dir}")

@@ -71,8 +71,12 @@ def splice(page: str, body: str) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--demo-dir", type=Path, default=None,
-                    help="a directory made by `entropylens demo --out DIR` to reuse (default: train a new demo)")
+    ap.add_argument(
+        "--demo-dir",
+        type=Path,
+        default=None,
+        help="a directory made by `entropylens demo --out DIR` to reuse (default: train a new demo)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temporary demo directory (its path is printed)")
     a = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="entropylens-readme-"))
@@ -88,10 +92,14 @@ def main(argv=None) -> None:
             shutil.rmtree(REPORT)
         shutil.copytree(demo / "report", REPORT)
         body = blocks(tmp)
-        EXAMPLES_MD.write_text("# The example commands of docs/analyses.md, run on this demo\n\n"
-                               "Written by `python scripts/readme_examples.py` with the report beside it.\n\n" + body)
+        EXAMPLES_MD.write_text(
+            "# The example commands of docs/analyses.md, run on this demo\n\n"
+            "Written by `python scripts/readme_examples.py` with the report beside it.\n\n" + body
+        )
         DOC.write_text(splice(DOC.read_text(), body))
-        print(f"wrote {REPORT.relative_to(ROOT)}/ and the examples of {DOC.relative_to(ROOT)} ({len(EXAMPLES)} commands)")
+        print(
+            f"wrote {REPORT.relative_to(ROOT)}/ and the examples of {DOC.relative_to(ROOT)} ({len(EXAMPLES)} commands)"
+        )
     finally:
         if a.keep:
             print(f"demo kept in {tmp}")

@@ -31,10 +31,24 @@ def stable_grad_norm(step: int, update: int = 0) -> float:
     return (1.0, 1.1, 1.2)[step % 3]
 
 
-def record_run(root, run: str, steps: int = 24, *, entropy=lambda s: 1.0, drift=lambda s: 1.0,
-               log_ratio=lambda s: torch.zeros(B, T), adv=lambda s: ADV, grad_norm=stable_grad_norm,
-               lr=lambda s: 1e-3, erc=None, erc_kept=None, old_logp=lambda s: torch.full((B, T), OLD_LOGP),
-               use_loss=True, alarms=None, sampler=None) -> str:
+def record_run(
+    root,
+    run: str,
+    steps: int = 24,
+    *,
+    entropy=lambda s: 1.0,
+    drift=lambda s: 1.0,
+    log_ratio=lambda s: torch.zeros(B, T),
+    adv=lambda s: ADV,
+    grad_norm=stable_grad_norm,
+    lr=lambda s: 1e-3,
+    erc=None,
+    erc_kept=None,
+    old_logp=lambda s: torch.full((B, T), OLD_LOGP),
+    use_loss=True,
+    alarms=None,
+    sampler=None,
+) -> str:
     """Records ``steps`` steps under root/run. entropy(s): the rollout policy's entropy of every token
     (old_entropy); drift(s): entropy = old_entropy * drift(s) (a float or a [B, T] tensor: rho);
     log_ratio(s): logprobs - old_logprobs [B, T]; adv(s): the 4 advantages; grad_norm(s, u), lr(s):
@@ -56,11 +70,22 @@ def record_run(root, run: str, steps: int = 24, *, entropy=lambda s: 1.0, drift=
                 if erc_kept is not None:
                     out.columns["erc_kept"] = erc_kept(s)
                 kw.update(loss=out, entropy_sensitivity=torch.full((B, T), SENS))
-            rec.record_update(s, 0, mask=mask, advantages=a, logprobs=logp, old_logprobs=old, entropy=h,
-                              old_entropy=h_old, seq_ids=torch.arange(B) + B * s, **kw)
+            rec.record_update(
+                s,
+                0,
+                mask=mask,
+                advantages=a,
+                logprobs=logp,
+                old_logprobs=old,
+                entropy=h,
+                old_entropy=h_old,
+                seq_ids=torch.arange(B) + B * s,
+                **kw,
+            )
             rec.record_step(s, update=0, grad_norm=grad_norm(s, 0), lr=lr(s))
-            rec.record_sequences(s, seq_ids=torch.arange(B) + B * s, rewards=a.clamp(min=0), advantages=a,
-                                 lengths=torch.full((B,), T))
+            rec.record_sequences(
+                s, seq_ids=torch.arange(B) + B * s, rewards=a.clamp(min=0), advantages=a, lengths=torch.full((B,), T)
+            )
     return str(root / run)
 
 

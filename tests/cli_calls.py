@@ -1,9 +1,8 @@
 """The CLI called in-process (typer's CliRunner) the way the tests check it: a command that works,
 and one that fails as the CLI promises (exit 2, one line `error: ...`, no traceback)."""
 
-from typer.testing import CliRunner
-
 from entropylens.cli.main import app
+from typer.testing import CliRunner
 
 runner = CliRunner()
 

@@ -42,12 +42,24 @@ def record_run(root: Path, run: str, steps: int, seed: int = 0) -> Path:
             k = 4 * (entropy_at(step) - entropy_at(step + 1)) / ETA
             seq_ids = torch.arange(B) + step * B
             groups = torch.arange(B) // GROUP + step * (B // GROUP)
-            rec.record_sequences(step, seq_ids=seq_ids, rewards=rewards, advantages=adv,
-                                 lengths=torch.full((B,), T), group_ids=groups)
+            rec.record_sequences(
+                step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=torch.full((B,), T), group_ids=groups
+            )
             for u in range(UPDATES):
                 logp = (old_logp + 0.3 * torch.randn(B, T, generator=gen) + k * adv[:, None]).clamp(max=0.0)  # [B, T]
                 out = policy_loss(logp, old_logp, adv, mask, method="grpo", entropy=old_h, old_entropy=old_h)
-                rec.record_update(step, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old_logp,
-                                  entropy=old_h, old_entropy=old_h, seq_ids=seq_ids, group_ids=groups, loss=out)
+                rec.record_update(
+                    step,
+                    u,
+                    mask=mask,
+                    advantages=adv,
+                    logprobs=logp,
+                    old_logprobs=old_logp,
+                    entropy=old_h,
+                    old_entropy=old_h,
+                    seq_ids=seq_ids,
+                    group_ids=groups,
+                    loss=out,
+                )
                 rec.record_step(step, update=u, grad_norm=0.5, lr=1e-3)
     return Path(root)

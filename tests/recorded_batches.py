@@ -2,6 +2,7 @@
 Recorder's tests and the trackers' tests record with it."""
 
 import torch
+
 from entropylens.rl import stats
 from entropylens.rl.losses import policy_loss
 
@@ -29,8 +30,19 @@ def record_one(rec, step, update, seed=0, erc=None, method="grpo", watch=True):
         rec.watch_logits(logits)
     lp, h = stats.logprobs_and_entropy(logits, tokens)
     out = policy_loss(lp, old_lp, adv.float(), mask, method=method, entropy=h, old_entropy=old_h, erc=erc)
-    rec.record_update(step, update, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
-                      entropy=h, old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(B) + B * update, loss=out)
+    rec.record_update(
+        step,
+        update,
+        mask=mask,
+        advantages=adv.float(),
+        logprobs=lp,
+        old_logprobs=old_lp,
+        entropy=h,
+        old_entropy=old_h,
+        tokens=tokens,
+        seq_ids=torch.arange(B) + B * update,
+        loss=out,
+    )
     out.loss.backward()
     rec.record_step(step, update=update, grad_norm=float(logits.grad.norm()), lr=0.01)
     return logits, tokens, mask, out

@@ -10,7 +10,9 @@ from entropylens.rl.losses import policy_loss
 B, T, STEPS = 8, 6, 3
 
 
-def record(root, run: str, tau: float, updates: int = 2, recompute_noise: float = 0.0, config: dict | None = None) -> None:
+def record(
+    root, run: str, tau: float, updates: int = 2, recompute_noise: float = 0.0, config: dict | None = None
+) -> None:
     """The same seeded rollouts and updates (update 0 on the sampling policy, later ones moved: a loop with
     num_iterations = ``updates``), recorded with HP / LP split at ``tau``. ``recompute_noise``: every update's
     log-probs differ from the old ones by up to that much more (an old log-prob recomputed in another pass)."""
@@ -25,6 +27,14 @@ def record(root, run: str, tau: float, updates: int = 2, recompute_noise: float 
                 if recompute_noise:
                     logp = (logp - recompute_noise * torch.rand(B, T, generator=gen)).clamp(max=0.0)
                 out = policy_loss(logp, old, adv, mask, method="grpo", tau=tau)
-                rec.record_update(step, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old,
-                                  seq_ids=torch.arange(B) + step * B, loss=out)
+                rec.record_update(
+                    step,
+                    u,
+                    mask=mask,
+                    advantages=adv,
+                    logprobs=logp,
+                    old_logprobs=old,
+                    seq_ids=torch.arange(B) + step * B,
+                    loss=out,
+                )
                 rec.record_step(step, update=u, grad_norm=1.0)

@@ -9,5 +9,6 @@ import pytest
 from entropylens import Recorder
 
 HAS_SAMPLER_API = "sampler_logprobs" in inspect.signature(Recorder.record_update).parameters
-needs_sampler_api = pytest.mark.skipif(not HAS_SAMPLER_API, reason="needs record_update(..., sampler_logprobs=) "
-                                       "(issue #38's recording part, branch mmrec)")
+needs_sampler_api = pytest.mark.skipif(
+    not HAS_SAMPLER_API, reason="needs record_update(..., sampler_logprobs=) (issue #38's recording part, branch mmrec)"
+)

@@ -8,12 +8,12 @@ import warnings
 
 import pytest
 import torch
+from alarm_runs import BUDGET, ERC, OLD_LOGP, B, N, T, k3, record_run, sampler_k3, stable_grad_norm
+from entropylens.cli.main import app
+from sampler_api import HAS_SAMPLER_API, needs_sampler_api
 from typer.testing import CliRunner
 
-from sampler_api import HAS_SAMPLER_API, needs_sampler_api
-from alarm_runs import B, BUDGET, ERC, N, OLD_LOGP, T, k3, record_run, sampler_k3, stable_grad_norm
 from entropylens.alarms import RULES, EntropyAlarm, NonFiniteWarning
-from entropylens.cli.main import app
 from entropylens.read.query import connect, run_analysis
 from entropylens.report.checks import check
 
@@ -30,11 +30,13 @@ def _cli(root, *flags):
 
 def _shift(tokens, d, start=0):
     """log ratio d on the first `tokens` tokens of sequence 0 (advantage +1)."""
+
     def f(s):
         x = torch.zeros(B, T)
         if s >= start:
             x[0, :tokens] = d
         return x
+
     return f
 
 
@@ -56,43 +58,71 @@ def _cases():
         # rule: (run knobs, [(step, rule, value, threshold, signal)] expected, computed from the construction)
         # a steady sampler gap of 0.01 nats on every token (k3 ~5e-5: the start, B), then 0.1 from step 12:
         # k3(0.1) = 5.17e-3 > max(10 x B, floor 1e-3) = 1e-3
-        "mismatch": ({"sampler": lambda s: torch.full((B, T), 0.1 if s >= 12 else 0.01)},
-                     [(12, "mismatch", sampler_k3(0.1), 1e-3, None)]),
+        "mismatch": (
+            {"sampler": lambda s: torch.full((B, T), 0.1 if s >= 12 else 0.01)},
+            [(12, "mismatch", sampler_k3(0.1), 1e-3, None)],
+        ),
         "nonfinite": ({"grad_norm": lambda s, u: nan if s == 6 else g(s)}, [(6, "nonfinite", nan, inf, "grad_norm")]),
-        "nonfinite_inf": ({"grad_norm": lambda s, u: inf if s == 6 else g(s)}, [(6, "nonfinite", inf, inf, "grad_norm")]),
+        "nonfinite_inf": (
+            {"grad_norm": lambda s, u: inf if s == 6 else g(s)},
+            [(6, "nonfinite", inf, inf, "grad_norm")],
+        ),
         # one token with log ratio 100: exp overflows float32 -> ratio and k3 inf, counted in n_nonfinite_ratio
-        "nonfinite_ratio": ({"use_loss": False, "log_ratio": _shift(1, 100.0, start=8),
-                             "old_logp": lambda s: torch.full((B, T), -100.0 if s >= 8 else OLD_LOGP)},
-                            [(8, "nonfinite", 1, 0, "n_nonfinite_ratio")]),
+        "nonfinite_ratio": (
+            {
+                "use_loss": False,
+                "log_ratio": _shift(1, 100.0, start=8),
+                "old_logp": lambda s: torch.full((B, T), -100.0 if s >= 8 else OLD_LOGP),
+            },
+            [(8, "nonfinite", 1, 0, "n_nonfinite_ratio")],
+        ),
         # entropy 1.0 for the 3 baseline steps, then 0.2 < 0.25 x 1.0; the budget (-0.1 every step) is then
         # negative for 10 steps in a row at step 9 with entropy 0.2 < 0.5 x 1.0
-        "collapse": ({"entropy": lambda s: 1.0 if s < 3 else 0.2},
-                     [(3, "collapse", F32(0.2), 0.25, None), (9, "negative_budget", BUDGET, 0, None)]),
+        "collapse": (
+            {"entropy": lambda s: 1.0 if s < 3 else 0.2},
+            [(3, "collapse", F32(0.2), 0.25, None), (9, "negative_budget", BUDGET, 0, None)],
+        ),
         "explosion": ({"entropy": lambda s: 1.0 if s < 3 else 2.5}, [(3, "explosion", 2.5, 2.0, None)]),
         # entropy 0.45 from step 3: below half its start, above the collapse line; 10 negative budgets at step 9
-        "negative_budget": ({"entropy": lambda s: 1.0 if s < 3 else 0.45},
-                            [(9, "negative_budget", BUDGET, 0, None)]),
+        "negative_budget": ({"entropy": lambda s: 1.0 if s < 3 else 0.45}, [(9, "negative_budget", BUDGET, 0, None)]),
         # one clipped token (ratio 1.5, A > 0) per step: 1/20; step 10: 4 of them, 4/20 > 3 x 1/20
-        "clip_spike": ({"log_ratio": lambda s: _shift(4 if s == 10 else 1, math.log(1.5))(s)},
-                       [(10, "clip_spike", 4 / N, 3 / N, None)]),
+        "clip_spike": (
+            {"log_ratio": lambda s: _shift(4 if s == 10 else 1, math.log(1.5))(s)},
+            [(10, "clip_spike", 4 / N, 3 / N, None)],
+        ),
         # every token at log ratio 0.01 (inside the clip band), step 10 at 0.1: k3 ~ 100x
-        "kl_spike": ({"log_ratio": lambda s: torch.full((B, T), 0.1 if s == 10 else 0.01)},
-                     [(10, "kl_spike", kl_high, 5 * kl_low, None)]),
-        "grad_norm_spike": ({"grad_norm": lambda s, u: 5.0 if s == 10 else g(s)},
-                            [(10, "grad_norm_spike", 5.0, 3 * med, None)]),
+        "kl_spike": (
+            {"log_ratio": lambda s: torch.full((B, T), 0.1 if s == 10 else 0.01)},
+            [(10, "kl_spike", kl_high, 5 * kl_low, None)],
+        ),
+        "grad_norm_spike": (
+            {"grad_norm": lambda s, u: 5.0 if s == 10 else g(s)},
+            [(10, "grad_norm_spike", 5.0, 3 * med, None)],
+        ),
         # ERC (0.95, 1.05) with rho 1.2 on 12 of 20 tokens from step 5: it drops 0.6 > 0.5
-        "erc_drop_rate": ({"erc": ERC, "drift": lambda s: RHO_HIGH if s >= 5 else 1.0},
-                          [(5, "erc_drop_rate", 12 / N, 0.5, None)]),
+        "erc_drop_rate": (
+            {"erc": ERC, "drift": lambda s: RHO_HIGH if s >= 5 else 1.0},
+            [(5, "erc_drop_rate", 12 / N, 0.5, None)],
+        ),
         # the same ratios, but the loss keeps every token (ERC configured, not applied): drops 0, p95 1.2 > 1.05
-        "erc_drop_rate_low": ({"erc": ERC, "drift": lambda s: RHO_HIGH if s >= 5 else 1.0,
-                               "erc_kept": lambda s: torch.ones(B, T, dtype=torch.bool)},
-                              [(5, "erc_drop_rate", 0.0, 0.001, None)]),
+        "erc_drop_rate_low": (
+            {
+                "erc": ERC,
+                "drift": lambda s: RHO_HIGH if s >= 5 else 1.0,
+                "erc_kept": lambda s: torch.ones(B, T, dtype=torch.bool),
+            },
+            [(5, "erc_drop_rate", 0.0, 0.001, None)],
+        ),
         # advantages (0, 0, 0, 1) at steps 4-6: 15 of 20 tokens with A = 0 for 3 steps in a row
-        "no_signal": ({"adv": lambda s: (0.0, 0.0, 0.0, 1.0) if 4 <= s <= 6 else (1.0, -0.5, 1.0, -0.5)},
-                      [(6, "no_signal", 3, 3, "za_frac")]),
+        "no_signal": (
+            {"adv": lambda s: (0.0, 0.0, 0.0, 1.0) if 4 <= s <= 6 else (1.0, -0.5, 1.0, -0.5)},
+            [(6, "no_signal", 3, 3, "za_frac")],
+        ),
         # GRPO with half its steps at grad norm 0 (every odd step): at step 5, 3 of 6 steps
-        "no_signal_zero_grad": ({"grad_norm": lambda s, u: 0.0 if s % 2 else 1.0},
-                                [(5, "no_signal", 0.5, 0.5, "zero_grad_frac")]),
+        "no_signal_zero_grad": (
+            {"grad_norm": lambda s, u: 0.0 if s % 2 else 1.0},
+            [(5, "no_signal", 0.5, 0.5, "zero_grad_frac")],
+        ),
     }
 
 
@@ -140,20 +170,54 @@ def test_no_rule_fires_on_the_stable_runs(tmp_path):
     # quiet because healthy, not because a signal is missing: every rule's inputs are there, finite
     df = run_analysis(connect(tmp_path), "step_health")
     erc = df[df.run == "stable_erc"]
-    for col in ("entropy", "old_entropy", "entropy_effect", "clipped_frac", "kl", "grad_norm", "loss", "lr",
-                "erc_drop_frac", "entropy_ratio_p05", "entropy_ratio_p95", "erc_low", "erc_high",
-                "n_nonfinite_ratio", "za_frac", "zero_grad_frac"):
+    for col in (
+        "entropy",
+        "old_entropy",
+        "entropy_effect",
+        "clipped_frac",
+        "kl",
+        "grad_norm",
+        "loss",
+        "lr",
+        "erc_drop_frac",
+        "entropy_ratio_p05",
+        "entropy_ratio_p95",
+        "erc_low",
+        "erc_high",
+        "n_nonfinite_ratio",
+        "za_frac",
+        "zero_grad_frac",
+    ):
         assert erc[col].notna().all() and erc[col].map(math.isfinite).all(), col
     assert (erc["entropy_effect"] < 0).all()  # a negative budget at every step: normal, no alarm
     assert (erc["erc_drop_frac"] == 0).all()  # ERC drops nothing: its ratios never leave the band, healthy
-    assert erc["entropy_ratio_p95"].max() == pytest.approx(1.01) and erc["entropy_ratio_p05"].min() == pytest.approx(0.99)
+    assert erc["entropy_ratio_p95"].max() == pytest.approx(1.01) and erc["entropy_ratio_p05"].min() == pytest.approx(
+        0.99
+    )
 
 
 def test_the_stable_runs_stay_quiet_with_sharper_thresholds(tmp_path):
     # every rule on, tightened: still nothing (what makes these runs quiet is their construction)
     _stable(tmp_path)
-    res = _cli(tmp_path, "--budget-steps", "1", "--budget-entropy", "0.99", "--clip-spike", "1.01", "--kl-spike", "1.01",
-               "--grad-norm-spike", "1.2", "--erc-drop-min", "0.5", "--no-signal-share", "0.01", "--no-signal-steps", "1")
+    res = _cli(
+        tmp_path,
+        "--budget-steps",
+        "1",
+        "--budget-entropy",
+        "0.99",
+        "--clip-spike",
+        "1.01",
+        "--kl-spike",
+        "1.01",
+        "--grad-norm-spike",
+        "1.2",
+        "--erc-drop-min",
+        "0.5",
+        "--no-signal-share",
+        "0.01",
+        "--no-signal-steps",
+        "1",
+    )
     assert res.exit_code == 0, res.output
 
 
@@ -161,8 +225,10 @@ def test_live_alarms_fire_the_new_rules_as_check_does(tmp_path):
     """Recorder(alarms=True): nonfinite (a NaN grad norm at step 6), grad_norm_spike (step 16) and
     no_signal (all-zero advantages at steps 10-12) warn live, once each, at the steps check finds."""
     nan = float("nan")
-    knobs = {"grad_norm": lambda s, u: nan if s == 6 else 5.0 if s == 16 else stable_grad_norm(s),
-             "adv": lambda s: (0.0,) * 4 if 10 <= s <= 12 else (1.0, -0.5, 1.0, -0.5)}
+    knobs = {
+        "grad_norm": lambda s, u: nan if s == 6 else 5.0 if s == 16 else stable_grad_norm(s),
+        "adv": lambda s: (0.0,) * 4 if 10 <= s <= 12 else (1.0, -0.5, 1.0, -0.5),
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         record_run(tmp_path, "live", alarms=True, **knobs)

@@ -6,10 +6,10 @@ import warnings
 
 import pandas as pd
 import pytest
+from entropylens.cli.main import app
 from typer.testing import CliRunner
 
 from entropylens.alarms import EntropyAlarm, LiveAlarms, Monitor, Thresholds, evaluate
-from entropylens.cli.main import app
 
 runner = CliRunner()
 
@@ -43,21 +43,33 @@ def test_negative_budget_needs_a_sustained_run_and_a_fallen_entropy():
     # without an entropy the rule cannot judge: quiet
     assert _feed([{"entropy_effect": x} for x in b], t) == []
     # --budget-entropy 0.3: 0.4 is not low enough
-    assert _feed([{"entropy_effect": x, "old_entropy": y} for x, y in zip(b, h)],
-                 Thresholds(budget_steps=3, budget_entropy=0.3)) == []
+    assert (
+        _feed(
+            [{"entropy_effect": x, "old_entropy": y} for x, y in zip(b, h)],
+            Thresholds(budget_steps=3, budget_entropy=0.3),
+        )
+        == []
+    )
 
 
 def test_nonfinite_fires_at_the_first_nan_or_inf_and_is_left_out_elsewhere():
     nan, inf = float("nan"), float("inf")
     rows = [{"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3}] * 6
-    rows += [{"grad_norm": nan, "old_entropy": 1.0, "kl": 1e-3}, {"grad_norm": inf, "old_entropy": 1.0, "kl": 1e-3},
-             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3}, {"grad_norm": 1.0, "old_entropy": 1.0, "kl": -inf},
-             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 0},
-             {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 2}]
+    rows += [
+        {"grad_norm": nan, "old_entropy": 1.0, "kl": 1e-3},
+        {"grad_norm": inf, "old_entropy": 1.0, "kl": 1e-3},
+        {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3},
+        {"grad_norm": 1.0, "old_entropy": 1.0, "kl": -inf},
+        {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 0},
+        {"grad_norm": 1.0, "old_entropy": 1.0, "kl": 1e-3, "n_nonfinite_ratio": 2},
+    ]
     found = _feed(rows)
     # one episode for steps 6-7 (NaN then inf), a new one at step 9 (KL), another at 11 (overflowed ratios)
-    assert [(f.step, f.rule, f.signal) for f in found] == [(6, "nonfinite", "grad_norm"), (9, "nonfinite", "kl"),
-                                                           (11, "nonfinite", "n_nonfinite_ratio")]
+    assert [(f.step, f.rule, f.signal) for f in found] == [
+        (6, "nonfinite", "grad_norm"),
+        (9, "nonfinite", "kl"),
+        (11, "nonfinite", "n_nonfinite_ratio"),
+    ]
     assert math.isnan(found[0].value) and found[0].threshold == math.inf and found[2].value == 2
     assert found[0].line() == "run=r step=6 rule=nonfinite value=nan threshold=inf signal=grad_norm"
     # an inf grad norm is not also a grad_norm_spike, and a NaN entropy never enters the baseline
@@ -95,8 +107,12 @@ def test_spikes_against_the_rolling_median():
 
 def test_erc_drop_rate_range_and_one_line_per_finding():
     band = {"erc_low": 0.95, "erc_high": 1.05}
-    found = _feed([{"erc_drop_frac": x, **band, "entropy_ratio_p05": 0.9, "entropy_ratio_p95": 1.1}
-                   for x in (0.2, 0.6, 0.7, 0.2, 0.0)])
+    found = _feed(
+        [
+            {"erc_drop_frac": x, **band, "entropy_ratio_p05": 0.9, "entropy_ratio_p95": 1.1}
+            for x in (0.2, 0.6, 0.7, 0.2, 0.0)
+        ]
+    )
     assert [(f.step, f.rule, f.threshold) for f in found] == [(1, "erc_drop_rate", 0.5), (4, "erc_drop_rate", 0.001)]
     assert found[0].line() == "run=r step=1 rule=erc_drop_rate value=0.6 threshold=0.5"
     # nothing dropped while every entropy ratio stays inside the band: healthy, no alarm
@@ -136,9 +152,24 @@ def _hand_run(root, run="g", entropies=(1.2, 1.1, 1.0, 0.9, 0.5, 0.2, 0.1), erc=
     d.mkdir(parents=True)
     (d / "run.json").write_text(json.dumps({"run": run, "method": "grpo", "status": "finished", "schema_version": 2}))
     for step, h in enumerate(entropies):
-        write_steps(d, step, 0, [{"update": 0, "n_tokens": 100, "old_entropy_mean": h, "entropy_mean": h,
-                                  "clipped_frac": 0.01, "kl_k3": 1e-3, "grad_norm": 1.0, "erc_drop_frac": erc,
-                                  "entropy_effect": -0.01}])
+        write_steps(
+            d,
+            step,
+            0,
+            [
+                {
+                    "update": 0,
+                    "n_tokens": 100,
+                    "old_entropy_mean": h,
+                    "entropy_mean": h,
+                    "clipped_frac": 0.01,
+                    "kl_k3": 1e-3,
+                    "grad_norm": 1.0,
+                    "erc_drop_frac": erc,
+                    "entropy_effect": -0.01,
+                }
+            ],
+        )
     return root
 
 
@@ -153,13 +184,19 @@ def test_check_cli_lines_and_exit_codes(tmp_path):
     # 5 negative budgets in a row at step 4, where entropy 0.5 is below 0.5 x 1.1 = 0.55
     budget = runner.invoke(app, ["check", str(tmp_path), "--collapse", "0.05", "--budget-steps", "4"])
     assert budget.output.splitlines() == ["run=g step=4 rule=negative_budget value=-0.01 threshold=0"]
-    quiet = runner.invoke(app, ["check", str(tmp_path), "--collapse", "0.05", "--budget-steps", "4",
-                                "--budget-entropy", "0.05"])
+    quiet = runner.invoke(
+        app, ["check", str(tmp_path), "--collapse", "0.05", "--budget-steps", "4", "--budget-entropy", "0.05"]
+    )
     assert quiet.exit_code == 0, quiet.output
     err = runner.invoke(app, ["check", str(tmp_path / "nope")])
     assert err.exit_code == 2 and err.output.startswith("error:") and "Traceback" not in err.output
-    for flags in (["--window", "0"], ["--no-signal-steps", "0"], ["--no-signal-share", "1.5"],
-                  ["--budget-entropy", "-1"], ["--erc-drop-min", "0.9"]):
+    for flags in (
+        ["--window", "0"],
+        ["--no-signal-steps", "0"],
+        ["--no-signal-share", "1.5"],
+        ["--budget-entropy", "-1"],
+        ["--erc-drop-min", "0.9"],
+    ):
         res = runner.invoke(app, ["check", str(tmp_path), *flags])
         assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, (flags, res.output)
         assert res.output.startswith("error:") and "Traceback" not in res.output
@@ -178,9 +215,16 @@ def test_recorder_warns_live(tmp_path, end_steps):
         with Recorder(tmp_path, run="live", alarms=Thresholds(baseline=1)) as rec:
             for step, h in enumerate((1.0, 0.9, 0.1, 0.1)):
                 lp = torch.full((2, 3), -0.5)
-                rec.record_update(step, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
-                                  logprobs=lp, old_logprobs=lp, entropy=torch.full((2, 3), h),
-                                  old_entropy=torch.full((2, 3), h))
+                rec.record_update(
+                    step,
+                    0,
+                    mask=torch.ones(2, 3, dtype=torch.bool),
+                    advantages=torch.tensor([1.0, -1.0]),
+                    logprobs=lp,
+                    old_logprobs=lp,
+                    entropy=torch.full((2, 3), h),
+                    old_entropy=torch.full((2, 3), h),
+                )
                 if end_steps:
                     summaries = rec._writer.summary
                     rec._writer.summary = None  # end_step must not ask the writer (it would wait)
@@ -196,8 +240,8 @@ def test_recorder_warns_live(tmp_path, end_steps):
 def test_grpo_collapse_fires_on_a_real_toy_run(tmp_path):
     """GRPO on a smaller, faster toy (lr 2e-3, 64 sequences, 4 updates per step) collapses within 60 steps
     (measured: entropy 1.15 -> 0.17, the default rule first fires at step 39); with probes every 6 steps."""
-    from entropylens.report.checks import check
     from entropylens.demo.toy import config_for, train
+    from entropylens.report.checks import check
 
     train(config_for("grpo", steps=60, prompts=8, group=8, minibatches=2, epochs=2, lr=2e-3, probe_every=6), tmp_path)
     found = [f for f in check(tmp_path) if f.rule == "collapse"]
@@ -265,9 +309,23 @@ def test_mismatch_offline_from_the_steps_table(tmp_path):
     kl = [1e-3] * 6 + [0.05] * 3  # two ranks per step: 100 tokens at kl, 300 at 3 x kl -> 2.5 x kl
     for step, k in enumerate(kl):
         for rank, (n, f) in enumerate(((100, 1.0), (300, 3.0))):
-            write_steps(d, step, rank, [{"update": 0, "n_tokens": n, "old_entropy_mean": 1.0, "entropy_mean": 1.0,
-                                         "clipped_frac": 0.01, "kl_k3": 1e-3, "grad_norm": 1.0,
-                                         "sampler_kl_k3": k * f}])
+            write_steps(
+                d,
+                step,
+                rank,
+                [
+                    {
+                        "update": 0,
+                        "n_tokens": n,
+                        "old_entropy_mean": 1.0,
+                        "entropy_mean": 1.0,
+                        "clipped_frac": 0.01,
+                        "kl_k3": 1e-3,
+                        "grad_norm": 1.0,
+                        "sampler_kl_k3": k * f,
+                    }
+                ],
+            )
     res = runner.invoke(app, ["check", str(tmp_path)])
     # token-weighted: (100 k + 300 x 3k) / 400 = 2.5 k; start B = 2.5e-3; threshold 2.5e-2; step 6: 0.125
     assert res.exit_code == 1

@@ -11,15 +11,31 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
 
 def test_overhead_benchmark_pairs_the_same_work():
-    out = _run("overhead.py", "--steps", "2", "--sft-steps", "2", "--prompts", "2", "--fsync-files", "2",
-               "--modes", "off,full,full-nofsync,sample=0.1,hook,clip_cov,kl_cov")
+    out = _run(
+        "overhead.py",
+        "--steps",
+        "2",
+        "--sft-steps",
+        "2",
+        "--prompts",
+        "2",
+        "--fsync-files",
+        "2",
+        "--modes",
+        "off,full,full-nofsync,sample=0.1,hook,clip_cov,kl_cov",
+    )
     # every recorder mode (off, full, full-nofsync, sample=0.1, the loss hook) ran each of the 4 steps from the same
     # state and ended with the same weights: the recorder never changes training and the pairs are the same work
     # (clip_cov / kl_cov train the same step with another loss: left out of that check, timed against full)

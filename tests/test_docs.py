@@ -71,8 +71,17 @@ def test_readme_says_what_query_can_do_and_which_passes_use_native_code():
     `query` can and cannot do, and README says which passes may use native code."""
     text = " ".join(README.split())
     para = text.split("**Security of `entropylens query`.**", 1)[1].split("## ", 1)[0]
-    for words in ("one read-only statement", "EXPLAIN", "WITH", "only the files of the runs", "cannot write",
-                  "attach a database", "install or load an extension", "network", "lock=False"):
+    for words in (
+        "one read-only statement",
+        "EXPLAIN",
+        "WITH",
+        "only the files of the runs",
+        "cannot write",
+        "attach a database",
+        "install or load an extension",
+        "network",
+        "lock=False",
+    ):
         assert words in para, words
     native = text.split("**Native code.**", 1)[1].split("## ", 1)[0]
     assert "ENTROPYLENS_NATIVE=1" in native and "training" in native and "eager" in native
@@ -160,7 +169,8 @@ def runnable_blocks(md: Path) -> list[str]:
         if line.strip() != RUNNABLE:
             continue
         assert i + 1 < len(lines) and lines[i + 1].strip() == "```python", (
-            f"{md.name}:{i + 1}: {RUNNABLE} must stand on the line just before a ```python fence")
+            f"{md.name}:{i + 1}: {RUNNABLE} must stand on the line just before a ```python fence"
+        )
         end = next(j for j in range(i + 2, len(lines)) if lines[j].strip() == "```")
         blocks.append("\n".join(lines[i + 2 : end]) + "\n")
     return blocks
@@ -183,8 +193,14 @@ def test_runnable_marker_finds_the_block():
 def test_runnable_example_runs_as_written(page, k, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(runnable_blocks(page)[k])
-    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "MPLBACKEND": "Agg"})
+    res = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+    )
     assert res.returncode == 0, f"{page.relative_to(ROOT)} example {k} failed:\n{res.stdout}\n{res.stderr}"
 
 

@@ -59,8 +59,10 @@ def test_python_started_in_the_repository_root_has_the_cli_and_the_analyses():
     entropylens/ folder, and pyproject maps the top-level cli/ and analyses/ into the package only in an
     install: the checkout's own folders serve entropylens.cli and entropylens.analyses (its SQL files
     included) there too."""
-    probe = PROBE.replace("sp = site.getsitepackages()[0]\nout[\"site\"] = sorted(os.listdir(sp))\n", "")
-    probe = probe.replace("print(json.dumps(out))\n", "import entropylens\nprint(json.dumps({**out, 'file': entropylens.__file__}))\n")
+    probe = PROBE.replace('sp = site.getsitepackages()[0]\nout["site"] = sorted(os.listdir(sp))\n', "")
+    probe = probe.replace(
+        "print(json.dumps(out))\n", "import entropylens\nprint(json.dumps({**out, 'file': entropylens.__file__}))\n"
+    )
     # -S: no site-packages, so no install (an editable one has a finder of its own) can answer for the checkout
     res = subprocess.run([sys.executable, "-S", "-c", probe], check=True, cwd=ROOT, capture_output=True, text=True)
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -76,6 +78,7 @@ def test_every_runtime_dependency_is_imported():
     installed for every user that nothing imports)."""
     import ast
     import re
+
     import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]

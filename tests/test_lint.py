@@ -1,6 +1,6 @@
-"""The linter: no undefined name, unused import or variable, or redefinition anywhere in the repository's
-Python (pyproject's [tool.ruff.lint]). An undefined name in a rarely run branch (verl's trainer mode
-crashed on one at its first update) fails here, before any user runs it."""
+"""The linter and the formatter over the repository's Python (pyproject's [tool.ruff]): pyflakes, pycodestyle,
+isort, pyupgrade and bugbear find nothing, and `ruff format --check` passes. An undefined name in a rarely
+run branch (verl's trainer mode crashed on one at its first update) fails here, before any user runs it."""
 
 import shutil
 import subprocess
@@ -13,8 +13,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_finds_nothing():
     ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     assert Path(ruff).exists(), "ruff is in the test extra: pip install '.[test]'"
-    res = subprocess.run([ruff, "check", "--no-cache", "--output-format", "concise", "."], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [ruff, "check", "--no-cache", "--output-format", "concise", "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_ruff_format_leaves_every_file_as_it_is():
+    """`ruff format --check`: the repository is formatted (pyproject's [tool.ruff]; `ruff format .` fixes it)."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    res = subprocess.run(
+        [ruff, "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 

@@ -39,8 +39,11 @@ def test_page_examples_equal_the_committed_report_examples():
 def _summary_rows(md: str) -> dict[str, dict[str, str]]:
     lines = [x for x in md.splitlines() if x.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    return {r[0]: dict(zip(head, r)) for r in ([c.strip() for c in x.strip("|").split("|")] for x in lines[2:])
-            if len(r) == len(head)}
+    return {
+        r[0]: dict(zip(head, r))
+        for r in ([c.strip() for c in x.strip("|").split("|")] for x in lines[2:])
+        if len(r) == len(head)
+    }
 
 
 def test_page_runs_output_matches_the_committed_report_summary():

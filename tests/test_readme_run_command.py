@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def _fresh_copy(dest: Path) -> None:
     """The files git tracks, and the untracked ones it does not ignore, as they are in the working tree
     (what a clone of this tree would hold): no .venv, no build output."""
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, files):
         src = ROOT / name
         if src.is_file():

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run, write_step  # noqa: E402
 
 from entropylens import storage  # noqa: E402
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect, run_analysis  # noqa: E402
 
@@ -79,8 +79,13 @@ def test_bad_object_is_skipped_and_verify_lists_it(s3):
 def test_killed_recorder_on_s3_then_runs_analyze_report(s3, tmp_path):
     url = s3()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, str(HELPERS / "record_child.py"), "kill", url, "k0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, str(HELPERS / "record_child.py"), "kill", url, "k0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
         time.sleep(0.7)
@@ -139,8 +144,13 @@ def test_unknown_bucket_and_protocol_are_one_line_errors(s3):
 def test_torch_loop_example_writes_to_s3(s3):
     url = s3()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, str(EXAMPLES / "torch_loop.py"), "--out", url, "--steps", "2"],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "torch_loop.py"), "--out", url, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     assert f"run: {url}/torch-loop-ce_gppo" in out.stdout
     con = connect(url)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from entropylens import Recorder, storage
+from entropylens.demo.toy import config_for, task, train
 from entropylens.read.query import connect
 from entropylens.read.run_decoder import decoder_for_run
 from entropylens.token_text import (
@@ -22,7 +23,6 @@ from entropylens.token_text import (
     save_tokenizer,
     tokenizer_info,
 )
-from entropylens.demo.toy import config_for, task, train
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
@@ -41,8 +41,9 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TEXTS * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
@@ -53,8 +54,9 @@ def _record(root, run, ids: list[int], **kw) -> None:
     mask = torch.ones(1, t, dtype=torch.bool)
     lp = torch.full((1, t), -0.5)
     with Recorder(root, run, config={"method": "grpo"}, fsync=False, **kw) as rec:
-        rec.record_update(0, 0, mask=mask, advantages=torch.ones(1), logprobs=lp, old_logprobs=lp,
-                          tokens=torch.tensor([ids]))
+        rec.record_update(
+            0, 0, mask=mask, advantages=torch.ones(1), logprobs=lp, old_logprobs=lp, tokens=torch.tensor([ids])
+        )
         rec.record_step(0, grad_norm=1.0, lr=1e-3)
 
 
@@ -117,8 +119,11 @@ def test_the_toys_vocabulary_is_inline_in_run_json(tmp_path):
     seqs = con.execute("SELECT seq, text FROM sequences WHERE step = 0 ORDER BY seq").fetchall()
     assert len(seqs) == cfg.prompts * cfg.group
     for seq, text in seqs:
-        ids = con.execute("SELECT token_id FROM tokens WHERE step = 0 AND \"update\" = 0 AND seq = ? ORDER BY pos",
-                          [seq]).df()["token_id"].tolist()
+        ids = (
+            con.execute('SELECT token_id FROM tokens WHERE step = 0 AND "update" = 0 AND seq = ? ORDER BY pos', [seq])
+            .df()["token_id"]
+            .tolist()
+        )
         assert len(ids) == task.RESPONSE_LEN and text == dec.text(ids) == task.decode(ids)
 
 

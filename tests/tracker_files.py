@@ -7,29 +7,42 @@ import struct
 import time
 import warnings
 from pathlib import Path
+
 import numpy as np
 import pytest
+from recorded_batches import record_one
+
 from entropylens import Recorder
-from entropylens.record import trackers
 from entropylens.alarms import Thresholds
 from entropylens.read.query import connect
+from entropylens.record import trackers
 from entropylens.record.step_table import TABLE_COLUMNS
-from recorded_batches import record_one
 
 N_STEPS = 4
 # the logged metric -> the steps table's value of the step: token-weighted over the step's updates
-CHECKED = ("clip_low_frac", "clip_high_frac", "clip_frac_pa_lp", "clip_frac_na_lp", "erc_drop_frac", "kl_k3",
-           "lgn_mean_pa_hp", "lgn_mean_na_lp")
+CHECKED = (
+    "clip_low_frac",
+    "clip_high_frac",
+    "clip_frac_pa_lp",
+    "clip_frac_na_lp",
+    "erc_drop_frac",
+    "kl_k3",
+    "lgn_mean_pa_hp",
+    "lgn_mean_na_lp",
+)
 
 
 def expected(root) -> dict[int, dict[str, float]]:
-    weighted = ", ".join(f"sum({c} * n_tokens) FILTER (WHERE {c} = {c}) / sum(n_tokens) FILTER (WHERE {c} = {c}) {c}"
-                         for c in CHECKED)
+    weighted = ", ".join(
+        f"sum({c} * n_tokens) FILTER (WHERE {c} = {c}) / sum(n_tokens) FILTER (WHERE {c} = {c}) {c}" for c in CHECKED
+    )
     shares = ", ".join(f"sum(n_{q}) / sum(n_tokens) share_{q}" for q in ("pa_hp", "pa_lp", "na_hp", "na_lp"))
     df = connect(root).execute(f"SELECT step, {weighted}, {shares} FROM steps GROUP BY step ORDER BY step").df()
     assert df["step"].tolist() == list(range(N_STEPS))
-    return {int(r.step): {f"entropylens/{k}": float(v) for k, v in r._asdict().items() if k != "step"}
-            for r in df.itertuples(index=False)}
+    return {
+        int(r.step): {f"entropylens/{k}": float(v) for k, v in r._asdict().items() if k != "step"}
+        for r in df.itertuples(index=False)
+    }
 
 
 # explosion at 1e-3 x H0 fires at step 1, the first step after the baseline (any entropy is above it)
@@ -63,8 +76,12 @@ def assert_matches(got: dict[int, dict[str, float]], root, at=lambda s: s):
     for s, values in want.items():
         row = got[at(s)]
         # a quadrant without tokens at the step: its means and fractions are not measured, left out (never 0)
-        empty = {f"entropylens/{m}_{q}" for q in QUADS.values() if values[f"entropylens/share_{q}"] == 0
-                 for m in ("lgn_mean", "clip_frac")}
+        empty = {
+            f"entropylens/{m}_{q}"
+            for q in QUADS.values()
+            if values[f"entropylens/share_{q}"] == 0
+            for m in ("lgn_mean", "clip_frac")
+        }
         assert names - empty <= set(row), sorted(names - empty - set(row))  # every metric of the step
         assert not empty & set(row), sorted(empty & set(row))
         for k, v in values.items():
@@ -79,9 +96,14 @@ EDGES = 0.5 * 4.0 ** (np.arange(33) / 32)  # 32 log-spaced bins over [0.5, 2]
 
 def token_rows(root, run=None):
     where = f"WHERE run = '{run}'" if run else ""
-    return connect(root).execute(
-        'SELECT step, "update", seq, pos, token_id, logprob, old_logprob, advantage, quadrant, clip, clipped, '
-        f"entropy, old_entropy, erc_kept FROM tokens {where} ORDER BY step, \"update\", seq, pos").df()
+    return (
+        connect(root)
+        .execute(
+            'SELECT step, "update", seq, pos, token_id, logprob, old_logprob, advantage, quadrant, clip, clipped, '
+            f'entropy, old_entropy, erc_kept FROM tokens {where} ORDER BY step, "update", seq, pos'
+        )
+        .df()
+    )
 
 
 def np_counts(x: np.ndarray) -> list[int]:
@@ -215,11 +237,11 @@ def wandb_records(path):
         if left < 7:  # the block's tail is padding
             pos += left
             continue
-        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0 and n == 0:
             pos += left
             continue
-        chunk, pos = data[pos + 7:pos + 7 + n], pos + 7 + n
+        chunk, pos = data[pos + 7 : pos + 7 + n], pos + 7 + n
         buf = chunk if kind in (1, 2) else buf + chunk
         if kind in (1, 4):
             record = pb.Record()

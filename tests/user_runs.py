@@ -55,7 +55,7 @@ def _rollout(gen: torch.Generator, step: int, spec: dict):
     old_h = h * (0.5 + torch.rand(B, T, generator=gen))  # [B, T], mean h
     rewards = torch.tensor([1.0, 0.0] * (B // 2))  # [B]: one right, one wrong per group of 2
     for g in range(spec.get("zero_groups", 0)):  # all-equal rewards: zero advantage
-        rewards[g * GROUP:(g + 1) * GROUP] = 1.0
+        rewards[g * GROUP : (g + 1) * GROUP] = 1.0
     r = rewards.view(-1, GROUP)
     adv = (r - r.mean(1, keepdim=True)).view(-1)  # [B]: +-0.5, or 0 in an all-equal group
     return mask, old_logp, old_h, rewards, adv, lengths
@@ -75,19 +75,35 @@ def record_run(root: Path, run: str, spec: dict, seed: int = 0) -> dict:
             mask, old_logp, old_h, rewards, adv, lengths = _rollout(gen, step, spec)
             seq_ids = torch.arange(B) + step * B
             groups = torch.arange(B) // GROUP + step * (B // GROUP)
-            rec.record_sequences(step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=lengths,
-                                 group_ids=groups)
+            rec.record_sequences(
+                step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=lengths, group_ids=groups
+            )
             for u in range(UPDATES):
                 moved = u > 0 and not spec.get("stable")
                 noise = torch.randn(B, T, generator=gen) if moved else torch.zeros(B, T)
                 logp = (old_logp + 0.15 * noise).clamp(max=0.0)  # [B, T]
-                rho = torch.exp(spec.get("rho_spread", 0.03) * torch.randn(B, T, generator=gen)) if moved else \
-                    torch.ones(B, T)
+                rho = (
+                    torch.exp(spec.get("rho_spread", 0.03) * torch.randn(B, T, generator=gen))
+                    if moved
+                    else torch.ones(B, T)
+                )
                 h = old_h * rho  # [B, T]
-                out = policy_loss(logp, old_logp, adv, mask, method=spec["method"], entropy=h, old_entropy=old_h,
-                                  erc=erc)
-                rec.record_update(step, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old_logp,
-                                  entropy=h, old_entropy=old_h, seq_ids=seq_ids, group_ids=groups, loss=out)
+                out = policy_loss(
+                    logp, old_logp, adv, mask, method=spec["method"], entropy=h, old_entropy=old_h, erc=erc
+                )
+                rec.record_update(
+                    step,
+                    u,
+                    mask=mask,
+                    advantages=adv,
+                    logprobs=logp,
+                    old_logprobs=old_logp,
+                    entropy=h,
+                    old_entropy=old_h,
+                    seq_ids=seq_ids,
+                    group_ids=groups,
+                    loss=out,
+                )
                 if spec.get("nan_step") == step and u == UPDATES - 1:
                     gn = float("nan")
                 elif spec.get("zero_groups") and step % 2 == 1:

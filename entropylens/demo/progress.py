@@ -84,8 +84,14 @@ class Bars(Silent):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console
-        self.bar = Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(),
-                            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+        self.bar = Progress(
+            TextColumn("{task.description:<22}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+        )
         self.tasks: dict[str, int] = {}
 
     def __enter__(self):

@@ -20,9 +20,8 @@ from pathlib import Path
 
 from ..record.run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
-from .workers import available_cores
+from .workers import available_cores, quiet_resource_tracker
 from .workers import one_thread_env as _one_thread_env
-from .workers import quiet_resource_tracker
 from .workers import worker_context as _worker_context
 
 # --quick: a few small steps per run, for tests and a first look (a few seconds per run).
@@ -77,12 +76,26 @@ def mismatch_runs(methods, mismatch: str = "", tis: float = 2.0) -> list[tuple[s
     if not mismatch:
         return [(m, m, {}) for m in methods]
     slug = mismatch.replace(":", "")
-    return [row for m in methods for row in ((f"{m}-{slug}", m, {"mismatch": mismatch}),
-                                             (f"{m}-{slug}-tis", m, {"mismatch": mismatch, "tis": tis}))]
+    return [
+        row
+        for m in methods
+        for row in (
+            (f"{m}-{slug}", m, {"mismatch": mismatch}),
+            (f"{m}-{slug}-tis", m, {"mismatch": mismatch, "tis": tis}),
+        )
+    ]
 
 
-def demo_configs(methods=DEMO_DEFAULT, *, steps: int | None = None, seeds: int = 1, quick: bool = False,
-                 probe_every: int = 0, mismatch: str = "", tis: float = 2.0) -> list[ToyConfig]:
+def demo_configs(
+    methods=DEMO_DEFAULT,
+    *,
+    steps: int | None = None,
+    seeds: int = 1,
+    quick: bool = False,
+    probe_every: int = 0,
+    mismatch: str = "",
+    tis: float = 2.0,
+) -> list[ToyConfig]:
     """The demo's runs: each method x seed in the fast regime, DEMO_STEPS steps (QUICK's small runs
     with ``quick``; ``steps`` when given); the probe on every ``probe_every``-th step when > 0; with a
     ``mismatch`` sampler, each method with and without TIS (:func:`mismatch_runs`)."""
@@ -91,8 +104,11 @@ def demo_configs(methods=DEMO_DEFAULT, *, steps: int | None = None, seeds: int =
         overrides["steps"] = steps
     if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
         overrides["probe_every"] = probe_every
-    return [replace(config_for(m, seed=s, **overrides, **extra), name=name)
-            for name, m, extra in mismatch_runs(methods, mismatch, tis) for s in range(seeds)]
+    return [
+        replace(config_for(m, seed=s, **overrides, **extra), name=name)
+        for name, m, extra in mismatch_runs(methods, mismatch, tis)
+        for s in range(seeds)
+    ]
 
 
 # ------------------------------------------------------------------ worker side
@@ -141,8 +157,13 @@ def _run_job(cfg: ToyConfig, runs_dir: str, run: str, state: dict | None, sink=N
         set_warm_state(cfg, state)
     _post(sink, ("start", run, 0, cfg.steps))
     with torch_threads(1):
-        res = train(cfg, runs_dir, run=run, fsync=DEMO_FSYNC,
-                    on_step=lambda s, r, h: _post(sink, ("step", run, s + 1, cfg.steps, r, h)))
+        res = train(
+            cfg,
+            runs_dir,
+            run=run,
+            fsync=DEMO_FSYNC,
+            on_step=lambda s, r, h: _post(sink, ("step", run, s + 1, cfg.steps, r, h)),
+        )
     _post(sink, ("done", run, cfg.steps, cfg.steps, res.seconds))
     return res
 
@@ -177,8 +198,9 @@ def run_demo(
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     t_start = time.perf_counter()
-    cfgs = demo_configs(methods, steps=steps, seeds=seeds, quick=quick, probe_every=probe_every,
-                        mismatch=mismatch, tis=tis)  # fail early
+    cfgs = demo_configs(
+        methods, steps=steps, seeds=seeds, quick=quick, probe_every=probe_every, mismatch=mismatch, tis=tis
+    )  # fail early
     ids = [run_id(c) for c in cfgs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"a run is named twice: {', '.join(ids)}")
@@ -196,8 +218,10 @@ def run_demo(
         warm.setdefault(warm_key(c), c)
     labels = {k: f"warm-up seed {c.seed}" for k, c in warm.items()}
     with make_progress(console, enabled=progress) as bar:
-        bar.header(f"{len(cfgs)} run(s) in {n_workers} worker process(es), 1 torch thread each; "
-                   f"supervised warm-up ({cfgs[0].sft_steps} steps) first")
+        bar.header(
+            f"{len(cfgs)} run(s) in {n_workers} worker process(es), 1 torch thread each; "
+            f"supervised warm-up ({cfgs[0].sft_steps} steps) first"
+        )
         for k, c in warm.items():
             bar.add(labels[k], c.sft_steps, warmup=True)
         for c, i in zip(cfgs, ids):
@@ -206,8 +230,7 @@ def run_demo(
         tables: list = []  # the report's run table, for the caller to print (no second connection)
         if n_workers == 1:
             states = {k: _warm_job(c, labels[k], bar.handle) for k, c in warm.items()}
-            results = [_run_job(c, str(runs_dir), i, states[warm_key(c)], bar.handle)
-                       for c, i in zip(cfgs, ids)]
+            results = [_run_job(c, str(runs_dir), i, states[warm_key(c)], bar.handle) for c, i in zip(cfgs, ids)]
             phases["warm-up + training"] = time.perf_counter() - t_start
             if report_dir is not None:
                 from ..report.build import write_report
@@ -216,8 +239,9 @@ def run_demo(
                 write_report(runs_dir, report_dir, runs=ids, on_summary=tables.append)
                 phases["report"] = time.perf_counter() - t0
         else:
-            results = _in_workers(cfgs, ids, warm, labels, runs_dir, n_workers, bar, report_dir, phases, t_start,
-                                  tables)
+            results = _in_workers(
+                cfgs, ids, warm, labels, runs_dir, n_workers, bar, report_dir, phases, t_start, tables
+            )
     phases["total"] = time.perf_counter() - t_start
     return DemoResult(runs_dir, report_dir, results, n_workers, phases, tables[0] if tables else None)
 
@@ -229,10 +253,27 @@ def _prime() -> int:
 
 # The report's figures, most expensive first (CPU seconds measured on the default demo's runs: the
 # analysis and the drawing): the workers take them one at a time, so the two finish together.
-FIGURE_ORDER = ("ratio_vs_prob", "entropy_change", "entropy_ratio", "entropy_budget", "grad_share", "mismatch",
-                "quadrant_share", "clipping_removed", "clipped_prob", "kl", "clip_by_quadrant", "reward",
-                "entropy", "drift_by_prob", "grad_norm", "probe", "covariance_by_quadrant", "covariance_law",
-                "entropy_performance")
+FIGURE_ORDER = (
+    "ratio_vs_prob",
+    "entropy_change",
+    "entropy_ratio",
+    "entropy_budget",
+    "grad_share",
+    "mismatch",
+    "quadrant_share",
+    "clipping_removed",
+    "clipped_prob",
+    "kl",
+    "clip_by_quadrant",
+    "reward",
+    "entropy",
+    "drift_by_prob",
+    "grad_norm",
+    "probe",
+    "covariance_by_quadrant",
+    "covariance_law",
+    "entropy_performance",
+)
 _REPORT_CON: dict = {}  # in a worker: one DuckDB connection per (runs dir, runs) for all its figures
 
 
@@ -247,8 +288,19 @@ def _figure_job(runs_dir: str, report_dir: str, ids: list[str], name: str) -> tu
     return render_figure(_REPORT_CON[key], report_dir, name)
 
 
-def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, report_dir: Path | None,
-                phases: dict, t_start: float, tables: list) -> list:
+def _in_workers(
+    cfgs,
+    ids,
+    warm,
+    labels,
+    runs_dir: Path,
+    n_workers: int,
+    bar,
+    report_dir: Path | None,
+    phases: dict,
+    t_start: float,
+    tables: list,
+) -> list:
     """The runs in ``n_workers`` spawned processes. The first seed's warm-up runs here while the
     workers start (a spawned worker spends seconds importing torch); other seeds' warm-ups run in the
     workers. A run is submitted as soon as its seed's weights exist. Events from the workers drive
@@ -320,9 +372,14 @@ def _in_workers(cfgs, ids, warm, labels, runs_dir: Path, n_workers: int, bar, re
                 for f in FIGURES:  # a figure FIGURE_ORDER does not name yet: last
                     if f.name not in figs:
                         figs[f.name] = pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, f.name)
-                write_report(runs_dir, report_dir, runs=ids, elsewhere=tuple(figs),
-                             done=lambda: {n: f.result() for n, f in figs.items()},
-                             on_summary=tables.append)
+                write_report(
+                    runs_dir,
+                    report_dir,
+                    runs=ids,
+                    elsewhere=tuple(figs),
+                    done=lambda: {n: f.result() for n, f in figs.items()},
+                    on_summary=tables.append,
+                )
                 phases["report"] = time.perf_counter() - t0
         except BaseException:
             if starter is not None:

@@ -14,9 +14,14 @@ import sys
 
 # Modules the fork server imports once for all workers (torch, transformers' Qwen2, the toy, and the
 # report's modules: the workers draw the report's figures at the end).
-PRELOAD = ["entropylens.demo.runner", "transformers.models.qwen2.modeling_qwen2", "entropylens.demo.toy.train",
-           "entropylens.report.build", "matplotlib.pyplot",
-           "entropylens.demo.forkserver_exit"]  # the server's own exit skips the interpreter teardown
+PRELOAD = [
+    "entropylens.demo.runner",
+    "transformers.models.qwen2.modeling_qwen2",
+    "entropylens.demo.toy.train",
+    "entropylens.report.build",
+    "matplotlib.pyplot",
+    "entropylens.demo.forkserver_exit",
+]  # the server's own exit skips the interpreter teardown
 # The fork server starts as `python -c ...`, which puts the current directory first on its sys.path
 # (Python < 3.12 does not apply the parent's): in a source checkout (README's `pip install .` then
 # `entropylens demo` in the clone) `entropylens/` there would shadow the installed package, whose

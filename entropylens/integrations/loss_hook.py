@@ -36,22 +36,56 @@ import torch
 from ..rl.stats import clip_region, clipped_mask, logit_grad_norm_from_sum_p2
 from .trl_loss import LossColumns
 
-ROLES = ("logprobs", "old_logprobs", "advantages", "mask", "sampler_logprobs", "entropy", "old_entropy",
-         "sum_pi_squared", "logits", "clip_mask", "clip_ratio", "tokens", "seq_ids", "group_ids")
+ROLES = (
+    "logprobs",
+    "old_logprobs",
+    "advantages",
+    "mask",
+    "sampler_logprobs",
+    "entropy",
+    "old_entropy",
+    "sum_pi_squared",
+    "logits",
+    "clip_mask",
+    "clip_ratio",
+    "tokens",
+    "seq_ids",
+    "group_ids",
+)
 REQUIRED = ("logprobs", "old_logprobs", "advantages", "mask")
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 # trainer name -> role, per trainer (their loss functions' argument names)
 NAMES: dict[str, dict[str, str]] = {
-    "openrlhf": {"log_probs": "logprobs", "old_log_probs": "old_logprobs", "advantages": "advantages",
-                 "action_mask": "mask", "rollout_log_probs": "sampler_logprobs"},
+    "openrlhf": {
+        "log_probs": "logprobs",
+        "old_log_probs": "old_logprobs",
+        "advantages": "advantages",
+        "action_mask": "mask",
+        "rollout_log_probs": "sampler_logprobs",
+    },
     # AReaL's decoupled PPO: the clip is against the proximal policy; old_logprobs are the sampler's
-    "areal": {"logprobs": "logprobs", "proximal_logprobs": "old_logprobs", "old_logprobs": "sampler_logprobs",
-              "advantages": "advantages", "loss_mask": "mask"},
-    "skyrl": {"log_probs": "logprobs", "old_log_probs": "old_logprobs", "advantages": "advantages",
-              "loss_mask": "mask", "rollout_logprobs": "sampler_logprobs"},
-    "slime": {"log_probs": "logprobs", "old_log_probs": "old_logprobs", "advantages": "advantages",
-              "loss_mask": "mask", "rollout_log_probs": "sampler_logprobs"},
+    "areal": {
+        "logprobs": "logprobs",
+        "proximal_logprobs": "old_logprobs",
+        "old_logprobs": "sampler_logprobs",
+        "advantages": "advantages",
+        "loss_mask": "mask",
+    },
+    "skyrl": {
+        "log_probs": "logprobs",
+        "old_log_probs": "old_logprobs",
+        "advantages": "advantages",
+        "loss_mask": "mask",
+        "rollout_logprobs": "sampler_logprobs",
+    },
+    "slime": {
+        "log_probs": "logprobs",
+        "old_log_probs": "old_logprobs",
+        "advantages": "advantages",
+        "loss_mask": "mask",
+        "rollout_log_probs": "sampler_logprobs",
+    },
 }
 
 
@@ -98,8 +132,10 @@ def validate(t: dict[str, torch.Tensor], theirs: dict[str, str]) -> None:
     errors naming the trainer's argument. Values (NaN) are the recorder's check (it names the role)."""
     m = t["mask"]
     if not isinstance(m, torch.Tensor) or m.dim() != 2:
-        raise ValueError(f"loss hook: {_label('mask', theirs)} must be a [B, T] tensor, got "
-                         f"{tuple(getattr(m, 'shape', ())) or type(m).__name__}")
+        raise ValueError(
+            f"loss hook: {_label('mask', theirs)} must be a [B, T] tensor, got "
+            f"{tuple(getattr(m, 'shape', ())) or type(m).__name__}"
+        )
     if not (m.dtype == torch.bool or m.dtype.is_floating_point or m.dtype in _INT_DTYPES):
         raise ValueError(f"loss hook: {_label('mask', theirs)} must be bool, integer or float 0/1, got {m.dtype}")
     shape = tuple(m.shape)
@@ -111,10 +147,25 @@ def validate(t: dict[str, torch.Tensor], theirs: dict[str, str]) -> None:
         want = shape + (x.shape[-1],) if role == "logits" and x.dim() == 3 else shape
         ok = tuple(x.shape) == want or (role == "advantages" and tuple(x.shape) in (shape[:1], (shape[0], 1)))
         if not ok:
-            raise ValueError(f"loss hook: {_label(role, theirs)} has shape {tuple(x.shape)}, the mask "
-                             f"{_label('mask', theirs)} {shape}")
-        if role in ("logprobs", "old_logprobs", "sampler_logprobs", "entropy", "old_entropy", "advantages",
-                    "sum_pi_squared", "logits", "clip_ratio") and not x.dtype.is_floating_point:
+            raise ValueError(
+                f"loss hook: {_label(role, theirs)} has shape {tuple(x.shape)}, the mask "
+                f"{_label('mask', theirs)} {shape}"
+            )
+        if (
+            role
+            in (
+                "logprobs",
+                "old_logprobs",
+                "sampler_logprobs",
+                "entropy",
+                "old_entropy",
+                "advantages",
+                "sum_pi_squared",
+                "logits",
+                "clip_ratio",
+            )
+            and not x.dtype.is_floating_point
+        ):
             raise ValueError(f"loss hook: {_label(role, theirs)} must be floating, got {x.dtype}")
     if m.dtype.is_floating_point and m.device.type == "cpu" and not ((m == 0) | (m == 1)).all():
         raise ValueError(f"loss hook: {_label('mask', theirs)} must hold only 0 and 1")
@@ -123,9 +174,18 @@ def validate(t: dict[str, torch.Tensor], theirs: dict[str, str]) -> None:
             raise ValueError(f"loss hook: {_label(role, theirs)} has shape {tuple(t[role].shape)}, want {shape[:1]}")
 
 
-def clip_columns(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                 *, eps_low: float | None, eps_high: float | None, dual_clip: float | None = None,
-                 clip_mask: torch.Tensor | None = None, ratio: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def clip_columns(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float | None,
+    eps_high: float | None,
+    dual_clip: float | None = None,
+    clip_mask: torch.Tensor | None = None,
+    ratio: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """``clip`` (int8 region: -1 r < 1 - eps_low, +1 r > 1 + eps_high) and ``clipped`` (bool: PPO-clip
     removed the token's gradient: region -1 and A < 0, or +1 and A > 0), with ``dual_clip`` c also
     ``dual_clipped`` (A < 0 and r > c: tokens PPO-clip did not clip, as the schema keeps the two apart),
@@ -136,14 +196,20 @@ def clip_columns(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages:
     m = mask.bool()
     a = advantages.detach().float()
     a = a.unsqueeze(1).expand(m.shape) if a.dim() == 1 else a
-    r = torch.exp(logprobs.detach().float() - old_logprobs.detach().float()) if ratio is None \
-        else ratio.detach().float()  # [B, T]
+    r = (
+        torch.exp(logprobs.detach().float() - old_logprobs.detach().float())
+        if ratio is None
+        else ratio.detach().float()
+    )  # [B, T]
     out: dict[str, torch.Tensor] = {}
     if clip_mask is not None:
         c = clip_mask.detach().bool() & m
         side = torch.where(r > 1.0, 1, -1).to(torch.int8)
-        region = clip_region(r, eps_low, eps_high) if eps_low is not None and eps_high is not None \
+        region = (
+            clip_region(r, eps_low, eps_high)
+            if eps_low is not None and eps_high is not None
             else torch.zeros(m.shape, dtype=torch.int8, device=m.device)
+        )
         out["clip"] = torch.where(c, side, region)
         out["clipped"] = c
         return out
@@ -163,9 +229,18 @@ class LossHook:
     trainer's own clip settings (None: clip columns from the loss's ``clip_mask`` only, else NULL);
     ``temperature``: the sampling temperature the log-probs were computed at."""
 
-    def __init__(self, recorder, *, names=None, eps_low: float | None = None, eps_high: float | None = None,
-                 dual_clip: float | None = None, temperature: float = 1.0, on_error: str = "warn",
-                 config: dict | None = None):
+    def __init__(
+        self,
+        recorder,
+        *,
+        names=None,
+        eps_low: float | None = None,
+        eps_high: float | None = None,
+        dual_clip: float | None = None,
+        temperature: float = 1.0,
+        on_error: str = "warn",
+        config: dict | None = None,
+    ):
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         self.recorder, self.names = recorder, resolve_names(names)
@@ -174,8 +249,9 @@ class LossHook:
         self.config = dict(config or {})
         self.failed: str | None = None  # the first recording error (on_error="warn"), then recording stops
         self._pending: dict | None = None
-        self._sampler_arg = recorder is not None and \
-            "sampler_logprobs" in inspect.signature(recorder.record_update).parameters
+        self._sampler_arg = (
+            recorder is not None and "sampler_logprobs" in inspect.signature(recorder.record_update).parameters
+        )
 
     # -- the trainer-facing calls -------------------------------------------------------------------
     def wrap(self, loss_fn):
@@ -224,8 +300,14 @@ class LossHook:
             t, theirs = bind(self.names, tensors)
             target = t["logprobs"]  # the very tensor the loss uses: its gradient hook must sit on it
             if isinstance(target, torch.Tensor) and target.dim() == 1:  # packed [N] (slime): one row [1, N]
-                t = {k: (v.unsqueeze(0) if isinstance(v, torch.Tensor) and v.dim() == 1
-                         and k not in ("seq_ids", "group_ids") else v) for k, v in t.items()}
+                t = {
+                    k: (
+                        v.unsqueeze(0)
+                        if isinstance(v, torch.Tensor) and v.dim() == 1 and k not in ("seq_ids", "group_ids")
+                        else v
+                    )
+                    for k, v in t.items()
+                }
             validate(t, theirs)
             self._hook(int(step), int(update), t, theirs, target)
         except Exception as err:  # noqa: BLE001 - a recorder failure must not stop the trainer
@@ -244,6 +326,7 @@ class LossHook:
         if "logits" in t and t["logits"].requires_grad and torch.is_grad_enabled():
             self.recorder.watch_logits(t["logits"])
         if lp.requires_grad and torch.is_grad_enabled():
+
             def fire(grad):  # d loss / d logp [B, T]: the trainer's own gradient; None: unchanged
                 if self._pending is pending:
                     self._pending = None
@@ -269,33 +352,56 @@ class LossHook:
         lp, old, adv, mask = (t[r].detach() for r in REQUIRED)
         m = mask.bool()
         adv = adv.expand(m.shape) if adv.dim() == 2 else adv  # [B, 1] broadcast as the loss does
-        cols = clip_columns(lp, old, adv, m, eps_low=self.eps_low, eps_high=self.eps_high,
-                            dual_clip=self.dual_clip, clip_mask=t.get("clip_mask"), ratio=t.get("clip_ratio"))
+        cols = clip_columns(
+            lp,
+            old,
+            adv,
+            m,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            dual_clip=self.dual_clip,
+            clip_mask=t.get("clip_mask"),
+            ratio=t.get("clip_ratio"),
+        )
         if grad is not None:
             g = torch.where(m, grad.float(), torch.zeros((), dtype=torch.float32, device=m.device))
             cols["grad_coef"] = g
             if "sum_pi_squared" in t and "logits" not in t:
-                cols["logit_grad_norm"] = logit_grad_norm_from_sum_p2(g, lp, t["sum_pi_squared"].detach(),
-                                                                      self.temperature)
-        config = {k: v for k, v in (("eps_low", self.eps_low), ("eps_high", self.eps_high),
-                                    ("dual_clip", self.dual_clip)) if v is not None}
+                cols["logit_grad_norm"] = logit_grad_norm_from_sum_p2(
+                    g, lp, t["sum_pi_squared"].detach(), self.temperature
+                )
+        config = {
+            k: v
+            for k, v in (("eps_low", self.eps_low), ("eps_high", self.eps_high), ("dual_clip", self.dual_clip))
+            if v is not None
+        }
         config.update(self.config)
         extra = {}
         if self._sampler_arg and "sampler_logprobs" in t:
             extra["sampler_logprobs"] = t["sampler_logprobs"].detach()  # Recorder(..., sampler_logprobs=) (mmrec)
         ent = t.get("entropy")
         self.recorder.record_update(
-            pending["step"], pending["update"], mask=m, advantages=adv, logprobs=lp, old_logprobs=old,
+            pending["step"],
+            pending["update"],
+            mask=m,
+            advantages=adv,
+            logprobs=lp,
+            old_logprobs=old,
             entropy=ent.detach() if ent is not None else None,
             old_entropy=t["old_entropy"].detach() if "old_entropy" in t else None,
-            tokens=t.get("tokens"), seq_ids=t.get("seq_ids"), group_ids=t.get("group_ids"),
-            loss=LossColumns(cols, None, config), temperature=self.temperature, **extra)
+            tokens=t.get("tokens"),
+            seq_ids=t.get("seq_ids"),
+            group_ids=t.get("group_ids"),
+            loss=LossColumns(cols, None, config),
+            temperature=self.temperature,
+            **extra,
+        )
 
     def _fail(self, err: Exception, theirs: dict | None = None) -> None:
         msg = str(err)
         for role, name in (theirs or {}).items():  # the recorder names roles: add the trainer's name
             if msg.startswith(f"{role} ") and name != role:
-                msg = f"{role} (the trainer's {name!r}) {msg[len(role) + 1:]}"
+                msg = f"{role} (the trainer's {name!r}) {msg[len(role) + 1 :]}"
                 break
         if self.on_error == "raise":
             raise ValueError(msg) from err

@@ -25,8 +25,14 @@ OpenRLHFPolicyLoss = _loss.PolicyLoss
 ENTROPYLENS_TYPES = ("gppo", "ce_gppo", "erc")  # OpenRLHF policy-loss types entropylens adds
 
 
-def openrlhf_weights(mask: torch.Tensor, token_level_loss: bool, dp_size: int = 1, batch_num_tokens=None,
-                     global_batch_size=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def openrlhf_weights(
+    mask: torch.Tensor,
+    token_level_loss: bool,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Weights w [B, T] with which OpenRLHF 0.11.2's ``aggregate_loss`` reduces a per-token loss l:
     loss == sum(w l). Token level: m / sum(m) (or m dp / batch_num_tokens); sample level: m / (L_i + 1e-8)
     over the sequences with L_i > 0, / their count (or * dp / global_batch_size)."""
@@ -56,60 +62,141 @@ class PolicyLoss(OpenRLHFPolicyLoss):
     temperature), ``on_error`` (the hook's: "warn" never stops training). ``step`` / ``update``: the ids
     the next forward records under (:func:`patch_actor` sets them; else update counts forwards)."""
 
-    def __init__(self, clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, dual_clip: float = None,
-                 token_level_loss: bool = True, policy_loss_type: str = "ppo", is_correction_level: str = "off",
-                 is_correction_mode: str = "mask", is_correction_gating: str = "ratio",
-                 is_correction_threshold: list = (0.5, 5.0), *, recorder=None, beta1: float = 0.5,
-                 beta2: float = 1.0, erc: tuple[float, float] = (0.8, 1.2), temperature: float = 1.0,
-                 on_error: str = "warn") -> None:
+    def __init__(
+        self,
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        dual_clip: float = None,
+        token_level_loss: bool = True,
+        policy_loss_type: str = "ppo",
+        is_correction_level: str = "off",
+        is_correction_mode: str = "mask",
+        is_correction_gating: str = "ratio",
+        is_correction_threshold: list = (0.5, 5.0),
+        *,
+        recorder=None,
+        beta1: float = 0.5,
+        beta2: float = 1.0,
+        erc: tuple[float, float] = (0.8, 1.2),
+        temperature: float = 1.0,
+        on_error: str = "warn",
+    ) -> None:
         ours = policy_loss_type in ENTROPYLENS_TYPES
         if ours and is_correction_level != "off":
-            raise ValueError(f"policy_loss_type={policy_loss_type!r}: OpenRLHF's IS correction applies to ppo and "
-                             f"gspo only; pass is_correction_level='off'")
-        super().__init__(clip_eps_low, clip_eps_high, dual_clip, token_level_loss,
-                         "ppo" if ours else policy_loss_type, is_correction_level, is_correction_mode,
-                         is_correction_gating, is_correction_threshold)
+            raise ValueError(
+                f"policy_loss_type={policy_loss_type!r}: OpenRLHF's IS correction applies to ppo and "
+                f"gspo only; pass is_correction_level='off'"
+            )
+        super().__init__(
+            clip_eps_low,
+            clip_eps_high,
+            dual_clip,
+            token_level_loss,
+            "ppo" if ours else policy_loss_type,
+            is_correction_level,
+            is_correction_mode,
+            is_correction_gating,
+            is_correction_threshold,
+        )
         self.policy_loss_type = policy_loss_type
         self.beta1, self.beta2, self.erc = beta1, beta2, tuple(erc)
         method = {"erc": "grpo"}.get(policy_loss_type, policy_loss_type)
-        self.hook = LossHook(recorder, names="openrlhf", eps_low=clip_eps_low, eps_high=clip_eps_high,
-                             dual_clip=dual_clip, temperature=temperature, on_error=on_error,
-                             config={"method": method})
+        self.hook = LossHook(
+            recorder,
+            names="openrlhf",
+            eps_low=clip_eps_low,
+            eps_high=clip_eps_high,
+            dual_clip=dual_clip,
+            temperature=temperature,
+            on_error=on_error,
+            config={"method": method},
+        )
         self.step, self.update = 0, 0
         self.entropy = self.old_entropy = None  # [B, T] for the next forward (patch_actor), or None
 
-    def forward(self, log_probs, old_log_probs, advantages, action_mask=None, rollout_log_probs=None, dp_size=1,
-                batch_num_tokens=None, global_batch_size=None):
+    def forward(
+        self,
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask=None,
+        rollout_log_probs=None,
+        dp_size=1,
+        batch_num_tokens=None,
+        global_batch_size=None,
+    ):
         """OpenRLHF's forward (its arguments and its five outputs), recorded (module docstring)."""
         entropy, old_entropy, self.entropy, self.old_entropy = self.entropy, self.old_entropy, None, None
         if self.hook.recorder is not None and action_mask is not None:
             is_on = self.is_correction_level != "off"
-            self.hook.watch(self.step, self.update, log_probs=log_probs, old_log_probs=old_log_probs,
-                            advantages=advantages, action_mask=action_mask, rollout_log_probs=rollout_log_probs,
-                            entropy=entropy, old_entropy=old_entropy,
-                            clip_ratio=loss_ratio(log_probs, old_log_probs, action_mask, self.policy_loss_type,
-                                                  rollout_log_probs, is_on))
+            self.hook.watch(
+                self.step,
+                self.update,
+                log_probs=log_probs,
+                old_log_probs=old_log_probs,
+                advantages=advantages,
+                action_mask=action_mask,
+                rollout_log_probs=rollout_log_probs,
+                entropy=entropy,
+                old_entropy=old_entropy,
+                clip_ratio=loss_ratio(
+                    log_probs, old_log_probs, action_mask, self.policy_loss_type, rollout_log_probs, is_on
+                ),
+            )
         self.update += 1
         if self.policy_loss_type not in ENTROPYLENS_TYPES:
-            return super().forward(log_probs, old_log_probs, advantages, action_mask, rollout_log_probs, dp_size,
-                                   batch_num_tokens, global_batch_size)
-        return self._entropylens_forward(log_probs, old_log_probs, advantages, action_mask, dp_size,
-                                         batch_num_tokens, global_batch_size, entropy, old_entropy)
+            return super().forward(
+                log_probs,
+                old_log_probs,
+                advantages,
+                action_mask,
+                rollout_log_probs,
+                dp_size,
+                batch_num_tokens,
+                global_batch_size,
+            )
+        return self._entropylens_forward(
+            log_probs,
+            old_log_probs,
+            advantages,
+            action_mask,
+            dp_size,
+            batch_num_tokens,
+            global_batch_size,
+            entropy,
+            old_entropy,
+        )
 
-    def _entropylens_forward(self, log_probs, old_log_probs, advantages, action_mask, dp_size, batch_num_tokens,
-                             global_batch_size, entropy, old_entropy):
+    def _entropylens_forward(
+        self,
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask,
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        entropy,
+        old_entropy,
+    ):
         mask = action_mask if action_mask is not None else torch.ones_like(log_probs, dtype=torch.bool)
-        w = openrlhf_weights(mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size,
-                             log_probs.dtype)
-        kw = dict(method={"erc": "grpo"}.get(self.policy_loss_type, self.policy_loss_type),
-                  eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, dual_clip=self.dual_clip, weights=w)
+        w = openrlhf_weights(mask, self.token_level_loss, dp_size, batch_num_tokens, global_batch_size, log_probs.dtype)
+        kw = dict(
+            method={"erc": "grpo"}.get(self.policy_loss_type, self.policy_loss_type),
+            eps_low=self.clip_eps_low,
+            eps_high=self.clip_eps_high,
+            dual_clip=self.dual_clip,
+            weights=w,
+        )
         if self.policy_loss_type == "ce_gppo":
             kw.update(beta1=self.beta1, beta2=self.beta2)
         if self.policy_loss_type == "erc":
             if entropy is None or old_entropy is None:
-                raise ValueError("policy_loss_type='erc' needs the entropy and the old policy's entropy: set "
-                                 "loss.entropy and loss.old_entropy [B, T] before the call (OpenRLHF 0.11.2 keeps "
-                                 "no old entropy in its experience)")
+                raise ValueError(
+                    "policy_loss_type='erc' needs the entropy and the old policy's entropy: set "
+                    "loss.entropy and loss.old_entropy [B, T] before the call (OpenRLHF 0.11.2 keeps "
+                    "no old entropy in its experience)"
+                )
             kw.update(erc=self.erc, entropy=entropy.detach(), old_entropy=old_entropy.detach())
         out = policy_loss(log_probs, old_log_probs, advantages, mask.bool(), **kw)
         ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0).exp().detach()
@@ -144,7 +231,7 @@ def patch_actor(trainer, *, step_of=None) -> None:
         if ent is None and isinstance(output, dict):
             ent = output.get("entropy")
         if ent is not None and action_mask is not None and torch.is_grad_enabled():
-            loss.entropy = ent[:, -action_mask.shape[1]:]  # [B, T] as OpenRLHF's entropy loss slices it
+            loss.entropy = ent[:, -action_mask.shape[1] :]  # [B, T] as OpenRLHF's entropy loss slices it
         return out
 
     trainer.ppo_train = patched_ppo_train

@@ -56,8 +56,10 @@ def load_loss_module() -> types.ModuleType:
         return _load_file(f"{PRIVATE}.loss", models / "loss.py")
     except Exception as err:  # another layout or version: say so as an import failure
         sys.modules.pop(PRIVATE, None)
-        raise ImportError(f"openrlhf {openrlhf_version()}: its loss module did not load ({type(err).__name__}: "
-                          f"{err}); entropylens supports OpenRLHF 0.11.2") from err
+        raise ImportError(
+            f"openrlhf {openrlhf_version()}: its loss module did not load ({type(err).__name__}: "
+            f"{err}); entropylens supports OpenRLHF 0.11.2"
+        ) from err
     finally:
         if stubbed:
             sys.modules.pop("deepspeed", None)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ..record.recorder import Recorder
 from ..rl.forking import AdaptiveEntropyCoef, bonus_weights, top_entropy_mask
 from ..rl.losses import PolicyLossOutput, policy_loss
-from ..record.recorder import Recorder
 from ..rl.stats import chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
 
 
@@ -49,7 +49,9 @@ def masked_tokens(tokens: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
 
 
 @torch.no_grad()
-def entropy_gradient_sq(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor:
+def entropy_gradient_sq(
+    logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
     """q_t = sum_j p_j^2 (log p_j + H_t)^2 = T^2 ||dH_t/dz_t||^2 per position (p = softmax(z/T), H its
     entropy): the entropy bonus's own first-order entropy change per unit logit step is -dLoss/dH_t q_t / T^2.
     logits [..., V] -> [...] float32, one chunked pass (O(chunk x V) extra memory, no grad); -inf logits
@@ -60,16 +62,23 @@ def entropy_gradient_sq(logits: torch.Tensor, *, temperature: float = 1.0, chunk
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     rows = chunk_rows(n, v, chunk_size, logits.device)
     for i in range(0, n, rows):
-        lp = torch.log_softmax(flat[i:i + rows].float() / float(temperature), -1)  # [c, V]
+        lp = torch.log_softmax(flat[i : i + rows].float() / float(temperature), -1)  # [c, V]
         p = lp.exp()
         lp = torch.where(p > 0, lp, 0.0)  # -inf logits: p = 0, and 0 * -inf would be NaN
         h = -(p * lp).sum(-1, keepdim=True)  # [c, 1]
-        out[i:i + rows] = (p * (lp + h)).square().sum(-1)
+        out[i : i + rows] = (p * (lp + h)).square().sum(-1)
     return out.view(logits.shape[:-1])
 
 
-def entropy_bonus_effect(loss: torch.Tensor, entropy: torch.Tensor, logits: torch.Tensor, mask: torch.Tensor, *,
-                         temperature: float = 1.0, chunk_size: int | None = None) -> torch.Tensor | None:
+def entropy_bonus_effect(
+    loss: torch.Tensor,
+    entropy: torch.Tensor,
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor | None:
     """The entropy bonus's own first-order entropy change per unit logit step, per token [B, T] float32:
     -dLoss/dH_t * q_t / T^2 (:func:`entropy_gradient_sq`), the part of tokens.entropy_effect that the
     bonus's gradient through H adds to grad_coef s / T^2 (schema: tokens.entropy_effect). dLoss/dH_t is
@@ -86,9 +95,16 @@ def entropy_bonus_effect(loss: torch.Tensor, entropy: torch.Tensor, logits: torc
 
 
 @torch.no_grad()
-def old_policy_pass(logits: torch.Tensor | None, tokens: torch.Tensor, *, temperature: float = 1.0,
-                    chunk_size: int | None = None, hidden: torch.Tensor | None = None,
-                    head=None, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def old_policy_pass(
+    logits: torch.Tensor | None,
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    hidden: torch.Tensor | None = None,
+    head=None,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The old policy's log-probs and full-vocabulary entropies, [B, T] each, in one chunked pass,
     from ``logits`` [B, T, V] or from ``hidden`` [B, T, H] + ``head`` (no logits built). With ``mask``
     [B, T], masked-out positions may hold any token id (-100 included: :func:`masked_tokens`)."""
@@ -171,8 +187,15 @@ def policy_update(
         if hidden is None or head is None:
             raise ValueError("policy_update needs logits, or hidden states and the head")
         weight, bias = _head_params(head)
-        logprobs, entropy, sum_p2, *sens = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature,
-                                                      chunk_size=chunk_size, sensitivity=recorder is not None)
+        logprobs, entropy, sum_p2, *sens = head_stats(
+            hidden,
+            weight,
+            tokens,
+            bias=bias,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            sensitivity=recorder is not None,
+        )
         sens = sens or [None]
         if not entropy_grad:
             entropy = entropy.detach()
@@ -182,9 +205,15 @@ def policy_update(
             recorder.watch_logits(logits)
         # recording: the entropy sensitivity s (entropy attribution) and d_t from the same chunked pass
         want_dist = recorder is not None and training and not entropy_grad
-        logprobs, entropy, *sens = logprobs_and_entropy(logits, tokens, temperature=temperature,
-                                                        chunk_size=chunk_size, entropy_grad=entropy_grad,
-                                                        sensitivity=recorder is not None, one_hot_distance=want_dist)
+        logprobs, entropy, *sens = logprobs_and_entropy(
+            logits,
+            tokens,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            entropy_grad=entropy_grad,
+            sensitivity=recorder is not None,
+            one_hot_distance=want_dist,
+        )
         if want_dist:
             dist = sens.pop()
     keep = None
@@ -192,20 +221,24 @@ def policy_update(
         keep = top_entropy_mask(entropy, mask, top_entropy_quantile, all_gather=entropy_gather)  # [B, T] bool
         loss_kwargs["token_mask"] = keep
         if (entropy_grad or ctrl is not None) and loss_kwargs.get("entropy_weights") is None:
-            loss_kwargs["entropy_weights"] = bonus_weights(mask, keep, loss_kwargs.get("scale", 1.0),
-                                                             torch.float64 if logprobs.dtype == torch.float64 else torch.float32)
+            loss_kwargs["entropy_weights"] = bonus_weights(
+                mask,
+                keep,
+                loss_kwargs.get("scale", 1.0),
+                torch.float64 if logprobs.dtype == torch.float64 else torch.float32,
+            )
     if ctrl is not None:  # the window of the optimizer step: the tokens the bonus acts on
         ctrl.observe(entropy, mask.float() if keep is None else mask.float() * keep.float())
-    out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy,
-                      **loss_kwargs)
+    out = policy_loss(logprobs, old_logprobs, advantages, mask, entropy=entropy, old_entropy=old_entropy, **loss_kwargs)
     if ctrl is not None:
         out.config["entropy_coef_adaptive"] = ctrl.coef
         out.config.update(ctrl.settings())
     if forking:
         out.config["top_entropy_quantile"] = float(top_entropy_quantile)
     if sum_p2 is not None and not entropy_grad:
-        out.columns["logit_grad_norm"] = logit_grad_norm_from_sum_p2(out.columns["grad_coef"], logprobs, sum_p2,
-                                                                     temperature)
+        out.columns["logit_grad_norm"] = logit_grad_norm_from_sum_p2(
+            out.columns["grad_coef"], logprobs, sum_p2, temperature
+        )
     if dist is not None:
         out.columns["logit_grad_norm"] = out.columns["grad_coef"].abs() / temperature * dist
     if recorder is not None and entropy_grad and logits is not None and sens[0] is not None:
@@ -213,11 +246,32 @@ def policy_update(
         if bonus is not None:
             out.columns["entropy_effect_bonus"] = bonus
     if recorder is not None:
-        recorder.record_update(step, update, mask=mask, advantages=advantages, logprobs=logprobs,
-                               old_logprobs=old_logprobs, entropy=entropy, old_entropy=old_entropy, tokens=tokens,
-                               seq_ids=seq_ids, group_ids=group_ids, loss=out, entropy_sensitivity=sens[0],
-                               temperature=temperature, sampler_logprobs=sampler_logprobs, is_masked=is_masked)
+        recorder.record_update(
+            step,
+            update,
+            mask=mask,
+            advantages=advantages,
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            entropy=entropy,
+            old_entropy=old_entropy,
+            tokens=tokens,
+            seq_ids=seq_ids,
+            group_ids=group_ids,
+            loss=out,
+            entropy_sensitivity=sens[0],
+            temperature=temperature,
+            sampler_logprobs=sampler_logprobs,
+            is_masked=is_masked,
+        )
     return out
 
 
-__all__ = ["AdaptiveEntropyCoef", "entropy_bonus_effect", "entropy_gradient_sq", "masked_tokens", "old_policy_pass", "policy_update"]
+__all__ = [
+    "AdaptiveEntropyCoef",
+    "entropy_bonus_effect",
+    "entropy_gradient_sq",
+    "masked_tokens",
+    "old_policy_pass",
+    "policy_update",
+]

@@ -68,8 +68,14 @@ module imports no TRL until ``EntropyLensGRPOTrainer`` is asked for.
 from __future__ import annotations
 
 from ..rl.stats import logit_grad_norm_from_sum_p2
-from .trl_loss import (PPO_CLIP_LOSS_TYPES, TRL_NORMALISATION, WINDOW_LOSS_TYPES, trl_clip_columns, trl_loss_weights,
-                       unsupported_trl_options)
+from .trl_loss import (
+    PPO_CLIP_LOSS_TYPES,
+    TRL_NORMALISATION,
+    WINDOW_LOSS_TYPES,
+    trl_clip_columns,
+    trl_loss_weights,
+    unsupported_trl_options,
+)
 from .trl_run import TRL_TESTED, check_trl_version, checkpoint_last_step, completion_texts
 
 closed_form_logit_grad_norm = logit_grad_norm_from_sum_p2  # the name this module exported before
@@ -84,7 +90,17 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["EntropyLensGRPOTrainer",  # noqa: F822 - resolved lazily by __getattr__ above
-           "check_trl_version", "unsupported_trl_options", "trl_clip_columns",
-           "closed_form_logit_grad_norm", "TRL_TESTED", "TRL_NORMALISATION", "WINDOW_LOSS_TYPES",
-           "PPO_CLIP_LOSS_TYPES", "trl_loss_weights", "completion_texts", "checkpoint_last_step"]
+__all__ = [
+    "EntropyLensGRPOTrainer",  # noqa: F822 - resolved lazily by __getattr__ above
+    "check_trl_version",
+    "unsupported_trl_options",
+    "trl_clip_columns",
+    "closed_form_logit_grad_norm",
+    "TRL_TESTED",
+    "TRL_NORMALISATION",
+    "WINDOW_LOSS_TYPES",
+    "PPO_CLIP_LOSS_TYPES",
+    "trl_loss_weights",
+    "completion_texts",
+    "checkpoint_last_step",
+]

@@ -19,26 +19,34 @@ TRL_NORMALISATION: dict[str, str] = {
     "bnpo": "sum m l / max(sum m, 1) over the micro-batch, / GA",
     "dr_grpo": "sum m l / (B * max_completion_length), / GA",
     "dapo": "sum m l / the accumulation window's completion tokens "
-            "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "(num_items_in_batch / processes * GA / steps_per_generation)",
     "cispo": "sum m l / the accumulation window's completion tokens "
-             "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "(num_items_in_batch / processes * GA / steps_per_generation)",
     "vespo": "sum m l / the accumulation window's completion tokens "
-             "(num_items_in_batch / processes * GA / steps_per_generation)",
+    "(num_items_in_batch / processes * GA / steps_per_generation)",
     "luspo": "per completion: sum_t m l, mean over the B completions, / GA",
 }
 WINDOW_LOSS_TYPES = ("dapo", "cispo", "vespo")  # normalised by the whole accumulation window's tokens
 
 
-def trl_loss_weights(loss_type: str, mask: torch.Tensor, *, ga: int, num_items_in_batch=None,
-                     num_processes: int = 1, steps_per_generation: int = 1,
-                     max_completion_length: int | None = None) -> torch.Tensor:
+def trl_loss_weights(
+    loss_type: str,
+    mask: torch.Tensor,
+    *,
+    ga: int,
+    num_items_in_batch=None,
+    num_processes: int = 1,
+    steps_per_generation: int = 1,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
     """Aggregation weights w [B, T] (gradient accumulation included) with which TRL 1.16 normalises
     ``loss_type`` in training: TRL's loss == sum(w * per_token_loss) (see :data:`TRL_NORMALISATION`).
     ``num_items_in_batch`` (a 0-dim tensor: the generation batch's completion tokens over all
     processes) stays on the device: no host sync."""
     if loss_type not in TRL_NORMALISATION:
-        raise ValueError(f"loss_type {loss_type!r}: entropylens knows TRL's normalisation of "
-                         f"{', '.join(TRL_NORMALISATION)}")
+        raise ValueError(
+            f"loss_type {loss_type!r}: entropylens knows TRL's normalisation of {', '.join(TRL_NORMALISATION)}"
+        )
     m = mask.float()  # [B, T]
     b = m.shape[0]
     if loss_type in ("grpo", "sapo"):
@@ -71,13 +79,23 @@ def refuse_unsupported(loss: str, options: list[str]) -> None:
     """Raise where ``loss=...`` cannot honour some of the configured options (:func:`unsupported_trl_options`)."""
     if options:
         raise ValueError(
-            f"loss={loss!r} replaces TRL's loss and cannot honour: " + "; ".join(options)
+            f"loss={loss!r} replaces TRL's loss and cannot honour: "
+            + "; ".join(options)
             + ". Keep TRL's loss (loss=None), which is recorded as it is."
         )
 
 
-def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high: float, logprobs: torch.Tensor,
-                     old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> dict:
+def trl_clip_columns(
+    loss_type: str,
+    level: str,
+    delta,
+    eps_low: float,
+    eps_high: float,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict:
     """``clip`` / ``clipped`` [B, T] as TRL's own loss defines them (schema: column meanings).
 
     PPO-clip types (grpo, bnpo, dr_grpo, dapo, luspo): region of the ratio TRL clips (the token ratio, or
@@ -111,9 +129,19 @@ def trl_clip_columns(loss_type: str, level: str, delta, eps_low: float, eps_high
     return out
 
 
-def trl_own_loss_columns(loss_type: str, level: str, delta, eps_low: float, eps_high: float, logprobs: torch.Tensor,
-                         old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                         grad: torch.Tensor | None, modifiers: dict) -> dict:
+def trl_own_loss_columns(
+    loss_type: str,
+    level: str,
+    delta,
+    eps_low: float,
+    eps_high: float,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    grad: torch.Tensor | None,
+    modifiers: dict,
+) -> dict:
     """The per-token columns recorded for an update trained by TRL's own loss: its ``clip`` / ``clipped``
     (:func:`trl_clip_columns`), ``grad_coef`` = dLoss/dlogp where the backward gave it (``grad``), and
     what TRL's own options did to each token (``modifiers``: ``token_kept``, ``seq_kept``, ``is_weight``)."""
@@ -125,8 +153,19 @@ def trl_own_loss_columns(loss_type: str, level: str, delta, eps_low: float, eps_
     return cols
 
 
-def trl_loss_metrics(out, lp: torch.Tensor, h: torch.Tensor, mask: torch.Tensor, ref, old_lp, *, kl: bool,
-                     kl_bias_correction: bool, level: str, loss_type: str) -> dict[str, torch.Tensor]:
+def trl_loss_metrics(
+    out,
+    lp: torch.Tensor,
+    h: torch.Tensor,
+    mask: torch.Tensor,
+    ref,
+    old_lp,
+    *,
+    kl: bool,
+    kl_bias_correction: bool,
+    level: str,
+    loss_type: str,
+) -> dict[str, torch.Tensor]:
     """The per-token values [B, T] behind the metrics TRL's own loss logs (entropy, kl, clip_ratio/*), from
     ``policy_loss``'s output ``out`` and the pass's tensors; their masked means are what TRL logs."""
     m = mask.float()
@@ -144,8 +183,13 @@ def trl_loss_metrics(out, lp: torch.Tensor, h: torch.Tensor, mask: torch.Tensor,
     if loss_type in PPO_CLIP_LOSS_TYPES:
         low = (c["clip"] < 0) & (c["advantage"] < 0)
         high = (c["clip"] > 0) & (c["advantage"] > 0)
-        metrics.update({"clip_ratio/low_mean": low.float(), "clip_ratio/high_mean": high.float(),
-                        "clip_ratio/region_mean": (low | high).float()})
+        metrics.update(
+            {
+                "clip_ratio/low_mean": low.float(),
+                "clip_ratio/high_mean": high.float(),
+                "clip_ratio/region_mean": (low | high).float(),
+            }
+        )
     return metrics
 
 

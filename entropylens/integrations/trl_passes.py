@@ -8,8 +8,18 @@ import torch
 
 from ..rl.stats import head_stats
 
-MM_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-           "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+MM_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 def captured_sum_sq(captures: list | None, k: int, shape) -> torch.Tensor | None:
@@ -21,8 +31,18 @@ def captured_sum_sq(captures: list | None, k: int, shape) -> torch.Tensor | None
     return sq if sq.shape == shape else None
 
 
-def head_stats_pass(base, autocast, input_ids, attention_mask, k: int, batch_size, *, compute_aux_loss: bool,
-                    temperature: float, sensitivity: bool):
+def head_stats_pass(
+    base,
+    autocast,
+    input_ids,
+    attention_mask,
+    k: int,
+    batch_size,
+    *,
+    compute_aux_loss: bool,
+    temperature: float,
+    sensitivity: bool,
+):
     """The backbone's last hidden states of ``base`` (the causal LM) through head_stats, ``batch_size``
     sequences at a time (under ``autocast()``): (logps, entropies, sum p^2, s_t or None, aux) for the last
     ``k`` tokens. s_t where ``sensitivity``; aux (the router aux loss) where ``compute_aux_loss``."""
@@ -36,8 +56,9 @@ def head_stats_pass(base, autocast, input_ids, attention_mask, k: int, batch_siz
         with autocast():
             out = backbone(input_ids=ids, attention_mask=attention_mask[s : s + batch_size], use_cache=False, **kw)
         hidden = out.last_hidden_state[:, -k - 1 : -1]  # [b, K, H]: predicts the K completion tokens
-        lp, h, sq, *s_t = head_stats(hidden, head.weight, ids[:, -k:], bias=head.bias, temperature=temperature,
-                                     sensitivity=sensitivity)
+        lp, h, sq, *s_t = head_stats(
+            hidden, head.weight, ids[:, -k:], bias=head.bias, temperature=temperature, sensitivity=sensitivity
+        )
         sens += s_t
         lps.append(lp)
         hs.append(h)

@@ -20,22 +20,30 @@ def check_trl_version(version: str | None = None) -> str:
         import trl
 
         version = trl.__version__
-    return require_tested("TRL", version, TRL_TESTED, "ENTROPYLENS_TRL_UNSAFE",
-                          "It overrides private GRPOTrainer methods that move between releases.")
+    return require_tested(
+        "TRL",
+        version,
+        TRL_TESTED,
+        "ENTROPYLENS_TRL_UNSAFE",
+        "It overrides private GRPOTrainer methods that move between releases.",
+    )
 
 
 def active_options(trainer) -> dict:
     """The GRPOConfig options that shape the objective, as this run used them (run.json)."""
     a = trainer.args
-    out = {"beta": trainer.beta, "use_bias_correction_kl": bool(getattr(a, "use_bias_correction_kl", False)),
-           "top_entropy_quantile": getattr(a, "top_entropy_quantile", 1.0), "delta": getattr(a, "delta", None),
-           "off_policy_mask_threshold": getattr(a, "off_policy_mask_threshold", None),
-           "importance_sampling_level": trainer.importance_sampling_level,
-           "entropy_coef": getattr(a, "entropy_coef", 0.0),
-           "use_adaptive_entropy": bool(getattr(a, "use_adaptive_entropy", False)),
-           "vllm_importance_sampling_correction": bool(trainer.use_vllm
-                                                       and trainer.vllm_importance_sampling_correction),
-           "router_aux_loss_coef": getattr(a, "router_aux_loss_coef", None) if trainer.aux_loss_enabled else None}
+    out = {
+        "beta": trainer.beta,
+        "use_bias_correction_kl": bool(getattr(a, "use_bias_correction_kl", False)),
+        "top_entropy_quantile": getattr(a, "top_entropy_quantile", 1.0),
+        "delta": getattr(a, "delta", None),
+        "off_policy_mask_threshold": getattr(a, "off_policy_mask_threshold", None),
+        "importance_sampling_level": trainer.importance_sampling_level,
+        "entropy_coef": getattr(a, "entropy_coef", 0.0),
+        "use_adaptive_entropy": bool(getattr(a, "use_adaptive_entropy", False)),
+        "vllm_importance_sampling_correction": bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+        "router_aux_loss_coef": getattr(a, "router_aux_loss_coef", None) if trainer.aux_loss_enabled else None,
+    }
     if out["vllm_importance_sampling_correction"]:
         out["vllm_importance_sampling_mode"] = getattr(a, "vllm_importance_sampling_mode", None)
     return out
@@ -47,7 +55,9 @@ def on_policy(trainer) -> bool:
     ratio is exactly 1 and clipping, CE-GPPO's beta1 / beta2 and ERC never act."""
     a = trainer.args
     every = a.steps_per_generation * trainer.num_iterations
-    vllm_is = bool(getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False))
+    vllm_is = bool(
+        getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False)
+    )
     return a.gradient_accumulation_steps % every == 0 and not vllm_is
 
 
@@ -55,14 +65,24 @@ def run_config(trainer, *, loss, beta1, beta2, erc, dual_clip, attribution, save
     """run.json's ``config`` for a built trainer: the method, TRL's loss settings and options, the
     generation and accumulation settings, the model and the tokenizer."""
     return {
-        "method": loss or f"trl-{trainer.loss_type}", "framework": "trl",
-        "trl_loss_type": trainer.loss_type, "eps_low": trainer.epsilon_low, "eps_high": trainer.epsilon_high,
+        "method": loss or f"trl-{trainer.loss_type}",
+        "framework": "trl",
+        "trl_loss_type": trainer.loss_type,
+        "eps_low": trainer.epsilon_low,
+        "eps_high": trainer.epsilon_high,
         "trl_importance_sampling_level": trainer.importance_sampling_level,
-        "beta1": beta1 if loss == "ce_gppo" else None, "beta2": beta2 if loss == "ce_gppo" else None,
-        "erc": erc, "dual_clip": dual_clip, "lr": trainer.args.learning_rate, "seed": trainer.args.seed,
-        "num_generations": trainer.num_generations, "num_iterations": trainer.num_iterations,
+        "beta1": beta1 if loss == "ce_gppo" else None,
+        "beta2": beta2 if loss == "ce_gppo" else None,
+        "erc": erc,
+        "dual_clip": dual_clip,
+        "lr": trainer.args.learning_rate,
+        "seed": trainer.args.seed,
+        "num_generations": trainer.num_generations,
+        "num_iterations": trainer.num_iterations,
         "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
-        "temperature": trainer.temperature, "kl_beta": trainer.beta, "attribution": bool(attribution),
+        "temperature": trainer.temperature,
+        "kl_beta": trainer.beta,
+        "attribution": bool(attribution),
         "model": getattr(trainer.model.config, "_name_or_path", None) or type(trainer.model).__name__,
         "trl_normalisation": TRL_NORMALISATION.get(trainer.loss_type),
         "trl_options": active_options(trainer),
@@ -90,8 +110,10 @@ def checkpoint_last_step(path) -> int:
     try:
         n = int(json.loads((Path(path) / "trainer_state.json").read_text())["global_step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"resume={str(path)!r} is not a TRL checkpoint directory (no trainer_state.json with a "
-                         f"global_step: {type(e).__name__}: {e})") from None
+        raise ValueError(
+            f"resume={str(path)!r} is not a TRL checkpoint directory (no trainer_state.json with a "
+            f"global_step: {type(e).__name__}: {e})"
+        ) from None
     if n < 1:
         raise ValueError(f"resume={str(path)!r}: the checkpoint holds no step (global_step {n})")
     return n - 1
@@ -109,9 +131,10 @@ def check_resume_step(resume: int, output_dir) -> None:
             continue
     if ends and resume not in ends.values():
         listed = ", ".join(f"{name}: steps 0-{last}" for name, last in sorted(ends.items(), key=lambda kv: kv[1]))
-        raise ValueError(f"resume={resume}: no checkpoint in {output_dir} ends at step {resume} ({listed}); pass "
-                         "resume=<the checkpoint's directory> (or its last step)")
-
+        raise ValueError(
+            f"resume={resume}: no checkpoint in {output_dir} ends at step {resume} ({listed}); pass "
+            "resume=<the checkpoint's directory> (or its last step)"
+        )
 
 
 def resume_step(resume, output_dir) -> int | None:

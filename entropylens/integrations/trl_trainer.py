@@ -18,14 +18,20 @@ import warnings
 
 import torch
 
+from ..record.recorder import Recorder
+from ..record.trackers import EXTRA_NAMES, SUMMARY_NAMES, StepLog, step_metrics, trl_trackers
 from ..rl.cov import COV_METHODS
 from ..rl.losses import METHODS, policy_loss
-from ..record.recorder import Recorder
 from ..rl.stats import logit_grad_norm_from_sum_p2
 from ..token_text import save_tokenizer as save_tokenizer_copy  # the trainer's argument is save_tokenizer
-from ..record.trackers import SUMMARY_NAMES, EXTRA_NAMES, StepLog, step_metrics, trl_trackers
-from .trl_loss import (LossColumns, refuse_unsupported, trl_loss_metrics, trl_loss_weights, trl_own_loss_columns,
-                       unsupported_trl_options)
+from .trl_loss import (
+    LossColumns,
+    refuse_unsupported,
+    trl_loss_metrics,
+    trl_loss_weights,
+    trl_own_loss_columns,
+    unsupported_trl_options,
+)
 from .trl_passes import MM_KEYS, captured_sum_sq, head_stats_pass
 from .trl_run import check_trl_version, checkpoint_last_step, completion_texts, on_policy, resume_step, run_config
 
@@ -120,8 +126,12 @@ class _Passes:
         if "forward" not in vars(base) or base.get_output_embeddings() is None:
             return False
         trl_fused = base.forward  # TRL's own head (log-probs and entropy): the no-grad passes need no more
-        add_fused_lm_head(base, temperature=self.temperature, cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-                          outputs=("log_probs", "entropy", "log_sum_sq_probs"))
+        add_fused_lm_head(
+            base,
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+            outputs=("log_probs", "entropy", "log_sum_sq_probs"),
+        )
         fused = base.forward  # sum_j p_j^2 too (one more reduction per tile): only the training pass uses it
         owner = self
 
@@ -136,31 +146,57 @@ class _Passes:
         base.forward = types.MethodType(forward, base)
         return True
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
-                                           **mm):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **mm,
+    ):
         k = logits_to_keep
         sens = None  # the entropy sensitivity s_t: only from head_stats in a training pass with attribution
         if self.ref_model is not None and model is self.ref_model:  # the KL reference: TRL's own pass
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss, **mm)
+                model,
+                input_ids,
+                attention_mask,
+                k,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **mm,
+            )
         if self._el_fused:
-            logps, ents, aux, sq = self._el_fused_pass(model, input_ids, attention_mask, k, batch_size,
-                                                       compute_aux_loss, mm)
+            logps, ents, aux, sq = self._el_fused_pass(
+                model, input_ids, attention_mask, k, batch_size, compute_aux_loss, mm
+            )
             if sq is None and torch.is_grad_enabled():
-                _warn_once(self._el_warned, "sq", "TRL's fused head returned no log_sum_sq_probs for a batch; "
-                                                  "its logit_grad_norm is left empty")
+                _warn_once(
+                    self._el_warned,
+                    "sq",
+                    "TRL's fused head returned no log_sum_sq_probs for a batch; its logit_grad_norm is left empty",
+                )
         elif any(mm.get(key) is not None for key in MM_KEYS):
-            _warn_once(self._el_warned, "mm",
-                       "a multimodal batch on a model without TRL's fused head is not recorded")
+            _warn_once(self._el_warned, "mm", "a multimodal batch on a model without TRL's fused head is not recorded")
             self._el_train = None
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=compute_entropy,
-                compute_aux_loss=compute_aux_loss, **mm)
+                model,
+                input_ids,
+                attention_mask,
+                k,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **mm,
+            )
         else:
-            logps, ents, sq, sens, aux = self._el_head_stats_pass(model, input_ids, attention_mask, k,
-                                                                  batch_size, compute_aux_loss)
+            logps, ents, sq, sens, aux = self._el_head_stats_pass(
+                model, input_ids, attention_mask, k, batch_size, compute_aux_loss
+            )
         self._el_keep_pass(logps, ents, sq, sens)
         return logps, (ents if compute_entropy else None), aux
 
@@ -170,8 +206,15 @@ class _Passes:
         self._el_capture = []
         try:
             logps, ents, aux = super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, k, batch_size=batch_size, compute_entropy=True,
-                compute_aux_loss=compute_aux_loss, **mm)
+                model,
+                input_ids,
+                attention_mask,
+                k,
+                batch_size=batch_size,
+                compute_entropy=True,
+                compute_aux_loss=compute_aux_loss,
+                **mm,
+            )
             caps = self._el_capture
         finally:
             self._el_capture = None
@@ -182,12 +225,24 @@ class _Passes:
         head on the model): (logps, entropies, sum p^2, s_t or None, aux). s_t only in a training pass
         with ``attribution``."""
         if not self._el_attribution:
-            _warn_once(self._el_warned, "fallback", "TRL's fused LM head is not on this model; log-probs, entropies "
-                                                    "and sum p^2 come from entropylens.rl.stats.head_stats on the hidden "
-                                                    "states")
-        return head_stats_pass(self._el_base_model(), self.accelerator.autocast, input_ids, attention_mask, k,
-                               batch_size, compute_aux_loss=compute_aux_loss, temperature=self.temperature,
-                               sensitivity=self._el_attribution and torch.is_grad_enabled())
+            _warn_once(
+                self._el_warned,
+                "fallback",
+                "TRL's fused LM head is not on this model; log-probs, entropies "
+                "and sum p^2 come from entropylens.rl.stats.head_stats on the hidden "
+                "states",
+            )
+        return head_stats_pass(
+            self._el_base_model(),
+            self.accelerator.autocast,
+            input_ids,
+            attention_mask,
+            k,
+            batch_size,
+            compute_aux_loss=compute_aux_loss,
+            temperature=self.temperature,
+            sensitivity=self._el_attribution and torch.is_grad_enabled(),
+        )
 
     def _el_keep_pass(self, logps, ents, sq, sens) -> None:
         """A training pass: a hook keeps dLoss/dlogp [b, K] of the back-propagated loss, and the pass waits
@@ -227,14 +282,25 @@ class _Loss:
             out, loss = self._el_policy_loss(model, inputs, mask)
         train, self._el_train = self._el_train, None
         if train is None:
-            _warn_once(self._el_warned, "norec",
-                       "a micro-batch without log-probs from this trainer's pass is not recorded")
+            _warn_once(
+                self._el_warned, "norec", "a micro-batch without log-probs from this trainer's pass is not recorded"
+            )
             return loss
-        self._el_rec = {**train, "mask": mask, "adv": inputs["advantages"], "tokens": completion_ids,
-                        "old_lp": inputs.get("old_per_token_logps"), "old_h": inputs.get("old_entropies"),
-                        "seq": inputs.get("el_seq_ids"), "out": out, "loss": loss.detach(),
-                        "modifiers": modifiers, "coef": coef, "sampler_lp": inputs.get("sampling_per_token_logps"),
-                        "is_masked": self._el_is_masked(inputs)}
+        self._el_rec = {
+            **train,
+            "mask": mask,
+            "adv": inputs["advantages"],
+            "tokens": completion_ids,
+            "old_lp": inputs.get("old_per_token_logps"),
+            "old_h": inputs.get("old_entropies"),
+            "seq": inputs.get("el_seq_ids"),
+            "out": out,
+            "loss": loss.detach(),
+            "modifiers": modifiers,
+            "coef": coef,
+            "sampler_lp": inputs.get("sampling_per_token_logps"),
+            "is_masked": self._el_is_masked(inputs),
+        }
         self._el_add_kl_ref(inputs.get("ref_per_token_logps"), train["lp"], mask)
         return loss
 
@@ -259,15 +325,21 @@ class _Loss:
         if not self.use_adaptive_entropy:
             return {"entropy_coef": float(self.entropy_coef)}
         shut = self._last_world_entropy > self.args.entropy_target
-        return {"entropy_coef": 0.0 if shut else float(self.entropy_coef),
-                "entropy_coef_adaptive": float(self.entropy_coef)}
+        return {
+            "entropy_coef": 0.0 if shut else float(self.entropy_coef),
+            "entropy_coef_adaptive": float(self.entropy_coef),
+        }
+
     def _el_is_masked(self, inputs):
         """The tokens TRL's vLLM IS correction masked ([B, T], or [B, 1] at sequence level): in its
         token_mask / sequence_mask modes it sets the weight of a ratio outside [clip_min, clip_max] to 0.
         None without a masking correction (truncate modes, no vLLM weight)."""
         w = inputs.get("importance_sampling_ratio")
-        if w is None or not (self.use_vllm and self.vllm_importance_sampling_correction) \
-                or self.vllm_importance_sampling_mode not in ("token_mask", "sequence_mask"):
+        if (
+            w is None
+            or not (self.use_vllm and self.vllm_importance_sampling_correction)
+            or self.vllm_importance_sampling_mode not in ("token_mask", "sequence_mask")
+        ):
             return None
         return w.detach() == 0
 
@@ -287,11 +359,11 @@ class _Loss:
             self._el_masks["token_kept"] = keep.detach()
         return keep
 
-    def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask,
-                            off_policy_threshold):
+    def get_off_policy_mask(self, advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
         """TRL's off-policy sequence mask; kept for ``seq_kept`` with TRL's own loss."""
-        keep = GRPOTrainer.get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask,
-                                               off_policy_threshold)
+        keep = GRPOTrainer.get_off_policy_mask(
+            advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold
+        )
         if self._el_masks is not None:
             self._el_masks["seq_kept"] = keep.detach().bool()
         return keep
@@ -310,20 +382,43 @@ class _Loss:
         old_h = inputs.get("old_entropies")
         old_h = h.detach() if old_h is None else old_h
         token_mask, seq_mask, is_w = self._el_trl_masks(inputs, lp, h, mask, adv, old_lp)
-        w = trl_loss_weights(self.loss_type, mask, ga=ga, num_items_in_batch=inputs.get("num_items_in_batch"),
-                             num_processes=self.accelerator.num_processes,
-                             steps_per_generation=args.steps_per_generation,
-                             max_completion_length=self.max_completion_length)
+        w = trl_loss_weights(
+            self.loss_type,
+            mask,
+            ga=ga,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            steps_per_generation=args.steps_per_generation,
+            max_completion_length=self.max_completion_length,
+        )
         bonus = self._el_entropy_bonus(h, mask, token_mask, ga)
         kl = {}
         if self.beta:
-            kl = dict(ref_logprobs=inputs["ref_per_token_logps"], kl_coef=self.beta,
-                      kl_bias_correction=bool(args.use_bias_correction_kl))
-        out = policy_loss(lp, old_lp, adv, mask, method=self._el_loss, eps_low=self.epsilon_low,
-                          eps_high=self.epsilon_high, entropy=h, old_entropy=old_h, weights=w,
-                          token_mask=token_mask, seq_mask=seq_mask, is_weight=is_w, delta=args.delta,
-                          ratio_level="token" if self._el_loss == "gspo" else self.importance_sampling_level,
-                          **self._el_loss_kw, **kl, **bonus)
+            kl = dict(
+                ref_logprobs=inputs["ref_per_token_logps"],
+                kl_coef=self.beta,
+                kl_bias_correction=bool(args.use_bias_correction_kl),
+            )
+        out = policy_loss(
+            lp,
+            old_lp,
+            adv,
+            mask,
+            method=self._el_loss,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            entropy=h,
+            old_entropy=old_h,
+            weights=w,
+            token_mask=token_mask,
+            seq_mask=seq_mask,
+            is_weight=is_w,
+            delta=args.delta,
+            ratio_level="token" if self._el_loss == "gspo" else self.importance_sampling_level,
+            **self._el_loss_kw,
+            **kl,
+            **bonus,
+        )
         loss = out.loss
         if self.aux_loss_enabled:  # TRL's MoE router aux loss, scaled for accumulation as TRL does
             loss = loss + self.router_aux_loss_coef * aux / ga
@@ -337,9 +432,15 @@ class _Loss:
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         mm = {key: inputs.get(key) for key in MM_KEYS if inputs.get(key) is not None}
-        return self._get_per_token_logps_and_entropies(model, input_ids, attn, completion_ids.size(1),
-                                                       compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
-                                                       **mm)
+        return self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attn,
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **mm,
+        )
 
     def _el_trl_masks(self, inputs, lp, h, mask, adv, old_lp):
         """What TRL's options do to each token, computed by TRL's own methods: the top-entropy token mask
@@ -389,9 +490,18 @@ class _Loss:
     def _el_trl_metrics(self, out, lp, h, mask, ref, old_lp) -> None:
         """The metrics TRL's own loss logs (entropy, kl, clip_ratio/*, entropy_coef), from the same
         tensors, so a dashboard keeps its curves when ``loss=...`` replaces TRL's loss."""
-        metrics = trl_loss_metrics(out, lp, h, mask, ref, old_lp, kl=bool(self.beta),
-                                   kl_bias_correction=bool(self.beta) and bool(self.args.use_bias_correction_kl),
-                                   level=self.importance_sampling_level, loss_type=self.loss_type)
+        metrics = trl_loss_metrics(
+            out,
+            lp,
+            h,
+            mask,
+            ref,
+            old_lp,
+            kl=bool(self.beta),
+            kl_bias_correction=bool(self.beta) and bool(self.args.use_bias_correction_kl),
+            level=self.importance_sampling_level,
+            loss_type=self.loss_type,
+        )
         m = mask.float()
         names = list(metrics)
         local = torch.stack([s for k in names for s in ((metrics[k] * m).sum(), m.sum())])
@@ -449,15 +559,20 @@ class _Recording:
             texts = completion_texts(self._el_completions[:b])
         gidx = self._el_group_base + torch.arange(pi * b, (pi + 1) * b) // self.num_generations
         self._el_group_base += -(-b * world // self.num_generations)
-        self.recorder.record_sequences(self.state.global_step, seq_ids=ids, rewards=rewards,
-                                       advantages=out["advantages"], lengths=out["completion_mask"].sum(1),
-                                       group_ids=gidx, texts=texts)
+        self.recorder.record_sequences(
+            self.state.global_step,
+            seq_ids=ids,
+            rewards=rewards,
+            advantages=out["advantages"],
+            lengths=out["completion_mask"].sum(1),
+            group_ids=gidx,
+            texts=texts,
+        )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         self._el_rec = None
         if self._el_micro == 0:  # the learning rate this optimizer step uses (the scheduler steps after it)
-            self._el_lr = (self._get_learning_rate() if hasattr(self, "_get_learning_rate")
-                           else self.args.learning_rate)
+            self._el_lr = self._get_learning_rate() if hasattr(self, "_get_learning_rate") else self.args.learning_rate
         result = super().training_step(model, inputs, num_items_in_batch)
         rec, self._el_rec = self._el_rec, None
         if rec is not None:  # the backward has run: the hook holds dLoss/dlogp
@@ -475,12 +590,23 @@ class _Recording:
         # TRL's entropy bonus reaches the logits through H too: the closed form would not be the norm
         if g is not None and rec["sq"] is not None and not self._entropy_bonus_enabled:
             cols["logit_grad_norm"] = logit_grad_norm_from_sum_p2(g, lp, rec["sq"], self.temperature)
-        self.recorder.record_update(self.state.global_step, self._el_micro, mask=mask, advantages=adv,
-                                    logprobs=lp, old_logprobs=old_lp, entropy=h, old_entropy=old_h,
-                                    tokens=rec["tokens"], seq_ids=rec["seq"],
-                                    loss=LossColumns(cols, rec["loss"], config),
-                                    entropy_sensitivity=rec.get("sens"), temperature=self.temperature,
-                                    sampler_logprobs=rec.get("sampler_lp"), is_masked=rec.get("is_masked"))
+        self.recorder.record_update(
+            self.state.global_step,
+            self._el_micro,
+            mask=mask,
+            advantages=adv,
+            logprobs=lp,
+            old_logprobs=old_lp,
+            entropy=h,
+            old_entropy=old_h,
+            tokens=rec["tokens"],
+            seq_ids=rec["seq"],
+            loss=LossColumns(cols, rec["loss"], config),
+            entropy_sensitivity=rec.get("sens"),
+            temperature=self.temperature,
+            sampler_logprobs=rec.get("sampler_lp"),
+            is_masked=rec.get("is_masked"),
+        )
         self._el_micro += 1
 
     def _el_update_columns(self, rec: dict, lp, old_lp, g) -> tuple[dict, dict]:
@@ -489,9 +615,19 @@ class _Recording:
         out = rec["out"]
         if out is not None:
             return dict(out.columns), {**out.config, **rec.get("coef", {})}
-        cols = trl_own_loss_columns(self.loss_type, self.importance_sampling_level, self.args.delta,
-                                    self.epsilon_low, self.epsilon_high, lp, old_lp, rec["adv"], rec["mask"], g,
-                                    rec.get("modifiers", {}))
+        cols = trl_own_loss_columns(
+            self.loss_type,
+            self.importance_sampling_level,
+            self.args.delta,
+            self.epsilon_low,
+            self.epsilon_high,
+            lp,
+            old_lp,
+            rec["adv"],
+            rec["mask"],
+            g,
+            rec.get("modifiers", {}),
+        )
         # TRL's entropy bonus reaches the logits through H: the recorder leaves entropy_effect null
         return cols, dict(rec.get("coef", {}))
 
@@ -557,26 +693,71 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
     """GRPOTrainer + entropylens recording (+ optionally entropylens' losses). See
     :mod:`entropylens.integrations.trl`."""
 
-    def __init__(self, *args, entropylens_root="entropylens-runs", run=None, loss=None, beta1=0.5, beta2=1.0,
-                 erc=None, dual_clip=None, tau=0.5, sample=1.0, record_texts=True, attribution=False,
-                 resume=None, save_tokenizer=None, alarms=None, stop_on=(), log_histograms=True,
-                 log_table_every=50, cov=None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        entropylens_root="entropylens-runs",
+        run=None,
+        loss=None,
+        beta1=0.5,
+        beta2=1.0,
+        erc=None,
+        dual_clip=None,
+        tau=0.5,
+        sample=1.0,
+        record_texts=True,
+        attribution=False,
+        resume=None,
+        save_tokenizer=None,
+        alarms=None,
+        stop_on=(),
+        log_histograms=True,
+        log_table_every=50,
+        cov=None,
+        **kwargs,
+    ):
         _check_arguments(loss, erc, kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
         if loss is not None:
             refuse_unsupported(loss, unsupported_trl_options(self.args, self.aux_loss_enabled))
         self._el_loss = loss
-        self._el_loss_kw = dict(beta1=beta1, beta2=beta2, erc=tuple(erc) if erc else None, dual_clip=dual_clip,
-                                tau=tau, **cov_kwargs(loss, cov, self.args.seed))
+        self._el_loss_kw = dict(
+            beta1=beta1,
+            beta2=beta2,
+            erc=tuple(erc) if erc else None,
+            dual_clip=dual_clip,
+            tau=tau,
+            **cov_kwargs(loss, cov, self.args.seed),
+        )
         if loss == "sapo":  # TRL's own gate temperatures; TRL does not clamp log r (verl does)
-            self._el_loss_kw.update(sapo_tau_pos=float(self.args.sapo_temperature_pos),
-                                    sapo_tau_neg=float(self.args.sapo_temperature_neg), sapo_log_ratio_clamp=None)
+            self._el_loss_kw.update(
+                sapo_tau_pos=float(self.args.sapo_temperature_pos),
+                sapo_tau_neg=float(self.args.sapo_temperature_neg),
+                sapo_log_ratio_clamp=None,
+            )
         self._el_texts = record_texts
-        cfg = run_config(self, loss=loss, beta1=beta1, beta2=beta2, erc=erc, dual_clip=dual_clip,
-                         attribution=attribution, save_tokenizer=save_tokenizer)
+        cfg = run_config(
+            self,
+            loss=loss,
+            beta1=beta1,
+            beta2=beta2,
+            erc=erc,
+            dual_clip=dual_clip,
+            attribution=attribution,
+            save_tokenizer=save_tokenizer,
+        )
         self._el_resume = resume_step(resume, self.args.output_dir)
-        self._el_open_recorder(entropylens_root, run, cfg, tau=tau, sample=sample, alarms=alarms, stop_on=stop_on,
-                               log_histograms=log_histograms, log_table_every=log_table_every)
+        self._el_open_recorder(
+            entropylens_root,
+            run,
+            cfg,
+            tau=tau,
+            sample=sample,
+            alarms=alarms,
+            stop_on=stop_on,
+            log_histograms=log_histograms,
+            log_table_every=log_table_every,
+        )
         if self.accelerator.is_main_process:
             save_tokenizer_copy(self.processing_class, self.recorder.dir, save_tokenizer)
         self._el_init_state()
@@ -587,22 +768,37 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
         if on_policy(self) and self.accelerator.is_main_process:  # once, before the first step
             from ..report.run_findings import ON_POLICY_TEXT, OnPolicyWarning
 
-            warnings.warn(f"entropylens: on_policy: {ON_POLICY_TEXT} (TRL keeps no old log-probs: "
-                          f"gradient_accumulation_steps {self.args.gradient_accumulation_steps} is a multiple of "
-                          f"steps_per_generation {self.args.steps_per_generation} x num_iterations "
-                          f"{self.num_iterations})", OnPolicyWarning, stacklevel=2)
+            warnings.warn(
+                f"entropylens: on_policy: {ON_POLICY_TEXT} (TRL keeps no old log-probs: "
+                f"gradient_accumulation_steps {self.args.gradient_accumulation_steps} is a multiple of "
+                f"steps_per_generation {self.args.steps_per_generation} x num_iterations "
+                f"{self.num_iterations})",
+                OnPolicyWarning,
+                stacklevel=2,
+            )
 
-    def _el_open_recorder(self, root, run, cfg, *, tau, sample, alarms, stop_on, log_histograms,
-                          log_table_every) -> None:
+    def _el_open_recorder(
+        self, root, run, cfg, *, tau, sample, alarms, stop_on, log_histograms, log_table_every
+    ) -> None:
         """The run's Recorder, and what goes to report_to's TensorBoard / W&B / Trackio (rank 0) besides
         TRL's scalars: histograms, the token table and alerts."""
         extras = trl_trackers(self.callback_handler.callbacks) if self.accelerator.is_main_process else []
         hist_on = bool(log_histograms) and bool(extras)
         table_every = int(log_table_every or 0) if any(t.has_tables for t in extras) else 0
-        self.recorder = Recorder(root, run, config=cfg, tau=tau, sample=sample,
-                                 rank=self.accelerator.process_index, world_size=self.accelerator.num_processes,
-                                 resume=self._el_resume, alarms=alarms, stop_on=stop_on,
-                                 log_histograms=hist_on, log_table_every=table_every)
+        self.recorder = Recorder(
+            root,
+            run,
+            config=cfg,
+            tau=tau,
+            sample=sample,
+            rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+            resume=self._el_resume,
+            alarms=alarms,
+            stop_on=stop_on,
+            log_histograms=hist_on,
+            log_table_every=table_every,
+        )
         self._el_extras = StepLog(extras, self.recorder.run, cfg, step_offset=1) if extras else None
         self._el_names = SUMMARY_NAMES + EXTRA_NAMES if hist_on or table_every else SUMMARY_NAMES
         if alarms and self._el_extras is not None:  # findings as the trackers' own alerts
@@ -670,5 +866,7 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
                 return  # TRL raises its own error
         last = checkpoint_last_step(checkpoint)
         if last != self._el_resume:
-            raise ValueError(f"resume={self._el_resume} but {checkpoint} holds steps 0-{last}: build the trainer "
-                             f"with resume={last} (or resume={str(checkpoint)!r})")
+            raise ValueError(
+                f"resume={self._el_resume} but {checkpoint} holds steps 0-{last}: build the trainer "
+                f"with resume={last} (or resume={str(checkpoint)!r})"
+            )

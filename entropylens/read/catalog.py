@@ -82,7 +82,7 @@ class RunFiles:
     sizes: dict[str, int] = field(default_factory=dict)  # url -> bytes, of every file above
     hidden: list[str] = field(default_factory=list)  # uncommitted steps' files (not errors)
     superseded: list[str] = field(default_factory=list)  # originals of compacted steps
-    footers: dict[str, "Footer"] = field(default_factory=dict)  # url -> its footer, of every file read
+    footers: dict[str, Footer] = field(default_factory=dict)  # url -> its footer, of every file read
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def _filter_listing(root: Location, files) -> list[str]:
     found: dict[str, str] = {}  # "dir/" (no leading '/') -> the run's path under root.path, in order
     for d in dirs:
         key = d.strip("/")
-        rel = key[len(base):].strip("/").split("/") if key.startswith(base + "/") else []
+        rel = key[len(base) :].strip("/").split("/") if key.startswith(base + "/") else []
         if not rel or any(_skipped(part) for part in rel):
             continue
         parents = [base + "/" + "/".join(rel[:i]) + "/" for i in range(1, len(rel))]
@@ -224,8 +224,7 @@ def _discover(root: Location, runs: list[str] | None) -> tuple[list[Location], l
     return found, ids
 
 
-def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = None,
-         check: str = "magic") -> Catalog:
+def scan(path, runs: list[str] | None = None, *, storage_options: dict | None = None, check: str = "magic") -> Catalog:
     """List the runs under ``path`` and the files a reader should use (module docstring)."""
     root = location(path, storage_options)
     dirs, ids = _discover(root, runs)
@@ -297,8 +296,11 @@ def with_rank_status(info: dict, d: Location) -> dict:
     ``rank_status`` lists every rank's own status. One rank (no ranks/ files): run.json as it is."""
     rdir = d / "ranks"
     try:
-        ranks = [json.loads(d.at(p).read_text()) for p in sorted(rdir.files()) if p.endswith(".json")] \
-            if rdir.exists() else []
+        ranks = (
+            [json.loads(d.at(p).read_text()) for p in sorted(rdir.files()) if p.endswith(".json")]
+            if rdir.exists()
+            else []
+        )
     except Exception:  # noqa: BLE001 - a rank file being replaced: run.json's own status stands
         return info
     if not ranks:
@@ -315,8 +317,11 @@ def with_rank_status(info: dict, d: Location) -> dict:
         out["error"] = out.get("error") or "; ".join(f"rank {r.get('rank')}: {r.get('error')}" for r in failed)
     elif running:
         oldest = min(running, key=lambda r: str(r.get("heartbeat_at") or ""))
-        out.update(status="running", heartbeat_at=oldest.get("heartbeat_at") or info.get("heartbeat_at"),
-                   heartbeat_s=oldest.get("heartbeat_s") or info.get("heartbeat_s"))
+        out.update(
+            status="running",
+            heartbeat_at=oldest.get("heartbeat_at") or info.get("heartbeat_at"),
+            heartbeat_s=oldest.get("heartbeat_s") or info.get("heartbeat_s"),
+        )
     return out
 
 
@@ -369,9 +374,11 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
         kept = any((m := _HIVE.search(p)) and lo <= int(m.group(1)) <= hi for p in listing.get("steps", {}))
         bad_paths[commits[(lo, hi)]] += (
             f"; compaction commit of steps {lo}-{hi} unreadable: their original files are read instead (remove "
-            f"this file and compacted/*/steps-{lo}-{hi}.part-* to compact them again)" if kept else
-            f"; compaction commit of steps {lo}-{hi} unreadable and their original files are gone: those steps "
-            "are NOT shown (the compacted parts are kept; restore this file from a copy)")
+            f"this file and compacted/*/steps-{lo}-{hi}.part-* to compact them again)"
+            if kept
+            else f"; compaction commit of steps {lo}-{hi} unreadable and their original files are gone: those steps "
+            "are NOT shown (the compacted parts are kept; restore this file from a copy)"
+        )
     bad = [(d.url(p), why) for p, why in sorted(bad_paths.items())]
 
     def compacted_step(s: int) -> bool:
@@ -399,15 +406,21 @@ def _scan_run(d: Location, rid: str, info: dict, check: str) -> tuple[RunFiles, 
                 run.hidden.append(d.url(p))
                 continue
             run.files.setdefault(table, []).append(d.url(p))
-    notes = [(str(d / name), f"run {rid}: folder {d / name}/ holds Parquet files but is not a table entropylens "
-              "writes: ignored") for name in strays if _holds_parquet(d / name)]
+    notes = [
+        (
+            str(d / name),
+            f"run {rid}: folder {d / name}/ holds Parquet files but is not a table entropylens writes: ignored",
+        )
+        for name in strays
+        if _holds_parquet(d / name)
+    ]
     notes += [(f, note) for f, note, _ in _version_gaps(run)]
     return run, bad, notes, stable
 
 
 def _rel(d: Location, p: str) -> str:
     """``p`` relative to run ``d`` (listings of some filesystems add or drop a leading '/')."""
-    return p.lstrip("/")[len(d.path.strip("/")) + 1:]
+    return p.lstrip("/")[len(d.path.strip("/")) + 1 :]
 
 
 def _is_compacted(d: Location, p: str) -> bool:
@@ -429,8 +442,10 @@ def _unknown_name(d: Location, p: str) -> str | None:
     m = _OWN_PATH.fullmatch(rel)
     if m and m.group("table") in RECORDER_NAMES and RECORDER_NAMES[m.group("table")].fullmatch(m.group("name")):
         return None
-    return ("not a file entropylens writes (a copy or another tool's file?): left out of the views; move it "
-            "out of the run folder")
+    return (
+        "not a file entropylens writes (a copy or another tool's file?): left out of the views; move it "
+        "out of the run folder"
+    )
 
 
 def step_rank(url: str) -> tuple[int, int]:
@@ -488,8 +503,15 @@ def _dtype(t) -> str:
         return "dict8" if pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type) else str(t)
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "string"
-    return {"int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64", "float": "float32",
-            "double": "float64", "bool": "bool"}.get(str(t), str(t))
+    return {
+        "int8": "int8",
+        "int16": "int16",
+        "int32": "int32",
+        "int64": "int64",
+        "float": "float32",
+        "double": "float64",
+        "bool": "bool",
+    }.get(str(t), str(t))
 
 
 def parse_footer(tail: bytes) -> Footer:
@@ -498,7 +520,7 @@ def parse_footer(tail: bytes) -> Footer:
     import pyarrow.parquet as pq
 
     n = int.from_bytes(tail[-8:-4], "little")
-    md = pq.read_metadata(pa.BufferReader(_MAGIC + tail[-(n + 8):]))
+    md = pq.read_metadata(pa.BufferReader(_MAGIC + tail[-(n + 8) :]))
     version = (md.metadata or {}).get(b"entropylens.schema_version")
     schema = md.schema.to_arrow_schema()
     columns = _COLUMNS.get(schema)
@@ -525,8 +547,11 @@ def _read_footers(d: Location, files: dict[str, int], check: str) -> tuple[dict[
         else:
             todo[p] = size
     tails = dict(zip(todo, d.tails(todo, FOOTER_TAIL)))
-    longer = {p: int.from_bytes(t[-8:-4], "little") + 8 for p, t in tails.items()
-              if isinstance(t, bytes) and t[-4:] == _MAGIC and int.from_bytes(t[-8:-4], "little") + 8 > len(t)}
+    longer = {
+        p: int.from_bytes(t[-8:-4], "little") + 8
+        for p, t in tails.items()
+        if isinstance(t, bytes) and t[-4:] == _MAGIC and int.from_bytes(t[-8:-4], "little") + 8 > len(t)
+    }
     longer = {p: n for p, n in longer.items() if n + 4 <= todo[p]}
     tails.update(zip(longer, d.tails(longer, max(longer.values(), default=0))))
     for p, tail in tails.items():
@@ -572,8 +597,12 @@ def read_problem(d: Location, p: str) -> str | None:
 
 
 # key columns a file of the table cannot lack (without them it is another table)
-KEY_COLUMNS = {"tokens": ("update", "seq", "pos"), "sequences": ("seq",), "steps": ("update",),
-               "probes": ("update", "part")}
+KEY_COLUMNS = {
+    "tokens": ("update", "seq", "pos"),
+    "sequences": ("seq",),
+    "steps": ("update",),
+    "probes": ("update", "part"),
+}
 _VIEW_OWN = ("run",)  # the views' own column: a file column of this name would shadow it
 
 
@@ -600,20 +629,28 @@ def _contract_problem(table: str, footer: Footer, compacted: bool) -> str | None
     cols = dict(footer.columns)
     contract = {c.name: c.dtype for c in TABLES[table] if c.derived is None}
     keys = {"step", "rank"}
-    wrong = [f"`{n}` is {cols[n]}, not {want}" for n, want in contract.items()
-             if n in cols and not _same_dtype(cols[n], want) and (compacted or n not in keys)]
+    wrong = [
+        f"`{n}` is {cols[n]}, not {want}"
+        for n, want in contract.items()
+        if n in cols and not _same_dtype(cols[n], want) and (compacted or n not in keys)
+    ]
     if wrong:
         return "column(s) of another type than the schema contract: " + ", ".join(wrong) + "; left out"
     need = KEY_COLUMNS[table] + (("step", "rank") if compacted else ())
     lacks = [n for n in need if n not in cols]
     have = sum(1 for n in contract if n in cols and n not in keys and n not in need)
     if lacks or have == 0:
-        return (f"not an entropylens {table} file (" + (f"no column {', '.join(lacks)}" if lacks else
-                f"no column of the {table} table but its keys") + "): another table? left out")
+        return (
+            f"not an entropylens {table} file ("
+            + (f"no column {', '.join(lacks)}" if lacks else f"no column of the {table} table but its keys")
+            + "): another table? left out"
+        )
     own = [n for n in (*_VIEW_OWN, *(() if compacted else keys)) if n in cols]
     if own:
-        return (f"holds column(s) {', '.join(own)}, which the views take from the run "
-                "(run id; step and rank from the path): left out")
+        return (
+            f"holds column(s) {', '.join(own)}, which the views take from the run "
+            "(run id; step and rank from the path): left out"
+        )
     return None
 
 
@@ -655,12 +692,16 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str, bool]]:
             versions = ", ".join(sorted({str(run.footers[u].version or "unknown") for u in files}))
             cols = ", ".join(f"`{c}`" for c in lack)
             if edited:
-                note = (f"run {run.id}: {len(files)} {table} file(s) lack column(s) {cols}, which other files of "
-                        f"schema version {versions} or older have (edited by another tool, or damaged? e.g. "
-                        f"{files[0]}): NULL there; restore the file from a copy or move it out of the run folder")
+                note = (
+                    f"run {run.id}: {len(files)} {table} file(s) lack column(s) {cols}, which other files of "
+                    f"schema version {versions} or older have (edited by another tool, or damaged? e.g. "
+                    f"{files[0]}): NULL there; restore the file from a copy or move it out of the run folder"
+                )
             else:
-                note = (f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} existed "
-                        f"(schema version {versions}; e.g. {files[0]}): NULL there")
+                note = (
+                    f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} existed "
+                    f"(schema version {versions}; e.g. {files[0]}): NULL there"
+                )
             out.append((files[0], note, edited))
     return out
 
@@ -682,8 +723,14 @@ def verify(path, *, storage_options: dict | None = None) -> Verified:
     snap = scan(path, storage_options=storage_options, check="full")
     bad = list(snap.bad) + list(snap.info)
     for r in snap.runs:
-        bad += [(u, "superseded by a committed compaction of its step but still on disk (a compaction "
-                 "stopped before its clean-up): `entropylens compact` removes it") for u in r.superseded]
+        bad += [
+            (
+                u,
+                "superseded by a committed compaction of its step but still on disk (a compaction "
+                "stopped before its clean-up): `entropylens compact` removes it",
+            )
+            for u in r.superseded
+        ]
         left_out = {step_rank(u) for u, _ in snap.bad if u.startswith(str(r.dir / "tokens") + "/") and _HIVE.search(u)}
         bad += row_count_problems(r, {k: n for k, n in recorded_tokens(r).items() if k not in left_out}, fewer=True)
         bad += [(f, note) for f, note, edited in _version_gaps(r) if edited]
@@ -714,8 +761,9 @@ def recorded_tokens(r: RunFiles) -> dict[tuple[int, int], int]:
     return out
 
 
-def row_count_problems(r: RunFiles, recorded: dict[tuple[int, int], int], *, fewer: bool = False
-                       ) -> list[tuple[str, str]]:
+def row_count_problems(
+    r: RunFiles, recorded: dict[tuple[int, int], int], *, fewer: bool = False
+) -> list[tuple[str, str]]:
     """(first token file, why) per (step, rank) of run ``r`` whose token rows (footers of its original
     token files) exceed ``recorded`` ((step, rank) -> sum of n_tokens), or with ``fewer`` differ from it
     (fewer rows are right when the run's ``sample`` < 1)."""
@@ -735,9 +783,14 @@ def row_count_problems(r: RunFiles, recorded: dict[tuple[int, int], int], *, few
         if want is None or n == want or (n < want and (sampled or not fewer)):
             continue
         folder = first.rsplit("/", 1)[0] + "/" if first else f"{r.dir / 'tokens' / f'step={step}' / f'rank={rank}'}/"
-        out.append((folder, f"run {r.id}: step {step} rank {rank}: its token files ({folder}) hold {n} rows, its "
-                    f"steps rows say n_tokens {want}{f' (sample {sample:g})' if sampled else ''}: a copied, lost "
-                    "or foreign token file? `entropylens verify` names the files a reader leaves out"))
+        out.append(
+            (
+                folder,
+                f"run {r.id}: step {step} rank {rank}: its token files ({folder}) hold {n} rows, its "
+                f"steps rows say n_tokens {want}{f' (sample {sample:g})' if sampled else ''}: a copied, lost "
+                "or foreign token file? `entropylens verify` names the files a reader leaves out",
+            )
+        )
     return out
 
 

@@ -44,17 +44,16 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-import warnings
-
+from ..record.writer import FILE_META, TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, parquet_options
+from ..storage import Location, location
 from . import catalog as cat
 from .query import UnreadableFileWarning, run_status
-from ..storage import Location, location
-from ..record.writer import TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, FILE_META, parquet_options
 
 ROW_GROUP_ROWS = 1 << 20  # ~1M rows per row group: large sequential reads, still prunable by step
 FILE_BYTES = 512 << 20  # compacted part size target (bytes of the original files it replaces)
@@ -81,21 +80,32 @@ class Compacted:
     def summary(self) -> str:
         if self.finished:
             ranges = ", ".join(f"{lo}-{hi}" for lo, hi in self.finished)
-            line = (f"{self.run}: finished the interrupted compaction of steps {ranges}: {self.removed} superseded "
-                    "originals removed")
+            line = (
+                f"{self.run}: finished the interrupted compaction of steps {ranges}: {self.removed} superseded "
+                "originals removed"
+            )
         elif self.steps is None:
             line = f"{self.run}: nothing to compact ({self.note})"
         else:
             lo, hi = self.steps
-            line = (f"{self.run}: steps {lo}-{hi}: {self.files_in} files -> {self.files_out} "
-                    f"({self.rows:,} token rows), {self.removed} originals removed")
+            line = (
+                f"{self.run}: steps {lo}-{hi}: {self.files_in} files -> {self.files_out} "
+                f"({self.rows:,} token rows), {self.removed} originals removed"
+            )
         if self.temps:
             line += f"; {self.temps} stale temporary file{'s' if self.temps != 1 else ''} removed"
         return line
 
 
-def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_bytes: int = FILE_BYTES,
-            row_group_rows: int = ROW_GROUP_ROWS, storage_options: dict | None = None) -> list[Compacted]:
+def compact(
+    path,
+    runs: list[str] | None = None,
+    *,
+    grace_s: float = 10.0,
+    file_bytes: int = FILE_BYTES,
+    row_group_rows: int = ROW_GROUP_ROWS,
+    storage_options: dict | None = None,
+) -> list[Compacted]:
     """Compact every run under ``path`` (or only ``runs``); see the module docstring."""
     snap = cat.scan(path, runs, storage_options=storage_options)
     out = []
@@ -108,8 +118,11 @@ def compact(path, runs: list[str] | None = None, *, grace_s: float = 10.0, file_
         final = _final_steps(r)
         for s, why in sorted(blocked.items()):
             if final and s <= max(final) or run_status(r.info) != "running":
-                warnings.warn(f"{r.id}: step {s} not compacted, its files are left as they are: {why}",
-                              StepLeftAloneWarning, stacklevel=2)
+                warnings.warn(
+                    f"{r.id}: step {s} not compacted, its files are left as they are: {why}",
+                    StepLeftAloneWarning,
+                    stacklevel=2,
+                )
         done = [_finish_interrupted(r, grace_s)] if r.superseded else []
         segments = _segments(r, set(blocked))
         done += [_compact_or_leave(r, lo, hi, grace_s, file_bytes, row_group_rows) for lo, hi in segments]
@@ -164,8 +177,12 @@ def _finish_interrupted(r: cat.RunFiles, grace_s: float) -> Compacted:
     pairs = set().union(*(_commit_pairs(c) for c in commits))
     originals = [u for u in r.superseded if _step_rank(u) in pairs]
     for u in sorted(set(r.superseded) - set(originals)):
-        warnings.warn(f"{r.id}: {u} is not removed: its step and rank are in no compacted file (its rows would "
-                      "be lost); move it aside or remove it by hand", StepLeftAloneWarning, stacklevel=3)
+        warnings.warn(
+            f"{r.id}: {u} is not removed: its step and rank are in no compacted file (its rows would "
+            "be lost); move it aside or remove it by hand",
+            StepLeftAloneWarning,
+            stacklevel=3,
+        )
     times = [_written_at(c) for c in commits]
     if grace_s > 0:
         newest = None if None in times else max(times)
@@ -299,15 +316,19 @@ def _group_schema(loc: Location, urls: list[str]) -> pa.Schema:
                 continue
             had = fields.setdefault(f.name, f)
             if had.type != f.type:
-                raise ValueError(f"files of one run disagree on the type of column {f.name!r} ({had.type} and "
-                                 f"{f.type}); not compacted")
+                raise ValueError(
+                    f"files of one run disagree on the type of column {f.name!r} ({had.type} and "
+                    f"{f.type}); not compacted"
+                )
     return pa.schema(list(fields.values()))
 
 
 def _with_keys(t: pa.Table, step: int, rank: int) -> pa.Table:
     n = t.num_rows
     t = t.drop_columns([c for c in ("step", "rank") if c in t.column_names])
-    return t.add_column(0, "rank", pa.array([rank] * n, pa.int16())).add_column(0, "step", pa.array([step] * n, pa.int32()))
+    return t.add_column(0, "rank", pa.array([rank] * n, pa.int16())).add_column(
+        0, "step", pa.array([step] * n, pa.int32())
+    )
 
 
 def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
@@ -319,8 +340,9 @@ def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int, file_bytes: int,
-                 row_group_rows: int) -> tuple[int, int]:
+def _write_parts(
+    r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int, file_bytes: int, row_group_rows: int
+) -> tuple[int, int]:
     """The files of one table for steps lo..hi -> compacted parts. Returns (parts, rows)."""
     files = sorted(files, key=lambda u: (*_step_rank(u), u))
     groups, cur, size = [], [], 0
@@ -343,8 +365,11 @@ def _write_parts(r: cat.RunFiles, table: str, files: list[str], lo: int, hi: int
                 t = _with_keys(_read_whole(r.dir, u), *_step_rank(u))
                 if schema is None:
                     schema = columns.with_metadata({**(t.schema.metadata or {}), **FILE_META})
-                    opts = parquet_options(schema.names, dict_columns=(*_DICT.get(table, ()), "step", "rank"),
-                                           float_columns=_FLOAT.get(table, ()))
+                    opts = parquet_options(
+                        schema.names,
+                        dict_columns=(*_DICT.get(table, ()), "step", "rank"),
+                        float_columns=_FLOAT.get(table, ()),
+                    )
                     writer = pq.ParquetWriter(tmp, schema, **opts)
                 buf.append(_conform(t, schema))
                 n += t.num_rows
@@ -392,8 +417,9 @@ def _remove_parts(r: cat.RunFiles, lo: int, hi: int) -> None:
             r.dir.at(p).remove()
 
 
-def _compact_or_leave(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int,
-                      row_group_rows: int) -> Compacted:
+def _compact_or_leave(
+    r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int, row_group_rows: int
+) -> Compacted:
     """:func:`_compact_range`, or, where a file of the range cannot be read, the range left as it is: its
     parts written so far removed (no commit was written), one warning naming the file and what to do."""
     try:
@@ -401,14 +427,19 @@ def _compact_or_leave(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_by
     except _Unreadable as e:
         _remove_parts(r, lo, hi)
         why = str(e.error).strip().splitlines()[0] if str(e.error).strip() else type(e.error).__name__
-        warnings.warn(f"{r.id}: steps {lo}-{hi} not compacted, their files are left as they are: reading {e.url} "
-                      f"fails ({why}): move it out of the run folder and compact again (`entropylens verify` lists "
-                      "every damaged file)", StepLeftAloneWarning, stacklevel=3)
+        warnings.warn(
+            f"{r.id}: steps {lo}-{hi} not compacted, their files are left as they are: reading {e.url} "
+            f"fails ({why}): move it out of the run folder and compact again (`entropylens verify` lists "
+            "every damaged file)",
+            StepLeftAloneWarning,
+            stacklevel=3,
+        )
         return Compacted(r.id, None, note=f"steps {lo}-{hi} left as they are (a damaged file)")
 
 
-def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int,
-                   row_group_rows: int) -> Compacted:
+def _compact_range(
+    r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes: int, row_group_rows: int
+) -> Compacted:
     res = Compacted(r.id, (lo, hi))
     chosen = {t: [u for u in files if lo <= _step_rank(u)[0] <= hi] for t, files in r.files.items()}
     for table in sorted(t for t in chosen if t != "steps"):  # data parts first ...
@@ -420,7 +451,8 @@ def _compact_range(r: cat.RunFiles, lo: int, hi: int, grace_s: float, file_bytes
     commit = pa.concat_tables(steps, promote_options="default")
     commit = commit.replace_schema_metadata({**(commit.schema.metadata or {}), **FILE_META})
     (r.dir / cat.COMPACTED / "steps" / f"steps-{lo}-{hi}.parquet").write_with(
-        lambda tmp: pq.write_table(commit, tmp, **parquet_options(commit.column_names)))  # ... the commit last
+        lambda tmp: pq.write_table(commit, tmp, **parquet_options(commit.column_names))
+    )  # ... the commit last
     res.files_out += 1
     originals = [u for files in chosen.values() for u in files]  # exactly the files whose rows were written
     # (never r.hidden: an uncommitted (step, rank)'s rows are in no compacted file; rule 5)

@@ -58,7 +58,7 @@ class Plan:
     locked: bool = False
 
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def view_tables(snap: cat.Catalog, materialized) -> list[str]:

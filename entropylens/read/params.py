@@ -13,7 +13,14 @@ RULES: dict[str, tuple[str, float, float, bool, bool, str]] = {
     "tau": ("float", 0.0, 1.0, True, True, "probability threshold"),
     "band_low": ("float", 0.0, float("inf"), False, False, "entropy-ratio band, low edge"),
     "band_high": ("float", 0.0, float("inf"), False, False, "entropy-ratio band, high edge"),
-    "mismatch": ("float", 0.0, float("inf"), True, False, "|old_logprob - sampler_logprob| above which a token is mismatched, nats"),
+    "mismatch": (
+        "float",
+        0.0,
+        float("inf"),
+        True,
+        False,
+        "|old_logprob - sampler_logprob| above which a token is mismatched, nats",
+    ),
 }
 
 

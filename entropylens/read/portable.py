@@ -70,8 +70,12 @@ def _exact_quantile(node) -> bool:
     exact quantile :func:`to_spark` writes as Spark's ``percentile(x, q)``."""
     from sqlglot import exp
 
-    return (isinstance(node, exp.PercentileCont) and not isinstance(node.parent, exp.WithinGroup)
-            and isinstance(node.expression, exp.Literal) and not node.expression.is_string)
+    return (
+        isinstance(node, exp.PercentileCont)
+        and not isinstance(node.parent, exp.WithinGroup)
+        and isinstance(node.expression, exp.Literal)
+        and not node.expression.is_string
+    )
 
 
 def _spark_percentile(node):
@@ -124,17 +128,24 @@ def problems(sql: str) -> list[str]:
             elif name not in VIEWS and name not in ctes:
                 out.append(f"table {node.name}: only the views {', '.join(VIEWS)} and the query's CTEs")
         elif isinstance(node, (exp.Sum, exp.Avg)) and _is_boolean(node.this):
-            out.append(f"{node.sql(dialect='duckdb')[:60]}: {kind.lower()} over a boolean: count_if(cond) "
-                       "or avg(CAST(cond AS INTEGER))")
+            out.append(
+                f"{node.sql(dialect='duckdb')[:60]}: {kind.lower()} over a boolean: count_if(cond) "
+                "or avg(CAST(cond AS INTEGER))"
+            )
         elif isinstance(node, (exp.ArgMax, exp.ArgMin)):
             arg = node.this.sql(dialect="duckdb")
             filt = node.parent if isinstance(node.parent, exp.Filter) else None
             guarded = filt is not None and any(
-                isinstance(i.parent, exp.Not) and isinstance(i.expression, exp.Null)
-                and i.this.sql(dialect="duckdb") == arg for i in filt.expression.find_all(exp.Is))
+                isinstance(i.parent, exp.Not)
+                and isinstance(i.expression, exp.Null)
+                and i.this.sql(dialect="duckdb") == arg
+                for i in filt.expression.find_all(exp.Is)
+            )
             if not guarded:
-                out.append(f"{node.sql(dialect='duckdb')[:60]}: needs FILTER (WHERE {arg} IS NOT NULL) "
-                           "(DuckDB skips NULL arguments, Spark max_by does not)")
+                out.append(
+                    f"{node.sql(dialect='duckdb')[:60]}: needs FILTER (WHERE {arg} IS NOT NULL) "
+                    "(DuckDB skips NULL arguments, Spark max_by does not)"
+                )
     try:
         to_spark(sql)
     except ValueError as e:

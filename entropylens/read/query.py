@@ -20,17 +20,35 @@ from importlib import resources
 from . import catalog as cat
 from .catalog import QueryError
 from .params import check as check_params
-from .sql_hints import hint as sql_hint
 from .sql_guard import NotReadOnly, ReadOnlyConnection, unguarded
-
+from .sql_hints import hint as sql_hint
 from .views import (  # noqa: F401 - the readers' public names, re-exported
-    DEFAULT_HEARTBEAT_S, MATERIALIZED, PARTITIONED, STALE_INTERVALS, FileNoteWarning, UnreadableFileWarning, _views,
-    find_runs, read_error_hint, run_ids, run_row, run_status,
+    DEFAULT_HEARTBEAT_S,
+    MATERIALIZED,
+    PARTITIONED,
+    STALE_INTERVALS,
+    FileNoteWarning,
+    UnreadableFileWarning,
+    _views,
+    find_runs,
+    read_error_hint,
+    run_ids,
+    run_row,
+    run_status,
 )
 
-def connect(path, *, runs: list[str] | None = None, database: str = ":memory:",
-            storage_options: dict | None = None, lock: bool = True, settings: dict | None = None,
-            raw: bool = False, tau: float | None = None):
+
+def connect(
+    path,
+    *,
+    runs: list[str] | None = None,
+    database: str = ":memory:",
+    storage_options: dict | None = None,
+    lock: bool = True,
+    settings: dict | None = None,
+    raw: bool = False,
+    tau: float | None = None,
+):
     """A read-only DuckDB connection with views runs / steps / sequences / tokens over the runs under
     ``path`` (a directory or an object-store URL such as ``s3://bucket/runs``).
 
@@ -107,8 +125,10 @@ class QueryLimitError(QueryError):
         if limit == "timeout":
             msg = f"query stopped: timeout={value:g} s reached; pass timeout=0 for no limit"
         else:
-            msg = (f"query stopped: memory_limit {value} reached ({detail}); connect with a larger one, e.g. "
-                   "settings={'memory_limit': '80%'}")
+            msg = (
+                f"query stopped: memory_limit {value} reached ({detail}); connect with a larger one, e.g. "
+                "settings={'memory_limit': '80%'}"
+            )
         super().__init__(msg)
 
 
@@ -356,8 +376,18 @@ def run_sql(con, sql: str, *, timeout: float | None = None):
         raise QueryError(f"SQL error: {str(e).splitlines()[0]}{sql_hint(e)}{read_error_hint(con, e)}") from None
 
 
-__all__ = ["connect", "find_runs", "list_analyses", "run_analysis", "run_sql", "QueryError", "QueryLimitError",
-           "NotReadOnly", "Runs", "open"]
+__all__ = [
+    "connect",
+    "find_runs",
+    "list_analyses",
+    "run_analysis",
+    "run_sql",
+    "QueryError",
+    "QueryLimitError",
+    "NotReadOnly",
+    "Runs",
+    "open",
+]
 
 
 class Runs:
@@ -376,8 +406,15 @@ class Runs:
     (``pip install polars``); DuckDB hands its result over as an Arrow table, which polars takes without
     copying (no detour through pandas)."""
 
-    def __init__(self, path, *, runs: list[str] | None = None, timeout: float | None = None,
-                 memory_limit: str | None = None, **connect_kwargs):
+    def __init__(
+        self,
+        path,
+        *,
+        runs: list[str] | None = None,
+        timeout: float | None = None,
+        memory_limit: str | None = None,
+        **connect_kwargs,
+    ):
         self.path = path
         self.timeout = check_timeout(timeout)
         if memory_limit is not None:
@@ -397,9 +434,14 @@ class Runs:
     def analysis(self, name: str, *, polars: bool = False, timeout: float | None = None, **params):
         """Analysis ``name`` (analyses/<name>.sql) with its parameters: pandas, or polars."""
         t = self._timeout(timeout)
-        return _result(self.con, render_analysis(name, **params), polars,
-                       lambda: run_analysis(self.con, name, timeout=t, **params), what=f"analysis {name!r}",
-                       timeout=t)
+        return _result(
+            self.con,
+            render_analysis(name, **params),
+            polars,
+            lambda: run_analysis(self.con, name, timeout=t, **params),
+            what=f"analysis {name!r}",
+            timeout=t,
+        )
 
     def __repr__(self) -> str:
         return f"entropylens.open({self.path!r})"

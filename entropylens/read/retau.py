@@ -73,11 +73,13 @@ def _aggregates() -> str:
             f"coalesce(sum(entropy_effect) FILTER (WHERE {cond}), 0) AS entropy_effect_{s}",
             f"coalesce(sum(entropy_effect_dropped) FILTER (WHERE {cond}), 0) AS entropy_effect_dropped_{s}",
         ]
-    return (f"SELECT {', '.join(cols)} FROM (SELECT *, quadrant(advantage, prob, $tau) AS q FROM tokens) "
-            "GROUP BY run, rank, step, update")
+    return (
+        f"SELECT {', '.join(cols)} FROM (SELECT *, quadrant(advantage, prob, $tau) AS q FROM tokens) "
+        "GROUP BY run, rank, step, update"
+    )
 
 
-_TAUS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # con -> the tau its views are split at
+_TAUS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # con -> the tau its views are split at
 
 
 def tau_of(con) -> float | None:
@@ -89,8 +91,9 @@ def _split_tokens(con, tau: float) -> None:
     """The tokens view re-created over the recorded one with ``quadrant`` recomputed at ``tau``."""
     con.execute("DROP VIEW IF EXISTS _tokens_recorded")
     con.execute("ALTER VIEW tokens RENAME TO _tokens_recorded")
-    con.execute(f"CREATE VIEW tokens AS SELECT * REPLACE (quadrant(advantage, prob, {tau!r}) AS quadrant) "
-                "FROM _tokens_recorded")
+    con.execute(
+        f"CREATE VIEW tokens AS SELECT * REPLACE (quadrant(advantage, prob, {tau!r}) AS quadrant) FROM _tokens_recorded"
+    )
 
 
 def replanned(con) -> None:
@@ -106,17 +109,30 @@ def apply_tau(con, tau: float) -> None:
     _TAUS[con] = tau
     _split_tokens(con, tau)
     have = {row[0] for row in con.execute("DESCRIBE steps").fetchall()}
-    con.execute(f"CREATE TEMP TABLE _retau AS SELECT a.*, coalesce(CAST(s.n_tokens AS DOUBLE) / a.rows, 1.0) AS scale "
-                f"FROM ({_aggregates().replace('$tau', t)}) AS a LEFT JOIN steps AS s USING (run, rank, step, update)")
-    con.execute(f"UPDATE steps SET {', '.join(_per_quadrant(have))} FROM _retau AS a WHERE steps.run = a.run AND "
-                "steps.rank = a.rank AND steps.step = a.step AND steps.update = a.update")
-    nulls = [f"{c} = NULL" for c in (
-        *(f"n_{quadrant_slug(q)}" for q in (*QUADRANTS, "ZA")),
-        *(f"{p}_{quadrant_slug(q)}" for q in QUADRANTS
-          for p in ("clip_frac", "lgn_mean", "entropy_effect", "entropy_effect_dropped")))
-        if c.split(" ")[0] in have]
-    con.execute(f"UPDATE steps SET {', '.join(nulls)} WHERE NOT EXISTS (SELECT 1 FROM _retau AS a WHERE "
-                "a.run = steps.run AND a.rank = steps.rank AND a.step = steps.step AND a.update = steps.update)")
+    con.execute(
+        f"CREATE TEMP TABLE _retau AS SELECT a.*, coalesce(CAST(s.n_tokens AS DOUBLE) / a.rows, 1.0) AS scale "
+        f"FROM ({_aggregates().replace('$tau', t)}) AS a LEFT JOIN steps AS s USING (run, rank, step, update)"
+    )
+    con.execute(
+        f"UPDATE steps SET {', '.join(_per_quadrant(have))} FROM _retau AS a WHERE steps.run = a.run AND "
+        "steps.rank = a.rank AND steps.step = a.step AND steps.update = a.update"
+    )
+    nulls = [
+        f"{c} = NULL"
+        for c in (
+            *(f"n_{quadrant_slug(q)}" for q in (*QUADRANTS, "ZA")),
+            *(
+                f"{p}_{quadrant_slug(q)}"
+                for q in QUADRANTS
+                for p in ("clip_frac", "lgn_mean", "entropy_effect", "entropy_effect_dropped")
+            ),
+        )
+        if c.split(" ")[0] in have
+    ]
+    con.execute(
+        f"UPDATE steps SET {', '.join(nulls)} WHERE NOT EXISTS (SELECT 1 FROM _retau AS a WHERE "
+        "a.run = steps.run AND a.rank = steps.rank AND a.step = steps.step AND a.update = steps.update)"
+    )
     con.execute("DROP TABLE _retau")
     con.execute("ALTER VIEW runs RENAME TO _runs_recorded")
     con.execute(f"CREATE VIEW runs AS SELECT * REPLACE (CAST({t} AS FLOAT) AS tau) FROM _runs_recorded")

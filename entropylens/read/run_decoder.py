@@ -8,8 +8,20 @@ import os
 import tempfile
 import warnings
 
-from ..token_text import (SAVED_DIR, Decoder, TokenizerDecoder, TokenTextWarning, VocabDecoder, is_path, is_vocab,
-                          name_of, one_line, load_tokenizer, make_decoder, tokenizer_of)
+from ..token_text import (
+    SAVED_DIR,
+    Decoder,
+    TokenizerDecoder,
+    TokenTextWarning,
+    VocabDecoder,
+    is_path,
+    is_vocab,
+    load_tokenizer,
+    make_decoder,
+    name_of,
+    one_line,
+    tokenizer_of,
+)
 
 
 def _run_dir(path, run: str, storage_options: dict | None):
@@ -41,8 +53,11 @@ def _load_saved(d) -> object:
 def _from_run_json(d, info: dict) -> Decoder:
     """The decoder run.json's tokenizer block names: saved copy, inline vocabulary, then name_or_path."""
     cfg = info.get("config") if isinstance(info, dict) else None  # run.json of any shape (catalog.checked_info)
-    tok = ((cfg if isinstance(cfg, dict) else {}).get("tokenizer") or info.get("tokenizer")) if isinstance(info, dict) \
+    tok = (
+        ((cfg if isinstance(cfg, dict) else {}).get("tokenizer") or info.get("tokenizer"))
+        if isinstance(info, dict)
         else None
+    )
     tok = tok if isinstance(tok, dict) else {}
     saved = d / SAVED_DIR  # always there (TRL, Recorder): run.json says whether one was kept
     try:
@@ -53,8 +68,11 @@ def _from_run_json(d, info: dict) -> Decoder:
         try:
             return TokenizerDecoder(_load_saved(saved), f"tokenizer saved with the run ({saved})")
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: the tokenizer saved with the run ({saved}) could not be loaded "
-                          f"({one_line(e)})", TokenTextWarning, stacklevel=3)
+            warnings.warn(
+                f"entropylens: the tokenizer saved with the run ({saved}) could not be loaded ({one_line(e)})",
+                TokenTextWarning,
+                stacklevel=3,
+            )
     vocab = tok.get("vocab")
     if isinstance(vocab, list):
         return VocabDecoder(vocab, "the run's vocabulary (run.json)")
@@ -63,8 +81,12 @@ def _from_run_json(d, info: dict) -> Decoder:
         try:
             return TokenizerDecoder(load_tokenizer(name), f"tokenizer {name} (run.json)")
         except Exception as e:  # noqa: BLE001
-            warnings.warn(f"entropylens: tokenizer {name} (run.json) could not be loaded ({one_line(e)}); token "
-                          "ids are shown as ⟨id⟩", TokenTextWarning, stacklevel=3)
+            warnings.warn(
+                f"entropylens: tokenizer {name} (run.json) could not be loaded ({one_line(e)}); token "
+                "ids are shown as ⟨id⟩",
+                TokenTextWarning,
+                stacklevel=3,
+            )
     return Decoder()
 
 
@@ -83,8 +105,11 @@ def decoder_for_run(path, run: str, tokenizer=None, *, storage_options: dict | N
     try:
         info = json.loads((d / "run.json").read_text())
     except Exception as e:  # noqa: BLE001 - a torn run.json: its tokenizer is not known
-        warnings.warn(f"entropylens: {d / 'run.json'} could not be read ({one_line(e)}); token ids are shown "
-                      "as ⟨id⟩", TokenTextWarning, stacklevel=2)
+        warnings.warn(
+            f"entropylens: {d / 'run.json'} could not be read ({one_line(e)}); token ids are shown as ⟨id⟩",
+            TokenTextWarning,
+            stacklevel=2,
+        )
         return Decoder()
     return _from_run_json(d, info)
 
@@ -96,4 +121,3 @@ def _given_source(tokenizer) -> str:
         return f"tokenizer {os.fspath(tokenizer)} (given)"
     name = name_of(tokenizer_of(tokenizer)) if not isinstance(tokenizer, Decoder) else None
     return f"tokenizer {name} (given)" if name else f"the given tokenizer ({type(tokenizer_of(tokenizer)).__name__})"
-

@@ -31,14 +31,23 @@ import shutil
 import warnings
 from pathlib import Path
 
+from ..schema import TABLES, changed_meaning
 from . import catalog as cat
 from .portable import to_spark
 from .query import PARTITIONED, QueryError, UnreadableFileWarning, find_runs, render_analysis, run_row
 from .sql_guard import check_read_only
-from ..schema import TABLES, changed_meaning
 
-_SPARK_TYPES = {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INT", "int64": "BIGINT", "float32": "FLOAT",
-                "float64": "DOUBLE", "bool": "BOOLEAN", "string": "STRING", "dict8": "STRING"}
+_SPARK_TYPES = {
+    "int8": "TINYINT",
+    "int16": "SMALLINT",
+    "int32": "INT",
+    "int64": "BIGINT",
+    "float32": "FLOAT",
+    "float64": "DOUBLE",
+    "bool": "BOOLEAN",
+    "string": "STRING",
+    "dict8": "STRING",
+}
 _PART_TYPES = {"step": "INT", "rank": "SMALLINT"}  # query.py's hive_types
 
 # A local session's settings: no web UI, few shuffle partitions (the data of one machine), UTC.
@@ -82,13 +91,16 @@ def session(master: str | None = None, conf: dict | None = None):
     if not _java_available():
         raise SparkUnavailable("the Spark engine needs Java 17+ (no `java` on PATH and no JAVA_HOME)")
     builder = SparkSession.builder.appName("entropylens").master(
-        master or os.environ.get("ENTROPYLENS_SPARK_MASTER") or "local[*]")
+        master or os.environ.get("ENTROPYLENS_SPARK_MASTER") or "local[*]"
+    )
     for k, v in {**LOCAL_CONF, **(conf or {})}.items():
         builder = builder.config(k, v)
     try:
         spark = builder.getOrCreate()
     except Exception as e:  # JAVA_GATEWAY_EXITED and friends: a JVM that would not start
-        raise SparkUnavailable(f"Spark did not start: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise SparkUnavailable(
+            f"Spark did not start: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
     spark.sparkContext.setLogLevel("ERROR")
     return spark
 
@@ -96,10 +108,10 @@ def session(master: str | None = None, conf: dict | None = None):
 # ---------------------------------------------------------------- views
 def spark_url(url: str) -> str:
     """A catalog URL as Spark's Hadoop filesystems name it: s3:// -> s3a:// (hadoop-aws)."""
-    return "s3a://" + url[len("s3://"):] if url.startswith("s3://") else url
+    return "s3a://" + url[len("s3://") :] if url.startswith("s3://") else url
 
 
-def _read_files(spark, run: "cat.RunFiles", table: str):
+def _read_files(spark, run: cat.RunFiles, table: str):
     """One run's files of ``table`` that the DuckDB view reads (catalog.py chose them: committed
     steps only, bad files skipped, compacted files instead of the originals they replace), as one
     DataFrame with step INT and rank SMALLINT; None without files."""
@@ -109,8 +121,7 @@ def _read_files(spark, run: "cat.RunFiles", table: str):
     hive = run.files.get(table)
     if hive:  # step / rank from the Hive path, as read_parquet(hive_partitioning = true)
         base = spark_url(str(run.dir / table))
-        frames.append(spark.read.option("basePath", base).option("mergeSchema", "true")
-                      .parquet(*map(spark_url, hive)))
+        frames.append(spark.read.option("basePath", base).option("mergeSchema", "true").parquet(*map(spark_url, hive)))
     compacted = run.compacted.get(table)
     if compacted:  # step / rank stored in the file
         frames.append(spark.read.option("mergeSchema", "true").parquet(*map(spark_url, compacted)))
@@ -167,12 +178,21 @@ def _coerce(value, dtype: str):
 def _runs_df(spark, infos: list[dict]):
     from pyspark.sql import types as T
 
-    kinds = {"int8": T.ByteType(), "int16": T.ShortType(), "int32": T.IntegerType(), "int64": T.LongType(),
-             "float32": T.FloatType(), "float64": T.DoubleType(), "bool": T.BooleanType(),
-             "string": T.StringType(), "dict8": T.StringType()}
+    kinds = {
+        "int8": T.ByteType(),
+        "int16": T.ShortType(),
+        "int32": T.IntegerType(),
+        "int64": T.LongType(),
+        "float32": T.FloatType(),
+        "float64": T.DoubleType(),
+        "bool": T.BooleanType(),
+        "string": T.StringType(),
+        "dict8": T.StringType(),
+    }
     cols = list(TABLES["runs"])
-    schema = T.StructType([T.StructField(c.name, kinds[c.dtype], True) for c in cols]
-                          + [T.StructField("path", T.StringType(), True)])
+    schema = T.StructType(
+        [T.StructField(c.name, kinds[c.dtype], True) for c in cols] + [T.StructField("path", T.StringType(), True)]
+    )
     rows = [tuple(_coerce(i.get(c.name), c.dtype) for c in cols) + (i.get("path"),) for i in infos]
     return spark.createDataFrame(rows, schema)
 
@@ -229,8 +249,11 @@ class SparkConnection:
                 if df is not None:
                     df = _with_derived(df, table, r.info.get("schema_version"))
                     frames.append(df.select(F.lit(r.id).alias("run"), *[F.col(f"`{c}`") for c in df.columns]))
-            view = (reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames) if frames
-                    else _empty(self.spark, table))
+            view = (
+                reduce(lambda a, b: a.unionByName(b, allowMissingColumns=True), frames)
+                if frames
+                else _empty(self.spark, table)
+            )
             view.createOrReplaceTempView(table)
 
     def sql(self, spark_sql: str):
@@ -256,8 +279,7 @@ def _one_line(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def connect(path, *, runs: list[str] | None = None, spark=None,
-            storage_options: dict | None = None) -> SparkConnection:
+def connect(path, *, runs: list[str] | None = None, spark=None, storage_options: dict | None = None) -> SparkConnection:
     """Spark views runs / steps / sequences / tokens (/ probes) over the runs under ``path`` (see
     module doc); ``spark``: a session to use (default: :func:`session`)."""
     if spark is None:
@@ -266,8 +288,9 @@ def connect(path, *, runs: list[str] | None = None, spark=None,
     return SparkConnection(spark, path, runs, storage_options)
 
 
-def run_analysis(path, name: str, *, runs: list[str] | None = None, spark=None,
-                 storage_options: dict | None = None, **params):
+def run_analysis(
+    path, name: str, *, runs: list[str] | None = None, spark=None, storage_options: dict | None = None, **params
+):
     """analyses/<name>.sql on Spark over the runs under ``path``: a pandas DataFrame."""
     sql = render_analysis(name, **params)  # unknown analysis / bad parameter before Spark starts
     con = connect(path, runs=runs, spark=spark, storage_options=storage_options)

@@ -27,14 +27,28 @@ import threading
 from .catalog import QueryError
 
 # PRAGMAs that only report (the others set options or write, e.g. a profiling output file)
-READ_PRAGMAS = ("table_info", "show_tables", "show_tables_expanded", "show", "database_size", "version",
-                "platform", "storage_info", "functions", "metadata_info", "database_list", "collations")
+READ_PRAGMAS = (
+    "table_info",
+    "show_tables",
+    "show_tables_expanded",
+    "show",
+    "database_size",
+    "version",
+    "platform",
+    "storage_info",
+    "functions",
+    "metadata_info",
+    "database_list",
+    "collations",
+)
 READ_ONLY = "SELECT / WITH / VALUES / FROM / DESCRIBE / SHOW / SUMMARIZE / PIVOT / EXPLAIN / read-only PRAGMA"
 
 
 # who runs the SQL, and what to do instead of writing, as the refusals say it
-PYTHON = ("this connection", "for statements that write or change the session use connect(PATH, raw=True): "
-          "docs/security.md")
+PYTHON = (
+    "this connection",
+    "for statements that write or change the session use connect(PATH, raw=True): docs/security.md",
+)
 CLI = ("`entropylens query`", "to save a result use --output FILE")
 
 
@@ -50,21 +64,26 @@ def _strip_comments(sql: str) -> str:
 # EXPLAIN (ANALYZE, FORMAT json), EXPLAIN ANALYZE (FORMAT json); comments may sit between the words
 _GAP = r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*"
 _EXPLAIN_HEAD = re.compile(
-    rf"{_GAP}explain\b{_GAP}(?:analy[sz]e\b{_GAP})?(?:\((?:[^()'\"]|'[^']*'|\"[^\"]*\")*\){_GAP})?", re.I | re.S)
+    rf"{_GAP}explain\b{_GAP}(?:analy[sz]e\b{_GAP})?(?:\((?:[^()'\"]|'[^']*'|\"[^\"]*\")*\){_GAP})?", re.I | re.S
+)
 
 
 def _explained(query: str) -> str | None:
     """The statement an EXPLAIN statement wraps (the text after EXPLAIN [ANALYZE] [(options)]), or
     None if that prefix cannot be found."""
     m = _EXPLAIN_HEAD.match(query)
-    return query[m.end():] if m else None
+    return query[m.end() :] if m else None
 
 
 # the query nodes that only read; DuckDB 2.0 also takes COPY TO / INSERT / UPDATE / DELETE as a CTE body
 # (COPY_QUERY_NODE, ...) inside a statement it classifies as SELECT
 _READING_NODES = {"SELECT_NODE", "SET_OPERATION_NODE", "RECURSIVE_CTE_NODE", "CTE_NODE"}
-_NODE_WORD = {"COPY_QUERY_NODE": "COPY", "INSERT_QUERY_NODE": "INSERT", "UPDATE_QUERY_NODE": "UPDATE",
-              "DELETE_QUERY_NODE": "DELETE"}
+_NODE_WORD = {
+    "COPY_QUERY_NODE": "COPY",
+    "INSERT_QUERY_NODE": "INSERT",
+    "UPDATE_QUERY_NODE": "UPDATE",
+    "DELETE_QUERY_NODE": "DELETE",
+}
 
 
 def _node_types(tree, acc: set) -> set:
@@ -103,8 +122,7 @@ def _check_query_nodes(query: str, who: tuple[str, str]) -> None:
     except (duckdb.Error, ValueError, TypeError):
         tree = {"error": True}
     if tree.get("error"):
-        raise NotReadOnly(f"cannot check this statement's parts: {who[0]} runs one read-only statement "
-                          f"({READ_ONLY})")
+        raise NotReadOnly(f"cannot check this statement's parts: {who[0]} runs one read-only statement ({READ_ONLY})")
     bad = sorted(_node_types(tree, set()) - _READING_NODES)
     if bad:
         shown = ", ".join(_NODE_WORD.get(b, b) for b in bad)
@@ -123,8 +141,9 @@ def check_read_only(sql: str, _depth: int = 0, *, who: tuple[str, str] = PYTHON)
     except duckdb.Error:
         return  # not SQL DuckDB can parse: running it gives the one-line syntax error
     if len(statements) > 1:
-        raise NotReadOnly(f"the query has {len(statements)} statements; {who[0]} runs one read-only "
-                          f"statement ({READ_ONLY})")
+        raise NotReadOnly(
+            f"the query has {len(statements)} statements; {who[0]} runs one read-only statement ({READ_ONLY})"
+        )
     if not statements:
         return
     st = statements[0]
@@ -143,8 +162,10 @@ def check_read_only(sql: str, _depth: int = 0, *, who: tuple[str, str] = PYTHON)
             except duckdb.Error:
                 inner_ok = False
         if not inner_ok:  # fail closed: what EXPLAIN wraps must be checked, not guessed
-            raise NotReadOnly(f"cannot tell which statement this EXPLAIN wraps: {who[0]} runs EXPLAIN only "
-                              f"around a read-only statement ({READ_ONLY})")
+            raise NotReadOnly(
+                f"cannot tell which statement this EXPLAIN wraps: {who[0]} runs EXPLAIN only "
+                f"around a read-only statement ({READ_ONLY})"
+            )
         try:
             check_read_only(inner, _depth + 1, who=who)
         except NotReadOnly as e:
@@ -157,17 +178,23 @@ def check_read_only(sql: str, _depth: int = 0, *, who: tuple[str, str] = PYTHON)
         if name and name.group(1).lower() in READ_PRAGMAS:
             return
         shown = f"PRAGMA {name.group(1)}" if name else "this PRAGMA"
-        raise NotReadOnly(f"{shown} is not allowed: {who[0]} is read-only ({READ_ONLY}; PRAGMAs: "
-                          f"{', '.join(READ_PRAGMAS)})")
+        raise NotReadOnly(
+            f"{shown} is not allowed: {who[0]} is read-only ({READ_ONLY}; PRAGMAs: {', '.join(READ_PRAGMAS)})"
+        )
     shown = first or kind
     raise NotReadOnly(f"{shown} statements are not allowed: {who[0]} is read-only ({READ_ONLY}); {who[1]}")
 
 
 # methods of a DuckDB connection that write into its tables or install / load code: refused outright
-_REFUSED = {"append": "appends rows to a table", "appender": "appends rows to a table",
-            "query_appender": "appends rows to a table", "install_extension": "installs an extension",
-            "load_extension": "loads an extension", "register_filesystem": "changes how files are read",
-            "unregister_filesystem": "changes how files are read"}
+_REFUSED = {
+    "append": "appends rows to a table",
+    "appender": "appends rows to a table",
+    "query_appender": "appends rows to a table",
+    "install_extension": "installs an extension",
+    "load_extension": "loads an extension",
+    "register_filesystem": "changes how files are read",
+    "unregister_filesystem": "changes how files are read",
+}
 
 
 class ReadOnlyConnection:
@@ -193,8 +220,10 @@ class ReadOnlyConnection:
         if isinstance(query, str):
             check_read_only(query)
         elif query is not None:  # DuckDB also takes a prepared Statement object: not checkable by text
-            raise NotReadOnly("this connection takes SQL text only (a str); for other statement objects use "
-                              "connect(PATH, raw=True): docs/security.md")
+            raise NotReadOnly(
+                "this connection takes SQL text only (a str); for other statement objects use "
+                "connect(PATH, raw=True): docs/security.md"
+            )
 
     def execute(self, query, parameters=None):
         self._checked(query)
@@ -225,11 +254,17 @@ class ReadOnlyConnection:
         return ReadOnlyConnection(self.raw.duplicate())
 
     def _new_name(self, name: str, what: str) -> None:
-        have = {str(r[0]).lower() for r in self.raw.execute(
-            "SELECT table_name FROM duckdb_tables() UNION ALL SELECT view_name FROM duckdb_views()").fetchall()}
+        have = {
+            str(r[0]).lower()
+            for r in self.raw.execute(
+                "SELECT table_name FROM duckdb_tables() UNION ALL SELECT view_name FROM duckdb_views()"
+            ).fetchall()
+        }
         if str(name).lower() in have:
-            raise NotReadOnly(f"cannot {what} {name!r}: the connection already has a table or view of that name; "
-                              "register your data under a new name")
+            raise NotReadOnly(
+                f"cannot {what} {name!r}: the connection already has a table or view of that name; "
+                "register your data under a new name"
+            )
 
     def register(self, view_name: str, python_object):
         self._new_name(view_name, "register")
@@ -246,8 +281,10 @@ class ReadOnlyConnection:
 
     def __getattr__(self, name: str):
         if name in _REFUSED:
-            raise NotReadOnly(f"{name}() {_REFUSED[name]}: this connection is read-only; use connect(PATH, "
-                              "raw=True): docs/security.md")
+            raise NotReadOnly(
+                f"{name}() {_REFUSED[name]}: this connection is read-only; use connect(PATH, "
+                "raw=True): docs/security.md"
+            )
         return getattr(self.raw, name)
 
     def __enter__(self):

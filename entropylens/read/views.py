@@ -15,10 +15,10 @@ import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import catalog as cat
-from .catalog import QueryError
 from ..schema import TABLES, changed_meaning
 from ..storage import location, register
+from . import catalog as cat
+from .catalog import QueryError
 
 PARTITIONED = ("steps", "sequences", "tokens", "probes")
 UNIFORM = ("sequences", "tokens")  # one writer, one schema per run: no union_by_name, so a filtered
@@ -63,8 +63,17 @@ def _sql_list(files: list[str]) -> str:
 
 
 def _duck_type(dtype: str) -> str:
-    return {"int8": "TINYINT", "int16": "SMALLINT", "int32": "INTEGER", "int64": "BIGINT", "float32": "FLOAT",
-            "float64": "DOUBLE", "bool": "BOOLEAN", "string": "VARCHAR", "dict8": "VARCHAR"}[dtype]
+    return {
+        "int8": "TINYINT",
+        "int16": "SMALLINT",
+        "int32": "INTEGER",
+        "int64": "BIGINT",
+        "float32": "FLOAT",
+        "float64": "DOUBLE",
+        "bool": "BOOLEAN",
+        "string": "VARCHAR",
+        "dict8": "VARCHAR",
+    }[dtype]
 
 
 def run_status(info: dict, now: datetime | None = None) -> str | None:
@@ -133,8 +142,11 @@ def _derived_sql(table: str, have: set[str]) -> str:
 
 def _missing_sql(table: str, have: set[str]) -> str:
     """Stored schema columns the files lack (a run written before they existed): NULL of their type."""
-    return "".join(f", CAST(NULL AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES.get(table, [])
-                   if not c.derived and c.name not in have and c.name not in ("step", "rank"))
+    return "".join(
+        f", CAST(NULL AS {_duck_type(c.dtype)}) AS {c.name}"
+        for c in TABLES.get(table, [])
+        if not c.derived and c.name not in have and c.name not in ("step", "rank")
+    )
 
 
 def _complete_table(con, table: str, runs) -> None:
@@ -177,9 +189,11 @@ def _keys_sql(run: cat.RunFiles) -> tuple[str, str]:
     if _hive_safe(run):
         return "rank, step", "hive_partitioning = true, hive_types = {'step': INTEGER, 'rank': SMALLINT}"
     f = ident(_FILE_COL)
-    return (f"CAST(split_part(split_part({f}, '/rank=', -1), '/', 1) AS SMALLINT) AS rank, "
-            f"CAST(split_part(split_part({f}, '/step=', -1), '/', 1) AS INTEGER) AS step",
-            f"hive_partitioning = false, filename = {sql_str(_FILE_COL)}")
+    return (
+        f"CAST(split_part(split_part({f}, '/rank=', -1), '/', 1) AS SMALLINT) AS rank, "
+        f"CAST(split_part(split_part({f}, '/step=', -1), '/', 1) AS INTEGER) AS step",
+        f"hive_partitioning = false, filename = {sql_str(_FILE_COL)}",
+    )
 
 
 def _groups(run: cat.RunFiles, files: list[str], table: str, chunk: int | None) -> list[tuple[list[str], list[str]]]:
@@ -189,7 +203,7 @@ def _groups(run: cat.RunFiles, files: list[str], table: str, chunk: int | None) 
     if chunk:
         out = []
         for i in range(0, len(files), chunk):
-            part, cols = files[i:i + chunk], {}
+            part, cols = files[i : i + chunk], {}
             for f in part:
                 cols.update(dict.fromkeys(n for n, _ in run.footers[f].columns) if f in run.footers else {})
             out.append((part, list(cols)))
@@ -213,13 +227,17 @@ def _selects(run: cat.RunFiles, table: str, chunk: int | None = None) -> list[st
         union = "true" if chunk else "false"
         have = set(cols) | {"step", "rank"}
         body = "".join(f"{ident(c)}, " for c in cols)
-        out.append(f"SELECT {sql_str(run.id)} AS run, {body}{keys}{_extra_sql(table, have)} FROM "
-                   f"read_parquet({_sql_list(files)}, {opts}, union_by_name = {union})")
+        out.append(
+            f"SELECT {sql_str(run.id)} AS run, {body}{keys}{_extra_sql(table, have)} FROM "
+            f"read_parquet({_sql_list(files)}, {opts}, union_by_name = {union})"
+        )
     comp = run.compacted.get(table) or []
     for files, cols in _groups(run, comp, table, chunk or max(len(comp), 1)):
         body = ", ".join(ident(c) for c in cols) or "*"
-        out.append(f"SELECT {sql_str(run.id)} AS run, {body}{_extra_sql(table, set(cols))} FROM "
-                   f"read_parquet({_sql_list(files)}, union_by_name = true)")
+        out.append(
+            f"SELECT {sql_str(run.id)} AS run, {body}{_extra_sql(table, set(cols))} FROM "
+            f"read_parquet({_sql_list(files)}, union_by_name = true)"
+        )
     return out
 
 
@@ -232,7 +250,7 @@ def _extra_sql(table: str, have: set[str]) -> str:
 
 
 def _empty_view(table: str) -> str:
-    cols = ", ".join(f"CAST(NULL AS {_duck_type(c.dtype)}) AS \"{c.name}\"" for c in TABLES.get(table, []))
+    cols = ", ".join(f'CAST(NULL AS {_duck_type(c.dtype)}) AS "{c.name}"' for c in TABLES.get(table, []))
     return f"SELECT CAST(NULL AS VARCHAR) AS run{', ' + cols if cols else ''} WHERE false"
 
 
@@ -242,8 +260,9 @@ def _views(snap: cat.Catalog, con, only: set[str] | None = None):
 
     if only is None:
         register(con, snap.root)
-        info = pd.DataFrame([run_row(r.info, r.id, str(r.dir)) for r in snap.runs],
-                            columns=[c.name for c in TABLES["runs"]] + ["path"])
+        info = pd.DataFrame(
+            [run_row(r.info, r.id, str(r.dir)) for r in snap.runs], columns=[c.name for c in TABLES["runs"]] + ["path"]
+        )
         con.register("_runs_df", info)
         casts = ", ".join(f"CAST({c.name} AS {_duck_type(c.dtype)}) AS {c.name}" for c in TABLES["runs"])
         con.execute(f"CREATE VIEW runs AS SELECT {casts}, path FROM _runs_df")
@@ -252,7 +271,9 @@ def _views(snap: cat.Catalog, con, only: set[str] | None = None):
         if only is not None and table not in only:
             continue
         if table not in MATERIALIZED:
-            files[table] = [(r.dir, f) for r in snap.runs for f in (*r.files.get(table, ()), *r.compacted.get(table, ()))]
+            files[table] = [
+                (r.dir, f) for r in snap.runs for f in (*r.files.get(table, ()), *r.compacted.get(table, ()))
+            ]
         if table in MATERIALIZED:
             _materialize(con, snap, table)
             continue
@@ -282,8 +303,9 @@ def _materialize(con, snap: cat.Catalog, table: str) -> None:
             for (name,) in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall():
                 if name.startswith(f"_{table}_part"):  # the parts read before the failure
                     con.execute(f"DROP TABLE {ident(name)}")
-            if not set_aside_unreadable(snap, table, [f for r in snap.runs for f in (
-                    *r.files.get(table, ()), *r.compacted.get(table, ()))]):
+            if not set_aside_unreadable(
+                snap, table, [f for r in snap.runs for f in (*r.files.get(table, ()), *r.compacted.get(table, ()))]
+            ):
                 raise e from None
     _create_materialized(con, snap, table)
 
@@ -321,8 +343,9 @@ def set_aside_unreadable(snap: cat.Catalog, table: str, files: list[str]) -> lis
             why = cat.read_problem(r.dir, f.split("://", 1)[-1])
             if why and why != cat._GONE:
                 bad.append(f)
-                snap.bad.append((f, why + "; left out (move it out of the run folder; `entropylens verify` "
-                                 "lists every such file)"))
+                snap.bad.append(
+                    (f, why + "; left out (move it out of the run folder; `entropylens verify` lists every such file)")
+                )
                 for t in (r.files, r.compacted):
                     if f in t.get(table, ()):
                         t[table] = [u for u in t[table] if u != f]
@@ -342,19 +365,33 @@ def _row_count_notes(con, snap: cat.Catalog) -> list[tuple[str, str]]:
     to name (:func:`row_count_problems` with ``fewer=True``): hand-built runs may record any n_tokens."""
     if not any(r.files.get("tokens") for r in snap.runs):
         return []
-    recorded = {(run, step, rank): n for run, step, rank, n in con.execute(
-        "SELECT run, step, rank, sum(n_tokens) FROM steps WHERE n_tokens IS NOT NULL GROUP BY ALL").fetchall()}
+    recorded = {
+        (run, step, rank): n
+        for run, step, rank, n in con.execute(
+            "SELECT run, step, rank, sum(n_tokens) FROM steps WHERE n_tokens IS NOT NULL GROUP BY ALL"
+        ).fetchall()
+    }
     out = []
     for r in snap.runs:
         out.extend(cat.row_count_problems(r, {(s, k): n for (run, s, k), n in recorded.items() if run == r.id}))
     return out
 
 
-_VIEW_FILES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # con -> table -> [(run dir, file)] of its views
+_VIEW_FILES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # con -> table -> [(run dir, file)] of its views
 # errors that are the query's own (its text, names, types, limits): no file is to blame
-_QUERY_ERRORS = ("ParserException", "SyntaxException", "BinderException", "CatalogException", "ConversionException",
-                 "InterruptException", "OutOfMemoryException", "PermissionException", "ConstraintException",
-                 "NotImplementedException", "OutOfRangeException")
+_QUERY_ERRORS = (
+    "ParserException",
+    "SyntaxException",
+    "BinderException",
+    "CatalogException",
+    "ConversionException",
+    "InterruptException",
+    "OutOfMemoryException",
+    "PermissionException",
+    "ConstraintException",
+    "NotImplementedException",
+    "OutOfRangeException",
+)
 _SCAN_LIMIT = 3  # unreadable files named at most (the first found; `verify` lists them all)
 _SCAN_S = 20.0  # seconds of reading files after a failed query, at most (a runtime error of the query itself
 # on a big run must not turn into minutes of reading)
@@ -391,5 +428,7 @@ def read_error_hint(con, e: BaseException) -> str:
 
 
 def _hint(bad: list[str]) -> str:
-    return (f"; reading {'; '.join(bad)} fails: move {'it' if len(bad) == 1 else 'them'} out of the run folder "
-            "and query again (`entropylens verify PATH` lists every damaged file)")
+    return (
+        f"; reading {'; '.join(bad)} fails: move {'it' if len(bad) == 1 else 'them'} out of the run folder "
+        "and query again (`entropylens verify PATH` lists every damaged file)"
+    )

@@ -55,8 +55,9 @@ def add_attribution(cols: dict[str, torch.Tensor], sensitivity: torch.Tensor, te
         nan = torch.full_like(lost, float("nan"))
         cols["entropy_effect_dropped"] = torch.where(changed, lost, nan)
         if "erc_kept" in cols and "grad_coef_before_erc" in cols:
-            by_erc = stats.entropy_effect(cols["grad_coef_before_erc"] - cols["grad_coef"], sens,
-                                          temperature=temperature)
+            by_erc = stats.entropy_effect(
+                cols["grad_coef_before_erc"] - cols["grad_coef"], sens, temperature=temperature
+            )
             cols["_dropped_by_erc"] = torch.where(changed, by_erc, nan)
 
 
@@ -64,7 +65,7 @@ def update_block(
     cols: dict[str, torch.Tensor],
     mask: torch.Tensor,
     loss_value: torch.Tensor | None,
-    finite: "dict[str, torch.Tensor] | FiniteFlags",
+    finite: dict[str, torch.Tensor] | FiniteFlags,
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
@@ -87,13 +88,19 @@ def update_block(
         add_attribution(cols, sensitivity, temperature)
     keep = sample_keep(seq, salt, sample)  # [B]
     aggregates = step_aggregates(cols, mask, cols.get("logit_grad_norm"), loss_value)
-    return pack(cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask,
-                has_loss=loss_value is not None)
+    return pack(
+        cols, mask & keep.unsqueeze(-1), aggregates, finite, seq, group, tokens, mask, has_loss=loss_value is not None
+    )
 
 
 # The recorder's checked inputs (all masked-in values finite) -> the column that holds each
-CHECKED_COLUMNS = {"logprobs": "logprob", "old_logprobs": "old_logprob", "advantages": "advantage",
-                   "entropy": "entropy", "old_entropy": "old_entropy"}
+CHECKED_COLUMNS = {
+    "logprobs": "logprob",
+    "old_logprobs": "old_logprob",
+    "advantages": "advantage",
+    "entropy": "entropy",
+    "old_entropy": "old_entropy",
+}
 # checked inputs where -inf is a value, not an error: the log-prob of a token of probability 0 (counted in
 # n_nonfinite_ratio, token_columns.log_zero_as_inf); NaN and +inf there are refused as in the others
 LOG_PROB_INPUTS = ("logprobs", "old_logprobs")
@@ -102,8 +109,13 @@ LOG_PROB_INPUTS = ("logprobs", "old_logprobs")
 # Columns :func:`update_block` reads: the float ones (FLOAT_COLS, ratio and entropy_ratio for the
 # aggregates; grad_coef_unclipped, grad_coef_before_erc and entropy_effect_bonus for the attribution) and
 # the small integer ones (quadrant, clip and the bool columns).
-_SNAPSHOT_FLOATS = FLOAT_COLS + ("ratio", "entropy_ratio", "grad_coef_unclipped", "grad_coef_before_erc",
-                                  "entropy_effect_bonus")
+_SNAPSHOT_FLOATS = FLOAT_COLS + (
+    "ratio",
+    "entropy_ratio",
+    "grad_coef_unclipped",
+    "grad_coef_before_erc",
+    "entropy_effect_bonus",
+)
 
 
 _SNAPSHOT_BOOLS = ("clipped", *BOOL_SHIFTS, "grad_changed")
@@ -127,7 +139,7 @@ class Snapshot:
     int_names: tuple[str, ...]
     ids: torch.Tensor  # [2, B] int64: seq, group ([U, 2, B] stacked)
     loss_value: torch.Tensor | None  # 0-dim ([U] stacked)
-    finite: "dict[str, torch.Tensor] | FiniteFlags"  # flags [k] ([U, k] stacked)
+    finite: dict[str, torch.Tensor] | FiniteFlags  # flags [k] ([U, k] stacked)
     temperature: float = 1.0
 
     def block(self, salt: int, sample: float) -> tuple[torch.Tensor, Layout]:
@@ -141,37 +153,67 @@ class Snapshot:
             if name in ints:
                 cols[name] = ints[name].bool()
         seq, group = self.ids.unbind(-2)
-        return update_block(cols, ints["mask"].bool(), self.loss_value, self.finite, seq, group, ints.get("tokens"),
-                            salt, sample, sensitivity, self.temperature)
+        return update_block(
+            cols,
+            ints["mask"].bool(),
+            self.loss_value,
+            self.finite,
+            seq,
+            group,
+            ints.get("tokens"),
+            salt,
+            sample,
+            sensitivity,
+            self.temperature,
+        )
 
     def signature(self) -> tuple:
         """Snapshots with equal signatures can be stacked (:func:`stack_snapshots`)."""
         finite = self.finite.names if isinstance(self.finite, FiniteFlags) else tuple(self.finite)
-        return (self.float_names, tuple(self.floats.shape), self.floats.dtype, self.int_names,
-                tuple(self.ints.shape), self.ints.dtype, self.loss_value is None, finite, self.temperature)
+        return (
+            self.float_names,
+            tuple(self.floats.shape),
+            self.floats.dtype,
+            self.int_names,
+            tuple(self.ints.shape),
+            self.ints.dtype,
+            self.loss_value is None,
+            finite,
+            self.temperature,
+        )
 
 
-def stack_snapshots(snaps: "list[Snapshot]") -> Snapshot:
+def stack_snapshots(snaps: list[Snapshot]) -> Snapshot:
     """One snapshot of U same-shaped updates (equal :meth:`Snapshot.signature`): every tensor
     gains a leading [U] dimension. Its block's row u equals ``snaps[u].block()`` word for word
     (every op of :func:`update_block` treats the updates apart)."""
     first = snaps[0]
-    finites = [s.finite if isinstance(s.finite, FiniteFlags) else
-               FiniteFlags(tuple(s.finite), torch.stack(list(s.finite.values())) if s.finite else None)
-               for s in snaps]
+    finites = [
+        s.finite
+        if isinstance(s.finite, FiniteFlags)
+        else FiniteFlags(tuple(s.finite), torch.stack(list(s.finite.values())) if s.finite else None)
+        for s in snaps
+    ]
     names = finites[0].names
     flags = torch.stack([f.flags for f in finites]) if names else None  # [U, k]
     loss = torch.stack([s.loss_value for s in snaps]) if first.loss_value is not None else None  # [U]
-    return Snapshot(torch.stack([s.floats for s in snaps]), first.float_names, torch.stack([s.ints for s in snaps]),
-                    first.int_names, torch.stack([s.ids for s in snaps]), loss, FiniteFlags(names, flags),
-                    first.temperature)
+    return Snapshot(
+        torch.stack([s.floats for s in snaps]),
+        first.float_names,
+        torch.stack([s.ints for s in snaps]),
+        first.int_names,
+        torch.stack([s.ids for s in snaps]),
+        loss,
+        FiniteFlags(names, flags),
+        first.temperature,
+    )
 
 
 def snapshot(
     cols: dict[str, torch.Tensor],
     mask: torch.Tensor,
     loss_value: torch.Tensor | None,
-    finite: "dict[str, torch.Tensor] | FiniteFlags",
+    finite: dict[str, torch.Tensor] | FiniteFlags,
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
@@ -191,19 +233,20 @@ def snapshot(
     if isinstance(finite, FiniteFlags) and finite.flags is None and finite.names:
         idx = [fnames.index(CHECKED_COLUMNS[name]) for name in finite.names]
         consecutive = idx == list(range(idx[0], idx[0] + len(idx)))
-        rows = floats[idx[0]: idx[-1] + 1] if consecutive else floats[idx]  # [k, B, T]
+        rows = floats[idx[0] : idx[-1] + 1] if consecutive else floats[idx]  # [k, B, T]
         # a float64 sum of float32 values never overflows: it is NaN or +-inf iff a masked-in value is, and
         # -inf iff one is -inf and none NaN or +inf (a log-prob's -inf is accepted: LOG_PROB_INPUTS)
         sums = torch.where(mask, rows, 0.0).sum(dim=(1, 2), dtype=torch.float64)  # [k]
         log_zero = torch.tensor([name in LOG_PROB_INPUTS for name in finite.names]) & (sums == float("-inf"))
         finite = FiniteFlags(finite.names, ((sums - sums) == 0) | log_zero)  # [k]: x - x is 0 iff x is finite
     inames = tuple(c for c in _SNAPSHOT_INTS if c in cols) + ("mask",) + (("tokens",) if tokens is not None else ())
-    parts = [_plain(cols[c], b, t) for c in inames[:-2 if tokens is not None else -1]]
+    parts = [_plain(cols[c], b, t) for c in inames[: -2 if tokens is not None else -1]]
     parts += [mask] + ([_plain(tokens, b, t)] if tokens is not None else [])
     ints = torch.stack(parts)  # [n_int, B, T], promoted to the widest integer type
     loss = loss_value.detach() if loss_value is not None else None
-    ids = torch.stack([seq if seq.dtype == torch.int64 else seq.long(),
-                       group if group.dtype == torch.int64 else group.long()])  # [2, B]
+    ids = torch.stack(
+        [seq if seq.dtype == torch.int64 else seq.long(), group if group.dtype == torch.int64 else group.long()]
+    )  # [2, B]
     return Snapshot(floats, fnames, ints, inames, ids, loss, finite, float(temperature))
 
 

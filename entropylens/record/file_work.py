@@ -10,17 +10,26 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import packed_block
+from . import writer as parquet
 from .host_copy import DeferredBlock
 from .inputs import duplicate_rows, duplicates_error
-from . import writer as parquet
 from .messages import Close, Probes, Rewards, Scalars, Sequences, Summary, Update
 from .step_table import StepTable
 from .token_buffer import TokenBuffer
 
 
 class FileWork:
-    def __init__(self, run_dir: Path, rank: int, *, rows_per_file: int, fsync: bool, histograms: bool,
-                 table_every: int, claim=None):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        *,
+        rows_per_file: int,
+        fsync: bool,
+        histograms: bool,
+        table_every: int,
+        claim=None,
+    ):
         self.run_dir, self.rank = run_dir, rank
         # run_claim.Claim: checked before each file (a writer whose run was taken over raises ClaimLostError)
         self._check_claim = claim.check if claim is not None else (lambda: None)
@@ -37,16 +46,24 @@ class FileWork:
 
     def handlers(self) -> dict:
         """Message type -> the method that handles it."""
-        return {Update: self.update, Scalars: self.scalars, Rewards: self.rewards, Sequences: self.sequences,
-                Probes: self.probes, Close: self.close, Summary: self.summary}
+        return {
+            Update: self.update,
+            Scalars: self.scalars,
+            Rewards: self.rewards,
+            Sequences: self.sequences,
+            Probes: self.probes,
+            Close: self.close,
+            Summary: self.summary,
+        }
 
     def update(self, m: Update) -> None:
         block = m.copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
         host = packed_block.unpack(block, m.copy.layout)
         bad = [name for name, ok in host.finite.items() if not ok]
         if bad:  # the update is dropped; the caller raises this at its next call
-            self.rejected.append(ValueError(
-                f"{bad[0]} contains NaN or Inf at masked-in positions (step {m.step}, update {m.update})"))
+            self.rejected.append(
+                ValueError(f"{bad[0]} contains NaN or Inf at masked-in positions (step {m.step}, update {m.update})")
+            )
             return
         has_tokens = host.masked.reshape(host.layout.batch, host.layout.length).any(axis=1)  # [B]
         if not isinstance(m.copy, DeferredBlock):  # a device update's seq ids reach the host only here

@@ -23,7 +23,7 @@ from . import blocks, packed_block
 class HostCopy:
     """An int32 block on its way to the host. ``ready`` without waiting; ``wait()`` -> numpy."""
 
-    def __init__(self, packed: torch.Tensor, layout: "packed_block.Layout | None" = None):
+    def __init__(self, packed: torch.Tensor, layout: packed_block.Layout | None = None):
         self.layout = layout
         self._event = None
         if packed.device.type == "cuda":
@@ -63,7 +63,7 @@ class DeferredBlock:
     blocks.update_block on the snapshot (on the writer thread) and returns the int32 block,
     unless :func:`build_blocks` built it already together with other updates."""
 
-    def __init__(self, snap: "blocks.Snapshot", salt: int, sample: float):
+    def __init__(self, snap: blocks.Snapshot, salt: int, sample: float):
         self._snap, self._salt, self._sample = snap, salt, sample
         self._block: np.ndarray | None = None  # set by build_blocks
         self.layout: packed_block.Layout | None = None  # known once the block is built
@@ -100,8 +100,7 @@ def build_blocks(copies: list) -> None:
         if len(group) < 2:
             continue  # built alone by its wait()
         with torch.inference_mode():
-            packed, layout = blocks.stack_snapshots([c._snap for c in group]).block(group[0]._salt,
-                                                                                         group[0]._sample)
+            packed, layout = blocks.stack_snapshots([c._snap for c in group]).block(group[0]._salt, group[0]._sample)
         host = packed.numpy()  # [U, layout.size]
         for c, row in zip(group, host):
             c._block, c.layout = row, layout

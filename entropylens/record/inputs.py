@@ -28,26 +28,52 @@ _RECORDER_COLUMNS = frozenset(AGG_NAMES) | {"step", "update", "rank", "run", "lo
 class InputChecks:
     """record_update's checks (module docstring)."""
 
-    def _validate_update(self, step, update, mask, advantages, logprobs, old_logprobs, entropy, old_entropy,
-                         tokens, seq_ids, group_ids, entropy_sensitivity, temperature) -> None:
+    def _validate_update(
+        self,
+        step,
+        update,
+        mask,
+        advantages,
+        logprobs,
+        old_logprobs,
+        entropy,
+        old_entropy,
+        tokens,
+        seq_ids,
+        group_ids,
+        entropy_sensitivity,
+        temperature,
+    ) -> None:
         steps = self._steps
         if step < 0 or update < 0:
             raise ValueError(f"step and update must be >= 0, got step={step} update={update}")
         if step < steps.last:
-            raise ValueError(f"step {step} recorded after step {steps.last}: steps must not go back"
-                             + (f" (the run resumed after step {steps.resumed_after})"
-                                if steps.resumed_after is not None and step <= steps.resumed_after else ""))
+            raise ValueError(
+                f"step {step} recorded after step {steps.last}: steps must not go back"
+                + (
+                    f" (the run resumed after step {steps.resumed_after})"
+                    if steps.resumed_after is not None and step <= steps.resumed_after
+                    else ""
+                )
+            )
         if step <= steps.closed_upto:
-            raise ValueError(f"step {step} was already written (steps <= {steps.closed_upto} are closed: by a later "
-                             "step, by end_step(), commit() or resume=); record into later steps")
+            raise ValueError(
+                f"step {step} was already written (steps <= {steps.closed_upto} are closed: by a later "
+                "step, by end_step(), commit() or resume=); record into later steps"
+            )
         same_step = steps.updates if step == steps.last else {}
         if update in same_step:
             raise ValueError(f"step {step} update {update} was already recorded")
         if mask.dim() != 2:
             raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
         shape = tuple(mask.shape)
-        for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("entropy", entropy),
-                        ("old_entropy", old_entropy), ("tokens", tokens)):
+        for name, x in (
+            ("logprobs", logprobs),
+            ("old_logprobs", old_logprobs),
+            ("entropy", entropy),
+            ("old_entropy", old_entropy),
+            ("tokens", tokens),
+        ):
             if x is not None and tuple(x.shape) != shape:
                 raise ValueError(f"{name} shape {tuple(x.shape)} does not match mask shape {shape}")
         if tuple(advantages.shape) not in ((shape[0],), shape):
@@ -68,15 +94,17 @@ class InputChecks:
                     f"seq_ids: step {step} has more than one update with tokens and update{'s' * (len(unnamed) > 1)} "
                     f"{', '.join(map(str, unnamed))} came without seq_ids; pass seq_ids [B] to every update of such "
                     "a step (unique within the step, the same id for the same sequence), or rows of different "
-                    "mini-batches would share ids 0..B-1")
+                    "mini-batches would share ids 0..B-1"
+                )
         watch = self._watch
         if watch is not None and (watch.active or watch.norms is not None) and watch.shape != shape:
             raise ValueError(f"watch_logits was given [B, T] = {watch.shape}, the update has {shape}")
         if seq_ids is not None and mask.device.type == "cpu":  # a device update: on the writer thread (its host copy)
             _refuse_duplicates(f"step {step} update {update}", seq_ids, mask)
         if entropy_sensitivity is not None and tuple(entropy_sensitivity.shape) != shape:
-            raise ValueError(f"entropy_sensitivity shape {tuple(entropy_sensitivity.shape)} does not match mask "
-                             f"shape {shape}")
+            raise ValueError(
+                f"entropy_sensitivity shape {tuple(entropy_sensitivity.shape)} does not match mask shape {shape}"
+            )
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
 
@@ -88,12 +116,17 @@ def step_values(grad_norm, lr, metrics: dict) -> dict:
     values = {k: v for k, v in values.items() if v is not None}
     columns: dict[str, str] = {}  # column -> the name it came from
     for k in values:
-        if k not in _PLAIN_NAMES and not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum():
+        if (
+            k not in _PLAIN_NAMES
+            and not k.replace("_", "").replace("/", "").replace(".", "").replace("-", "").isalnum()
+        ):
             raise ValueError(f"metric name {k!r}: use letters, digits, '_', '/', '.', '-'")
         col = k.replace("/", "_").replace(".", "_").replace("-", "_")
         if col in _RECORDER_COLUMNS:
-            raise ValueError(f"metric name {k!r}: the steps column {col!r} is the recorder's own (from the "
-                             "recorded updates); record it under another name")
+            raise ValueError(
+                f"metric name {k!r}: the steps column {col!r} is the recorder's own (from the "
+                "recorded updates); record it under another name"
+            )
         if col in columns:
             raise ValueError(f"metric names {columns[col]!r} and {k!r} are both the steps column {col!r}")
         columns[col] = k
@@ -129,8 +162,10 @@ def sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts) -> 
         raise ValueError(f"record_sequences: texts has {len(texts)} entries for {n} sequences")
     ids, counts = np.unique(arrays["seq"], return_counts=True)
     if (counts > 1).any():
-        raise ValueError(f"record_sequences: seq_ids {_few(ids[counts > 1])} occur more than once; one row per "
-                         "sequence: pass each sequence's id once")
+        raise ValueError(
+            f"record_sequences: seq_ids {_few(ids[counts > 1])} occur more than once; one row per "
+            "sequence: pass each sequence's id once"
+        )
     if texts is not None:
         arrays["text"] = list(texts)
     return arrays
@@ -164,9 +199,11 @@ def duplicate_rows(seq: np.ndarray, has_tokens: np.ndarray) -> np.ndarray:
 
 def duplicates_error(where: str, dup: np.ndarray) -> ValueError:
     """The one-line error of an update whose rows share seq ids (``where``: 'step S update U')."""
-    return ValueError(f"seq_ids: {where} gives seq id{'s' * (len(dup) > 1)} {_few(dup)} to more than one row; "
-                      "each row of an update is one sequence: pass ids unique within the update (its tokens "
-                      "would join twice, and another sequence's none)")
+    return ValueError(
+        f"seq_ids: {where} gives seq id{'s' * (len(dup) > 1)} {_few(dup)} to more than one row; "
+        "each row of an update is one sequence: pass ids unique within the update (its tokens "
+        "would join twice, and another sequence's none)"
+    )
 
 
 def _refuse_duplicates(where: str, seq_ids: torch.Tensor, mask: torch.Tensor) -> None:
@@ -190,8 +227,9 @@ def _host_arg(name: str, x, dtype) -> np.ndarray:
     try:
         return _host(x, dtype)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"record_sequences: {name} must be [B] numbers (a tensor, array or list), got "
-                         f"{type(x).__name__}: {e}") from None
+        raise ValueError(
+            f"record_sequences: {name} must be [B] numbers (a tensor, array or list), got {type(x).__name__}: {e}"
+        ) from None
 
 
 def _host(x, dtype) -> np.ndarray:

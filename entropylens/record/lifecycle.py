@@ -24,12 +24,12 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from . import blocks, run_claim
-from ..caller import caller_stacklevel
 from .. import storage
+from ..caller import caller_stacklevel
 from ..rl.losses import METHODS, resolve_eps
-from .steps import StepState
+from . import blocks, run_claim
 from .run_info import RunInfo, utc_now
+from .steps import StepState
 from .writer_thread import WriterThread
 
 _Self = TypeVar("_Self", bound="RunLifecycle")  # the Recorder (the facade above this part: not imported here)
@@ -75,8 +75,9 @@ def _check_resume(run, resume, overwrite) -> None:
     if run is None:
         raise ValueError("resume needs the run id of the run to continue (run=...)")
     if isinstance(resume, bool) or not isinstance(resume, (int, np.integer)) or resume < 0:
-        raise ValueError(f"resume must be the step the job resumes after (an int >= 0: the checkpoint's last "
-                         f"step), got {resume!r}")
+        raise ValueError(
+            f"resume must be the step the job resumes after (an int >= 0: the checkpoint's last step), got {resume!r}"
+        )
 
 
 class RunLifecycle:
@@ -149,9 +150,18 @@ class RunLifecycle:
         self._pending = None  # update._Pending: an update waiting for its backward
         self._watch = None  # update.LogitWatch
         self._info = self._run_info(earlier)
-        self._writer = WriterThread(self.dir, self.rank, self._info, queue_size=queue_size,
-                                    rows_per_file=rows_per_file, heartbeat_s=heartbeat_s, fsync=fsync,
-                                    histograms=log_histograms, table_every=log_table_every, claim=self._claim)
+        self._writer = WriterThread(
+            self.dir,
+            self.rank,
+            self._info,
+            queue_size=queue_size,
+            rows_per_file=rows_per_file,
+            heartbeat_s=heartbeat_s,
+            fsync=fsync,
+            histograms=log_histograms,
+            table_every=log_table_every,
+            claim=self._claim,
+        )
         self._start_step_log(log_to)
         atexit.register(self._atexit)
 
@@ -182,22 +192,34 @@ class RunLifecycle:
         earlier = _earlier_run_info(self.dir)
         known = earlier.get("config") or {}
         if known.get("method") and self.config.get("method") not in (None, known["method"]):
-            raise ValueError(f"resume: run {run!r} was recorded with method {known['method']!r}, config says "
-                             f"{self.config['method']!r}")
+            raise ValueError(
+                f"resume: run {run!r} was recorded with method {known['method']!r}, config says "
+                f"{self.config['method']!r}"
+            )
         self.config = {**known, **self.config}  # the earlier job's settings, unless given again
         self.eps_low, self.eps_high = _run_level_eps(self.config)
         removed = run_claim.resume(self.dir, self.rank, self.world_size, after, writer=self._claim)
         if removed:
             n = len(removed)
-            warnings.warn(f"entropylens: resume={after} removed {n} complete step{'s' if n != 1 else ''} of run "
-                          f"{run!r} (rank {self.rank}) recorded after step {after}: {_step_list(removed)}; "
-                          "the resumed job records them again", stacklevel=3)  # the line that made the Recorder
+            warnings.warn(
+                f"entropylens: resume={after} removed {n} complete step{'s' if n != 1 else ''} of run "
+                f"{run!r} (rank {self.rank}) recorded after step {after}: {_step_list(removed)}; "
+                "the resumed job records them again",
+                stacklevel=3,
+            )  # the line that made the Recorder
         return earlier
 
     def _run_info(self, earlier: dict) -> RunInfo:
         """run.json's contents; a resumed run keeps the earlier job's start, loss settings and resumes."""
-        info = RunInfo(run=self.run, world_size=self.world_size, config=self.config, eps_low=self.eps_low,
-                       eps_high=self.eps_high, tau=self.tau, sample=self.sample)
+        info = RunInfo(
+            run=self.run,
+            world_size=self.world_size,
+            config=self.config,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            tau=self.tau,
+            sample=self.sample,
+        )
         after = self._steps.resumed_after
         if after is not None:
             info.started_at = str(earlier.get("started_at") or info.started_at)
@@ -268,7 +290,9 @@ class RunLifecycle:
             self._warn_untrained()
         if error is not None and self.on_error == "warn" and not self._disabled:  # not said yet: no call after it
             self._disabled = True
-            warnings.warn(self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel())
+            warnings.warn(
+                self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel()
+            )
         if error is not None and self.on_error == "raise" and _raise:
             self._writer.error = None
             raise RecorderError(f"the Parquet writer failed: {error}") from error
@@ -291,7 +315,9 @@ class RunLifecycle:
         error = self._writer.error
         if error is not None and not self._disabled:
             if self.on_error == "warn":
-                warnings.warn(self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel())
+                warnings.warn(
+                    self._writer.stopped_message(error, self._steps.resumed_after), stacklevel=caller_stacklevel()
+                )
                 self._disabled = True
                 self._info.status = "failed"
                 self._remove_hook()

@@ -7,8 +7,9 @@ The writer thread dispatches on the message's type (WriterThread._loop); a hand-
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .host_copy import DeferredBlock, HostCopy
@@ -20,7 +21,7 @@ class Update:
 
     step: int
     update: int
-    copy: "HostCopy | DeferredBlock"
+    copy: HostCopy | DeferredBlock
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class Scalars:
 
     step: int
     update: int | None
-    values: "dict[str, Any] | tuple"
+    values: dict[str, Any] | tuple
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class Summary:
     """A question about a step's aggregates, answered through ``reply`` once every earlier message is handled."""
 
     step: int
-    reply: "Reply"
-    names: "tuple[str, ...] | None" = None
+    reply: Reply
+    names: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,23 @@ import torch
 
 from ..rl.aggregates import AGG_NAMES
 
-
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
-FLOAT_COLS = ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef", "logit_grad_norm",
-              "entropy_effect", "entropy_effect_dropped", "is_weight", "sapo_weight", "cov", "sampler_logprob")
+FLOAT_COLS = (
+    "logprob",
+    "old_logprob",
+    "advantage",
+    "entropy",
+    "old_entropy",
+    "grad_coef",
+    "logit_grad_norm",
+    "entropy_effect",
+    "entropy_effect_dropped",
+    "is_weight",
+    "sapo_weight",
+    "cov",
+    "sampler_logprob",
+)
 
 
 # flags word per token: quadrant (3 bits) | clip + 1 (2 bits) << 3 | clipped << 5 | erc_kept << 6
@@ -29,8 +41,15 @@ _Q_BITS, _CLIP_SHIFT, _CLIPPED_SHIFT, _ERC_SHIFT, _SELECTED_SHIFT, _MASK_SHIFT =
 
 
 # the optional bool token columns (null where the loss has no such modifier) and their bit in the flags word
-BOOL_SHIFTS: dict[str, int] = {"erc_kept": _ERC_SHIFT, "dual_clipped": 9, "token_kept": 10, "seq_kept": 11,
-                               "cov_clipped": 12, "kl_cov_penalised": 13, "is_masked": 14}
+BOOL_SHIFTS: dict[str, int] = {
+    "erc_kept": _ERC_SHIFT,
+    "dual_clipped": 9,
+    "token_kept": 10,
+    "seq_kept": 11,
+    "cov_clipped": 12,
+    "kl_cov_penalised": 13,
+    "is_masked": 14,
+}
 
 
 @dataclass(frozen=True)
@@ -112,7 +131,10 @@ class HostUpdate:
         names = self.layout.float_names
         if "entropy" not in names or "old_entropy" not in names:
             return None
-        h, h_old = self.floats[names.index("entropy")][self.masked], self.floats[names.index("old_entropy")][self.masked]
+        h, h_old = (
+            self.floats[names.index("entropy")][self.masked],
+            self.floats[names.index("old_entropy")][self.masked],
+        )
         return (h + np.float32(1e-8)) / (h_old + np.float32(1e-8))
 
     def importance_ratios(self) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +181,7 @@ def _flag_columns(flags: np.ndarray, bool_names: tuple[str, ...]) -> dict[str, n
     return cols
 
 
-def rows_of(hosts: "list[HostUpdate]", updates: "list[int]") -> dict[str, np.ndarray]:
+def rows_of(hosts: list[HostUpdate], updates: list[int]) -> dict[str, np.ndarray]:
     """The selected token rows of several updates, in order, with an int16 ``update`` column: equal,
     column for column, to concatenating each one's :meth:`HostUpdate.rows` (plus its update). Updates of
     one layout (a step's mini-batches) are selected together: one np.flatnonzero and one gather per
@@ -204,7 +226,7 @@ def pack(
     cols: dict[str, torch.Tensor],
     selected: torch.Tensor,
     aggregates: torch.Tensor,
-    finite: "dict[str, torch.Tensor] | FiniteFlags",
+    finite: dict[str, torch.Tensor] | FiniteFlags,
     seq: torch.Tensor,
     group: torch.Tensor,
     tokens: torch.Tensor | None,
@@ -242,15 +264,18 @@ def pack(
         parts.append(floats.view(torch.int32).reshape(*lead, -1))
     if tokens is not None:
         parts.append(tokens.to(torch.int32).reshape(*lead, -1))
-    parts += [flags.reshape(*lead, -1), seq.to(torch.int32).reshape(*lead, -1),
-              group.to(torch.int32).reshape(*lead, -1)]
+    parts += [
+        flags.reshape(*lead, -1),
+        seq.to(torch.int32).reshape(*lead, -1),
+        group.to(torch.int32).reshape(*lead, -1),
+    ]
     return torch.cat(parts, -1), layout
 
 
 def read_finite(host: np.ndarray, layout: Layout) -> dict[str, bool]:
     """Only the input finite flags of a packed block (a few words at its front)."""
     off = 2 * len(AGG_NAMES)
-    flags = host[off: off + 2 * len(layout.finite_names)].view(np.float64)
+    flags = host[off : off + 2 * len(layout.finite_names)].view(np.float64)
     return {name: bool(v) for name, v in zip(layout.finite_names, flags)}
 
 
@@ -261,7 +286,7 @@ def unpack(host: np.ndarray, layout: Layout) -> HostUpdate:
     views: dict[str, np.ndarray] = {}
     off = 0
     for name, k in layout.parts():
-        views[name] = host[off: off + k]
+        views[name] = host[off : off + k]
         off += k
     n = layout.batch * layout.length
     aggregates = dict(zip(AGG_NAMES, views["aggregates"].view(np.float64).tolist()))

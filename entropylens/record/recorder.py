@@ -40,15 +40,14 @@ from __future__ import annotations
 
 from types import FunctionType
 
-from .loss_output import CheckedLossOutput, LossOutput
 from .inputs import InputChecks
 from .lifecycle import RecorderError, RunLifecycle
+from .loss_output import CheckedLossOutput, LossOutput
 from .steps import StepRecording, StepState
 from .summaries import PendingSummary, StepReports
 from .update import LogitWatch, UpdateRecording
 
-__all__ = ["Recorder", "RecorderError", "LogitWatch", "PendingSummary", "StepState", "LossOutput",
-           "CheckedLossOutput"]
+__all__ = ["Recorder", "RecorderError", "LogitWatch", "PendingSummary", "StepState", "LossOutput", "CheckedLossOutput"]
 
 
 class Recorder(RunLifecycle, UpdateRecording, StepRecording, StepReports, InputChecks):

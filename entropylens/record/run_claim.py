@@ -38,9 +38,11 @@ _COMPACTED_COMMIT = re.compile(r"^compacted/steps/steps-(\d+)-(\d+)\.parquet$") 
 CLAIMS = ".claims"  # hidden: storage.Location.files (every reader's listing) leaves it out
 _CLAIM_NAME = re.compile(r"^rank-(\d+)\.json$")
 _READ_TRIES, _READ_WAIT_S = 50, 0.02  # a claim file being created is read again until whole (~1 s at most)
-_WHAT_TO_DO = ("pass resume=K to continue it after its step K (a checkpoint's last step), overwrite=True (CLI: "
-               "--overwrite) to replace it (its files are deleted), or another run id (the default id is new each "
-               "time)")
+_WHAT_TO_DO = (
+    "pass resume=K to continue it after its step K (a checkpoint's last step), overwrite=True (CLI: "
+    "--overwrite) to replace it (its files are deleted), or another run id (the default id is new each "
+    "time)"
+)
 
 
 class RunExistsError(ValueError):
@@ -52,11 +54,13 @@ class ClaimLostError(RuntimeError):
     resume=K) or removed it. The writer writes nothing more into the run."""
 
 
-def runs_exist_message(runs_dir, existing: "list[str]") -> str:
+def runs_exist_message(runs_dir, existing: list[str]) -> str:
     """The demo's refusal to mix new runs into old ones of the same ids (the CLI's early check and
     :func:`entropylens.demo.runner.run_demo` say it alike)."""
-    return (f"{runs_dir} already holds run(s) {', '.join(existing)}; use --overwrite to replace them "
-            "or --out for a new directory")
+    return (
+        f"{runs_dir} already holds run(s) {', '.join(existing)}; use --overwrite to replace them "
+        "or --out for a new directory"
+    )
 
 
 def claim_path(run_dir, rank: int):
@@ -75,10 +79,17 @@ class Claim:
     data: bytes
 
     @classmethod
-    def new(cls, run_dir, rank: int, world_size: int) -> "Claim":
+    def new(cls, run_dir, rank: int, world_size: int) -> Claim:
         nonce = secrets.token_hex(16)
-        data = {"run": run_dir.name, "rank": rank, "world_size": world_size, "nonce": nonce, "pid": os.getpid(),
-                "host": socket.gethostname(), "started_at": utc_now()}
+        data = {
+            "run": run_dir.name,
+            "rank": rank,
+            "world_size": world_size,
+            "nonce": nonce,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started_at": utc_now(),
+        }
         return cls(run_dir, rank, nonce, (json.dumps(data) + "\n").encode())
 
     @property
@@ -95,10 +106,14 @@ class Claim:
         if held is not None and self.nonce.encode() in held:
             return
         where = f"run {self.run_dir.name!r} (rank {self.rank}) in {self.run_dir}"
-        why = (f"another writer took it over ({_who(held)}: overwrite=True or resume=K)" if held is not None else
-               f"its claim file {self.path} is gone (the run was removed, or taken over by a job of fewer ranks)")
-        raise ClaimLostError(f"{where} is no longer this writer's: {why}; this writer stopped and writes nothing "
-                             "more into it")
+        why = (
+            f"another writer took it over ({_who(held)}: overwrite=True or resume=K)"
+            if held is not None
+            else f"its claim file {self.path} is gone (the run was removed, or taken over by a job of fewer ranks)"
+        )
+        raise ClaimLostError(
+            f"{where} is no longer this writer's: {why}; this writer stopped and writes nothing more into it"
+        )
 
 
 def _read_local(path: str) -> bytes:
@@ -110,7 +125,7 @@ def _read_local(path: str) -> bytes:
         os.close(fd)
 
 
-def _who(held: "bytes | None") -> str:
+def _who(held: bytes | None) -> str:
     """'pid P on host H, started T' of a claim file's bytes."""
     try:
         c = json.loads(held)
@@ -126,7 +141,7 @@ def _whole(held: bytes) -> bool:
         return False
 
 
-def _read_claim(path) -> "bytes | None":
+def _read_claim(path) -> bytes | None:
     """A claim file's bytes (None: no claim). Locally a claim is empty for a moment after its exclusive
     create (its bytes follow): read again until whole, for about a second at most."""
     held = b""
@@ -141,7 +156,7 @@ def _read_claim(path) -> "bytes | None":
     return held
 
 
-def _claim_ranks(run_dir) -> "list[int]":
+def _claim_ranks(run_dir) -> list[int]:
     """The ranks that have a claim file in ``run_dir`` (one listing of the hidden claims folder)."""
     d = run_dir / CLAIMS
     try:
@@ -164,7 +179,7 @@ def _owner(rel: str) -> int | None:
     return None
 
 
-def old_files(run_dir, rank: int, world_size: int, listing: "list[str] | None" = None) -> list[str]:
+def old_files(run_dir, rank: int, world_size: int, listing: list[str] | None = None) -> list[str]:
     """Files under ``run_dir`` (a storage.Location) that an earlier run left for this rank to own
     (``listing``: run_dir's files, when the caller has listed them already)."""
     out = []
@@ -175,14 +190,14 @@ def old_files(run_dir, rank: int, world_size: int, listing: "list[str] | None" =
     return out
 
 
-def _shown(run_dir, old: "list[str]") -> str:
+def _shown(run_dir, old: list[str]) -> str:
     if not old:
         return "no file written yet"
     shown = ", ".join(posixpath.relpath(p, run_dir.path) for p in old[:2]) + (", ..." if len(old) > 2 else "")
     return f"{len(old)} file(s): {shown}"
 
 
-def claim(run_dir, rank: int, world_size: int, overwrite: bool, writer: "Claim | None" = None) -> int:
+def claim(run_dir, rank: int, world_size: int, overwrite: bool, writer: Claim | None = None) -> int:
     """Claim ``rank`` of the run in ``run_dir`` for ``writer`` (a new :class:`Claim` if None): an
     exclusive create of its claim file. Refused (RunExistsError, one line) where the rank is claimed
     already (by a running, finished or killed job), where an earlier run without claim files left
@@ -199,8 +214,10 @@ def claim(run_dir, rank: int, world_size: int, overwrite: bool, writer: "Claim |
         return len(old)
     if not mine.path.create_exclusive(mine.data):
         held = _read_claim(mine.path)
-        raise RunExistsError(f"{run_dir} already holds a run (rank {rank} claimed by {_who(held)}; "
-                             f"{_shown(run_dir, old_files(run_dir, rank, world_size))}); {_WHAT_TO_DO}")
+        raise RunExistsError(
+            f"{run_dir} already holds a run (rank {rank} claimed by {_who(held)}; "
+            f"{_shown(run_dir, old_files(run_dir, rank, world_size))}); {_WHAT_TO_DO}"
+        )
     try:
         _check_ranks(run_dir, rank, world_size)
         old = old_files(run_dir, rank, world_size)
@@ -222,8 +239,10 @@ def _check_ranks(run_dir, rank: int, world_size: int) -> None:
         beyond = [r for r in _claim_ranks(run_dir) if r >= world_size]
         if beyond:
             held = _read_claim(claim_path(run_dir, beyond[0]))
-            raise RunExistsError(f"{run_dir} already holds a run: rank {beyond[0]} is claimed by {_who(held)}, "
-                                 f"beyond world_size {world_size}; {_WHAT_TO_DO}")
+            raise RunExistsError(
+                f"{run_dir} already holds a run: rank {beyond[0]} is claimed by {_who(held)}, "
+                f"beyond world_size {world_size}; {_WHAT_TO_DO}"
+            )
         return
     held = _read_claim(claim_path(run_dir, 0))
     try:
@@ -231,8 +250,10 @@ def _check_ranks(run_dir, rank: int, world_size: int) -> None:
     except (TypeError, ValueError, KeyError):
         theirs = None
     if theirs != world_size:
-        raise RunExistsError(f"{run_dir} already holds a run: its rank 0 is claimed by {_who(held)} with world_size "
-                             f"{theirs}, not {world_size}; {_WHAT_TO_DO}")
+        raise RunExistsError(
+            f"{run_dir} already holds a run: its rank 0 is claimed by {_who(held)} with world_size "
+            f"{theirs}, not {world_size}; {_WHAT_TO_DO}"
+        )
 
 
 def _take_over(mine: Claim) -> None:
@@ -251,8 +272,10 @@ def _take_over(mine: Claim) -> None:
         if won:
             mine.path.write_bytes(mine.data, fsync=True)
     if not won:
-        raise RunExistsError(f"{mine.run_dir}: rank {mine.rank} was taken over at the same moment by another job "
-                             f"({_who(_read_claim(theirs))}); one job takes a run over, this one stops")
+        raise RunExistsError(
+            f"{mine.run_dir}: rank {mine.rank} was taken over at the same moment by another job "
+            f"({_who(_read_claim(theirs))}); one job takes a run over, this one stops"
+        )
 
 
 def _takeover_path(path, held: bytes):
@@ -278,7 +301,7 @@ def _step_of(rel: str) -> int | None:
     return None
 
 
-def resume(run_dir, rank: int, world_size: int, after: int, writer: "Claim | None" = None) -> list[int]:
+def resume(run_dir, rank: int, world_size: int, after: int, writer: Claim | None = None) -> list[int]:
     """Continue the run in ``run_dir`` after step ``after`` (>= 0). This rank's files of later steps
     are removed: a killed job's uncommitted leftovers, and the steps after a checkpoint that the
     resumed job records again. Returns the committed steps removed. A job resumed on fewer ranks:
@@ -292,8 +315,11 @@ def resume(run_dir, rank: int, world_size: int, after: int, writer: "Claim | Non
     claim_as = writer or Claim.new(run_dir, rank, world_size)
     listing = sorted(run_dir.files())
     mine = [(p, posixpath.relpath(p, run_dir.path)) for p in old_files(run_dir, rank, world_size, listing)]
-    compacted = [(int(m.group(1)), int(m.group(2))) for p in listing
-                 if (m := _COMPACTED_COMMIT.match(posixpath.relpath(p, run_dir.path)))]
+    compacted = [
+        (int(m.group(1)), int(m.group(2)))
+        for p in listing
+        if (m := _COMPACTED_COMMIT.match(posixpath.relpath(p, run_dir.path)))
+    ]
     if not listing:
         raise ValueError(f"resume: {run_dir} holds no run to resume")
     if not any(_owner(rel) == rank for _, rel in mine) and rank > 0 and not compacted:
@@ -301,22 +327,32 @@ def resume(run_dir, rank: int, world_size: int, after: int, writer: "Claim | Non
         return []  # a rank the earlier job did not have (the job resumed on more ranks): nothing to remove
     if compacted and max(hi for _, hi in compacted) > after:
         lo, hi = max(compacted, key=lambda r: r[1])
-        raise ValueError(f"resume={after}: steps {lo}-{hi} of {run_dir} were compacted (entropylens compact) and "
-                         f"reach past step {after}; compacted steps cannot be removed: resume after step {hi} or "
-                         "later, or continue into a new run id")
-    committed = [_step_of(rel) for _, rel in mine
-                 if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")]
+        raise ValueError(
+            f"resume={after}: steps {lo}-{hi} of {run_dir} were compacted (entropylens compact) and "
+            f"reach past step {after}; compacted steps cannot be removed: resume after step {hi} or "
+            "later, or continue into a new run id"
+        )
+    committed = [
+        _step_of(rel)
+        for _, rel in mine
+        if rel.startswith("steps/") and _owner(rel) == rank and rel.endswith("/steps.parquet")
+    ]
     last = max([s for s in committed if s is not None] + [hi for _, hi in compacted], default=-1)
     if after > last and rank > 0:  # rank 0's check guards K; this rank missed steps (absent, or killed first)
         import warnings
 
-        warnings.warn(f"entropylens: resume={after}: rank {rank} has no steps {last + 1}-{after} on disk in {run_dir} "
-                      "(the rank did not take part in them, or its job was killed before writing them); the run "
-                      "has none of them for this rank", stacklevel=3)
+        warnings.warn(
+            f"entropylens: resume={after}: rank {rank} has no steps {last + 1}-{after} on disk in {run_dir} "
+            "(the rank did not take part in them, or its job was killed before writing them); the run "
+            "has none of them for this rank",
+            stacklevel=3,
+        )
     elif after > last:
-        raise ValueError(f"resume={after}: step {after} of rank {rank} is not on disk in {run_dir} (its last "
-                         f"written step is {last}); resume from a checkpoint at or before step {last}, and call "
-                         "commit() when saving one (then every step up to it is on disk)")
+        raise ValueError(
+            f"resume={after}: step {after} of rank {rank} is not on disk in {run_dir} (its last "
+            f"written step is {last}); resume from a checkpoint at or before step {last}, and call "
+            "commit() when saving one (then every step up to it is on disk)"
+        )
     _take_over(claim_as)
     _drop_claims_beyond(run_dir, rank, world_size)
     gone = {o for _, rel in mine if (o := _owner(rel)) is not None and o >= world_size}  # rank 0: ranks the

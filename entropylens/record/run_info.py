@@ -16,7 +16,7 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def atomic_write_text(path: "Path | storage.Location", text: str, fsync: bool = False) -> None:
+def atomic_write_text(path: Path | storage.Location, text: str, fsync: bool = False) -> None:
     """Local: a hidden temporary file renamed into place; object storage: one PUT (storage.py)."""
     storage.location(path).write_text(text, fsync=fsync)
 
@@ -64,8 +64,9 @@ class RunInfo:
         }
 
 
-def write_run_json(run_dir, rank: int, info: RunInfo, error: BaseException | None, heartbeat_s: float,
-                   fsync: bool) -> None:
+def write_run_json(
+    run_dir, rank: int, info: RunInfo, error: BaseException | None, heartbeat_s: float, fsync: bool
+) -> None:
     """run.json (rank 0) from ``info``. With several ranks every rank also writes its own
     ``ranks/rank-R.json`` (status, heartbeat, error): the readers combine them into the run's status,
     so a rank that failed or died stays visible. ``fsync``: the final status (close) reaches the

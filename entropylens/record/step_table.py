@@ -16,17 +16,21 @@ from typing import Any
 
 import numpy as np
 
-from ..schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
 from ..rl.aggregates import AGG_NAMES, SAMPLER_COUNTS
+from ..schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
 
 QUANTILES = {"entropy_ratio_p05": 0.05, "entropy_ratio_p50": 0.5, "entropy_ratio_p95": 0.95}
 # summary's weight of a mismatch mean that is not over all the update's tokens: the count it is a mean over
 # (n_tokens for the other aggregates). sampler_abs_log_ratio_mean_<q> is over quadrant q's tokens with a sampler
 # log-prob, which no column counts: n_<q> equals it where the sampler scored every token; where it left some of
 # q's tokens unscored (NaN) the pooled quadrant mean is an approximation
-MEAN_WEIGHTS = {"sampler_abs_log_ratio_mean": "n_sampled", "sampler_kl_k1": "n_sampled", "sampler_kl_k3": "n_sampled",
-                "clipped_mismatched_frac": "n_sampled_clipped",
-                **{f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}": f"n_{quadrant_slug(q)}" for q in QUADRANTS}}
+MEAN_WEIGHTS = {
+    "sampler_abs_log_ratio_mean": "n_sampled",
+    "sampler_kl_k1": "n_sampled",
+    "sampler_kl_k3": "n_sampled",
+    "clipped_mismatched_frac": "n_sampled_clipped",
+    **{f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}": f"n_{quadrant_slug(q)}" for q in QUADRANTS},
+}
 
 # Per-step histograms (trackers): 32 log-spaced bins over [0.5, 2] (edges 0.5 * 4**(i/32), i = 0..32: each
 # bin 2**(1/16) ~ 1.044 wide, 1.0 an edge), one underflow bin (x < 0.5) and one overflow bin (x >= 2, inf
@@ -39,8 +43,22 @@ HISTOGRAMS = ("entropy_ratio", *(f"ratio_{quadrant_slug(q)}" for q in QUADRANTS)
 UNTRAINED_CAP = 200_000  # sequences rows awaiting an update that trains them, kept by id (the rest counted)
 HISTOGRAMS_KEY, TABLE_KEY = "histograms", "tokens"  # summary(names=...) names that ask for them
 TABLE_ROWS = 64
-TABLE_COLUMNS = ("step", "update", "seq", "pos", "token_id", "prob", "ratio", "advantage", "quadrant", "clip",
-                 "clipped", "entropy", "entropy_ratio", "erc_kept")
+TABLE_COLUMNS = (
+    "step",
+    "update",
+    "seq",
+    "pos",
+    "token_id",
+    "prob",
+    "ratio",
+    "advantage",
+    "quadrant",
+    "clip",
+    "clipped",
+    "entropy",
+    "entropy_ratio",
+    "erc_kept",
+)
 
 
 _DRAWN_EDGES = np.round(np.concatenate([[HIST_EDGES[0] / HIST_STEP], HIST_EDGES, [HIST_EDGES[-1] * HIST_STEP]]), 6)
@@ -83,8 +101,12 @@ class StepHistogram:
         nz = np.flatnonzero(self.counts)
         lo, hi = (int(nz[0]), int(nz[-1])) if len(nz) else (0, HIST_BINS - 1)
         edges = self.edges()
-        return float(edges[lo]), float(edges[hi + 1]), edges[lo + 1:hi + 2].tolist(), \
-            self.counts[lo:hi + 1].astype(np.float64).tolist()
+        return (
+            float(edges[lo]),
+            float(edges[hi + 1]),
+            edges[lo + 1 : hi + 2].tolist(),
+            self.counts[lo : hi + 1].astype(np.float64).tolist(),
+        )
 
 
 @dataclass
@@ -132,18 +154,25 @@ class _Sample:
         with np.errstate(over="ignore"):
             ratio = np.exp(r["logprob"] - r["old_logprob"]).astype(f32).tolist()
         cols: dict[str, list] = {
-            "step": [step] * len(order), "update": r["update"].tolist(), "seq": r["seq"].tolist(),
-            "pos": r["pos"].tolist(), "token_id": r["token_id"].tolist(),
+            "step": [step] * len(order),
+            "update": r["update"].tolist(),
+            "seq": r["seq"].tolist(),
+            "pos": r["pos"].tolist(),
+            "token_id": r["token_id"].tolist(),
             "prob": np.exp(r["old_logprob"]).astype(f32).tolist(),
             "ratio": ratio,
             "advantage": r["advantage"].tolist(),
             "quadrant": [QUADRANT_NAMES[int(q)] for q in r["quadrant"]],
-            "clip": r["clip"].tolist(), "clipped": r["clipped"].tolist(),
+            "clip": r["clip"].tolist(),
+            "clipped": r["clipped"].tolist(),
         }
         none = [None] * len(order)
         cols["entropy"] = r["entropy"].tolist() if "entropy" in r else none
-        cols["entropy_ratio"] = (((r["entropy"] + f32(1e-8)) / (r["old_entropy"] + f32(1e-8))).tolist()
-                                 if "entropy" in r and "old_entropy" in r else none)
+        cols["entropy_ratio"] = (
+            ((r["entropy"] + f32(1e-8)) / (r["old_entropy"] + f32(1e-8))).tolist()
+            if "entropy" in r and "old_entropy" in r
+            else none
+        )
         cols["erc_kept"] = r["erc_kept"].tolist() if "erc_kept" in r else none
         return TokenTable(TABLE_COLUMNS, [list(row) for row in zip(*(cols[c] for c in TABLE_COLUMNS))])
 
@@ -210,7 +239,8 @@ class StepTable:
         """Count one update's tokens into the step's histograms: rho (None: no entropies), and r by
         quadrant (codes 1..4; ZA tokens are in no ratio histogram). One bincount each: no arrays kept."""
         counts, sums = self._histograms.setdefault(
-            step, [np.zeros((len(HISTOGRAMS), HIST_BINS), np.int64), np.zeros((len(HISTOGRAMS), 2))])
+            step, [np.zeros((len(HISTOGRAMS), HIST_BINS), np.int64), np.zeros((len(HISTOGRAMS), 2))]
+        )
         if rho is not None:
             self._has_rho.add(step)
             counts[0] += np.bincount(bin_index(rho), minlength=HIST_BINS)
@@ -233,8 +263,11 @@ class StepTable:
         if step not in self._histograms:
             return {}
         counts, sums = self._histograms[step]
-        return {name: StepHistogram(counts[i].copy(), float(sums[i, 0]), float(sums[i, 1]))
-                for i, name in enumerate(HISTOGRAMS) if counts[i].any() and (i or step in self._has_rho)}
+        return {
+            name: StepHistogram(counts[i].copy(), float(sums[i, 0]), float(sums[i, 1]))
+            for i, name in enumerate(HISTOGRAMS)
+            if counts[i].any() and (i or step in self._has_rho)
+        }
 
     def add_update_scalars(self, step: int, update: int, values: dict[str, Any]) -> None:
         self._rows.setdefault((step, update), {}).update(values)
@@ -269,7 +302,7 @@ class StepTable:
             out.append((step, rows))
         return out
 
-    def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
+    def summary(self, step: int, names: tuple[str, ...] | None = None) -> dict[str, float]:
         """The step's aggregates over the updates of ``step`` so far: n_* counts summed, the entropy-ratio
         quantiles over all the step's tokens (linear interpolation, as torch.quantile), a *_max the maximum, the other
         aggregates token-weighted means of the updates' (NaN, i.e. not measured, left out); the mismatch means
@@ -306,8 +339,11 @@ class StepTable:
                     out[name] = max(vals)
                 continue
             w = MEAN_WEIGHTS.get(name, "n_tokens")
-            pairs = [(r[name], r[w]) for r in rows if r.get(name) is not None and r[name] == r[name]
-                     and r.get(w) is not None and r[w] == r[w]]
+            pairs = [
+                (r[name], r[w])
+                for r in rows
+                if r.get(name) is not None and r[name] == r[name] and r.get(w) is not None and r[w] == r[w]
+            ]
             weight = sum(n for _, n in pairs)
             if weight:
                 out[name] = sum(v * n for v, n in pairs) / weight

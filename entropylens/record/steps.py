@@ -18,8 +18,8 @@ import warnings
 import numpy as np
 import torch
 
-from .host_copy import HostCopy
 from ..caller import caller_stacklevel
+from .host_copy import HostCopy
 from .inputs import checked_texts, sequence_arrays, step_values
 
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
@@ -31,8 +31,17 @@ class StepState:
     ``resumed_after``: steps <= it are the earlier job's, committed (``resume=``; None otherwise); the
     step counters start there (-1 for a new run)."""
 
-    __slots__ = ("resumed_after", "last", "closed_upto", "alarms_seen", "logged", "updates", "scalars_seen",
-                 "sequence_parts", "warned_text")
+    __slots__ = (
+        "resumed_after",
+        "last",
+        "closed_upto",
+        "alarms_seen",
+        "logged",
+        "updates",
+        "scalars_seen",
+        "sequence_parts",
+        "warned_text",
+    )
 
     def __init__(self, resumed_after: int | None = None) -> None:
         self.resumed_after = resumed_after
@@ -50,7 +59,9 @@ class StepState:
     def refuse_closed(self, step: int, what: str) -> None:
         """A step already written (closed by a later step, commit() or resume=) takes nothing more."""
         if step <= self.closed_upto:
-            raise ValueError(f"step {step} was already written; {what} must come before later steps, end_step(), commit() and resume=")
+            raise ValueError(
+                f"step {step} was already written; {what} must come before later steps, end_step(), commit() and resume="
+            )
 
     def selects_a_token(self, update: int) -> bool:
         """Whether update ``update`` of the current step has a masked-in token (read from its mask once, a
@@ -98,9 +109,11 @@ class StepRecording:
             known = steps.updates if step == steps.last else {}
             if int(update) not in known:  # a steps row of its own, without tokens: an off-by-one in update=
                 have = ", ".join(str(u) for u in sorted(known)) or "none"
-                raise ValueError(f"record_step({step}, update={int(update)}): step {step} has no update {int(update)} "
-                                 f"recorded (its updates: {have}); record the update first, or leave out update= "
-                                 "for a value of the whole step")
+                raise ValueError(
+                    f"record_step({step}, update={int(update)}): step {step} has no update {int(update)} "
+                    f"recorded (its updates: {have}); record the update first, or leave out update= "
+                    "for a value of the whole step"
+                )
         values = step_values(grad_norm, lr, metrics)
         _check_lr(step, values.get("lr"))
         self._advance_to(step)
@@ -130,10 +143,12 @@ class StepRecording:
         seen |= names
         if again and not self._warned_rescalar:
             self._warned_rescalar = True
-            warnings.warn(f"entropylens: record_step({step}) set {', '.join(again)} for the whole step again; the "
-                          "later value replaces the earlier one. With several optimizer steps in one step (several "
-                          "mini-batches), record each one's grad_norm / lr with update=<its last update>",
-                          stacklevel=3)
+            warnings.warn(
+                f"entropylens: record_step({step}) set {', '.join(again)} for the whole step again; the "
+                "later value replaces the earlier one. With several optimizer steps in one step (several "
+                "mini-batches), record each one's grad_norm / lr with update=<its last update>",
+                stacklevel=3,
+            )
 
     def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
         """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts
@@ -153,9 +168,12 @@ class StepRecording:
         self._advance_to(step)
         if replaced and not self._steps.warned_text:
             self._steps.warned_text = True
-            warnings.warn(f"entropylens: record_sequences({step}): {replaced} text{'s' * (replaced > 1)} held lone "
-                          "surrogates (code points UTF-8 cannot store), written with U+FFFD in their place; later "
-                          "ones are replaced without a warning", stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"entropylens: record_sequences({step}): {replaced} text{'s' * (replaced > 1)} held lone "
+                "surrogates (code points UTF-8 cannot store), written with U+FFFD in their place; later "
+                "ones are replaced without a warning",
+                stacklevel=caller_stacklevel(),
+            )
         if self._disabled:
             return
         n = len(arrays["seq"])
@@ -173,13 +191,16 @@ class StepRecording:
             return
         n = len(rows) + more
         few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > min(len(rows), 5) else "")
-        warnings.warn(f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
-                      f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
-                      f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
-                      stacklevel=caller_stacklevel())
+        warnings.warn(
+            f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
+            f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
+            f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
+            stacklevel=caller_stacklevel(),
+        )
 
-    def probe(self, step: int, model, optimizer, loss_fn, batch, *, update: int = 0,
-              max_grad_norm: float | None = None) -> list[dict]:
+    def probe(
+        self, step: int, model, optimizer, loss_fn, batch, *, update: int = 0, max_grad_norm: float | None = None
+    ) -> list[dict]:
         """The parameter-space entropy probe (entropylens.rl.probe, opt-in: call it every K steps in place
         of one update's backward + optimizer step): runs that ONE real update on ``batch`` and records,
         per gradient part (each quadrant's kept and dropped gradient, momentum, the real step), the

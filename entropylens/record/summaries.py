@@ -77,7 +77,7 @@ class StepReports:
         writer thread to take in the queued updates)."""
         return self.step_summary_later(step).result()
 
-    def step_summary_later(self, step: int, names: "tuple[str, ...] | None" = None) -> "PendingSummary":
+    def step_summary_later(self, step: int, names: tuple[str, ...] | None = None) -> PendingSummary:
         """:meth:`step_summary` without waiting: returns at once; ``.ready()`` says whether the writer
         thread has answered, ``.result()`` gives the summary (waiting if needed). For trainer logs that
         must not wait on the writer thread's disk writes (a step's files, fsync included). ``names``:
@@ -160,5 +160,9 @@ class StepReports:
         from .trackers import EXTRA_NAMES, SUMMARY_NAMES
 
         self._steps.logged = step
-        names = SUMMARY_NAMES + EXTRA_NAMES if self._writer.work.histograms or self._writer.work.table_every else SUMMARY_NAMES
+        names = (
+            SUMMARY_NAMES + EXTRA_NAMES
+            if self._writer.work.histograms or self._writer.work.table_every
+            else SUMMARY_NAMES
+        )
         self._step_log.add(step, PendingSummary(self._writer.summary_request(step, names), self._writer))

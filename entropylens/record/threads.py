@@ -22,7 +22,7 @@ _OPENMP_LIBS = ("libgomp", "libiomp", "libomp")
 
 
 @functools.lru_cache(maxsize=1)
-def _openmp_library() -> "ctypes.CDLL | None":
+def _openmp_library() -> ctypes.CDLL | None:
     """The OpenMP runtime torch loaded (Linux: found in /proc/self/maps), or None."""
     try:
         with open("/proc/self/maps") as f:
@@ -56,7 +56,7 @@ def serial_torch_ops() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _mkl_service() -> "ctypes.CDLL | None":
+def _mkl_service() -> ctypes.CDLL | None:
     """torch's CPU library when it exports MKL's C service functions (x86 wheels link MKL into it)."""
     import glob
     import os
@@ -69,4 +69,3 @@ def _mkl_service() -> "ctypes.CDLL | None":
         except (OSError, AttributeError):
             continue
     return None
-

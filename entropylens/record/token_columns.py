@@ -80,17 +80,22 @@ def entropy_bonus_rule(cols: dict[str, torch.Tensor], config: dict | None) -> No
         cols["entropy_effect_bonus"] = torch.full((), float("nan"), device=g.device).expand(g.shape)
 
 
-def add_mismatch(cols: dict[str, torch.Tensor], shape: tuple, sampler_logprobs: torch.Tensor | None,
-                 is_masked: torch.Tensor | None) -> None:
+def add_mismatch(
+    cols: dict[str, torch.Tensor], shape: tuple, sampler_logprobs: torch.Tensor | None, is_masked: torch.Tensor | None
+) -> None:
     """The training-inference mismatch columns: sampler_logprob [B, T] (float32, detached) and is_masked
     ([B, T] or [B, 1] broadcast, bool), where given; a loss's own column of the same name wins."""
     for name, x in (("sampler_logprob", sampler_logprobs), ("is_masked", is_masked)):
         if x is None or name in cols:
             continue
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != shape[0] or x.shape[1] not in (1, shape[1]):
-            raise ValueError(f"record_update: {name} must be [B, T] = {tuple(shape)}"
-                             f"{' or [B, 1]' if name == 'is_masked' else ''}, got {tuple(getattr(x, 'shape', ()))}")
+            raise ValueError(
+                f"record_update: {name} must be [B, T] = {tuple(shape)}"
+                f"{' or [B, 1]' if name == 'is_masked' else ''}, got {tuple(getattr(x, 'shape', ()))}"
+            )
         if name == "sampler_logprob" and x.shape[1] != shape[1]:
             raise ValueError(f"record_update: sampler_logprobs must be [B, T] = {tuple(shape)}, got {tuple(x.shape)}")
         x = x.detach()
-        cols[name] = x.float() if name == "sampler_logprob" else (x.bool() if x.dtype == torch.bool else x != 0).expand(shape)
+        cols[name] = (
+            x.float() if name == "sampler_logprob" else (x.bool() if x.dtype == torch.bool else x != 0).expand(shape)
+        )

@@ -38,15 +38,28 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..schema import QUADRANTS, quadrant_slug
 from .step_table import HISTOGRAMS_KEY, TABLE_KEY, StepHistogram, TokenTable
 
 # the step aggregates logged as entropylens/<name> (TRL's report_to and Recorder(log_to=...))
-LOG_KEYS = ("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "erc_drop_frac", "kl_k3",
-            "clip_low_frac", "clip_high_frac", "clip_frac_pa_lp", "clip_frac_na_lp", "lgn_mean_pa_hp",
-            "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp")
+LOG_KEYS = (
+    "entropy_ratio_p05",
+    "entropy_ratio_p50",
+    "entropy_ratio_p95",
+    "erc_drop_frac",
+    "kl_k3",
+    "clip_low_frac",
+    "clip_high_frac",
+    "clip_frac_pa_lp",
+    "clip_frac_na_lp",
+    "lgn_mean_pa_hp",
+    "lgn_mean_pa_lp",
+    "lgn_mean_na_hp",
+    "lgn_mean_na_lp",
+)
 _QUADRANT_SLUGS = tuple(quadrant_slug(q) for q in QUADRANTS)  # pa_hp, pa_lp, na_hp, na_lp
 SUMMARY_NAMES = LOG_KEYS + tuple(f"n_{q}" for q in _QUADRANT_SLUGS)  # what step_metrics reads (and n_tokens)
 PREFIX = "entropylens/"
@@ -93,8 +106,9 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def write(self, step: int, metrics: dict[str, float], histograms: "dict[str, StepHistogram]",
-              table: "TokenTable | None") -> None:
+    def write(
+        self, step: int, metrics: dict[str, float], histograms: dict[str, StepHistogram], table: TokenTable | None
+    ) -> None:
         """``histograms``: full name (``entropylens/hist/...``) -> StepHistogram; ``table``: the step's
         token table on table steps (else None)."""
         if metrics:
@@ -150,18 +164,34 @@ class TensorBoard(Tracker):
         values = [value(tag=k, simple_value=v) for k, v in metrics.items()]
         for tag, h in histograms.items():
             lo, hi, limits, counts = h.buckets()
-            values.append(value(tag=tag, histo=self._histo(min=lo, max=hi, num=h.num, sum=h.total,
-                                                           sum_squares=h.sum_squares, bucket_limit=limits,
-                                                           bucket=counts)))
+            values.append(
+                value(
+                    tag=tag,
+                    histo=self._histo(
+                        min=lo,
+                        max=hi,
+                        num=h.num,
+                        sum=h.total,
+                        sum_squares=h.sum_squares,
+                        bucket_limit=limits,
+                        bucket=counts,
+                    ),
+                )
+            )
         if values:
-            self.writer.add_event(self._event(wall_time=time.time(), step=int(step),
-                                              summary=self._summary(value=values)))
+            self.writer.add_event(
+                self._event(wall_time=time.time(), step=int(step), summary=self._summary(value=values))
+            )
 
     def alert(self, title, text, level, step):
         """A text summary ``entropylens/alarms`` at the finding's step (TensorBoard's Text tab)."""
-        self.writer.add_event(self._event(wall_time=time.time(), step=int(step),
-                                          summary=self._summary(value=[text_value(f"{PREFIX}alarms",
-                                                                                  f"{level}: {text}")])))
+        self.writer.add_event(
+            self._event(
+                wall_time=time.time(),
+                step=int(step),
+                summary=self._summary(value=[text_value(f"{PREFIX}alarms", f"{level}: {text}")]),
+            )
+        )
 
     def close(self):
         if self.writer is not None:
@@ -291,8 +321,10 @@ _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio
 def _named(name: str, option=None) -> Tracker:
     key = name.lower()
     if key not in NAMED:
-        raise ValueError(f"log_to: unknown tracker {name!r}; use one of {', '.join(NAMED)}, a trackers.Tracker, "
-                         "or a callable f(step, metrics)")
+        raise ValueError(
+            f"log_to: unknown tracker {name!r}; use one of {', '.join(NAMED)}, a trackers.Tracker, "
+            "or a callable f(step, metrics)"
+        )
     import importlib.util
 
     if importlib.util.find_spec(_PACKAGES[key]) is None:
@@ -318,8 +350,10 @@ def resolve(log_to) -> list[Tracker]:
         return [log_to]
     if callable(log_to):
         return [Callback(log_to)]
-    raise TypeError(f"log_to: expected a tracker name, a trackers.Tracker, a callable f(step, metrics), a list or "
-                    f"a dict of these, got {type(log_to).__name__}")
+    raise TypeError(
+        f"log_to: expected a tracker name, a trackers.Tracker, a callable f(step, metrics), a list or "
+        f"a dict of these, got {type(log_to).__name__}"
+    )
 
 
 class StepLog:
@@ -344,8 +378,11 @@ class StepLog:
             getattr(tracker, what)(*args)
             return True
         except Exception as e:  # noqa: BLE001 - a tracker never stops training
-            warnings.warn(f"entropylens: log_to tracker {tracker.name!r} failed in {what}() ({type(e).__name__}: "
-                          f"{e}); it gets no more metrics", stacklevel=4)
+            warnings.warn(
+                f"entropylens: log_to tracker {tracker.name!r} failed in {what}() ({type(e).__name__}: "
+                f"{e}); it gets no more metrics",
+                stacklevel=4,
+            )
             if tracker in self.trackers:
                 self.trackers.remove(tracker)
             return False
@@ -366,8 +403,7 @@ class StepLog:
         table = summary.get(TABLE_KEY)
         if metrics or histograms or table is not None:
             for t in list(self.trackers):
-                self._call(t, "write", step + self.step_offset, metrics, histograms,
-                           table if t.has_tables else None)
+                self._call(t, "write", step + self.step_offset, metrics, histograms, table if t.has_tables else None)
 
     def alert(self, finding, stop_on=()) -> None:
         """An ``alarms.Finding`` as each tracker's own alert (a ``LiveAlarms`` listener)."""
@@ -409,8 +445,9 @@ class TRLTensorBoard(_TRLTracker):
             return
         for tag, h in histograms.items():
             lo, hi, limits, counts = h.buckets()
-            tb.add_histogram_raw(self.prefix + tag, lo, hi, h.num, h.total, h.sum_squares, limits, counts,
-                                 global_step=step)
+            tb.add_histogram_raw(
+                self.prefix + tag, lo, hi, h.num, h.total, h.sum_squares, limits, counts, global_step=step
+            )
 
     def alert(self, title, text, level, step):
         if self.callback.tb_writer is not None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..caller import caller_stacklevel
+from ..rl.losses import RUN_SETTINGS, update_settings
 from . import blocks, packed_block, token_columns
 from .host_copy import DeferredBlock, HostCopy
 from .loss_output import LossOutput
-from ..rl.losses import RUN_SETTINGS, update_settings
-from ..caller import caller_stacklevel
 
 
 class LogitWatch:
@@ -45,7 +45,7 @@ class LogitWatch:
             self._handle.remove()
             self._handle = None
 
-    def __enter__(self) -> "LogitWatch":
+    def __enter__(self) -> LogitWatch:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,7 +91,9 @@ class UpdateRecording:
         if not logits.requires_grad:
             raise ValueError("watch_logits: logits do not require grad (call it on the training forward pass)")
         if tokens is not None and tuple(tokens.shape) != tuple(logits.shape[:2]):
-            raise ValueError(f"watch_logits: tokens shape {tuple(tokens.shape)} != logits [B, T] {tuple(logits.shape[:2])}")
+            raise ValueError(
+                f"watch_logits: tokens shape {tuple(tokens.shape)} != logits [B, T] {tuple(logits.shape[:2])}"
+            )
         self._remove_hook()
         self._watch = LogitWatch(logits)
         return self._watch
@@ -142,8 +144,21 @@ class UpdateRecording:
         self._check_alive()
         step, update = int(step), int(update)
         self._finalize_pending()
-        self._validate_update(step, update, mask, advantages, logprobs, old_logprobs, entropy, old_entropy,
-                              tokens, seq_ids, group_ids, entropy_sensitivity, temperature)
+        self._validate_update(
+            step,
+            update,
+            mask,
+            advantages,
+            logprobs,
+            old_logprobs,
+            entropy,
+            old_entropy,
+            tokens,
+            seq_ids,
+            group_ids,
+            entropy_sensitivity,
+            temperature,
+        )
         if self._disabled:
             return
         self._advance_to(step)
@@ -160,9 +175,15 @@ class UpdateRecording:
         if per_update:
             self._writer.scalars(step, update, per_update)
         columns = token_columns.derive_columns(
-            mask=m, advantages=advantages, logprobs=logprobs, old_logprobs=old_logprobs, entropy=entropy,
-            old_entropy=old_entropy, loss_columns=getattr(loss, "columns", None),
-            eps_low=settings.get("eps_low", self.eps_low), eps_high=settings.get("eps_high", self.eps_high),
+            mask=m,
+            advantages=advantages,
+            logprobs=logprobs,
+            old_logprobs=old_logprobs,
+            entropy=entropy,
+            old_entropy=old_entropy,
+            loss_columns=getattr(loss, "columns", None),
+            eps_low=settings.get("eps_low", self.eps_low),
+            eps_high=settings.get("eps_high", self.eps_high),
             tau=settings.get("tau", self.tau),
         )  # the attribution columns (entropy_sensitivity) are added with the aggregates (blocks.update_block)
         token_columns.add_mismatch(columns, m.shape, sampler_logprobs, is_masked)
@@ -170,27 +191,45 @@ class UpdateRecording:
             token_columns.entropy_bonus_rule(columns, settings)
         seq = seq_ids.to(dev).long() if seq_ids is not None else torch.arange(b, device=dev)  # [B]
         group = group_ids.to(dev).long() if group_ids is not None else torch.full((b,), -1, device=dev)  # [B]
-        inputs = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages, "entropy": entropy,
-                  "old_entropy": old_entropy}
+        inputs = {
+            "logprobs": logprobs,
+            "old_logprobs": old_logprobs,
+            "advantages": advantages,
+            "entropy": entropy,
+            "old_entropy": old_entropy,
+        }
         # a policy_loss given these very tensors (and mask) found them finite already: not checked again
         pre = getattr(loss, "checked", None) or {}
         same_mask = pre.get("mask") is mask
-        checked = {name: (columns["advantage"] if name == "advantages" else x) for name, x in inputs.items()
-                   if x is not None and not (same_mask and pre.get(name) is x)}
+        checked = {
+            name: (columns["advantage"] if name == "advantages" else x)
+            for name, x in inputs.items()
+            if x is not None and not (same_mask and pre.get(name) is x)
+        }
         if dev.type == "cpu" or not checked:
             # checked on the snapshot's own copies of these columns (blocks.snapshot, when the update is
             # finalised; the error is raised there): the same test in 3 ops instead of ~15
             finite = None
         else:
-            stacked = torch.stack([_checked_values(name, x).reshape(m.shape) for name, x in checked.items()])  # [k, B, T]
+            stacked = torch.stack(
+                [_checked_values(name, x).reshape(m.shape) for name, x in checked.items()]
+            )  # [k, B, T]
             finite = ((stacked * 0 == 0) | ~m).flatten(1).all(dim=1)  # [k]: x * 0 is NaN iff x is NaN or +-inf
-        watch = self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) \
-            else None
+        watch = (
+            self._watch if self._watch is not None and (self._watch.active or self._watch.norms is not None) else None
+        )
         self._pending = _Pending(
-            step=step, update=update, columns=columns, mask=m, finite=packed_block.FiniteFlags(tuple(checked), finite),
-            seq=seq, group=group,
+            step=step,
+            update=update,
+            columns=columns,
+            mask=m,
+            finite=packed_block.FiniteFlags(tuple(checked), finite),
+            seq=seq,
+            group=group,
             tokens=tokens.to(dev) if tokens is not None else None,
-            loss_value=getattr(loss, "loss", None), watch=watch, sensitivity=entropy_sensitivity,
+            loss_value=getattr(loss, "loss", None),
+            watch=watch,
+            sensitivity=entropy_sensitivity,
             temperature=float(temperature),
         )
         if watch is None or not watch.active:
@@ -204,10 +243,13 @@ class UpdateRecording:
         cfg = self._info.config or {}
         named = cfg.get("loss_method", cfg.get("method"))  # loss_method: a run named apart from its loss
         if named is not None and settings.get("method") not in (None, named):
-            warnings.warn(f"entropylens: Recorder(config={{'method': {named!r}}}) but the loss is "
-                          f"{settings['method']!r}: the runs table and the report name the run {named!r}; "
-                          f"run.json's loss block says {settings['method']!r}. Pass the loss's method in "
-                          "config", stacklevel=caller_stacklevel())
+            warnings.warn(
+                f"entropylens: Recorder(config={{'method': {named!r}}}) but the loss is "
+                f"{settings['method']!r}: the runs table and the report name the run {named!r}; "
+                f"run.json's loss block says {settings['method']!r}. Pass the loss's method in "
+                "config",
+                stacklevel=caller_stacklevel(),
+            )
 
     def _remove_hook(self) -> None:
         if self._watch is not None:
@@ -234,20 +276,43 @@ class UpdateRecording:
         if pending.mask.device.type == "cpu":
             # the host is the device: the writer thread does the sample, the aggregates and the packing
             # (off the training thread) on a private copy of the update (three stacked copies)
-            copy = DeferredBlock(blocks.snapshot(columns, pending.mask, pending.loss_value, pending.finite,
-                                                     pending.seq, pending.group, pending.tokens, pending.sensitivity,
-                                                     pending.temperature),
-                                 self._salt, self.sample)
+            copy = DeferredBlock(
+                blocks.snapshot(
+                    columns,
+                    pending.mask,
+                    pending.loss_value,
+                    pending.finite,
+                    pending.seq,
+                    pending.group,
+                    pending.tokens,
+                    pending.sensitivity,
+                    pending.temperature,
+                ),
+                self._salt,
+                self.sample,
+            )
         else:
-            packed, layout = blocks.update_block(columns, pending.mask, pending.loss_value, pending.finite,
-                                                     pending.seq, pending.group, pending.tokens, self._salt,
-                                                     self.sample, pending.sensitivity, pending.temperature)
+            packed, layout = blocks.update_block(
+                columns,
+                pending.mask,
+                pending.loss_value,
+                pending.finite,
+                pending.seq,
+                pending.group,
+                pending.tokens,
+                self._salt,
+                self.sample,
+                pending.sensitivity,
+                pending.temperature,
+            )
             copy = HostCopy(packed, layout)
         if copy.on_host:  # the flags can be read now without a sync: bad input fails this call
             bad = [name for name, ok in copy.finite().items() if not ok]
             if bad:
                 if pending.step == self._steps.last:
                     self._steps.updates.pop(pending.update, None)
-                raise ValueError(f"{bad[0]} contains NaN or Inf at masked-in positions "
-                                 f"(step {pending.step}, update {pending.update})")
+                raise ValueError(
+                    f"{bad[0]} contains NaN or Inf at masked-in positions "
+                    f"(step {pending.step}, update {pending.update})"
+                )
         self._writer.update(pending.step, pending.update, copy)

@@ -19,13 +19,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..storage import Location, location
 from ..schema import QUADRANT_NAMES, SCHEMA_VERSION, arrow_type, stored_columns
+from ..storage import Location, location
 
 TOKEN_DICT_COLUMNS = ("update", "seq", "group", "quadrant", "token_id", "advantage")
-TOKEN_FLOAT_COLUMNS = tuple(
-    c.name for c in stored_columns("tokens") if c.dtype == "float32" and c.name != "advantage"
-)
+TOKEN_FLOAT_COLUMNS = tuple(c.name for c in stored_columns("tokens") if c.dtype == "float32" and c.name != "advantage")
 _QUADRANT_DICT = pa.array([QUADRANT_NAMES[i] for i in range(len(QUADRANT_NAMES))], pa.string())
 FILE_META = {b"entropylens.schema_version": str(SCHEMA_VERSION).encode()}
 
@@ -52,8 +50,15 @@ SMALL_BYTES = 64 << 10  # steps / sequences tables up to this size are written a
 _BUFFER_BYTES = 64 << 20  # tables up to this size are encoded in memory, then written with one call
 
 
-def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_columns=(), float_columns=(),
-                         fsync: bool = False, small_bytes: int = 0) -> None:
+def write_parquet_atomic(
+    table: pa.Table,
+    path: Path | Location,
+    *,
+    dict_columns=(),
+    float_columns=(),
+    fsync: bool = False,
+    small_bytes: int = 0,
+) -> None:
     """Write a whole file atomically: locally to a hidden temporary name that no ``*.parquet`` glob
     matches, then rename (``fsync``: flush file and directory first); on object storage one PUT of
     the finished bytes under the final name. A table of up to 64 MB (every file the recorder
@@ -64,8 +69,9 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
     loc = location(path)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **FILE_META})
     size = table.get_total_buffer_size()
-    opts = parquet_options(table.column_names, dict_columns=dict_columns, float_columns=float_columns,
-                           small=size <= small_bytes)
+    opts = parquet_options(
+        table.column_names, dict_columns=dict_columns, float_columns=float_columns, small=size <= small_bytes
+    )
     if loc.remote or size <= _BUFFER_BYTES:
         buf = pa.BufferOutputStream()
         pq.write_table(table, buf, **opts)
@@ -76,7 +82,11 @@ def write_parquet_atomic(table: pa.Table, path: "Path | Location", *, dict_colum
 
 # NaN on the device = null in the file: a gradient unchanged (entropy_effect_dropped), an entropy bonus's
 # own term not measured (entropy_effect: token_columns.entropy_bonus_rule)
-NAN_IS_NULL = ("entropy_effect", "entropy_effect_dropped", "sampler_logprob")  # sampler_logprob: a token the sampler did not score
+NAN_IS_NULL = (
+    "entropy_effect",
+    "entropy_effect_dropped",
+    "sampler_logprob",
+)  # sampler_logprob: a token the sampler did not score
 
 
 _TOKEN_FIELDS: list | None = None  # (name, arrow type) of the stored token columns, built once
@@ -85,8 +95,9 @@ _TOKEN_FIELDS: list | None = None  # (name, arrow type) of the stored token colu
 def _token_fields() -> list:
     global _TOKEN_FIELDS
     if _TOKEN_FIELDS is None:
-        _TOKEN_FIELDS = [(c.name, arrow_type(c.dtype)) for c in stored_columns("tokens")
-                         if c.name not in ("step", "rank")]  # step and rank: partition keys
+        _TOKEN_FIELDS = [
+            (c.name, arrow_type(c.dtype)) for c in stored_columns("tokens") if c.name not in ("step", "rank")
+        ]  # step and rank: partition keys
     return _TOKEN_FIELDS
 
 
@@ -109,27 +120,32 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
-def write_tokens(run_dir: "Path | Location", step: int, rank: int, updates: int | tuple[int, int], arrs: dict,
-                 *, fsync: bool = False) -> Path:
+def write_tokens(
+    run_dir: Path | Location, step: int, rank: int, updates: int | tuple[int, int], arrs: dict, *, fsync: bool = False
+) -> Path:
     """update-U.parquet for one update; updates-A-B.parquet for updates A..B sharing a file."""
     first, last = (updates, updates) if isinstance(updates, int) else updates
     name = f"update-{first}.parquet" if first == last else f"updates-{first}-{last}.parquet"
     path = run_dir / "tokens" / f"step={step}" / f"rank={rank}" / name
-    write_parquet_atomic(tokens_table(arrs), path, dict_columns=TOKEN_DICT_COLUMNS,
-                         float_columns=TOKEN_FLOAT_COLUMNS, fsync=fsync)
+    write_parquet_atomic(
+        tokens_table(arrs), path, dict_columns=TOKEN_DICT_COLUMNS, float_columns=TOKEN_FLOAT_COLUMNS, fsync=fsync
+    )
     return path
 
 
-def write_sequences(run_dir: "Path | Location", step: int, rank: int, part: int, arrs: dict, *,
-                    fsync: bool = False) -> Path:
-    table = pa.table({
-        "seq": pa.array(arrs["seq"], pa.int32()),
-        "group": pa.array(arrs["group"], pa.int32()),
-        "reward": pa.array(arrs["reward"], pa.float32()),
-        "advantage": pa.array(arrs["advantage"], pa.float32()),
-        "length": pa.array(arrs["length"], pa.int32()),
-        "text": pa.array(arrs.get("text") or [None] * len(arrs["seq"]), pa.string()),
-    })
+def write_sequences(
+    run_dir: Path | Location, step: int, rank: int, part: int, arrs: dict, *, fsync: bool = False
+) -> Path:
+    table = pa.table(
+        {
+            "seq": pa.array(arrs["seq"], pa.int32()),
+            "group": pa.array(arrs["group"], pa.int32()),
+            "reward": pa.array(arrs["reward"], pa.float32()),
+            "advantage": pa.array(arrs["advantage"], pa.float32()),
+            "length": pa.array(arrs["length"], pa.int32()),
+            "text": pa.array(arrs.get("text") or [None] * len(arrs["seq"]), pa.string()),
+        }
+    )
     path = run_dir / "sequences" / f"step={step}" / f"rank={rank}" / f"part-{part}.parquet"
     write_parquet_atomic(table, path, dict_columns=("group",), fsync=fsync, small_bytes=SMALL_BYTES)
     return path
@@ -163,7 +179,9 @@ def nan_is_null(name: str) -> bool:
         from ..schema import STEP_METRICS, STEPS
 
         # the loss of an update is the caller's value (left out of the row when not given): not an aggregate
-        _AGGREGATES = (frozenset(STEP_METRICS) - {"loss"}) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
+        _AGGREGATES = (frozenset(STEP_METRICS) - {"loss"}) | {
+            c.name for c in STEPS if c.name.startswith("entropy_effect")
+        }
     return name in _AGGREGATES
 
 
@@ -190,8 +208,9 @@ def steps_table(rows: list[dict]) -> pa.Table:
     known = _step_types()
     names = list(known) + sorted({k for r in rows for k in r} - known.keys())
     ints = _STEP_INTS
-    fast = bool(rows) and all(type(v) is float or v is None or (type(v) is int and k in ints)
-                              for r in rows for k, v in r.items())
+    fast = bool(rows) and all(
+        type(v) is float or v is None or (type(v) is int and k in ints) for r in rows for k, v in r.items()
+    )
     if not fast:
         return steps_table_by_values(rows)
     m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
@@ -230,12 +249,16 @@ def steps_table_by_values(rows: list[dict]) -> pa.Table:
     column-wise one does not take, and the reference it equals."""
     known = _step_types()
     names = list(known) + sorted({k for r in rows for k in r} - known.keys())
-    return pa.Table.from_arrays([_steps_column([r.get(n) for r in rows], known.get(n, pa.float64()),
-                                               keep_nan=not nan_is_null(n))
-                                 for n in names], names=names)
+    return pa.Table.from_arrays(
+        [
+            _steps_column([r.get(n) for r in rows], known.get(n, pa.float64()), keep_nan=not nan_is_null(n))
+            for n in names
+        ],
+        names=names,
+    )
 
 
-def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
+def write_steps(run_dir: Path | Location, step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
     """One file per (step, rank): a row per update (:func:`steps_table`). Known columns get the
     schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls, the caller's
     NaN and inf scalars are stored as they are."""
@@ -244,8 +267,9 @@ def write_steps(run_dir: "Path | Location", step: int, rank: int, rows: list[dic
     return path
 
 
-def write_probes(run_dir: "Path | Location", step: int, rank: int, update: int, rows: list[dict], *,
-                 fsync: bool = False) -> Path:
+def write_probes(
+    run_dir: Path | Location, step: int, rank: int, update: int, rows: list[dict], *, fsync: bool = False
+) -> Path:
     """probe-U.parquet: the parameter-space probe of one update (schema.PROBES), a row per gradient part.
     Written before the steps file of its step (the step commits it)."""
     from ..schema import PROBES

@@ -33,8 +33,7 @@ from typing import Any
 from ..caller import caller_stacklevel
 from .file_work import FileWork
 from .host_copy import DeferredBlock, HostCopy, build_blocks
-from .messages import (STOP, Batch, Close, Heartbeat, Probes, Reply, Rewards, Scalars, Sequences, Summary,
-                       Update)
+from .messages import STOP, Batch, Close, Heartbeat, Probes, Reply, Rewards, Scalars, Sequences, Summary, Update
 from .run_claim import ClaimLostError
 from .run_info import RunInfo, write_run_json
 from .scheduling import RESCUE_CHECK_S, WRITER_IDLE, WRITER_NICE, StarvationCheck, lower_priority, thread_cpu
@@ -45,13 +44,31 @@ OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an un
 
 
 class WriterThread:
-    def __init__(self, run_dir: Path, rank: int, info: RunInfo, *, queue_size: int, rows_per_file: int,
-                 heartbeat_s: float, fsync: bool = True, histograms: bool = False, table_every: int = 0,
-                 claim=None):
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        info: RunInfo,
+        *,
+        queue_size: int,
+        rows_per_file: int,
+        heartbeat_s: float,
+        fsync: bool = True,
+        histograms: bool = False,
+        table_every: int = 0,
+        claim=None,
+    ):
         self.run_dir, self.rank, self.info, self.fsync = run_dir, rank, info, fsync
         self.claim = claim  # run_claim.Claim: checked before every file written (None: not checked)
-        self.work = FileWork(run_dir, rank, rows_per_file=rows_per_file, fsync=fsync, histograms=histograms,
-                             table_every=table_every, claim=claim)  # the thread side: what each message does
+        self.work = FileWork(
+            run_dir,
+            rank,
+            rows_per_file=rows_per_file,
+            fsync=fsync,
+            histograms=histograms,
+            table_every=table_every,
+            claim=claim,
+        )  # the thread side: what each message does
         self.error: BaseException | None = None  # a write failure (sticky)
         self._heartbeat_s = heartbeat_s
         self._last_beat = 0.0
@@ -66,8 +83,9 @@ class WriterThread:
         self.rescued = False  # a rescue thread has taken the work over from a starved SCHED_IDLE thread
         self._starvation = StarvationCheck()
         self.write_run_json()
-        self._thread = threading.Thread(target=self._loop, args=(WRITER_IDLE,), name=f"entropylens-writer-{info.run}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, args=(WRITER_IDLE,), name=f"entropylens-writer-{info.run}", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------ caller side
@@ -110,12 +128,14 @@ class WriterThread:
                         f"of {self._queue.maxsize} hand-overs is full). If the machine's cores are busy with other "
                         f"work, the writer (SCHED_IDLE, then nice {WRITER_NICE}) gets little CPU: "
                         "ENTROPYLENS_WRITER_NICE=0 gives it a fair share; a larger queue_size or sample < 1 lowers "
-                        "its load", stacklevel=caller_stacklevel())
+                        "its load",
+                        stacklevel=caller_stacklevel(),
+                    )
 
-    def update(self, step: int, update: int, copy: "HostCopy | DeferredBlock") -> None:
+    def update(self, step: int, update: int, copy: HostCopy | DeferredBlock) -> None:
         self.put(Update(step, update, copy))
 
-    def scalars(self, step: int, update: int | None, values: "dict[str, Any] | tuple") -> None:
+    def scalars(self, step: int, update: int | None, values: dict[str, Any] | tuple) -> None:
         """values: name -> float, or (floats, names, HostCopy) with device scalars still on their way."""
         self.put(Scalars(step, update, values))
 
@@ -138,7 +158,7 @@ class WriterThread:
             self._last_beat = now
             self.put(Heartbeat())
 
-    def summary(self, step: int, names: "tuple[str, ...] | None" = None) -> dict[str, float]:
+    def summary(self, step: int, names: tuple[str, ...] | None = None) -> dict[str, float]:
         """The step table's summary of ``step`` once every queued message is handled."""
         return self.answer(self.summary_request(step, names))
 
@@ -150,7 +170,7 @@ class WriterThread:
         """The reply's value, checking every RESCUE_CHECK_S whether the scheduler starves the writer."""
         return reply.wait_for(lambda: self.alive, self.check_starved, RESCUE_CHECK_S)
 
-    def summary_request(self, step: int, names: "tuple[str, ...] | None" = None) -> Reply:
+    def summary_request(self, step: int, names: tuple[str, ...] | None = None) -> Reply:
         """Ask for ``step``'s summary without waiting: the reply is set once the thread has handled
         every message queued before it (its ``done()`` says when; :meth:`answer` blocks)."""
         reply = Reply()
@@ -183,8 +203,10 @@ class WriterThread:
         after the last step whose steps file it wrote (where none: this job's first, after ``resumed_after``)."""
         done = self.committed if self.committed is not None else resumed_after
         first = 0 if done is None else done + 1
-        return (f"entropylens: recording stopped at step {first} (the Parquet writer failed: {error}); "
-                f"steps {first}.. of run {self.info.run!r} (rank {self.rank}) are not recorded, training goes on")
+        return (
+            f"entropylens: recording stopped at step {first} (the Parquet writer failed: {error}); "
+            f"steps {first}.. of run {self.info.run!r} (rank {self.rank}) are not recorded, training goes on"
+        )
 
     def untrained(self) -> tuple[list[tuple[int, int]], int]:
         """Sequences rows no update trained (FileWork.untrained); read once the thread has stopped."""
@@ -220,7 +242,9 @@ class WriterThread:
         starved = self._thread
         logging.getLogger("entropylens").info(
             "entropylens: the writer thread (SCHED_IDLE) was starved by other busy tasks; a nice-%d thread takes "
-            "its work over", WRITER_NICE)
+            "its work over",
+            WRITER_NICE,
+        )
 
         def take_over() -> None:
             starved.join()  # it ends after its current message (_loop checks ``rescued``)

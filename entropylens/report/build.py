@@ -10,18 +10,51 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..read.query import connect, run_analysis
 from . import runset
 from .escape import html_text, markdown, markdown_cell
-from .figures import FIGURES, SECTIONS, CaptionFailure, CaptionWarning, Figure, figure  # the report's figures, declared there
-from ..read.query import connect, run_analysis
+from .figures import (  # the report's figures, declared there
+    FIGURES,
+    SECTIONS,
+    CaptionFailure,
+    CaptionWarning,
+    Figure,
+    figure,
+)
 
 DEFAULT_RESPONSES = 40  # responses per run on its responses page (responses.DEFAULT_N)
 DEFAULT_PAGE_BYTES = 4_000_000  # the bound on one responses page's embedded data
 STEP_LINK_FIGURES = tuple(f.name for f in FIGURES if f.step_links)  # figures that link to their steps
-SUMMARY_COLUMNS = ("run", "method", "status", "steps", "tokens", "final_entropy", "min_entropy", "final_reward",
-                   "clip_low_frac", "clip_high_frac", "erc_drop_frac", "hyperparameters")
-_HYPER_KEYS = ("eps_low", "eps_high", "beta1", "beta2", "erc", "dual_clip", "entropy_coef", "kl_beta",
-               "top_entropy_quantile", "delta", "off_policy_mask_threshold", "importance_sampling_level", "lr", "seed")
+SUMMARY_COLUMNS = (
+    "run",
+    "method",
+    "status",
+    "steps",
+    "tokens",
+    "final_entropy",
+    "min_entropy",
+    "final_reward",
+    "clip_low_frac",
+    "clip_high_frac",
+    "erc_drop_frac",
+    "hyperparameters",
+)
+_HYPER_KEYS = (
+    "eps_low",
+    "eps_high",
+    "beta1",
+    "beta2",
+    "erc",
+    "dual_clip",
+    "entropy_coef",
+    "kl_beta",
+    "top_entropy_quantile",
+    "delta",
+    "off_policy_mask_threshold",
+    "importance_sampling_level",
+    "lr",
+    "seed",
+)
 _HYPER_DEFAULTS = {"top_entropy_quantile": 1.0, "importance_sampling_level": "token"}  # TRL's: not shown
 
 
@@ -31,8 +64,12 @@ def _hyper(row) -> str:
     except (TypeError, json.JSONDecodeError):
         cfg = {}
     trl = cfg.get("trl_options") if isinstance(cfg.get("trl_options"), dict) else {}  # TRL's options of the run
-    cfg = {**{k: v for k, v in trl.items() if k in _HYPER_KEYS}, **cfg,
-           "eps_low": row.get("eps_low"), "eps_high": row.get("eps_high")}
+    cfg = {
+        **{k: v for k, v in trl.items() if k in _HYPER_KEYS},
+        **cfg,
+        "eps_low": row.get("eps_low"),
+        "eps_high": row.get("eps_high"),
+    }
     parts = []
     for k in _HYPER_KEYS:
         v = cfg.get(k)
@@ -116,8 +153,9 @@ def open_report(path, runs: list[str] | None = None, engine: str = "duckdb", tau
     return _connect(path, runs, engine, tau)
 
 
-def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band: str = "minmax",
-                  rs: runset.RunSet | None = None) -> tuple[str | None, str]:
+def render_figure(
+    con, out_dir, name: str, *, group_by: str | None = None, band: str = "minmax", rs: runset.RunSet | None = None
+) -> tuple[str | None, str]:
     """Figure ``name`` on an open connection (:func:`open_report`) into ``out_dir`` -> (png or None,
     caption), for :func:`write_report`'s ``done`` (a demo worker draws several on one connection)."""
     out = Path(out_dir)
@@ -126,8 +164,17 @@ def render_figure(con, out_dir, name: str, *, group_by: str | None = None, band:
     return _render(con, out, figure(name), rs)
 
 
-def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engine: str = "duckdb",
-                   group_by: str | None = None, band: str = "minmax", tau: float | None = None) -> dict:
+def render_figures(
+    path,
+    out_dir,
+    names,
+    *,
+    runs: list[str] | None = None,
+    engine: str = "duckdb",
+    group_by: str | None = None,
+    band: str = "minmax",
+    tau: float | None = None,
+) -> dict:
     """The figures ``names`` only (a part of a report drawn in another process, e.g. by a demo worker):
     {name: (png or None, caption)}, for :func:`write_report`'s ``elsewhere`` / ``done``."""
     con = _connect(path, runs, engine, tau)
@@ -137,11 +184,23 @@ def render_figures(path, out_dir, names, *, runs: list[str] | None = None, engin
     return {f.name: _render(con, out, f, rs) for f in FIGURES if f.name in set(names)}
 
 
-def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = "duckdb",
-                 group_by: str | None = None, band: str = "minmax",
-                 elsewhere: tuple[str, ...] = (), done=None, on_summary=None,
-                 responses: int = DEFAULT_RESPONSES, where: str | None = None, tokenizer=None,
-                 max_page_bytes: int = DEFAULT_PAGE_BYTES, tau: float | None = None) -> Path:
+def write_report(
+    path,
+    out_dir,
+    *,
+    runs: list[str] | None = None,
+    engine: str = "duckdb",
+    group_by: str | None = None,
+    band: str = "minmax",
+    elsewhere: tuple[str, ...] = (),
+    done=None,
+    on_summary=None,
+    responses: int = DEFAULT_RESPONSES,
+    where: str | None = None,
+    tokenizer=None,
+    max_page_bytes: int = DEFAULT_PAGE_BYTES,
+    tau: float | None = None,
+) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``. Returns the path of index.html.
 
@@ -194,19 +253,31 @@ def write_report(path, out_dir, *, runs: list[str] | None = None, engine: str = 
             rendered.append((f, png, caption))
     about = comparison_text(rs)
     if tau is not None:
-        about = (f"Quadrants split at tau = {tau:g} (given after the fact), not at each run's recorded tau: "
-                 "tokens and the steps' per-quadrant counts recomputed from the token rows. " + about).strip()
-    pages = (response_pages(path, out, list(rs.method), n=responses, where=where, tokenizer=tokenizer,
-                            max_bytes=max_page_bytes, runs_filter=runs, con=con if engine == "duckdb" else None,
-                            tau=tau)
-             if responses else [])
+        about = (
+            f"Quadrants split at tau = {tau:g} (given after the fact), not at each run's recorded tau: "
+            "tokens and the steps' per-quadrant counts recomputed from the token rows. " + about
+        ).strip()
+    pages = (
+        response_pages(
+            path,
+            out,
+            list(rs.method),
+            n=responses,
+            where=where,
+            tokenizer=tokenizer,
+            max_bytes=max_page_bytes,
+            runs_filter=runs,
+            con=con if engine == "duckdb" else None,
+            tau=tau,
+        )
+        if responses
+        else []
+    )
     remove_stale_pages(out, {p.file for p in pages})
     _write_markdown(out / "report.md", summary, rendered, not_shown, about, pages)
     index = out / "index.html"
     index.write_text(_html(summary, rendered, not_shown, about, pages))
     return index
-
-
 
 
 @dataclass(frozen=True)
@@ -218,13 +289,24 @@ class ResponsePage:
     text: str  # how they were chosen (responses.Selection.text)
 
 
-def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | None, tokenizer, max_bytes: int,
-                   runs_filter=None, con=None, tau: float | None = None) -> list[ResponsePage]:
+def response_pages(
+    path,
+    out: Path,
+    runs: list[str],
+    *,
+    n: int,
+    where: str | None,
+    tokenizer,
+    max_bytes: int,
+    runs_filter=None,
+    con=None,
+    tau: float | None = None,
+) -> list[ResponsePage]:
     """Each run's responses page (entropylens/report/viewer.py) in ``out``; ``con``: a DuckDB connection of the
     report's runs (one is opened when None, e.g. when the figures ran on Spark)."""
+    from ..read.run_decoder import decoder_for_run
     from . import responses as resp
     from . import viewer
-    from ..read.run_decoder import decoder_for_run
 
     con = con if con is not None else _connect(path, runs_filter, "duckdb", tau)
     methods = dict(run_sql_rows(con, "SELECT run, method FROM runs"))
@@ -232,8 +314,7 @@ def response_pages(path, out: Path, runs: list[str], *, n: int, where: str | Non
     pages = []
     for run in runs:
         sel = resp.select(con, run, n=n, where=where, max_bytes=max_bytes, table=table[table["run"] == run])
-        data = resp.page_data(con, run, sel, decoder_for_run(path, run, tokenizer=tokenizer),
-                              method=methods.get(run))
+        data = resp.page_data(con, run, sel, decoder_for_run(path, run, tokenizer=tokenizer), method=methods.get(run))
         name = viewer.page_name(run)
         viewer.write_page(out / name, data, title=f"entropylens responses: {run}")
         pages.append(ResponsePage(run, name, tuple(d["step"] for d in data["steps"]), len(sel.rows), sel.text))
@@ -269,8 +350,9 @@ def _step_links_md(pages) -> str:
 
 def _step_links_html(pages) -> str:
     e = html_text
-    parts = [f"{e(p.run)}: " + " ".join(f'<a href="{e(p.file)}#step={s}">{s}</a>' for s in p.steps)
-             for p in pages if p.steps]
+    parts = [
+        f"{e(p.run)}: " + " ".join(f'<a href="{e(p.file)}#step={s}">{s}</a>' for s in p.steps) for p in pages if p.steps
+    ]
     return f'<p class="steps">Responses at step: {"; ".join(parts)}</p>' if parts else ""
 
 
@@ -290,15 +372,18 @@ def _run_notes(con) -> dict[str, str]:
         by_advice.setdefault(f.signal, []).append(f.run)
     parts = []
     for advice, runs in by_advice.items():
-        listed = ", ".join(runs[:runset.MAX_LISTED]) + (f" and {len(runs) - runset.MAX_LISTED} more"
-                                                       if len(runs) > runset.MAX_LISTED else "")
+        listed = ", ".join(runs[: runset.MAX_LISTED]) + (
+            f" and {len(runs) - runset.MAX_LISTED} more" if len(runs) > runset.MAX_LISTED else ""
+        )
         parts.append(f"On-policy ({listed}): {advice}.")
     if parts:
         for name in CLIP_FIGURES:
             out[name] = " ".join(parts)
     thin = thin_quadrants(con)
     if thin:
-        out["quadrant_share"] = "Thin quadrants: " + "; ".join(f"{f.run}: {f.signal}" for f in thin[:runset.MAX_LISTED]) + "."
+        out["quadrant_share"] = (
+            "Thin quadrants: " + "; ".join(f"{f.run}: {f.signal}" for f in thin[: runset.MAX_LISTED]) + "."
+        )
     return out
 
 
@@ -310,8 +395,10 @@ def comparison_text(rs: runset.RunSet) -> str:
         text = "One run."
     elif key is not None:
         vals = rs.factors()[key]
-        text = (f"{n} runs, a controlled comparison in {key} ({', '.join(runset.fmt(v) for v in vals)}): every other "
-                "recorded setting is the same" + (" (seeds aside)." if "seed" in rs.factors() else "."))
+        text = (
+            f"{n} runs, a controlled comparison in {key} ({', '.join(runset.fmt(v) for v in vals)}): every other "
+            "recorded setting is the same" + (" (seeds aside)." if "seed" in rs.factors() else ".")
+        )
     else:
         text = f"{n} runs. " + rs.differs_text()
     if rs.grouped:
@@ -350,8 +437,14 @@ def _write_markdown(path: Path, summary, rendered, not_shown=(), about: str = ""
             sec_title, sec_text = SECTIONS[section]
             lines += [f"## {sec_title}", "", sec_text, ""]
         level = "###" if section else "##"
-        lines += [f"{level} {f.title}", "", f"![{f.title}]({png})", "",
-                  f"*{f.caption}* {markdown(seen)} (analysis: `{f.analysis}`)", ""]
+        lines += [
+            f"{level} {f.title}",
+            "",
+            f"![{f.title}]({png})",
+            "",
+            f"*{f.caption}* {markdown(seen)} (analysis: `{f.analysis}`)",
+            "",
+        ]
         if f.step_links and _step_links_md(pages):
             lines += [_step_links_md(pages), ""]
     if not_shown:
@@ -367,19 +460,22 @@ def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
     cols = list(summary.columns)
     head = "".join(f"<th>{e(c)}</th>" for c in cols)
     rows = "".join(
-        "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in cols) + "</tr>"
-        for r in summary.to_dict("records")
+        "<tr>" + "".join(f"<td>{e(_fmt(r[c]))}</td>" for c in cols) + "</tr>" for r in summary.to_dict("records")
     )
     figs, section = "", ""
     for f, png, seen in rendered:
         if f.section != section:  # a section's heading and paragraph, before its first figure
             section = f.section
             sec_title, sec_text = SECTIONS[section]
-            figs += f'<h2 class="section" id="section-{e(section)}">{e(sec_title)}</h2><p class="section">{e(sec_text)}</p>'
+            figs += (
+                f'<h2 class="section" id="section-{e(section)}">{e(sec_title)}</h2><p class="section">{e(sec_text)}</p>'
+            )
         h = "h3" if section else "h2"
-        figs += (f'<figure id="{e(f.name)}"><{h}>{e(f.title)}</{h}><img src="{e(png)}" alt="{e(f.title)}">'
-                 f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
-                 "</figcaption>" + (_step_links_html(pages) if f.step_links else "") + "</figure>")
+        figs += (
+            f'<figure id="{e(f.name)}"><{h}>{e(f.title)}</{h}><img src="{e(png)}" alt="{e(f.title)}">'
+            f"<figcaption>{e(f.caption)} <b>{e(seen)}</b> <code>entropylens analyze PATH {e(f.analysis)}</code>"
+            "</figcaption>" + (_step_links_html(pages) if f.step_links else "") + "</figure>"
+        )
     if not_shown:
         figs += f"<p>{e(_not_shown_text(not_shown).replace('`', ''))}</p>"
     toc = " · ".join(f'<a href="#{e(f.name)}">{e(f.title)}</a>' for f, *_ in rendered)
@@ -387,8 +483,11 @@ def _html(summary, rendered, not_shown=(), about: str = "", pages=()) -> str:
         items = "".join(f'<li><a href="{e(p.file)}">{e(p.run)}</a>: {e(p.text)}</li>' for p in pages)
         figs += f'<section id="responses"><h2>Responses, token by token</h2><ul>{items}</ul></section>'
         toc += ' · <a href="#responses">Responses</a>'
-        pages_line = ("<p>Responses token by token (coloured by entropy, ratio, quadrant, clip, ERC, gradient): "
-                      + " · ".join(f'<a href="{e(p.file)}">{e(p.run)}</a>' for p in pages) + "</p>")
+        pages_line = (
+            "<p>Responses token by token (coloured by entropy, ratio, quadrant, clip, ERC, gradient): "
+            + " · ".join(f'<a href="{e(p.file)}">{e(p.run)}</a>' for p in pages)
+            + "</p>"
+        )
     else:
         pages_line = ""
     return f"""<!doctype html>

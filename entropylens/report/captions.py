@@ -138,11 +138,17 @@ def entropy(df, rs: RunSet | None = None) -> str:
     per = {s: v for s, v in per.items() if len(v)}
     w = _window(df, rs)
     if w > 1:  # a long run: its ends as means over a window, not one noisy step each
-        text = (f"Here, entropy, mean of the first -> last {w} steps (nats): "
-                + _listing(per, lambda v: f"{_f(v.iloc[:w].mean())} -> {_f(v.iloc[-w:].mean())}") + ".")
+        text = (
+            f"Here, entropy, mean of the first -> last {w} steps (nats): "
+            + _listing(per, lambda v: f"{_f(v.iloc[:w].mean())} -> {_f(v.iloc[-w:].mean())}")
+            + "."
+        )
     else:
-        text = "Here, entropy first -> last step (nats): " + _listing(
-            per, lambda v: f"{_f(v.iloc[0])} -> {_f(v.iloc[-1])}") + "."
+        text = (
+            "Here, entropy first -> last step (nats): "
+            + _listing(per, lambda v: f"{_f(v.iloc[0])} -> {_f(v.iloc[-1])}")
+            + "."
+        )
     if len(per) < 2:
         return text + _smooth_note(df, rs) + _group_note(rs)
     tail = {s: _tail(v) for s, v in per.items()}
@@ -152,21 +158,32 @@ def entropy(df, rs: RunSet | None = None) -> str:
         ce = [tail[s] for s, ms in kinds.items() if ms and all(m.startswith("ce_gppo") for m in ms)]
         base_of = {s: tail[s] for s, ms in kinds.items() if ms and ms <= {"grpo", "dapo"}}
         base = list(base_of.values())
-        top = max(base_of, key=base_of.get) if base_of else None  # the higher of GRPO / DAPO: what CE-GPPO is compared with
+        top = (
+            max(base_of, key=base_of.get) if base_of else None
+        )  # the higher of GRPO / DAPO: what CE-GPPO is compared with
         runs_per_method = min(list(rs.method.values()).count(m) for m in set(rs.method.values()))
-        power = (" From one run per method: not a significance test." if runs_per_method < 2 else
-                 f" ({runs_per_method}+ runs per method; no significance test here, see reports/paper-claims.md.)")
+        power = (
+            " From one run per method: not a significance test."
+            if runs_per_method < 2
+            else f" ({runs_per_method}+ runs per method; no significance test here, see reports/paper-claims.md.)"
+        )
         if ce and base:
             gap = min(ce) - max(base)
             if gap > LEVEL * max(base):
-                text += f" The runs differ only in the method: CE-GPPO is above GRPO / DAPO, the paper's direction.{power}"
+                text += (
+                    f" The runs differ only in the method: CE-GPPO is above GRPO / DAPO, the paper's direction.{power}"
+                )
             elif gap > 0:
-                text += (f" The runs differ only in the method. CE-GPPO's lowest is above the higher of GRPO / DAPO "
-                         f"({top} {_f(base_of[top])}) by only {_f(gap)} nats (under {LEVEL:.0%}): level, not the "
-                         f"paper's clear gap.{power}")
+                text += (
+                    f" The runs differ only in the method. CE-GPPO's lowest is above the higher of GRPO / DAPO "
+                    f"({top} {_f(base_of[top])}) by only {_f(gap)} nats (under {LEVEL:.0%}): level, not the "
+                    f"paper's clear gap.{power}"
+                )
             else:
-                text += (" The runs differ only in the method. Here this differs from the paper: CE-GPPO is not above "
-                         f"the higher of GRPO / DAPO ({top} {_f(base_of[top])}).{power}")
+                text += (
+                    " The runs differ only in the method. Here this differs from the paper: CE-GPPO is not above "
+                    f"the higher of GRPO / DAPO ({top} {_f(base_of[top])}).{power}"
+                )
     elif rs.factors(replicates=False):
         text += " " + rs.differs_text()
     return text + _smooth_note(df, rs) + _group_note(rs)
@@ -179,10 +196,14 @@ def reward(df, rs: RunSet | None = None) -> str:
     per = {s: v for s, v in _by_series(df, rs, lambda g: _steps_mean(g, "reward")).items() if len(v)}
     long = max(len(v) for v in per.values()) >= 20
     if long:
-        return ("Here, mean reward over the last 10% of steps: " + _listing({s: _tail(v) for s, v in per.items()}, _f)
-                + "." + _smooth_note(df, rs) + _group_note(rs))
-    return "Here, final-step reward: " + _listing({s: v.iloc[-1] for s, v in per.items()}, _f) + "." \
-        + _group_note(rs)
+        return (
+            "Here, mean reward over the last 10% of steps: "
+            + _listing({s: _tail(v) for s, v in per.items()}, _f)
+            + "."
+            + _smooth_note(df, rs)
+            + _group_note(rs)
+        )
+    return "Here, final-step reward: " + _listing({s: v.iloc[-1] for s, v in per.items()}, _f) + "." + _group_note(rs)
 
 
 def _median_per_series(df, rs, col):
@@ -194,13 +215,21 @@ def grad_norm(df, rs: RunSet | None = None) -> str:
     if df.empty or (df["grad_norm"].isna().all() and not (bad is not None and bad.any())):
         return "No gradient norms recorded."
     rs = context(df, rs)
-    text = ("Here, median gradient norm per step: " + _listing(_median_per_series(df, rs, "grad_norm"), _f)
-            + " (the paper's 0.05-0.10 is for a 1.5B model; the scale differs with the model).")
+    text = (
+        "Here, median gradient norm per step: "
+        + _listing(_median_per_series(df, rs, "grad_norm"), _f)
+        + " (the paper's 0.05-0.10 is for a 1.5B model; the scale differs with the model)."
+    )
     if bad is not None and bad.any():
         bad = df[bad].sort_values("step")
         first = bad.groupby(series(bad, rs), sort=True).agg(step=("step", "first"), n=("step", "size"))
-        text += " Updates with a NaN / inf norm (x in the figure; left out of the step mean): " + "; ".join(
-            f"{s} at {int(r.n)} step{'s' if r.n != 1 else ''} from step {int(r.step)}" for s, r in first.iterrows()) + "."
+        text += (
+            " Updates with a NaN / inf norm (x in the figure; left out of the step mean): "
+            + "; ".join(
+                f"{s} at {int(r.n)} step{'s' if r.n != 1 else ''} from step {int(r.step)}" for s, r in first.iterrows()
+            )
+            + "."
+        )
     return text + _smooth_note(df, rs) + _group_note(rs)
 
 
@@ -208,8 +237,13 @@ def kl(df, rs: RunSet | None = None) -> str:
     if df.empty or df["kl"].isnull().all():
         return "No KL recorded."
     rs = context(df, rs)
-    return ("Here, median KL per step: " + _listing(_median_per_series(df, rs, "kl"), _f)
-            + " (the paper reports ~1e-5 for its LLM)." + _smooth_note(df, rs) + _group_note(rs))
+    return (
+        "Here, median KL per step: "
+        + _listing(_median_per_series(df, rs, "kl"), _f)
+        + " (the paper reports ~1e-5 for its LLM)."
+        + _smooth_note(df, rs)
+        + _group_note(rs)
+    )
 
 
 def quadrant_share(df, rs: RunSet | None = None) -> str:
@@ -222,8 +256,10 @@ def quadrant_share(df, rs: RunSet | None = None) -> str:
         return tot / tot.sum()
 
     per = _by_series(df, rs, shares)
-    text = "Here, share of tokens over all steps: " + _listing(per, lambda sh: ", ".join(
-        f"{q} {_pct(sh.get(q))}" for q in ("PA&HP", "PA&LP", "NA&HP", "NA&LP", "ZA") if q in sh))
+    text = "Here, share of tokens over all steps: " + _listing(
+        per,
+        lambda sh: ", ".join(f"{q} {_pct(sh.get(q))}" for q in ("PA&HP", "PA&LP", "NA&HP", "NA&LP", "ZA") if q in sh),
+    )
     return text + f"{_lp_note(rs)}." + _smooth_note(df, rs) + _group_note(rs)
 
 
@@ -247,8 +283,7 @@ def entropy_ratio(df, rs: RunSet | None = None) -> str:
 
     def show(v):
         out, med, band, erc = v
-        whose = ("its ERC band" if erc is True else "no ERC; band" if erc is False else
-                 f"{erc}; band" if erc else "band")
+        whose = "its ERC band" if erc is True else "no ERC; band" if erc is False else f"{erc}; band" if erc else "band"
         return f"{_pct(out)} outside ({whose} {rsmod.fmt(band)}; median rho {_f(med, 4)})"
 
     text = "Here, share of tokens outside the band: " + _listing(per, show) + "."
@@ -263,10 +298,14 @@ def entropy_ratio(df, rs: RunSet | None = None) -> str:
         elif not _verdict_ok(rs):
             text += " " + rs.differs_text()
         elif max(erc) < min(plain):
-            text += " The runs differ only in the method: ERC runs keep more tokens inside the band, as the paper reports."
+            text += (
+                " The runs differ only in the method: ERC runs keep more tokens inside the band, as the paper reports."
+            )
         else:
-            text += (" The runs differ only in the method. Here this differs from the paper: ERC runs do not keep "
-                     "more tokens inside the band.")
+            text += (
+                " The runs differ only in the method. Here this differs from the paper: ERC runs do not keep "
+                "more tokens inside the band."
+            )
     return text + _smooth_note(df, rs) + _group_note(rs)
 
 
@@ -284,18 +323,29 @@ def clip_by_quadrant(df, rs: RunSet | None = None) -> str:
             qs = [q for q in qs if q in w.index]
             n = sum(w.loc[q, "tokens"] for q in qs)
             return sum(w.loc[q, "c"] for q in qs) / n if n else float("nan")
+
         return frac(LP), frac(HP), float(w["c"].sum())
 
     per = _by_series(d, rs, one)
-    text = (f"Here, share of tokens whose gradient PPO-clip removes, low-probability (p < {tau_text(rs)}) vs high: "
-            + _listing(per, lambda v: f"{_pct(v[0]) if v[0] == v[0] else 'no LP tokens'} vs "
-                       f"{_pct(v[1]) if v[1] == v[1] else 'no HP tokens'}") + f" ({_eps_text(rs)}).")
+    text = (
+        f"Here, share of tokens whose gradient PPO-clip removes, low-probability (p < {tau_text(rs)}) vs high: "
+        + _listing(
+            per,
+            lambda v: (
+                f"{_pct(v[0]) if v[0] == v[0] else 'no LP tokens'} vs {_pct(v[1]) if v[1] == v[1] else 'no HP tokens'}"
+            ),
+        )
+        + f" ({_eps_text(rs)})."
+    )
     if all(v[2] == 0 for v in per.values()):
         return text + " No token was clipped in these runs: nothing to compare with the paper's claim."
     against = [s for s, v in per.items() if v[2] > 0 and v[0] == v[0] and v[1] == v[1] and not v[0] > v[1]]
     if against:
-        text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
-                 + "): low-probability tokens are not clipped more often.")
+        text += (
+            " Here this differs from the paper ("
+            + ", ".join(against[:MAX_LISTED])
+            + "): low-probability tokens are not clipped more often."
+        )
     return text + _group_note(rs)
 
 
@@ -316,15 +366,21 @@ def ratio_vs_prob(df, rs: RunSet | None = None) -> str:
         return (lp["out"].mean() if len(lp) else float("nan"), hp["out"].mean() if len(hp) else float("nan"), len(g))
 
     per = _by_series(d, rs, one)
-    text = (f"Here, tokens outside the clip interval ({_eps_text(rs)}), p < {tau_text(rs)} vs p >= tau: "
-            + _listing(per, lambda v: f"{_pct(v[0])} vs {_pct(v[1])} ({v[2]} sampled tokens)") + ".")
+    text = (
+        f"Here, tokens outside the clip interval ({_eps_text(rs)}), p < {tau_text(rs)} vs p >= tau: "
+        + _listing(per, lambda v: f"{_pct(v[0])} vs {_pct(v[1])} ({v[2]} sampled tokens)")
+        + "."
+    )
     none = [s for s, v in per.items() if not (v[0] > 0 or v[1] > 0)]  # nothing left it: no claim to test
     against = [s for s, v in per.items() if s not in none and v[0] == v[0] and v[1] == v[1] and v[0] <= v[1]]
     if none:
         text += " No token left the interval in " + ", ".join(none[:MAX_LISTED]) + ": nothing to compare there."
     if against:
-        text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
-                 + "): high-probability tokens leave the interval as often.")
+        text += (
+            " Here this differs from the paper ("
+            + ", ".join(against[:MAX_LISTED])
+            + "): high-probability tokens leave the interval as often."
+        )
     return text
 
 
@@ -345,12 +401,18 @@ def clipped_prob(df, rs: RunSet | None = None) -> str:
         return res
 
     per = _by_series(df, rs, one)
-    text = f"Here, share of the clipped tokens with p < {tau_text(rs)}: " + _listing(per, lambda v: ", ".join(
-        f"{_pct(lp)} of {n} {side}-side" for side, (lp, n) in v.items())) + "."
+    text = (
+        f"Here, share of the clipped tokens with p < {tau_text(rs)}: "
+        + _listing(per, lambda v: ", ".join(f"{_pct(lp)} of {n} {side}-side" for side, (lp, n) in v.items()))
+        + "."
+    )
     against = [s for s, v in per.items() if v and max(lp for lp, _ in v.values()) <= 0.5]
     if against:
-        text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
-                 + "): the clipped tokens are not mostly low-probability.")
+        text += (
+            " Here this differs from the paper ("
+            + ", ".join(against[:MAX_LISTED])
+            + "): the clipped tokens are not mostly low-probability."
+        )
     return text
 
 
@@ -366,9 +428,14 @@ def grad_share(df, rs: RunSet | None = None) -> str:
         return lp, dropped
 
     per = _by_series(df, rs, one)
-    return (f"Here, share of the squared logit-gradient norm carried by low-probability quadrants (p < {tau_text(rs)}) "
-            "and by tokens outside the clip interval on the gated side: "
-            + _listing(per, lambda v: f"{_pct(v[0])}, {_pct(v[1])}") + "." + _smooth_note(df, rs) + _group_note(rs))
+    return (
+        f"Here, share of the squared logit-gradient norm carried by low-probability quadrants (p < {tau_text(rs)}) "
+        "and by tokens outside the clip interval on the gated side: "
+        + _listing(per, lambda v: f"{_pct(v[0])}, {_pct(v[1])}")
+        + "."
+        + _smooth_note(df, rs)
+        + _group_note(rs)
+    )
 
 
 def drift_by_prob(df, rs: RunSet | None = None) -> str:
@@ -382,12 +449,23 @@ def drift_by_prob(df, rs: RunSet | None = None) -> str:
         return drift.idxmax(), drift.max()
 
     per = _by_series(df, rs, one)
-    text = "Here, the bin of largest drift: " + _listing(per, lambda v: (
-        f"p in [{v[0][0]:.2g}, {v[0][1]:.2g}) (mean |log rho| {_f(v[1])})" if v[1] > 0 else "none (rho = 1)")) + "."
+    text = (
+        "Here, the bin of largest drift: "
+        + _listing(
+            per,
+            lambda v: (
+                f"p in [{v[0][0]:.2g}, {v[0][1]:.2g}) (mean |log rho| {_f(v[1])})" if v[1] > 0 else "none (rho = 1)"
+            ),
+        )
+        + "."
+    )
     against = [s for s, ((lo, hi), top) in per.items() if top > 0 and not (hi <= 0.2 + 1e-9 or lo >= 0.6 - 1e-9)]
     if against:
-        text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
-                 + "): the largest drift is not below 0.2 or above 0.6.")
+        text += (
+            " Here this differs from the paper ("
+            + ", ".join(against[:MAX_LISTED])
+            + "): the largest drift is not below 0.2 or above 0.6."
+        )
     return text
 
 
@@ -401,13 +479,18 @@ def entropy_change(df, rs: RunSet | None = None) -> str:
         return [q for q in _LAW if q in d and (d[q] > 0) == (_LAW[q] > 0)], sum(q in d for q in _LAW)
 
     per = _by_series(df, rs, one)
-    return ("Here, quadrants whose measured sign agrees with the law: "
-            + _listing(per, lambda v: f"{len(v[0])} of {v[1]}") + f"{_lp_note(rs)}.")
+    return (
+        "Here, quadrants whose measured sign agrees with the law: "
+        + _listing(per, lambda v: f"{len(v[0])} of {v[1]}")
+        + f"{_lp_note(rs)}."
+    )
 
 
-NO_ATTRIBUTION = ("No entropy attribution recorded: policy_update records it with a recorder; TRL: "
-                  "EntropyLensGRPOTrainer(..., attribution=True); by hand: record_update(..., "
-                  "entropy_sensitivity=...); verl does not record it.")
+NO_ATTRIBUTION = (
+    "No entropy attribution recorded: policy_update records it with a recorder; TRL: "
+    "EntropyLensGRPOTrainer(..., attribution=True); by hand: record_update(..., "
+    "entropy_sensitivity=...); verl does not record it."
+)
 
 
 def entropy_budget(df, rs: RunSet | None = None) -> str:
@@ -423,9 +506,19 @@ def entropy_budget(df, rs: RunSet | None = None) -> str:
         return tot, len(agree), sum(q in tot and tot[q] != 0 for q in _LAW), neg  # quadrants with tokens
 
     per = _by_series(df, rs, one)
-    text = ("Here, summed over the steps: " + _listing(per, lambda v: "(" + ", ".join(
-        f"{q} {v[0][q]:+.3g}" for q in _LAW if q in v[0]) + f"; law's sign in {v[1]} of {v[2]}; total < 0 in "
-        f"{_pct(v[3])} of steps)") + f"{_lp_note(rs)}.")
+    text = (
+        "Here, summed over the steps: "
+        + _listing(
+            per,
+            lambda v: (
+                "("
+                + ", ".join(f"{q} {v[0][q]:+.3g}" for q in _LAW if q in v[0])
+                + f"; law's sign in {v[1]} of {v[2]}; total < 0 in "
+                f"{_pct(v[3])} of steps)"
+            ),
+        )
+        + f"{_lp_note(rs)}."
+    )
     return text + _sign_note(df, rs, per) + _smooth_note(df, rs) + _group_note(rs)
 
 
@@ -445,16 +538,25 @@ def _sign_note(df, rs: RunSet, per: dict) -> str:
         taus = {rs.setting(r, "tau")[0] for r in g["run"].astype(str).unique()} - {None}
         tau = next(iter(taus)) if len(taus) == 1 else None
         e = math.exp(-h)
-        where = "" if tau is None else (f", {'below' if e < tau else 'above'} tau = {tau:g}: tokens with p between "
-                                         f"{min(e, tau):.3g} and {max(e, tau):.3g} are {'LP' if e < tau else 'HP'} "
-                                         f"by tau but on the other side of exp(-H)")
+        where = (
+            ""
+            if tau is None
+            else (
+                f", {'below' if e < tau else 'above'} tau = {tau:g}: tokens with p between "
+                f"{min(e, tau):.3g} and {max(e, tau):.3g} are {'LP' if e < tau else 'HP'} "
+                f"by tau but on the other side of exp(-H)"
+            )
+        )
         parts.append(f"{s}: mean H {h:.3g} nats, exp(-H) = {e:.3g}{where}")
     if not parts:
         return ""
-    return (" Why the signs differ from the paper's: a logit step delta on token a changes the entropy by "
-            "-delta p_a (log p_a + H), so a rewarded token lowers entropy when p_a > exp(-H) and raises it "
-            "below, whatever tau (the paper's LP means below exp(-H)). " + "; ".join(parts)
-            + ". Re-split at tau near exp(-H) with --tau.")
+    return (
+        " Why the signs differ from the paper's: a logit step delta on token a changes the entropy by "
+        "-delta p_a (log p_a + H), so a rewarded token lowers entropy when p_a > exp(-H) and raises it "
+        "below, whatever tau (the paper's LP means below exp(-H)). "
+        + "; ".join(parts)
+        + ". Re-split at tau near exp(-H) with --tau."
+    )
 
 
 def clipping_removed(df, rs: RunSet | None = None) -> str:
@@ -480,23 +582,40 @@ def clipping_removed(df, rs: RunSet | None = None) -> str:
 
     text = "Here, of the entropy effect taken away: " + _listing(per, show) + f"{_lp_note(rs)}."
     text += _cause_note(df, rs)
-    beta = "; ".join(t for t in (rs.setting_text("beta1", _ce(rs)), rs.setting_text("beta2", _ce(rs)),
-                                 rs.setting_text("dual_clip")) if t)
+    beta = "; ".join(
+        t
+        for t in (rs.setting_text("beta1", _ce(rs)), rs.setting_text("beta2", _ce(rs)), rs.setting_text("dual_clip"))
+        if t
+    )
     if beta:
         text += f" Settings: {beta}."
-    against = [s for s, (d, total) in per.items() if total > 0 and not (
-        (abs(d.get("PA&LP", 0.0)) + abs(d.get("NA&LP", 0.0))) / total > 0.5 and d.get("PA&LP", 0.0) > 0 > d.get("NA&LP", 0.0))]
+    against = [
+        s
+        for s, (d, total) in per.items()
+        if total > 0
+        and not (
+            (abs(d.get("PA&LP", 0.0)) + abs(d.get("NA&LP", 0.0))) / total > 0.5
+            and d.get("PA&LP", 0.0) > 0 > d.get("NA&LP", 0.0)
+        )
+    ]
     if against:
-        text += (" Here this differs from the paper's argument (PA&LP raising and NA&LP lowering entropy dominate what "
-                 "clipping drops) in: " + ", ".join(against[:MAX_LISTED]) + ".")
+        text += (
+            " Here this differs from the paper's argument (PA&LP raising and NA&LP lowering entropy dominate what "
+            "clipping drops) in: " + ", ".join(against[:MAX_LISTED]) + "."
+        )
     else:
         text += " As CE-GPPO argues: dominated by PA&LP (raising) and NA&LP (lowering), opposite signs."
     return text
 
 
-_CAUSES = (("dropped_clip_low", "clip low side"), ("dropped_clip_high", "clip high side"),
-           ("dropped_dual_clip", "dual-clip"), ("dropped_clip_cov", "Clip-Cov"), ("dropped_kl_cov", "KL-Cov"),
-           ("dropped_erc", "ERC"))
+_CAUSES = (
+    ("dropped_clip_low", "clip low side"),
+    ("dropped_clip_high", "clip high side"),
+    ("dropped_dual_clip", "dual-clip"),
+    ("dropped_clip_cov", "Clip-Cov"),
+    ("dropped_kl_cov", "KL-Cov"),
+    ("dropped_erc", "ERC"),
+)
 
 
 def _cause_note(df, rs: RunSet) -> str:
@@ -514,9 +633,11 @@ def _cause_note(df, rs: RunSet) -> str:
     per = {s: v for s, v in _by_series(df, rs, one).items() if v[0]}
     if not per:
         return ""
-    return (" By cause (the parts add up to the total taken away): "
-            + _listing(per, lambda v: ", ".join(f"{name} {x:+.3g}" for name, x in v[0]) + f" (total {v[1]:+.3g})")
-            + ".")
+    return (
+        " By cause (the parts add up to the total taken away): "
+        + _listing(per, lambda v: ", ".join(f"{name} {x:+.3g}" for name, x in v[0]) + f" (total {v[1]:+.3g})")
+        + "."
+    )
 
 
 def _ce(rs: RunSet) -> list[str]:
@@ -535,8 +656,11 @@ def probe_vs_measured(df, rs: RunSet | None = None) -> str:
         text += f": predicted vs measured correlation {_f(r)}, same sign in {_pct(same)}"
     q = df[df["part"].isin(list(_LAW))].groupby("part")["predicted_dh"].mean()
     agree = [k for k in _LAW if k in q and (q[k] > 0) == (_LAW[k] > 0)]
-    text += (f"; mean predicted dH per quadrant: " + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
-             + f" (law's sign in {len(agree)} of {len(q)}){_lp_note(rs)}.")
+    text += (
+        "; mean predicted dH per quadrant: "
+        + ", ".join(f"{k} {q[k]:+.3g}" for k in _LAW if k in q)
+        + f" (law's sign in {len(agree)} of {len(q)}){_lp_note(rs)}."
+    )
     return text
 
 
@@ -549,8 +673,9 @@ def _run_label(rs: RunSet, run: str) -> str:
 def _runs_listing(rows, rs: RunSet, show) -> str:
     """'x ...; y ...' over per-run rows (at most MAX_LISTED, then how many more)."""
     items = [f"{_run_label(rs, r.run)} {show(r)}" for r in rows]
-    return "; ".join(items[:MAX_LISTED]) + (f"; and {len(items) - MAX_LISTED} more runs"
-                                            if len(items) > MAX_LISTED else "")
+    return "; ".join(items[:MAX_LISTED]) + (
+        f"; and {len(items) - MAX_LISTED} more runs" if len(items) > MAX_LISTED else ""
+    )
 
 
 def covariance_by_quadrant(df, rs: RunSet | None = None) -> str:
@@ -573,16 +698,23 @@ def covariance_by_quadrant(df, rs: RunSet | None = None) -> str:
 
     def show(v):
         tot, size, agree, n, pos = v
-        parts = ", ".join(f"{q} {tot[q]:+.3g}" + (f" ({_pct(abs(tot[q]) / size)})" if size else "")
-                          for q in _LAW if q in tot)
+        parts = ", ".join(
+            f"{q} {tot[q]:+.3g}" + (f" ({_pct(abs(tot[q]) / size)})" if size else "") for q in _LAW if q in tot
+        )
         return f"({parts}; the law's sign in {agree} of {n}; step covariance > 0 in {_pct(pos)} of steps)"
 
-    text = ("Here, each quadrant's mean part of the step's Cov(log pi, A) (its share of the four parts' |sum|): "
-            + _listing(per, show) + f"{_lp_note(rs)}.")
+    text = (
+        "Here, each quadrant's mean part of the step's Cov(log pi, A) (its share of the four parts' |sum|): "
+        + _listing(per, show)
+        + f"{_lp_note(rs)}."
+    )
     against = [s for s, v in per.items() if v[4] == v[4] and v[4] < 0.5]
     if against:
-        text += (" Here the step's covariance is mostly negative (" + ", ".join(against[:MAX_LISTED])
-                 + "): by the law these steps push the entropy up, not towards collapse.")
+        text += (
+            " Here the step's covariance is mostly negative ("
+            + ", ".join(against[:MAX_LISTED])
+            + "): by the law these steps push the entropy up, not towards collapse."
+        )
     return text + _smooth_note(df, rs) + _group_note(rs)
 
 
@@ -597,22 +729,40 @@ def covariance_law(df, rs: RunSet | None = None) -> str:
     few = summ[~summ["meaningful"]]
     text = ""
     if len(good):
-        text = ("Here, Pearson r of the predicted (-Cov(log pi, A)) and the measured entropy change per step: "
-                + _runs_listing(good.itertuples(), rs, lambda r: (
+        text = (
+            "Here, Pearson r of the predicted (-Cov(log pi, A)) and the measured entropy change per step: "
+            + _runs_listing(
+                good.itertuples(),
+                rs,
+                lambda r: (
                     f"r = {_f(r.corr, 2)} over {r.steps} steps (same sign in {_pct(r.same_sign)}; fitted scale "
-                    f"{_f(r.scale)}; with Cov(log pi, pi A): r = {_f(r.corr_prob, 2)})")) + ".")
+                    f"{_f(r.scale)}; with Cov(log pi, pi A): r = {_f(r.corr_prob, 2)})"
+                ),
+            )
+            + "."
+        )
         against = [_run_label(rs, r.run) for r in good.itertuples() if not r.corr > 0]
         if against:
-            text += (" Here this differs from the law (" + ", ".join(against[:MAX_LISTED])
-                     + "): the entropy does not fall where the covariance is positive.")
+            text += (
+                " Here this differs from the law ("
+                + ", ".join(against[:MAX_LISTED])
+                + "): the entropy does not fall where the covariance is positive."
+            )
         else:
             text += " As the law predicts, the entropy falls more where the covariance is larger."
     if len(few):
-        text += (" " if text else "Here, ") + _runs_listing(few.itertuples(), rs, lambda r: (
-            f"has {r.steps} step{'s' if r.steps != 1 else ''} with a next step")) + (
-            f": the fit (its scale and r) is not meaningful below {MIN_STEPS} steps, so none is claimed.")
-    return text + " The scale is fitted per run: it stands for eta, which Adam and shared parameters blur." \
+        text += (
+            (" " if text else "Here, ")
+            + _runs_listing(
+                few.itertuples(), rs, lambda r: f"has {r.steps} step{'s' if r.steps != 1 else ''} with a next step"
+            )
+            + (f": the fit (its scale and r) is not meaningful below {MIN_STEPS} steps, so none is claimed.")
+        )
+    return (
+        text
+        + " The scale is fitted per run: it stands for eta, which Adam and shared parameters blur."
         + _group_note(rs)
+    )
 
 
 def entropy_performance(df, rs: RunSet | None = None) -> str:
@@ -626,25 +776,44 @@ def entropy_performance(df, rs: RunSet | None = None) -> str:
     few = summ[~summ["meaningful"]]
     text = ""
     if len(good):
-        text = "Here, R = -a exp(H) + b fitted per run: " + _runs_listing(good.itertuples(), rs, lambda r: (
-            f"a = {_f(r.a)}, b = {_f(r.b)}, RMSE {_f(r.rmse, 2)}, R^2 {_f(r.r2, 3)} over {r.steps} steps (H {_f(r.entropy_lo)}..{_f(r.entropy_hi)} nats; at H = 0: b - a = {_f(r.b - r.a)})"
-        )) + "."
+        text = (
+            "Here, R = -a exp(H) + b fitted per run: "
+            + _runs_listing(
+                good.itertuples(),
+                rs,
+                lambda r: (
+                    f"a = {_f(r.a)}, b = {_f(r.b)}, RMSE {_f(r.rmse, 2)}, R^2 {_f(r.r2, 3)} over {r.steps} steps (H {_f(r.entropy_lo)}..{_f(r.entropy_hi)} nats; at H = 0: b - a = {_f(r.b - r.a)})"
+                ),
+            )
+            + "."
+        )
         against = [_run_label(rs, r.run) for r in good.itertuples() if not r.a > 0]
         if against:
-            text += (" Here this differs from the paper (" + ", ".join(against[:MAX_LISTED])
-                     + "): the reward does not rise as the entropy falls (a is not positive).")
+            text += (
+                " Here this differs from the paper ("
+                + ", ".join(against[:MAX_LISTED])
+                + "): the reward does not rise as the entropy falls (a is not positive)."
+            )
     flat = few[few["reward_varies"] == False]  # noqa: E712 (a column of bools)
     few = few[few["reward_varies"] == True]  # noqa: E712
     if len(few):
-        text += (" " if text else "Here, ") + _runs_listing(few.itertuples(), rs, lambda r: (
-            f"has {r.steps} step{'s' if r.steps != 1 else ''} with a reward and an entropy")) + (
-            f": a fit of a and b is not meaningful below {MIN_STEPS} steps, so no curve is drawn.")
+        text += (
+            (" " if text else "Here, ")
+            + _runs_listing(
+                few.itertuples(),
+                rs,
+                lambda r: f"has {r.steps} step{'s' if r.steps != 1 else ''} with a reward and an entropy",
+            )
+            + (f": a fit of a and b is not meaningful below {MIN_STEPS} steps, so no curve is drawn.")
+        )
     if len(flat):
-        text += (" The" if text else "Here, the") + " reward does not vary over the steps of " + ", ".join(
-            _run_label(rs, r.run) for r in flat.itertuples()) + ": nothing to fit, no curve is drawn."
+        text += (
+            (" The" if text else "Here, the")
+            + " reward does not vary over the steps of "
+            + ", ".join(_run_label(rs, r.run) for r in flat.itertuples())
+            + ": nothing to fit, no curve is drawn."
+        )
     return text + _group_note(rs)
-
-
 
 
 def mismatch(df, rs: RunSet | None = None) -> str:
@@ -665,22 +834,27 @@ def mismatch(df, rs: RunSet | None = None) -> str:
         tot = p["sampled"].sum()
         mean_abs = float((p["mean_abs"] * p["sampled"]).sum() / tot)
         peak = p.loc[p["mean_abs"].idxmax()]
-        parts[s] = (f"mean |delta log p| {_f(mean_abs)} nats (highest at step {int(peak['step'])}: "
-                    f"{_f(peak['mean_abs'])}), {_pct(_wmean(g, 'mismatched_frac', 'sampled'))} of tokens mismatched; "
-                    f"{_pct(_wmean(g, 'clipped_mismatched_frac', 'clipped'))} of the clipped tokens vs "
-                    f"{_pct(_wmean_other(g))} of the others; "
-                    f"{_pct(_wmean(g, 'abs_effect_mismatched_share', 'abs_effect'))} of sum |entropy effect|")
+        parts[s] = (
+            f"mean |delta log p| {_f(mean_abs)} nats (highest at step {int(peak['step'])}: "
+            f"{_f(peak['mean_abs'])}), {_pct(_wmean(g, 'mismatched_frac', 'sampled'))} of tokens mismatched; "
+            f"{_pct(_wmean(g, 'clipped_mismatched_frac', 'clipped'))} of the clipped tokens vs "
+            f"{_pct(_wmean_other(g))} of the others; "
+            f"{_pct(_wmean(g, 'abs_effect_mismatched_share', 'abs_effect'))} of sum |entropy effect|"
+        )
     text = ""
     if parts:
-        text = ("Here (mismatched: |delta log p| > ln 2, a factor 2 between the probabilities, or masked by the IS "
-                "correction): " + _listing(parts, str) + ". "
-                "A clipped share above the others' says the clipped tokens are the mismatched ones (TIS / MIS "
-                "report the mismatch drives the off-policy gap that clipping and IS correction act on).")
+        text = (
+            "Here (mismatched: |delta log p| > ln 2, a factor 2 between the probabilities, or masked by the IS "
+            "correction): " + _listing(parts, str) + ". "
+            "A clipped share above the others' says the clipped tokens are the mismatched ones (TIS / MIS "
+            "report the mismatch drives the off-policy gap that clipping and IS correction act on)."
+        )
     if missing:
         text += (" " if text else "") + (
             f"No sampler log-probs recorded in {', '.join(missing)} (tokens.sampler_logprob is NULL): the mismatch "
             "is unknown there, not zero; record it with record_update(..., sampler_logprobs=...), TRL with vLLM, "
-            "or verl's rollout_log_probs.")
+            "or verl's rollout_log_probs."
+        )
     return text + _group_note(rs)
 
 

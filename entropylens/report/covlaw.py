@@ -58,7 +58,7 @@ def fit_entropy_performance(entropy, reward) -> Fit:
     a, b = -slope, float(r.mean() - slope * x.mean())
     res = r - (b - a * x)
     sst = float(np.sum((r - r.mean()) ** 2))
-    return Fit(a, b, float(np.sqrt(np.mean(res ** 2))), 1 - float(np.sum(res ** 2)) / sst if sst > 0 else nan, n)
+    return Fit(a, b, float(np.sqrt(np.mean(res**2))), 1 - float(np.sum(res**2)) / sst if sst > 0 else nan, n)
 
 
 def _first(g, col):
@@ -79,11 +79,21 @@ def law_summary(df):
         both = g.dropna(subset=["cov", "measured_dh"])
         steps = int(g["steps"].max()) if len(g) else 0
         same = float(np.mean(np.sign(-both["cov"]) == np.sign(both["measured_dh"]))) if len(both) else float("nan")
-        rows.append(dict(run=run, method=g["method"].iloc[0] if "method" in g else None, steps=steps,
-                         scale=_first(g, "scale"), corr=_first(g, "corr"), corr_prob=_first(g, "corr_prob"),
-                         same_sign=same, meaningful=steps >= MIN_STEPS))
-    return pd.DataFrame(rows, columns=["run", "method", "steps", "scale", "corr", "corr_prob", "same_sign",
-                                       "meaningful"])
+        rows.append(
+            dict(
+                run=run,
+                method=g["method"].iloc[0] if "method" in g else None,
+                steps=steps,
+                scale=_first(g, "scale"),
+                corr=_first(g, "corr"),
+                corr_prob=_first(g, "corr_prob"),
+                same_sign=same,
+                meaningful=steps >= MIN_STEPS,
+            )
+        )
+    return pd.DataFrame(
+        rows, columns=["run", "method", "steps", "scale", "corr", "corr_prob", "same_sign", "meaningful"]
+    )
 
 
 def fit_summary(df):
@@ -96,12 +106,37 @@ def fit_summary(df):
     for run, g in df.groupby(df["run"].astype(str), sort=True):
         steps = int(g["steps"].max()) if len(g) else 0
         a, b = _first(g, "a"), _first(g, "b")
-        rows.append(dict(run=run, method=g["method"].iloc[0] if "method" in g else None, steps=steps, a=a, b=b,
-                         rmse=_first(g, "rmse"), r2=_first(g, "r2"), entropy_lo=float(g["entropy"].min()),
-                         entropy_hi=float(g["entropy"].max()), reward_varies=bool(g["reward"].nunique() > 1),
-                         meaningful=steps >= MIN_STEPS and a == a and b == b and g["reward"].nunique() > 1))
-    return pd.DataFrame(rows, columns=["run", "method", "steps", "a", "b", "rmse", "r2", "entropy_lo", "entropy_hi",
-                                       "reward_varies", "meaningful"])
+        rows.append(
+            dict(
+                run=run,
+                method=g["method"].iloc[0] if "method" in g else None,
+                steps=steps,
+                a=a,
+                b=b,
+                rmse=_first(g, "rmse"),
+                r2=_first(g, "r2"),
+                entropy_lo=float(g["entropy"].min()),
+                entropy_hi=float(g["entropy"].max()),
+                reward_varies=bool(g["reward"].nunique() > 1),
+                meaningful=steps >= MIN_STEPS and a == a and b == b and g["reward"].nunique() > 1,
+            )
+        )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "run",
+            "method",
+            "steps",
+            "a",
+            "b",
+            "rmse",
+            "r2",
+            "entropy_lo",
+            "entropy_hi",
+            "reward_varies",
+            "meaningful",
+        ],
+    )
 
 
 def quadrant_summary(df):
@@ -114,10 +149,15 @@ def quadrant_summary(df):
 
     d = df[df["quadrant"].isin(QUADRANTS)]
     if d.empty:
-        return pd.DataFrame(columns=["run", "method", "quadrant", "tokens", "cov_sum", "share", "law_sign",
-                                     "expected", "agrees"])
-    g = d.assign(run=d["run"].astype(str)).groupby(["run", "quadrant"], sort=True).agg(
-        method=("method", "first"), tokens=("tokens", "sum"), cov_sum=("cov_sum", "sum")).reset_index()
+        return pd.DataFrame(
+            columns=["run", "method", "quadrant", "tokens", "cov_sum", "share", "law_sign", "expected", "agrees"]
+        )
+    g = (
+        d.assign(run=d["run"].astype(str))
+        .groupby(["run", "quadrant"], sort=True)
+        .agg(method=("method", "first"), tokens=("tokens", "sum"), cov_sum=("cov_sum", "sum"))
+        .reset_index()
+    )
     tot = g.groupby("run")["cov_sum"].transform(lambda s: s.abs().sum())
     g["share"] = g["cov_sum"].abs() / tot.where(tot > 0)
     g["law_sign"] = -np.sign(g["cov_sum"]).astype(int)
@@ -135,5 +175,11 @@ def tables(con) -> dict:
     cov = run_analysis(con, "covariance_by_quadrant")
     law = run_analysis(con, "covariance_law_by_step")
     fit = run_analysis(con, "entropy_performance_fit")
-    return {"quadrants": quadrant_summary(cov), "law": law_summary(law), "fit": fit_summary(fit),
-            "covariance_by_quadrant": cov, "covariance_law_by_step": law, "entropy_performance_fit": fit}
+    return {
+        "quadrants": quadrant_summary(cov),
+        "law": law_summary(law),
+        "fit": fit_summary(fit),
+        "covariance_by_quadrant": cov,
+        "covariance_law_by_step": law,
+        "entropy_performance_fit": fit,
+    }

@@ -58,10 +58,25 @@ def is_invisible(ch: str) -> bool:
 
 # Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt): drawn as nothing where a font has no
 # glyph for them; the letters among them (U+115F, U+3164, ...) are not invisible by category
-DEFAULT_IGNORABLE = ((0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
-                     (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
-                     (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
-                     (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF))
+DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+)
 
 
 def drawn_as_nothing(s: str) -> bool:
@@ -127,4 +142,15 @@ def html_text(s) -> str:
     return html.escape(visible(s), quote=True)
 
 
-__all__ = ["code", "is_invisible", "drawn_as_nothing", "visible", "terminal", "token", "markdown", "markdown_cell", "plot_text", "html_text"]
+__all__ = [
+    "code",
+    "is_invisible",
+    "drawn_as_nothing",
+    "visible",
+    "terminal",
+    "token",
+    "markdown",
+    "markdown_cell",
+    "plot_text",
+    "html_text",
+]

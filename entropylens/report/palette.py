@@ -15,5 +15,15 @@ QUADRANT_COLORS: dict[str, str] = {
     "NA&LP": "#f28b82",  # light red
     "ZA": "#9e9e9e",  # zero advantage: grey
 }
-RUN_COLORS: tuple[str, ...] = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#393b79",
-                               "#bcbd22", "#7f7f7f", "#e7ba52")
+RUN_COLORS: tuple[str, ...] = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#393b79",
+    "#bcbd22",
+    "#7f7f7f",
+    "#e7ba52",
+)

@@ -42,8 +42,16 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3, "font.size": 9,
-                         "axes.spines.top": False, "axes.spines.right": False})
+    plt.rcParams.update(
+        {
+            "figure.dpi": 100,
+            "axes.grid": True,
+            "grid.alpha": 0.3,
+            "font.size": 9,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
     return plt
 
 
@@ -57,8 +65,9 @@ def _run_labels(df):
     import pandas as pd
 
     if "run" not in df:
-        return (df["method"].fillna("?").astype(str) if "method" in df
-                else pd.Series("all", index=df.index, dtype=object))
+        return (
+            df["method"].fillna("?").astype(str) if "method" in df else pd.Series("all", index=df.index, dtype=object)
+        )
     runs = df["run"].astype(str)
     if "method" not in df:
         return runs
@@ -130,8 +139,10 @@ def _series_handles(colors: dict, names=None, *, kind: str = "line") -> list:
 
 def _check_band(band):
     if band is not None and band not in _BANDS:
-        raise ValueError(f"band={band!r}: None, 'minmax' or 'sd' (how the runs of a series spread); an ERC band "
-                         "comes from the frame's band_low / band_high columns")
+        raise ValueError(
+            f"band={band!r}: None, 'minmax' or 'sd' (how the runs of a series spread); an ERC band "
+            "comes from the frame's band_low / band_high columns"
+        )
     return band or "minmax"
 
 
@@ -145,8 +156,11 @@ def _notes(window: int, shared: bool, band: str, *, bars: bool = False) -> str:
     if window > 1:
         parts.append(f"bold: rolling mean of {window} steps, faint: per step")
     if shared:
-        parts.append((f"bars: mean over a series' runs, error bars: {_spread_text(band)}" if bars else
-                      f"line: mean over a series' runs, shaded: {_spread_text(band)}"))
+        parts.append(
+            f"bars: mean over a series' runs, error bars: {_spread_text(band)}"
+            if bars
+            else f"line: mean over a series' runs, shaded: {_spread_text(band)}"
+        )
     return "; ".join(parts)
 
 
@@ -156,8 +170,15 @@ def _legend_right(fig, handles, title, *, fontsize: int = 8) -> None:
         fig.tight_layout()
         return
     renderer = fig.canvas.get_renderer()
-    legend = fig.legend(handles=handles, title=title, loc="upper left", fontsize=fontsize, title_fontsize=fontsize,
-                        frameon=False, borderaxespad=0.2)
+    legend = fig.legend(
+        handles=handles,
+        title=title,
+        loc="upper left",
+        fontsize=fontsize,
+        title_fontsize=fontsize,
+        frameon=False,
+        borderaxespad=0.2,
+    )
     width_in = legend.get_window_extent(renderer).width / fig.dpi + 0.15
     base = fig.get_figwidth()
     if width_in > (base + width_in) / 5:  # more than a fifth of the width: above the panels instead
@@ -171,8 +192,9 @@ def _legend_right(fig, handles, title, *, fontsize: int = 8) -> None:
     legend.set_bbox_to_anchor((right, top), transform=fig.transFigure)
 
 
-def _legend_top(fig, handles, *, panels_height: float, title: str | None = None, header: str | None = None,
-                fontsize: int = 8) -> None:
+def _legend_top(
+    fig, handles, *, panels_height: float, title: str | None = None, header: str | None = None, fontsize: int = 8
+) -> None:
     """A header line (``header``, the figure's title) and one legend above the panels, in as many columns
     as fit the figure's width; the figure grows by their height, the panels stay below them."""
     renderer = fig.canvas.get_renderer()
@@ -191,8 +213,14 @@ def _legend_top(fig, handles, *, panels_height: float, title: str | None = None,
         head_in = st.get_window_extent(renderer).height / fig.dpi + 0.08
     legend, leg_in = None, 0.0
     if handles:
-        kw = dict(loc="upper center", fontsize=fontsize, frameon=False, title=title, title_fontsize=fontsize,
-                  borderaxespad=0.1)
+        kw = dict(
+            loc="upper center",
+            fontsize=fontsize,
+            frameon=False,
+            title=title,
+            title_fontsize=fontsize,
+            borderaxespad=0.1,
+        )
         # one column's width (the widest entry) says how many columns fit: two legends drawn, not one per ncol
         one = fig.legend(handles=handles, ncol=1, **kw)
         col_px = one.get_window_extent(renderer).width
@@ -284,7 +312,8 @@ def _per_series(d, x: str, cols, band: str, window: int = 1):
     raw = per.groupby(level=["_s", x]).mean()
     if window > 1:
         per = per.groupby(level=["_s", "_r"], group_keys=False, sort=False).apply(
-            lambda r: r.rolling(window, center=True, min_periods=1).mean())
+            lambda r: r.rolling(window, center=True, min_periods=1).mean()
+        )
     g = per.groupby(level=["_s", x])
     mean = g.mean()
     if band == "sd":
@@ -292,13 +321,30 @@ def _per_series(d, x: str, cols, band: str, window: int = 1):
         lo, hi = mean - sd, mean + sd
     else:
         lo, hi = g.min(), g.max()
-    out = (mean.join(lo.add_suffix("_lo")).join(hi.add_suffix("_hi")).join(raw.add_suffix("_raw"))
-           .reset_index().sort_values(["_s", x]))
+    out = (
+        mean.join(lo.add_suffix("_lo"))
+        .join(hi.add_suffix("_hi"))
+        .join(raw.add_suffix("_raw"))
+        .reset_index()
+        .sort_values(["_s", x])
+    )
     return out, d.groupby("_s")["_r"].nunique().to_dict()
 
 
-def _series_lines(ax, d, x: str, y: str, colors, *, band: str, window: int = 1, logy: bool = False,
-                  ls: str = "-", spread: bool = True, raw: bool = True) -> bool:
+def _series_lines(
+    ax,
+    d,
+    x: str,
+    y: str,
+    colors,
+    *,
+    band: str,
+    window: int = 1,
+    logy: bool = False,
+    ls: str = "-",
+    spread: bool = True,
+    raw: bool = True,
+) -> bool:
     """One line per series: the mean over its runs per ``x`` (bold rolling mean over a faint raw line
     when ``window`` > 1), its runs' spread shaded. Returns whether any series holds several runs."""
     import numpy as np
@@ -315,18 +361,26 @@ def _series_lines(ax, d, x: str, y: str, colors, *, band: str, window: int = 1, 
             if logy:
                 lo = np.where(lo > 0, lo, np.nan)
             if few:
-                ax.errorbar(xs, m, yerr=[np.clip(m - lo, 0, None), np.clip(hi - m, 0, None)], fmt="none", ecolor=c,
-                            elinewidth=0.9, capsize=3, alpha=0.7)
+                ax.errorbar(
+                    xs,
+                    m,
+                    yerr=[np.clip(m - lo, 0, None), np.clip(hi - m, 0, None)],
+                    fmt="none",
+                    ecolor=c,
+                    elinewidth=0.9,
+                    capsize=3,
+                    alpha=0.7,
+                )
             else:
                 ax.fill_between(xs, lo, hi, color=c, alpha=0.18, lw=0)
         if window > 1:
             if raw:
-                ax.plot(xs, g[f"{y}_raw"].to_numpy(dtype=float), color=c, lw=0.5, alpha=0.2, ls=ls,
-                        label="_raw " + s)
+                ax.plot(xs, g[f"{y}_raw"].to_numpy(dtype=float), color=c, lw=0.5, alpha=0.2, ls=ls, label="_raw " + s)
             ax.plot(xs, m, color=c, lw=1.8, ls=ls, label=s)
         else:
-            ax.plot(xs, m, color=c, lw=1.4, alpha=0.9, ls=ls, label=s,
-                    marker="o" if few else None, ms=4)  # a short run shows as points, not nothing
+            ax.plot(
+                xs, m, color=c, lw=1.4, alpha=0.9, ls=ls, label=s, marker="o" if few else None, ms=4
+            )  # a short run shows as points, not nothing
     if logy:
         ax.set_yscale("log")
     return shared
@@ -348,16 +402,35 @@ def _bars(ax, x, height, width: float, colors, *, edgecolor=None, hatch=None, lw
     x, h = np.asarray(x, dtype=float), np.asarray(height, dtype=float)
     x0, x1, z = x - width / 2, x + width / 2, np.zeros_like(h)
     verts = np.stack([np.stack([x0, z], 1), np.stack([x0, h], 1), np.stack([x1, h], 1), np.stack([x1, z], 1)], 1)
-    coll = PolyCollection(verts, facecolors=list(colors), edgecolors=edgecolor if edgecolor is not None else "none",
-                          linewidths=lw, hatch=hatch, gid="bars", zorder=2)
+    coll = PolyCollection(
+        verts,
+        facecolors=list(colors),
+        edgecolors=edgecolor if edgecolor is not None else "none",
+        linewidths=lw,
+        hatch=hatch,
+        gid="bars",
+        zorder=2,
+    )
     coll.sticky_edges.y.append(0)  # the value axis starts at 0 as ax.bar's does
     ax.add_collection(coll, autolim=True)
     ax.autoscale_view()
     return coll
 
 
-def _grouped_bars(ax, stats, col: str, cats, names, colors, nruns, *, scale: float = 1.0, width: float = 0.8,
-                  bar_frac: float = 1.0, **bar_kw):
+def _grouped_bars(
+    ax,
+    stats,
+    col: str,
+    cats,
+    names,
+    colors,
+    nruns,
+    *,
+    scale: float = 1.0,
+    width: float = 0.8,
+    bar_frac: float = 1.0,
+    **bar_kw,
+):
     """Bars of ``col`` per category, one per series side by side (one bar call), error bars where a
     series holds several runs (one errorbar call); ``bar_frac``: a bar's share of its slot (a narrower
     bar drawn over another). Returns the bars' x positions [series x category]."""
@@ -376,15 +449,32 @@ def _grouped_bars(ax, stats, col: str, cats, names, colors, nruns, *, scale: flo
         multi &= np.nan_to_num(hi - lo) > 0  # no bar for runs that agree (an empty bin: all 0)
     if multi.any():
         err = np.stack([np.clip(m - lo, 0, None)[multi], np.clip(hi - m, 0, None)[multi]])
-        ax.errorbar(xs[multi], m[multi], yerr=np.nan_to_num(err), fmt="none", ecolor="k", elinewidth=0.8,
-                    capsize=min(3, max(1, 60 / max(1, k * n))))
+        ax.errorbar(
+            xs[multi],
+            m[multi],
+            yerr=np.nan_to_num(err),
+            fmt="none",
+            ecolor="k",
+            elinewidth=0.8,
+            capsize=min(3, max(1, 60 / max(1, k * n))),
+        )
     ax.set_xticks(range(n), cats)
     return xs
 
 
 # ------------------------------------------------------------------ step lines
-def _step_figure(df, y: str, ylabel: str, title: str, *, band=None, legend_title="run", logy=False,
-                 window: int | None = None, keep=None):
+def _step_figure(
+    df,
+    y: str,
+    ylabel: str,
+    title: str,
+    *,
+    band=None,
+    legend_title="run",
+    logy=False,
+    window: int | None = None,
+    keep=None,
+):
     band = _check_band(band)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -408,8 +498,9 @@ def _step_figure(df, y: str, ylabel: str, title: str, *, band=None, legend_title
 def entropy_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
     """entropy_by_step -> policy entropy H(pi_old) per step (CE-GPPO Fig. 2, 3, 5); the y axis starts at 0
     (entropy is >= 0), so a collapse shows as the fall towards 0 it is."""
-    fig = _step_figure(df, "old_entropy", "mean token entropy (nats)", "Policy entropy", band=band,
-                       legend_title=legend_title)
+    fig = _step_figure(
+        df, "old_entropy", "mean token entropy (nats)", "Policy entropy", band=band, legend_title=legend_title
+    )
     if fig.axes and fig.axes[0].has_data():
         fig.axes[0].set_ylim(bottom=0)
     return fig
@@ -424,8 +515,9 @@ def grad_norm_vs_step(df, *, band: str | None = None, legend_title: str = "run")
     """grad_norm_by_step -> global grad norm before clipping (CE-GPPO Fig. 4 right). Steps with an update
     whose norm is NaN / inf (column ``nonfinite`` > 0: a blow-up, left out of the line's mean) are marked
     with an x at the top of the axis, in their series' colour."""
-    fig = _step_figure(df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm", band=band,
-                       legend_title=legend_title)
+    fig = _step_figure(
+        df, "grad_norm", "gradient norm (L2, before clipping)", "Gradient norm", band=band, legend_title=legend_title
+    )
     if df.empty or "nonfinite" not in df or not (df["nonfinite"].fillna(0) > 0).any():
         return fig
     ax = fig.axes[0]
@@ -433,8 +525,17 @@ def grad_norm_vs_step(df, *, band: str | None = None, legend_title: str = "run")
     colors = series_colors(full["_s"].unique())
     bad = full[full["nonfinite"].fillna(0) > 0]
     for s, g in bad.groupby("_s"):
-        ax.scatter(g["step"], [0.97] * len(g), marker="x", s=36, color=colors.get(s, "k"),
-                   transform=ax.get_xaxis_transform(), clip_on=False, zorder=5, gid="nonfinite")
+        ax.scatter(
+            g["step"],
+            [0.97] * len(g),
+            marker="x",
+            s=36,
+            color=colors.get(s, "k"),
+            transform=ax.get_xaxis_transform(),
+            clip_on=False,
+            zorder=5,
+            gid="nonfinite",
+        )
     ax.text(0.01, 0.90, "x: a NaN / inf grad norm at this step", transform=ax.transAxes, fontsize=8, color="0.3")
     return fig
 
@@ -442,8 +543,16 @@ def grad_norm_vs_step(df, *, band: str | None = None, legend_title: str = "run")
 def kl_vs_step(df, *, band: str | None = None, legend_title: str = "run"):
     """kl_by_step -> KL(pi_old || pi_theta), k3, log scale (CE-GPPO Fig. 4 left); steps with KL <= 0 are
     left out of the lines (a log axis cannot show them), the smoothing window counts every step."""
-    return _step_figure(df, "kl", "KL(old || new), nats (log)", "KL to the old policy", band=band,
-                        legend_title=legend_title, logy=True, keep=lambda d: d["kl"] > 0)
+    return _step_figure(
+        df,
+        "kl",
+        "KL(old || new), nats (log)",
+        "KL to the old policy",
+        band=band,
+        legend_title=legend_title,
+        logy=True,
+        keep=lambda d: d["kl"] > 0,
+    )
 
 
 def _integer_ticks():
@@ -452,8 +561,17 @@ def _integer_ticks():
     return MaxNLocator(integer=True)
 
 
-def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", dotted: str | None = None,
-                     empty="no data in these runs", title: str = ""):
+def _quadrant_panels(
+    df,
+    y: str,
+    ylabel: str,
+    *,
+    band=None,
+    legend_title="run",
+    dotted: str | None = None,
+    empty="no data in these runs",
+    title: str = "",
+):
     """One panel per quadrant, ``y`` vs step per series; optional dotted column (same colour). One legend
     above the panels."""
     from matplotlib.lines import Line2D
@@ -475,8 +593,18 @@ def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", 
         else:
             shared |= _series_lines(ax, d.dropna(subset=[y]), "step", y, colors, band=band, window=window)
             if dotted is not None:
-                _series_lines(ax, d.dropna(subset=[dotted]), "step", dotted, colors, band=band, window=window,
-                              ls=":", spread=False, raw=False)
+                _series_lines(
+                    ax,
+                    d.dropna(subset=[dotted]),
+                    "step",
+                    dotted,
+                    colors,
+                    band=band,
+                    window=window,
+                    ls=":",
+                    spread=False,
+                    raw=False,
+                )
         # the quadrant's own colour behind its name (dark text: the light quadrants stay legible), never a
         # run's colour on the text
         ax.set_title(q, color="black", bbox=dict(facecolor=QUAD_COLORS[q], alpha=0.45, edgecolor="none", pad=2))
@@ -485,28 +613,37 @@ def _quadrant_panels(df, y: str, ylabel: str, *, band=None, legend_title="run", 
     axes[0].set_ylabel(ylabel)
     handles = _series_handles(colors, full["_s"].unique())
     if dotted is not None:
-        handles += [Line2D([], [], color="0.3", lw=1.4, label="solid: share"),
-                    Line2D([], [], color="0.3", lw=1.4, ls=":", label="dotted: part PPO-clip would drop")]
+        handles += [
+            Line2D([], [], color="0.3", lw=1.4, label="solid: share"),
+            Line2D([], [], color="0.3", lw=1.4, ls=":", label="dotted: part PPO-clip would drop"),
+        ]
     note = _notes(window, shared, band)
-    _legend_top(fig, handles, panels_height=height, title=legend_title,
-                header=title + (f" ({note})" if note else ""))
+    _legend_top(fig, handles, panels_height=height, title=legend_title, header=title + (f" ({note})" if note else ""))
     return fig
 
 
 def quadrant_share(df, *, band: str | None = None, legend_title: str = "run"):
     """quadrant_share_by_step -> share of tokens per quadrant vs step, one panel per quadrant (CE-GPPO
     Fig. 1: the four token types)."""
-    return _quadrant_panels(df, "share", "share of tokens", band=band, legend_title=legend_title,
-                            title="Share of tokens per quadrant")
+    return _quadrant_panels(
+        df, "share", "share of tokens", band=band, legend_title=legend_title, title="Share of tokens per quadrant"
+    )
 
 
 def grad_share(df, *, band: str | None = None, legend_title: str = "run"):
     """grad_share_by_quadrant -> each quadrant's share of ||dLoss/dz||^2 per step; dotted: the part
     from tokens PPO-clip would drop (CE-GPPO Sec. 3)."""
     d = df.assign(dropped=df["share"] * df["clipped_share"].fillna(0)) if not df.empty else df
-    return _quadrant_panels(d, "share", "share of squared logit-grad norm", band=band, legend_title=legend_title,
-                            dotted="dropped", empty="no logit-gradient norms recorded (watch_logits)",
-                            title="Share of the squared logit-gradient norm per quadrant")
+    return _quadrant_panels(
+        d,
+        "share",
+        "share of squared logit-grad norm",
+        band=band,
+        legend_title=legend_title,
+        dotted="dropped",
+        empty="no logit-gradient norms recorded (watch_logits)",
+        title="Share of the squared logit-gradient norm per quadrant",
+    )
 
 
 # ------------------------------------------------------------------ bars
@@ -525,21 +662,37 @@ def clip_by_quadrant(df, *, band: str | None = None, legend_title: str = "run"):
     colors = series_colors(d["_s"].unique())
     names = list(colors)
     stats, nruns = _bar_stats(d, "quadrant", ["clip_low_frac", "clip_high_frac"], band)
-    for ax, side, cats, title in ((axes[0], "clip_low_frac", LOW_SIDE, "low side: r < 1 - eps_low, A < 0"),
-                                  (axes[1], "clip_high_frac", HIGH_SIDE, "high side: r > 1 + eps_high, A > 0")):
+    for ax, side, cats, title in (
+        (axes[0], "clip_low_frac", LOW_SIDE, "low side: r < 1 - eps_low, A < 0"),
+        (axes[1], "clip_high_frac", HIGH_SIDE, "high side: r > 1 + eps_high, A > 0"),
+    ):
         _grouped_bars(ax, stats, side, cats, names, colors, nruns, scale=100, width=0.7)
         for j, q in enumerate(cats):  # a quadrant no run has tokens in: say so, not an empty slot
             if "tokens" in d and not (d.loc[d["quadrant"] == q, "tokens"].fillna(0) > 0).any():
-                ax.text(j, 0.5, f"no {q} tokens", transform=ax.get_xaxis_transform(), ha="center", va="center",
-                        fontsize=9, color="0.45", gid="no tokens")
+                ax.text(
+                    j,
+                    0.5,
+                    f"no {q} tokens",
+                    transform=ax.get_xaxis_transform(),
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    color="0.45",
+                    gid="no tokens",
+                )
         ax.set_title(title)
         ax.set_xlabel("quadrant")
         ax.set_xlim(-0.6, len(cats) - 0.4)
     axes[0].set_ylabel("tokens clipped (% of quadrant)")
     shared = any(v > 1 for v in nruns.values())
     note = _notes(1, shared, band, bars=True)
-    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
-                header="Clipped tokens by quadrant" + (f" ({note})" if note else ""))
+    _legend_top(
+        fig,
+        _series_handles(colors, kind="bar"),
+        panels_height=height,
+        title=legend_title,
+        header="Clipped tokens by quadrant" + (f" ({note})" if note else ""),
+    )
     return fig
 
 
@@ -561,15 +714,24 @@ def entropy_change(df, *, band: str | None = None, legend_title: str = "run"):
     ymax = max(1e-9, float(np.nanmax(np.abs(vals))) if np.isfinite(vals).any() else 1e-9)
     for j, q in enumerate(QUAD_ORDER):
         sign = -1 if q in ("PA&HP", "NA&LP") else 1
-        ax.annotate("predicted " + ("+" if sign > 0 else "-"), (j, sign * ymax * 1.05), ha="center",
-                    va="bottom" if sign > 0 else "top", fontsize=8, color="0.3")
+        ax.annotate(
+            "predicted " + ("+" if sign > 0 else "-"),
+            (j, sign * ymax * 1.05),
+            ha="center",
+            va="bottom" if sign > 0 else "top",
+            fontsize=8,
+            color="0.3",
+        )
     ax.axhline(0, color="k", lw=0.8)
     ax.set_ylim(-ymax * 1.35, ymax * 1.35)
     ax.set_xlabel("quadrant")
     ax.set_ylabel("entropy change (nats), minus run mean")
     note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
-    ax.set_title("Entropy drift per quadrant vs covariance law\n(confounded: see the entropy budget)"
-                 + (f"\n{note}" if note else ""), fontsize=10 if not note else 9)
+    ax.set_title(
+        "Entropy drift per quadrant vs covariance law\n(confounded: see the entropy budget)"
+        + (f"\n{note}" if note else ""),
+        fontsize=10 if not note else 9,
+    )
     _legend_right(fig, _series_handles(colors, kind="bar"), legend_title)
     return fig
 
@@ -608,13 +770,14 @@ def clipped_prob(df, tau: float = DEFAULT_TAU, *, band: str | None = None, legen
     width = float((bins["prob_hi"] - bins["prob_lo"]).min()) if len(bins) else 0.1
     t = d.groupby(["_s", "_r", "side", "prob_lo"], as_index=False)["tokens"].sum()
     # each run's share per bin, 0 in the bins where a run that clipped on this side has none
-    full = t.pivot_table(index=["_s", "_r", "side"], columns="prob_lo", values="tokens", aggfunc="sum",
-                         fill_value=0)
+    full = t.pivot_table(index=["_s", "_r", "side"], columns="prob_lo", values="tokens", aggfunc="sum", fill_value=0)
     share = full.div(full.sum(axis=1), axis=0).stack().rename("share").reset_index()
     nruns_all = d.groupby("_s")["_r"].nunique().to_dict()
     taus = _taus(d, tau)
-    for ax, side, title in ((axes[0], "low", "low side: r < 1-eps_low, A < 0"),
-                            (axes[1], "high", "high side: r > 1+eps_high, A > 0")):
+    for ax, side, title in (
+        (axes[0], "low", "low side: r < 1-eps_low, A < 0"),
+        (axes[1], "high", "high side: r > 1+eps_high, A > 0"),
+    ):
         s_ = share[share["side"] == side]
         if s_.empty:
             ax.text(0.5, 0.5, "no clipped token", ha="center", va="center", color="0.4", transform=ax.transAxes)
@@ -634,13 +797,28 @@ def clipped_prob(df, tau: float = DEFAULT_TAU, *, band: str | None = None, legen
                 hi = stats["share_hi"].reindex(idx).to_numpy(dtype=float).reshape(m.shape) * 100
                 multi &= np.nan_to_num(hi - lo) > 0
             if multi.any():
-                ax.errorbar(xs[multi], m[multi], fmt="none", ecolor="k", elinewidth=0.7, capsize=1.5,
-                            yerr=np.nan_to_num(np.stack([np.clip(m - lo, 0, None)[multi],
-                                                         np.clip(hi - m, 0, None)[multi]])))
+                ax.errorbar(
+                    xs[multi],
+                    m[multi],
+                    fmt="none",
+                    ecolor="k",
+                    elinewidth=0.7,
+                    capsize=1.5,
+                    yerr=np.nan_to_num(np.stack([np.clip(m - lo, 0, None)[multi], np.clip(hi - m, 0, None)[multi]])),
+                )
         for value in taus:
             ax.axvline(value, color="k", ls=":", lw=1.0)
-            ax.annotate(f"tau = {value:g}", (value, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                        textcoords="offset points", ha="left", va="top", fontsize=8, color="0.25")
+            ax.annotate(
+                f"tau = {value:g}",
+                (value, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -3),
+                textcoords="offset points",
+                ha="left",
+                va="top",
+                fontsize=8,
+                color="0.25",
+            )
         ax.set_xlim(0, 1)
         ax.set_title(title)
         ax.set_xlabel("sampling probability p = pi_old(a)")
@@ -653,8 +831,13 @@ def clipped_prob(df, tau: float = DEFAULT_TAU, *, band: str | None = None, legen
             who_text = ", ".join(who[:3]) + (f" +{len(who) - 3}" if len(who) > 3 else "")
             handles.append(Line2D([], [], color="k", ls=":", label=f"tau = {value:g} ({who_text})"))
     note = _notes(1, any(v > 1 for v in nruns_all.values()), band, bars=True)
-    _legend_top(fig, handles, panels_height=height, title=legend_title,
-                header="Sampling probability of the clipped tokens" + (f" ({note})" if note else ""))
+    _legend_top(
+        fig,
+        handles,
+        panels_height=height,
+        title=legend_title,
+        header="Sampling probability of the clipped tokens" + (f" ({note})" if note else ""),
+    )
     return fig
 
 
@@ -672,16 +855,23 @@ def clipping_removed(df, *, band: str | None = None, legend_title: str = "run"):
     colors = series_colors(d["_s"].unique())
     runs = d.groupby(["_s", "_r", "quadrant"], as_index=False)[["effect", "dropped"]].sum()
     stats, nruns = _bar_stats(runs, "quadrant", ["effect", "dropped"], band)
-    for ax, col, title in ((axes[0], "dropped", "taken away by clipping / beta / ERC / dual-clip"),
-                           (axes[1], "effect", "kept: the gradient actually applied")):
+    for ax, col, title in (
+        (axes[0], "dropped", "taken away by clipping / beta / ERC / dual-clip"),
+        (axes[1], "effect", "kept: the gradient actually applied"),
+    ):
         _grouped_bars(ax, stats, col, QUAD_ORDER, list(colors), colors, nruns)
         ax.axhline(0, color="k", lw=0.6)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("quadrant")
     axes[0].set_ylabel("entropy push summed over the run\n(first-order, per unit step)")
     note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
-    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
-                header="Entropy effect removed and kept, by quadrant" + (f" ({note})" if note else ""))
+    _legend_top(
+        fig,
+        _series_handles(colors, kind="bar"),
+        panels_height=height,
+        title=legend_title,
+        header="Entropy effect removed and kept, by quadrant" + (f" ({note})" if note else ""),
+    )
     return fig
 
 
@@ -720,15 +910,31 @@ def probe_vs_measured(df, *, band: str | None = None, legend_title: str = "run")
         _grouped_bars(axes[1], stats, "predicted_dh", QUAD_ORDER, names, colors, nruns)
     if len(dropped):
         stats_d, nd = _bar_stats(dropped, "part", "predicted_dh", band)
-        _grouped_bars(axes[1], stats_d, "predicted_dh", QUAD_ORDER, names, {n: "none" for n in names}, nd,
-                      bar_frac=0.5, edgecolor=[colors[n] for n in names for _ in QUAD_ORDER], hatch="///", lw=0.8)
+        _grouped_bars(
+            axes[1],
+            stats_d,
+            "predicted_dh",
+            QUAD_ORDER,
+            names,
+            {n: "none" for n in names},
+            nd,
+            bar_frac=0.5,
+            edgecolor=[colors[n] for n in names for _ in QUAD_ORDER],
+            hatch="///",
+            lw=0.8,
+        )
     axes[1].set_xticks(range(4), QUAD_ORDER)
     axes[1].axhline(0, color="k", lw=0.6)
     axes[1].set_ylabel("mean predicted dH per probe")
     axes[1].set_title("per quadrant: kept (solid), dropped (hatched)", fontsize=10)
     note = _notes(1, any(v > 1 for v in nruns.values()), band, bars=True)
-    _legend_top(fig, _series_handles(colors, kind="bar"), panels_height=height, title=legend_title,
-                header="Parameter-space probe" + (f" ({note})" if note else ""))
+    _legend_top(
+        fig,
+        _series_handles(colors, kind="bar"),
+        panels_height=height,
+        title=legend_title,
+        header="Parameter-space probe" + (f" ({note})" if note else ""),
+    )
     return fig
 
 
@@ -740,8 +946,16 @@ def _series_grid(d, shown, *, cols: int, width: float, height: float, sharey: bo
 
     pyplot()
     cols = min(cols, len(shown))
-    grid = sns.FacetGrid(d[d["_s"].isin(shown)], col="_s", col_order=shown, col_wrap=cols, height=height,
-                         aspect=width / height, sharex=True, sharey=sharey)
+    grid = sns.FacetGrid(
+        d[d["_s"].isin(shown)],
+        col="_s",
+        col_order=shown,
+        col_wrap=cols,
+        height=height,
+        aspect=width / height,
+        sharex=True,
+        sharey=sharey,
+    )
     return grid, math.ceil(len(shown) / cols)
 
 
@@ -752,8 +966,10 @@ def _not_shown(names: list, n_shown: int, legend_title: str) -> str:
         return ""
     if len(hidden) <= 3:
         return f"one panel per {legend_title}: {n_shown} of {len(names)} shown; not shown: {', '.join(hidden)}"
-    return (f"one panel per {legend_title}: the first {n_shown} of {len(names)} (sorted by name) shown, "
-            f"{len(hidden)} not shown")
+    return (
+        f"one panel per {legend_title}: the first {n_shown} of {len(names)} (sorted by name) shown, "
+        f"{len(hidden)} not shown"
+    )
 
 
 def ratio_vs_prob(df, *, span: float = 3.0, band: str | None = None, legend_title: str = "run"):
@@ -795,8 +1011,17 @@ def ratio_vs_prob(df, *, span: float = 3.0, band: str | None = None, legend_titl
         inside, edge = g[g["_edge"] == "in"], g[g["_edge"] != "in"]
         sns.scatterplot(inside, ax=ax, s=5, alpha=0.5, lw=0, rasterized=True, **kw)
         if len(edge):
-            sns.scatterplot(edge, ax=ax, style="_edge", markers={"above": "^", "below": "v"}, s=14, lw=1.5,
-                            edgecolor="face", clip_on=False, **kw)
+            sns.scatterplot(
+                edge,
+                ax=ax,
+                style="_edge",
+                markers={"above": "^", "below": "v"},
+                s=14,
+                lw=1.5,
+                edgecolor="face",
+                clip_on=False,
+                **kw,
+            )
         k = g["_r"].nunique()
         runs = f", {k} runs" if k > 1 else ""
         ax.set_title(f"{s}  ({len(g)} tokens{runs}, {len(edge) / max(1, len(g)):.1%} off the axis)", fontsize=9)
@@ -824,8 +1049,9 @@ def _erc_bands(g) -> tuple[list, list]:
     erc = per_run["_lo"].notna() & per_run["_hi"].notna()
     if "erc" in per_run:
         erc &= per_run["erc"].fillna(False).astype(bool)
-    ref = per_run[~erc].assign(_lo=lambda x: x["_lo"].fillna(ERC_PAPER_BAND[0]),
-                               _hi=lambda x: x["_hi"].fillna(ERC_PAPER_BAND[1]))
+    ref = per_run[~erc].assign(
+        _lo=lambda x: x["_lo"].fillna(ERC_PAPER_BAND[0]), _hi=lambda x: x["_hi"].fillna(ERC_PAPER_BAND[1])
+    )
 
     def count(x):
         return [(float(a), float(b), int(n)) for (a, b), n in x.groupby(["_lo", "_hi"]).size().items()]
@@ -899,8 +1125,15 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
         med = stats["p50"].to_numpy(dtype=float)
         p05, p95 = stats["p05"].to_numpy(dtype=float), stats["p95"].to_numpy(dtype=float)
         if len(stats) < 3:  # a short run: the band as error bars, the median as points
-            ax.errorbar(xs, med, yerr=[np.clip(med - p05, 0, None), np.clip(p95 - med, 0, None)], fmt="o", color=c,
-                        ms=4, capsize=3)
+            ax.errorbar(
+                xs,
+                med,
+                yerr=[np.clip(med - p05, 0, None), np.clip(p95 - med, 0, None)],
+                fmt="o",
+                color=c,
+                ms=4,
+                capsize=3,
+            )
         else:
             ax.fill_between(xs, p05, p95, color=c, alpha=0.2, lw=0)
             ax.plot(xs, p05, color=c, lw=0.5, alpha=0.6)
@@ -930,16 +1163,21 @@ def entropy_ratio_band(df, *, band: str | None = None, legend_title: str = "run"
         ax.set_title(textwrap.fill(title, wrap), fontsize=9)
     grid.set(ylim=(y_lo, y_hi))
     grid.set_axis_labels("training step", "entropy ratio rho")
-    handles = [Line2D([], [], color="0.2", lw=1.8, label="median" + (" (mean over runs)" if shared else "")),
-               Patch(color="0.2", alpha=0.2, lw=0, label="p05-p95 of the step's tokens")]
+    handles = [
+        Line2D([], [], color="0.2", lw=1.8, label="median" + (" (mean over runs)" if shared else "")),
+        Patch(color="0.2", alpha=0.2, lw=0, label="p05-p95 of the step's tokens"),
+    ]
     if shared:
         handles.append(Patch(color="0.2", alpha=0.45, lw=0, label=f"median: {_spread_text(band)} over runs"))
     if any(bands for bands, _ in info.values()):
         handles.append(Line2D([], [], color="k", ls="--", lw=0.9, label="the run's own ERC band"))
     for lo, hi in sorted({(lo, hi) for _, refs in info.values() for lo, hi, _ in refs}):
         whose = "ERC paper's reference band" if (lo, hi) == ERC_PAPER_BAND else "reference band"
-        handles.append(Line2D([], [], color="0.55", ls=":", lw=1.1,
-                              label=f"{whose} ({lo:g}, {hi:g}): a run without ERC, not its own"))
+        handles.append(
+            Line2D(
+                [], [], color="0.55", ls=":", lw=1.1, label=f"{whose} ({lo:g}, {hi:g}): a run without ERC, not its own"
+            )
+        )
     header = "Entropy ratio per step"
     if window > 1:
         header += f" (bold: rolling mean of {window} steps, faint: per step)"
@@ -962,20 +1200,27 @@ def drift_by_prob(df, *, band: str | None = None, legend_title: str = "run"):
     d = _prep(df)
     d = d.assign(center=(d["prob_lo"] + d["prob_hi"]) / 2)
     colors = series_colors(d["_s"].unique())
-    shared = _series_lines(ax, d.dropna(subset=["mean_abs_log_ratio"]), "center", "mean_abs_log_ratio", colors,
-                           band=band)
+    shared = _series_lines(
+        ax, d.dropna(subset=["mean_abs_log_ratio"]), "center", "mean_abs_log_ratio", colors, band=band
+    )
     for x in ERC_PAPER_DRIFT:
         ax.axvline(x, color="k", ls=":", lw=0.8)
     ax.set_xlim(0, 1)
     ax.set_xlabel("sampling probability bin (center)")
     ax.set_ylabel("mean |log entropy ratio|")
     note = _notes(1, shared, band)
-    ax.set_title("Global drift by sampling probability" + (f"\n{note}" if note else ""),
-                 fontsize=10 if not note else 9)
+    ax.set_title("Global drift by sampling probability" + (f"\n{note}" if note else ""), fontsize=10 if not note else 9)
     handles = _series_handles(colors)
-    handles.append(Line2D([], [], color="k", ls=":", lw=0.8,
-                          label=f"ERC paper: drift strongest below\n{ERC_PAPER_DRIFT[0]:g} and above "
-                                f"{ERC_PAPER_DRIFT[1]:g}"))
+    handles.append(
+        Line2D(
+            [],
+            [],
+            color="k",
+            ls=":",
+            lw=0.8,
+            label=f"ERC paper: drift strongest below\n{ERC_PAPER_DRIFT[0]:g} and above {ERC_PAPER_DRIFT[1]:g}",
+        )
+    )
     _legend_right(fig, handles, legend_title)
     return fig
 
@@ -1018,11 +1263,11 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
         # without rows at 0): a few artists instead of one rectangle per step, quadrant and side
         at = np.arange(steps[0], steps[-1] + 1)
         edges = np.append(at - 0.5, at[-1] + 0.5)
-        per_q = (g.groupby(["quadrant", "_r", "step"])["effect"].sum().groupby(level=["quadrant", "step"]).mean())
+        per_q = g.groupby(["quadrant", "_r", "step"])["effect"].sum().groupby(level=["quadrant", "step"]).mean()
         up, down = np.zeros(len(at)), np.zeros(len(at))
         for q in QUAD_ORDER:
             v = per_q.get(q)
-            v = (v.reindex(at).fillna(0).to_numpy() if v is not None else np.zeros(len(at)))
+            v = v.reindex(at).fillna(0).to_numpy() if v is not None else np.zeros(len(at))
             v = _roll(v, window)
             pos, neg = np.clip(v, 0, None), np.clip(v, None, 0)
             _stairs(ax, edges, up, up + pos, QUAD_COLORS[q])
@@ -1036,8 +1281,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
             ax.fill_between(xs, stats["step_effect_lo"], stats["step_effect_hi"], color="k", alpha=0.2, lw=0)
         if window > 1:
             ax.plot(xs, stats["step_effect_raw"], color="k", lw=0.5, alpha=0.2)
-        ax.plot(xs, m, color="k", lw=1.6 if window > 1 else 1.1,
-                marker="o" if len(xs) < 3 else None, ms=4)
+        ax.plot(xs, m, color="k", lw=1.6 if window > 1 else 1.1, marker="o" if len(xs) < 3 else None, ms=4)
         ax.axhline(0, color="k", lw=0.6)
         k = g["_r"].nunique()
         ax.set_title(s + (f" (mean of {k} runs)" if k > 1 else ""), fontsize=11)
@@ -1053,8 +1297,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
     if window > 1:
         header += f" (rolling mean of {window} steps)"
     more = _not_shown(names, len(shown), legend_title)
-    _legend_top(grid.figure, handles, panels_height=height, header=header + (f"\n{more}" if more else ""),
-                fontsize=10)
+    _legend_top(grid.figure, handles, panels_height=height, header=header + (f"\n{more}" if more else ""), fontsize=10)
     return grid.figure
 
 
@@ -1063,9 +1306,15 @@ def covariance_by_quadrant(df, *, band: str | None = None, legend_title: str = "
     """covariance_by_quadrant -> each quadrant's part of the step's Cov(log pi, A) (its summed
     (A - mean A)(log pi - mean log pi) over the step's tokens; the four parts and ZA add up to the step's
     covariance), one panel per quadrant. Cui et al. 2025: a positive covariance lowers the entropy."""
-    fig = _quadrant_panels(df, "contribution", "part of the step's Cov(log pi, A)", band=band,
-                           legend_title=legend_title, empty="no token rows with advantage and log-prob",
-                           title="Covariance of log pi and A per quadrant (above 0: pushes entropy down)")
+    fig = _quadrant_panels(
+        df,
+        "contribution",
+        "part of the step's Cov(log pi, A)",
+        band=band,
+        legend_title=legend_title,
+        empty="no token rows with advantage and log-prob",
+        title="Covariance of log pi and A per quadrant (above 0: pushes entropy down)",
+    )
     for ax in fig.axes:
         if ax.get_visible() and ax.has_data():
             ax.axhline(0, color="k", lw=0.6)
@@ -1107,13 +1356,26 @@ def covariance_law(df, *, band: str | None = None, legend_title: str = "run"):
     lines = []
     for row in summ.itertuples():
         name = labels.get(row.run, row.run)
-        lines.append(f"{name}: r = {row.corr:.2f} ({row.steps} steps)" if row.meaningful
-                     else f"{name}: {_fit_note(row.steps, MIN_STEPS)}")
+        lines.append(
+            f"{name}: r = {row.corr:.2f} ({row.steps} steps)"
+            if row.meaningful
+            else f"{name}: {_fit_note(row.steps, MIN_STEPS)}"
+        )
     if lines:
         more = len(lines) - 4
-        axes[0].text(0.02, 0.98, "\n".join(lines[:4]) + (f"\n... and {more} more runs" if more > 0 else ""),
-                     transform=axes[0].transAxes, ha="left", va="top", fontsize=7, color="0.2", gid="law_r",
-                     bbox=dict(fc="white", ec="0.8", alpha=0.85, lw=0.5), zorder=5)
+        axes[0].text(
+            0.02,
+            0.98,
+            "\n".join(lines[:4]) + (f"\n... and {more} more runs" if more > 0 else ""),
+            transform=axes[0].transAxes,
+            ha="left",
+            va="top",
+            fontsize=7,
+            color="0.2",
+            gid="law_r",
+            bbox=dict(fc="white", ec="0.8", alpha=0.85, lw=0.5),
+            zorder=5,
+        )
     axes[0].set_title("each step: measured against predicted", fontsize=10)
     shared = _series_lines(axes[1], d, "step", "measured_dh", colors, band=band)
     _series_lines(axes[1], d, "step", "predicted_dh", colors, band=band, ls="--", spread=False)
@@ -1122,11 +1384,18 @@ def covariance_law(df, *, band: str | None = None, legend_title: str = "run"):
     axes[1].set_ylabel("entropy change (nats)")
     axes[1].set_title("solid: measured, dashed: predicted", fontsize=10)
     handles = _series_handles(colors, d["_s"].unique())
-    handles += [Line2D([], [], color="0.3", lw=1.4, label="measured"),
-                Line2D([], [], color="0.3", lw=1.4, ls="--", label="predicted")]
+    handles += [
+        Line2D([], [], color="0.3", lw=1.4, label="measured"),
+        Line2D([], [], color="0.3", lw=1.4, ls="--", label="predicted"),
+    ]
     note = _notes(1, shared, band)
-    _legend_top(fig, handles, panels_height=height, title=legend_title,
-                header="Covariance law: dH ~ -eta Cov(log pi, A), eta fitted per run" + (f" ({note})" if note else ""))
+    _legend_top(
+        fig,
+        handles,
+        panels_height=height,
+        title=legend_title,
+        header="Covariance law: dH ~ -eta Cov(log pi, A), eta fitted per run" + (f" ({note})" if note else ""),
+    )
     return fig
 
 
@@ -1155,8 +1424,15 @@ def entropy_performance(df, *, band: str | None = None, legend_title: str = "run
         if row.meaningful:
             h = np.linspace(row.entropy_lo, row.entropy_hi, 100)
             ax.plot(h, row.b - row.a * np.exp(h), color=colors.get(name, "k"), lw=1.4, gid="fit")
-            notes.append(Line2D([], [], color=colors.get(name, "k"), lw=1.4,
-                                label=f"{name}: a = {row.a:.3g}, b = {row.b:.3g}, RMSE {row.rmse:.2g}"))
+            notes.append(
+                Line2D(
+                    [],
+                    [],
+                    color=colors.get(name, "k"),
+                    lw=1.4,
+                    label=f"{name}: a = {row.a:.3g}, b = {row.b:.3g}, RMSE {row.rmse:.2g}",
+                )
+            )
         elif not row.reward_varies:
             notes.append(Line2D([], [], ls="", label=f"{name}: the reward does not vary, no curve"))
         else:
@@ -1165,10 +1441,14 @@ def entropy_performance(df, *, band: str | None = None, legend_title: str = "run
         notes = [Line2D([], [], ls="", label=f"{len(notes)} runs: each run's a, b in the caption")]
     ax.set_xlabel("mean token entropy H of the step (nats)")
     ax.set_ylabel("mean reward R of the step")
-    ax.set_title("Entropy-performance fit: R = -a exp(H) + b, per run\npoints: steps, lines: each run's fit",
-                 fontsize=9)
-    _legend_right(fig, _series_handles(colors, d["_s"].unique(), kind="point")
-                  + [Line2D([], [], ls="", label="fits:")] + notes, legend_title)
+    ax.set_title(
+        "Entropy-performance fit: R = -a exp(H) + b, per run\npoints: steps, lines: each run's fit", fontsize=9
+    )
+    _legend_right(
+        fig,
+        _series_handles(colors, d["_s"].unique(), kind="point") + [Line2D([], [], ls="", label="fits:")] + notes,
+        legend_title,
+    )
     return fig
 
 
@@ -1187,16 +1467,21 @@ def mismatch_pooled(d):
             ok = v.notna() & (w > 0)
             return float((v[ok] * w[ok]).sum() / w[ok].sum()) if ok.any() else np.nan
 
-        return {"sampled": s.sum(), "mean_abs": wmean(g["mean_abs_log_ratio"], s),
-                "mismatched": wmean(g["mismatched_frac"], s), "clipped_mm": wmean(g["clipped_mismatched_frac"], c),
-                "unclipped_mm": wmean(g["unclipped_mismatched_frac"], s - c),
-                "effect_mm": wmean(g["abs_effect_mismatched_share"], ae)}
+        return {
+            "sampled": s.sum(),
+            "mean_abs": wmean(g["mean_abs_log_ratio"], s),
+            "mismatched": wmean(g["mismatched_frac"], s),
+            "clipped_mm": wmean(g["clipped_mismatched_frac"], c),
+            "unclipped_mm": wmean(g["unclipped_mismatched_frac"], s - c),
+            "effect_mm": wmean(g["abs_effect_mismatched_share"], ae),
+        }
 
     import pandas as pd
 
     rows = [{"step": step, **pool(g)} for step, g in d.groupby("step", sort=True)]
-    return pd.DataFrame(rows, columns=["step", "sampled", "mean_abs", "mismatched", "clipped_mm", "unclipped_mm",
-                                       "effect_mm"])
+    return pd.DataFrame(
+        rows, columns=["step", "sampled", "mean_abs", "mismatched", "clipped_mm", "unclipped_mm", "effect_mm"]
+    )
 
 
 def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
@@ -1222,14 +1507,26 @@ def mismatch(df, *, band: str | None = None, legend_title: str = "run"):
         if not (g["sampled"].fillna(0) > 0).any():
             for ax in row:
                 ax.set_axis_off()
-            left.text(0.0, 0.5, f"{name}: no sampler log-probs recorded (tokens.sampler_logprob is NULL):\n"
-                                f"nothing to draw, not a mismatch of zero", ha="left", va="center",
-                      color="0.3", transform=left.transAxes)
+            left.text(
+                0.0,
+                0.5,
+                f"{name}: no sampler log-probs recorded (tokens.sampler_logprob is NULL):\n"
+                f"nothing to draw, not a mismatch of zero",
+                ha="left",
+                va="center",
+                color="0.3",
+                transform=left.transAxes,
+            )
             continue
         for q in QUAD_ORDER:
             qd = g[(g["quadrant"] == q) & (g["sampled"] > 0)].groupby("step")
-            w = qd.apply(lambda x: (x["mean_abs_log_ratio"] * x["sampled"]).sum() / x["sampled"].sum(),
-                         include_groups=False) if len(g[g["quadrant"] == q]) else None
+            w = (
+                qd.apply(
+                    lambda x: (x["mean_abs_log_ratio"] * x["sampled"]).sum() / x["sampled"].sum(), include_groups=False
+                )
+                if len(g[g["quadrant"] == q])
+                else None
+            )
             if w is not None and len(w):
                 left.plot(w.index, w.values, color=QUAD_COLORS[q], lw=1.0, label=q)
         p = mismatch_pooled(g)

@@ -25,10 +25,31 @@ from ..read.views import sql_str
 
 # Per-token columns a viewer shows, in the order of each embedded row. "pos" first.
 TOKEN_COLUMNS: tuple[str, ...] = (
-    "pos", "token_id", "prob", "logprob", "old_logprob", "ratio", "advantage", "quadrant", "clip", "clipped",
-    "entropy", "old_entropy", "entropy_ratio", "erc_kept", "dual_clipped", "token_kept", "seq_kept",
-    "is_weight", "grad_coef", "logit_grad_norm", "entropy_effect", "entropy_effect_dropped",
-    "sampler_logprob", "sampler_log_ratio", "is_masked",
+    "pos",
+    "token_id",
+    "prob",
+    "logprob",
+    "old_logprob",
+    "ratio",
+    "advantage",
+    "quadrant",
+    "clip",
+    "clipped",
+    "entropy",
+    "old_entropy",
+    "entropy_ratio",
+    "erc_kept",
+    "dual_clipped",
+    "token_kept",
+    "seq_kept",
+    "is_weight",
+    "grad_coef",
+    "logit_grad_norm",
+    "entropy_effect",
+    "entropy_effect_dropped",
+    "sampler_logprob",
+    "sampler_log_ratio",
+    "is_masked",
 )
 _INT_COLUMNS = {"pos", "token_id", "clip"}
 _BOOL_COLUMNS = {"clipped", "erc_kept", "dual_clipped", "token_kept", "seq_kept", "is_masked"}
@@ -42,6 +63,7 @@ except ImportError:  # pragma: no cover
 class Metric:
     """A colouring of the tokens: ``scale`` is "sequential" (low -> high), "diverging" (around
     ``center``), "log" (a ratio: around 1 on a log axis) or "categorical" (``categories``: value -> label)."""
+
     key: str
     label: str
     scale: str
@@ -55,16 +77,36 @@ METRICS: tuple[Metric, ...] = (
     Metric("prob", "sampling probability p", "sequential"),
     Metric("ratio", "importance ratio r = pi_theta / pi_old", "log", 1.0),
     Metric("entropy_ratio", "entropy ratio H(pi_theta) / H(pi_old)", "log", 1.0),
-    Metric("quadrant", "quadrant (advantage sign x probability)", "categorical",
-           categories=(("PA&HP", "PA&HP"), ("PA&LP", "PA&LP"), ("NA&HP", "NA&HP"), ("NA&LP", "NA&LP"),
-                       ("ZA", "ZA: advantage 0"))),
-    Metric("clip", "clip status", "categorical",
-           categories=(("kept", "inside the clip range"), ("low", "r < 1 - eps_low, kept (A > 0)"),
-                       ("high", "r > 1 + eps_high, kept (A < 0)"), ("clipped low", "clipped, low side"),
-                       ("clipped high", "clipped, high side"))),
-    Metric("erc", "ERC decision", "categorical",
-           categories=(("kept", "kept (rho inside the band)"), ("dropped", "dropped by ERC"),
-                       (None, "no ERC"))),
+    Metric(
+        "quadrant",
+        "quadrant (advantage sign x probability)",
+        "categorical",
+        categories=(
+            ("PA&HP", "PA&HP"),
+            ("PA&LP", "PA&LP"),
+            ("NA&HP", "NA&HP"),
+            ("NA&LP", "NA&LP"),
+            ("ZA", "ZA: advantage 0"),
+        ),
+    ),
+    Metric(
+        "clip",
+        "clip status",
+        "categorical",
+        categories=(
+            ("kept", "inside the clip range"),
+            ("low", "r < 1 - eps_low, kept (A > 0)"),
+            ("high", "r > 1 + eps_high, kept (A < 0)"),
+            ("clipped low", "clipped, low side"),
+            ("clipped high", "clipped, high side"),
+        ),
+    ),
+    Metric(
+        "erc",
+        "ERC decision",
+        "categorical",
+        categories=(("kept", "kept (rho inside the band)"), ("dropped", "dropped by ERC"), (None, "no ERC")),
+    ),
     Metric("logit_grad_norm", "logit-gradient norm ||dLoss/dz||", "sequential"),
     Metric("grad_coef", "dLoss/dlogp (grad_coef)", "diverging", 0.0),
     Metric("entropy_effect", "entropy effect g s / T^2", "diverging", 0.0),
@@ -83,9 +125,19 @@ RULES: tuple[tuple[str, str, bool], ...] = (
     ("most ERC-dropped", "erc_dropped", True),
     ("highest mean entropy", "mean_entropy", True),
 )
-SUMMARY_COLUMNS: tuple[str, ...] = ("reward", "advantage", "length", "tokens", "updates", "mean_entropy",
-                                    "max_entropy", "clipped", "erc_dropped", "entropy_effect",
-                                    "entropy_effect_dropped")
+SUMMARY_COLUMNS: tuple[str, ...] = (
+    "reward",
+    "advantage",
+    "length",
+    "tokens",
+    "updates",
+    "mean_entropy",
+    "max_entropy",
+    "clipped",
+    "erc_dropped",
+    "entropy_effect",
+    "entropy_effect_dropped",
+)
 DEFAULT_N = 40  # responses per run
 DEFAULT_MAX_BYTES = 4_000_000  # the embedded data of one run's page
 LOG_SCALE_FLOOR = 1.01  # a ratio scale spans at least 1/1.01 .. 1.01 (viewer.js: LOG_FLOOR; show.py)
@@ -131,9 +183,11 @@ def matching(con, run: str, where: str, step: int | None = None) -> set[tuple[in
 
     w = check_where(where)
     at = f" AND t.step = {int(step)}" if step is not None else ""
-    sql = (f"SELECT DISTINCT t.step, t.rank, t.seq FROM (SELECT t.*, r.reward, r.length FROM tokens AS t "
-           f"JOIN ({render_analysis('responses')}) AS r ON r.run = t.run AND r.step = t.step AND r.rank = t.rank "
-           f"AND r.seq = t.seq) AS t WHERE t.run = {sql_str(run)}{at} AND ({w})")
+    sql = (
+        f"SELECT DISTINCT t.step, t.rank, t.seq FROM (SELECT t.*, r.reward, r.length FROM tokens AS t "
+        f"JOIN ({render_analysis('responses')}) AS r ON r.run = t.run AND r.step = t.step AND r.rank = t.rank "
+        f"AND r.seq = t.seq) AS t WHERE t.run = {sql_str(run)}{at} AND ({w})"
+    )
     try:
         if len(duckdb.extract_statements(sql)) != 1:
             raise QueryError(f"--where {where!r}: one condition, not a statement")
@@ -150,6 +204,7 @@ def matching(con, run: str, where: str, step: int | None = None) -> set[tuple[in
 class Selection:
     """The responses chosen for one run: ``rows`` (the responses analysis's lines, plus ``why``: the
     rules that chose each) and what the choice was (``text`` says it in one sentence)."""
+
     run: str
     rows: object  # pandas DataFrame
     candidates: int
@@ -169,11 +224,15 @@ class Selection:
         if self.where:
             what += f" (those matching --where {self.where})"
         rules = ", ".join(r for r, _, _ in RULES)
-        text = (f"{what}, chosen at steps spread over the run, one per rule in turn: {rules} "
-                f"(entropylens report --responses N --where SQL).")
+        text = (
+            f"{what}, chosen at steps spread over the run, one per rule in turn: {rules} "
+            f"(entropylens report --responses N --where SQL)."
+        )
         if self.dropped_for_size:
-            text += (f" {self.dropped_for_size} more were left out to keep the page's data under "
-                     f"{self.max_bytes / 1e6:.1f} MB.")
+            text += (
+                f" {self.dropped_for_size} more were left out to keep the page's data under "
+                f"{self.max_bytes / 1e6:.1f} MB."
+            )
         return text
 
 
@@ -217,8 +276,9 @@ def _pick_step(df, budget: int) -> list[tuple[int, list[str]]]:
     return [(i, chosen[i]) for i in order]
 
 
-def select(con, run: str, *, n: int = DEFAULT_N, where: str | None = None,
-           max_bytes: int = DEFAULT_MAX_BYTES, table=None) -> Selection:
+def select(
+    con, run: str, *, n: int = DEFAULT_N, where: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, table=None
+) -> Selection:
     """The responses of ``run`` a page embeds (see the module's docstring); ``max_bytes`` is applied by
     :func:`page_data`. ``table``: the run's responses analysis if already computed."""
     if n < 1:
@@ -254,7 +314,9 @@ def token_rows(con, run: str, step: int, keys: list[tuple[int, int]] | None = No
     """The token rows of ``run`` at ``step`` (every update), ``keys`` = (rank, seq) pairs to keep (all
     when None): TOKEN_COLUMNS plus rank, seq, update; sorted by rank, seq, update, pos."""
     cols = ", ".join(f"t.{c}" for c in TOKEN_COLUMNS)
-    sql = f"SELECT t.rank, t.seq, t.update, {cols} FROM tokens AS t WHERE t.run = {sql_str(run)} AND t.step = {int(step)}"
+    sql = (
+        f"SELECT t.rank, t.seq, t.update, {cols} FROM tokens AS t WHERE t.run = {sql_str(run)} AND t.step = {int(step)}"
+    )
     if keys:
         pairs = " OR ".join(f"(t.rank = {int(r)} AND t.seq = {int(q)})" for r, q in keys)
         sql += f" AND ({pairs})"
@@ -373,8 +435,10 @@ def response_data(line, tokens_df, values: dict[str, list], decoder, text: str |
     rows = {str(u): [[values[c][i] for c in TOKEN_COLUMNS] for i in np.flatnonzero(upd == u)] for u in updates}
     ints = ("length", "tokens", "updates", "clipped", "erc_dropped")
     return {
-        "seq": int(line["seq"]), "rank": int(line["rank"]),
-        "group": _scalar(line["group"], True), "gen_step": _scalar(line["gen_step"], True),
+        "seq": int(line["seq"]),
+        "rank": int(line["rank"]),
+        "group": _scalar(line["group"], True),
+        "gen_step": _scalar(line["gen_step"], True),
         "why": list(line.get("why", []) or []),
         "text": text,
         "summary": {c: _scalar(line[c], c in ints) for c in SUMMARY_COLUMNS},
@@ -397,8 +461,9 @@ def page_data(con, run: str, sel: Selection, decoder, *, method: str | None = No
         toks = token_rows(con, run, s, [(int(r), int(q)) for r, q in zip(lines["rank"], lines["seq"])])
         for _, line in lines.iterrows():
             part = toks[(toks["rank"] == line["rank"]) & (toks["seq"] == line["seq"])]
-            r = response_data(line, part, column_values(part), decoder,
-                              txt.get((s, int(line["rank"]), int(line["seq"]))))
+            r = response_data(
+                line, part, column_values(part), decoder, txt.get((s, int(line["rank"]), int(line["seq"])))
+            )
             built.append((s, int(line.get("priority", 0)), r, len(dumps(r).encode()) + 1))
     keep = sorted(built, key=lambda b: b[1])
     total = sum(b[3] for b in keep)
@@ -410,20 +475,30 @@ def page_data(con, run: str, sel: Selection, decoder, *, method: str | None = No
     for s in sorted({b[0] for b in built}):
         out = [b[2] for b in built if b[0] == s and id(b[2]) in kept]
         if out:
-            steps.append({"step": s, "updates": sorted({u for r in out for u in map(int, r["rows"])}),
-                          "responses": out})
+            steps.append(
+                {"step": s, "updates": sorted({u for r in out for u in map(int, r["rows"])}), "responses": out}
+            )
     sel.data_bytes = total
     kept_keys = {(b[0], b[2]["rank"], b[2]["seq"]) for b in keep}
     if len(rows):
-        sel.rows = rows[[(int(a), int(b), int(c)) in kept_keys
-                         for a, b, c in zip(rows["step"], rows["rank"], rows["seq"])]].reset_index(drop=True)
+        sel.rows = rows[
+            [(int(a), int(b), int(c)) in kept_keys for a, b, c in zip(rows["step"], rows["rank"], rows["seq"])]
+        ].reset_index(drop=True)
     return {
         "run": run,
         "method": method,
         "columns": list(TOKEN_COLUMNS),
         "summary_columns": list(SUMMARY_COLUMNS),
-        "metrics": [{"key": m.key, "label": m.label, "scale": m.scale, "center": m.center,
-                     "categories": [[v, label] for v, label in m.categories]} for m in METRICS],
+        "metrics": [
+            {
+                "key": m.key,
+                "label": m.label,
+                "scale": m.scale,
+                "center": m.center,
+                "categories": [[v, label] for v, label in m.categories],
+            }
+            for m in METRICS
+        ],
         "has_text": bool(decoder.has_text),
         "text_source": decoder.source,
         "text_hint": "" if decoder.has_text else HOW_TO_GET_TEXT,

@@ -18,21 +18,28 @@ import math
 from ..alarms import Finding
 from ..schema import QUADRANTS
 
+
 class OnPolicyWarning(UserWarning):
     """A trainer set up so that every ratio is 1 (TRL: it keeps no old log-probs): warned once, at its start."""
 
 
 THIN_SHARE = 0.01  # a quadrant below this share of a run's signed tokens is called thin
 ON_POLICY_TOL = 1e-5  # |log r| at or below this counts as r = 1 (a recomputed old log-prob's float32 noise)
-ON_POLICY_TEXT = ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set num_iterations > 1 or "
-                  "steps_per_generation > gradient_accumulation_steps")  # TRL's settings
+ON_POLICY_TEXT = (
+    "every ratio is 1: clipping, CE-GPPO and ERC cannot act; set num_iterations > 1 or "
+    "steps_per_generation > gradient_accumulation_steps"
+)  # TRL's settings
 # the same finding in the words of the run's trainer (run.json config.framework); a loop of one's own: generic
 ON_POLICY_BY_FRAMEWORK: dict[str | None, str] = {
     "trl": ON_POLICY_TEXT,
-    "verl": ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
-             "or ppo_mini_batch_size < data.train_batch_size"),
-    None: ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; take more than one optimizer step per batch "
-           "of rollouts (TRL: num_iterations > 1; verl: ppo_epochs > 1 or several mini-batches)"),
+    "verl": (
+        "every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
+        "or ppo_mini_batch_size < data.train_batch_size"
+    ),
+    None: (
+        "every ratio is 1: clipping, CE-GPPO and ERC cannot act; take more than one optimizer step per batch "
+        "of rollouts (TRL: num_iterations > 1; verl: ppo_epochs > 1 or several mini-batches)"
+    ),
 }
 
 
@@ -48,20 +55,23 @@ def suggest_tau(p50: float) -> str:
     text = f"{p50:.3g}"
     if float(text) > p50:
         digits = 3 - 1 - math.floor(math.log10(p50))
-        text = f"{math.floor(p50 * 10 ** digits) / 10 ** digits:.{max(digits, 0)}f}".rstrip("0").rstrip(".")
+        text = f"{math.floor(p50 * 10**digits) / 10**digits:.{max(digits, 0)}f}".rstrip("0").rstrip(".")
     return text
 
 
 def thin_quadrants(con) -> list[Finding]:
     """One ``thin_quadrant`` finding per (run, quadrant) below THIN_SHARE (at the run's first step)."""
     counts = ", ".join(f"count(*) FILTER (WHERE quadrant = '{q}') AS \"{q}\"" for q in QUADRANTS)
-    rows = _rows(con, f"""
+    rows = _rows(
+        con,
+        f"""
         SELECT run, min(step) AS step, count(*) AS n, {counts},
                quantile_cont(prob, 0.05) AS p05, quantile_cont(prob, 0.5) AS p50, quantile_cont(prob, 0.95) AS p95,
                avg(coalesce(old_entropy, entropy)) AS h, any_value(r.tau) AS tau
         FROM tokens JOIN (SELECT run, tau FROM runs) AS r USING (run)
         WHERE advantage <> 0 AND prob IS NOT NULL
-        GROUP BY run ORDER BY run""")
+        GROUP BY run ORDER BY run""",
+    )
     out = []
     for r in rows:
         if not r["n"]:
@@ -73,9 +83,17 @@ def thin_quadrants(con) -> list[Finding]:
             h = r["h"]
             eh = f", exp(-H) {math.exp(-h):.3g} at H {h:.3g} nats" if h is not None else ""
             tau = f"tau {r['tau']:g}" if r["tau"] is not None else "its tau"
-            out.append(Finding(str(r["run"]), int(r["step"]), "thin_quadrant", share, THIN_SHARE,
-                               f"{q} holds {share:.2%} of the tokens at {tau}; token p: p05 {r['p05']:.3g}, "
-                               f"p50 {r['p50']:.3g}, p95 {r['p95']:.3g}{eh}; try --tau {suggest_tau(r['p50'])} (the median p)"))
+            out.append(
+                Finding(
+                    str(r["run"]),
+                    int(r["step"]),
+                    "thin_quadrant",
+                    share,
+                    THIN_SHARE,
+                    f"{q} holds {share:.2%} of the tokens at {tau}; token p: p05 {r['p05']:.3g}, "
+                    f"p50 {r['p50']:.3g}, p95 {r['p95']:.3g}{eh}; try --tau {suggest_tau(r['p50'])} (the median p)",
+                )
+            )
     return out
 
 
@@ -83,15 +101,27 @@ def on_policy(con) -> list[Finding]:
     """One ``on_policy`` finding per run whose every recorded ratio is 1: |logprob - old_logprob| <=
     ON_POLICY_TOL on every token row (read from the log-probs, not the ratio column, which an overflow cannot
     cast; value 0; at the run's first step)."""
-    rows = _rows(con, f"""
+    rows = _rows(
+        con,
+        f"""
         SELECT run, min(step) AS step, count(*) AS n,
                count(*) FILTER (WHERE NOT abs(logprob - old_logprob) <= {ON_POLICY_TOL}) AS moved,
                any_value(try(json_extract_string(r.config, '$.framework'))) AS framework
         FROM tokens LEFT JOIN (SELECT run, config FROM runs) AS r USING (run)
-        WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""")
-    return [Finding(str(r["run"]), int(r["step"]), "on_policy", 0.0, 0.0,
-                    ON_POLICY_BY_FRAMEWORK.get(r["framework"], ON_POLICY_BY_FRAMEWORK[None]))
-            for r in rows if r["n"] and not r["moved"]]
+        WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""",
+    )
+    return [
+        Finding(
+            str(r["run"]),
+            int(r["step"]),
+            "on_policy",
+            0.0,
+            0.0,
+            ON_POLICY_BY_FRAMEWORK.get(r["framework"], ON_POLICY_BY_FRAMEWORK[None]),
+        )
+        for r in rows
+        if r["n"] and not r["moved"]
+    ]
 
 
 def run_findings(con) -> list[Finding]:

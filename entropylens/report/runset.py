@@ -23,9 +23,26 @@ import math
 from dataclasses import dataclass, field
 
 # config keys that are part of what a method is: runs that differ only in these compare methods
-METHOD_KEYS = frozenset({"method", "loss_method", "loss_type", "eps_low", "eps_high", "epsilon", "epsilon_high",
-                         "beta1", "beta2", "beta1_schedule", "erc", "erc_low", "erc_high", "dual_clip",
-                         "entropy_coef", "agg"})
+METHOD_KEYS = frozenset(
+    {
+        "method",
+        "loss_method",
+        "loss_type",
+        "eps_low",
+        "eps_high",
+        "epsilon",
+        "epsilon_high",
+        "beta1",
+        "beta2",
+        "beta1_schedule",
+        "erc",
+        "erc_low",
+        "erc_high",
+        "dual_clip",
+        "entropy_coef",
+        "agg",
+    }
+)
 REPLICATE_KEYS = frozenset({"seed"})  # replicates of one setting, never a confounder
 LABEL_KEYS = frozenset({"name", "run", "run_name", "output_dir", "logging_dir", "regime"})  # names, not settings
 SETTINGS = ("tau", "eps_low", "eps_high", "erc_low", "erc_high", "beta1", "beta2", "dual_clip", "entropy_coef")
@@ -85,8 +102,10 @@ class RunSet:
             return
         if not any(self.group_by in c for c in self.config.values()):
             keys = sorted({k for c in self.config.values() for k in c} - LABEL_KEYS - {"method"})
-            raise ValueError(f"--group-by {self.group_by}: no run records that config key; keys: "
-                             + ", ".join(["method", "config", *keys]))
+            raise ValueError(
+                f"--group-by {self.group_by}: no run records that config key; keys: "
+                + ", ".join(["method", "config", *keys])
+            )
 
     def _label(self, run: str) -> str:
         method = str(self.method.get(run) or "?")
@@ -161,8 +180,10 @@ class RunSet:
         runs = list(self.method)
         out: dict[str, list] = {}
         methods = sorted({str(self.method[r]) for r in runs})
-        method_cfg = {json.dumps({k: _hashable(self.config[r].get(k)) for k in METHOD_KEYS}, sort_keys=True,
-                                 default=str) for r in runs}
+        method_cfg = {
+            json.dumps({k: _hashable(self.config[r].get(k)) for k in METHOD_KEYS}, sort_keys=True, default=str)
+            for r in runs
+        }
         if len(methods) > 1 or len(method_cfg) > 1:
             out["method"] = sorted({self.method_label(r) for r in runs})
         for k in RECORDED_SHAPE:  # measured from the rows: what a curve's x axis and its noise mean
@@ -182,8 +203,11 @@ class RunSet:
         """The run's method with the method-defining settings that differ between the runs:
         'grpo', or 'grpo erc=(0.9, 1.1)' beside a plain grpo run."""
         runs = list(self.method)
-        keys = sorted(k for k in METHOD_KEYS - {"method", "loss_method"}
-                      if len({_hashable(self.config[r].get(k)) for r in runs}) > 1)
+        keys = sorted(
+            k
+            for k in METHOD_KEYS - {"method", "loss_method"}
+            if len({_hashable(self.config[r].get(k)) for r in runs}) > 1
+        )
         cfg = self.config[run]
         extra = [f"{k}={fmt(cfg[k])}" for k in keys if cfg.get(k) not in (None, [], ())]
         return " ".join([str(self.method[run])] + extra)
@@ -202,10 +226,15 @@ class RunSet:
             return "The runs share every recorded setting."
         parts = [f"{k} ({', '.join(fmt(x) for x in v[:4])}{', ...' if len(v) > 4 else ''})" for k, v in f.items()]
         if len(parts) == 1 and "method" not in f:  # a controlled comparison, but not of methods
-            return (f"The runs differ only in {parts[0]}: a controlled comparison of {next(iter(f))}; the papers' "
-                    "verdicts compare methods, so none here.")
-        return "The runs differ in " + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]) \
+            return (
+                f"The runs differ only in {parts[0]}: a controlled comparison of {next(iter(f))}; the papers' "
+                "verdicts compare methods, so none here."
+            )
+        return (
+            "The runs differ in "
+            + (", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0])
             + ": not a controlled comparison, so no verdict against the paper."
+        )
 
 
 def flat_config(raw) -> dict:
@@ -216,8 +245,7 @@ def flat_config(raw) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str = "minmax",
-          shape_df=None) -> RunSet:
+def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str = "minmax", shape_df=None) -> RunSet:
     """A RunSet from the ``runs`` view (run, method, config, tau, eps_low, eps_high) and the steps'
     per-run settings (run and, per setting of :data:`STEP_SETTINGS`, ``<name>_min`` / ``<name>_max``);
     ``shape_df``: per run the :data:`RECORDED_SHAPE` columns (:data:`_SHAPE_SQL`)."""
@@ -236,13 +264,17 @@ def build(runs_df, settings_df=None, *, group_by: str | None = None, band: str =
     recorded = {}
     if shape_df is not None:
         for row in shape_df.to_dict("records"):
-            recorded[str(row["run"])] = {k: (None if row.get(k) is None or row.get(k) != row.get(k) else int(row[k]))
-                                         for k in RECORDED_SHAPE}
+            recorded[str(row["run"])] = {
+                k: (None if row.get(k) is None or row.get(k) != row.get(k) else int(row[k])) for k in RECORDED_SHAPE
+            }
     return RunSet(method, config, settings, group_by=group_by, band=band, recorded=recorded)
 
 
-_SETTINGS_SQL = ("SELECT run, " + ", ".join(f"min({k}) AS {k}_min, max({k}) AS {k}_max" for k in STEP_SETTINGS)
-                 + " FROM steps GROUP BY run")
+_SETTINGS_SQL = (
+    "SELECT run, "
+    + ", ".join(f"min({k}) AS {k}_min, max({k}) AS {k}_max" for k in STEP_SETTINGS)
+    + " FROM steps GROUP BY run"
+)
 
 
 _SHAPE_SQL = """

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import math
 
-from . import responses as R
 from ..read.query import QueryError, run_sql
 from ..read.views import sql_str
+from . import responses as R
+from .escape import terminal as _t  # every name / text a user gave, as printed: no raw control or bidi character
+from .escape import token
 from .palette import QUADRANT_COLORS
-from .escape import terminal as _t, token  # every name / text a user gave, as printed: no raw control or bidi character
 
 NULL_COLOUR = "#808080"  # a token without a value for the metric
 # low -> high (viridis' stops); diverging: blue (below the centre) -> near white -> red (above)
@@ -28,8 +29,13 @@ SEQUENTIAL = ((68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 2
 DIVERGING = ((33, 102, 172), (103, 169, 207), (247, 247, 247), (239, 138, 98), (178, 24, 43))
 CATEGORY_COLOURS: dict[str, dict] = {
     "quadrant": dict(QUADRANT_COLORS),  # the report's one quadrant palette (palette.py), as in every figure
-    "clip": {"kept": "#e0e0e0", "low": "#9ecae1", "high": "#fdd0a2", "clipped low": "#2171b5",
-             "clipped high": "#d94801"},
+    "clip": {
+        "kept": "#e0e0e0",
+        "low": "#9ecae1",
+        "high": "#fdd0a2",
+        "clipped low": "#2171b5",
+        "clipped high": "#d94801",
+    },
     "erc": {"kept": "#a1d99b", "dropped": "#de2d26", None: NULL_COLOUR},
 }
 LEGEND_STEPS = 9  # swatches in a continuous legend
@@ -144,9 +150,18 @@ def pick_step(con, run: str, step: int | None = None) -> int:
 
 # ------------------------------------------------------------------------------------- the list
 LIST_COLUMNS = (  # (header, responses analysis column)
-    ("rank", "rank"), ("seq", "seq"), ("group", "group"), ("reward", "reward"), ("advantage", "advantage"),
-    ("length", "length"), ("tokens", "tokens"), ("updates", "updates"), ("mean\nentropy", "mean_entropy"),
-    ("clipped", "clipped"), ("ERC-\ndropped", "erc_dropped"), ("entropy\neffect", "entropy_effect"),
+    ("rank", "rank"),
+    ("seq", "seq"),
+    ("group", "group"),
+    ("reward", "reward"),
+    ("advantage", "advantage"),
+    ("length", "length"),
+    ("tokens", "tokens"),
+    ("updates", "updates"),
+    ("mean\nentropy", "mean_entropy"),
+    ("clipped", "clipped"),
+    ("ERC-\ndropped", "erc_dropped"),
+    ("entropy\neffect", "entropy_effect"),
 )
 
 
@@ -175,12 +190,20 @@ def list_step(con, run: str | None, step: int | None, *, where: str | None = Non
         df = df[[(step, int(r), int(q)) in keep for r, q in zip(df["rank"], df["seq"])]]
         title += f"; {len(df)} matching --where {_t(where)}"
     # the title as a Text: a run id's "[red]" is not read as rich markup
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False,
-                  caption=("rank: the training process that recorded the response (seq counts within it, --rank picks "
-                           "one); mean entropy: sampling entropy H(pi_old) over the tokens, nats; clipped / ERC-dropped: "
-                           "token rows whose gradient PPO-clip / ERC removed, over the step's updates; entropy "
-                           "effect: summed over them. One response: --seq SEQ"),
-                  caption_justify="left")
+    table = Table(
+        title=Text(title),
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        header_style="bold",
+        pad_edge=False,
+        caption=(
+            "rank: the training process that recorded the response (seq counts within it, --rank picks "
+            "one); mean entropy: sampling entropy H(pi_old) over the tokens, nats; clipped / ERC-dropped: "
+            "token rows whose gradient PPO-clip / ERC removed, over the step's updates; entropy "
+            "effect: summed over them. One response: --seq SEQ"
+        ),
+        caption_justify="left",
+    )
     for header, _ in LIST_COLUMNS:
         table.add_column(header, justify="right", no_wrap=True)
     for line in df.to_dict("records"):
@@ -204,7 +227,7 @@ def _ramp(stops, t: float) -> str:
 
 def _text_colour(bg: str) -> str:
     """Black or white, whichever reads on ``bg``."""
-    r, g, b = (int(bg[k:k + 2], 16) / 255 for k in (1, 3, 5))
+    r, g, b = (int(bg[k : k + 2], 16) / 255 for k in (1, 3, 5))
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
 
 
@@ -325,25 +348,43 @@ def _per_update(df, shown: int):
     from rich import box
     from rich.table import Table
 
-    table = Table(title="this response across the step's updates", title_justify="left", box=box.SIMPLE_HEAD,
-                  header_style="bold", pad_edge=False)
-    for name in ("update", "tokens", "mean ratio", "mean entropy ratio", "clipped", "ERC-dropped",
-                 "mean |mismatch|"):
+    table = Table(
+        title="this response across the step's updates",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        header_style="bold",
+        pad_edge=False,
+    )
+    for name in ("update", "tokens", "mean ratio", "mean entropy ratio", "clipped", "ERC-dropped", "mean |mismatch|"):
         table.add_column(name, justify="right", no_wrap=True)
     for u in sorted(int(x) for x in df["update"].unique()):
         part = df[df["update"] == u]
         erc = part["erc_kept"]
         dropped = int((erc.notna() & (erc == False)).sum())  # noqa: E712 - a nullable boolean column
-        table.add_row(f"{u} (shown)" if u == shown else str(u), str(len(part)),
-                      fmt(part["ratio"].astype(float).mean()), fmt(part["entropy_ratio"].astype(float).mean()),
-                      str(int(part["clipped"].fillna(False).astype(bool).sum())), str(dropped),
-                      fmt(part["sampler_log_ratio"].astype(float).abs().mean()),  # NULL without a sampler
-                      style="bold" if u == shown else None)
+        table.add_row(
+            f"{u} (shown)" if u == shown else str(u),
+            str(len(part)),
+            fmt(part["ratio"].astype(float).mean()),
+            fmt(part["entropy_ratio"].astype(float).mean()),
+            str(int(part["clipped"].fillna(False).astype(bool).sum())),
+            str(dropped),
+            fmt(part["sampler_log_ratio"].astype(float).abs().mean()),  # NULL without a sampler
+            style="bold" if u == shown else None,
+        )
     return table
 
 
-def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int | None = None,
-                  update: int | None = None, color: str = "entropy", decoder=None):
+def show_response(
+    con,
+    run: str | None,
+    step: int | None,
+    seq: int,
+    *,
+    rank: int | None = None,
+    update: int | None = None,
+    color: str = "entropy",
+    decoder=None,
+):
     """One response (run, step, seq; ``rank`` where several ranks recorded that seq at the step) at
     ``update`` (None: the last of the step's updates with rows for it) as a rich Group: the header, its
     tokens coloured by ``color`` (a key of METRICS) with the forking tokens marked, the legend, and the
@@ -364,17 +405,22 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
     if here.empty:
         seqs = sorted(int(q) for q in table["seq"])
         span = f"seq {seqs[0]}..{seqs[-1]}" if seqs else "none"
-        raise QueryError(f"no response seq {seq} at step {step} of run {_t(run)}; the step has {len(table)} "
-                         f"response{'s' if len(table) != 1 else ''} ({span}; list them without --seq)")
+        raise QueryError(
+            f"no response seq {seq} at step {step} of run {_t(run)}; the step has {len(table)} "
+            f"response{'s' if len(table) != 1 else ''} ({span}; list them without --seq)"
+        )
     ranks = sorted(int(r) for r in here["rank"])
     if rank is None:
         if len(ranks) > 1:
-            raise QueryError(f"seq {seq} at step {step} was recorded by ranks {', '.join(map(str, ranks))}: "
-                             "choose one with --rank")
+            raise QueryError(
+                f"seq {seq} at step {step} was recorded by ranks {', '.join(map(str, ranks))}: choose one with --rank"
+            )
         rank = ranks[0]
     elif int(rank) not in ranks:
-        raise QueryError(f"seq {seq} at step {step} of run {_t(run)} is recorded by rank{'s' if len(ranks) > 1 else ''} "
-                         f"{', '.join(map(str, ranks))}, not rank {int(rank)}")
+        raise QueryError(
+            f"seq {seq} at step {step} of run {_t(run)} is recorded by rank{'s' if len(ranks) > 1 else ''} "
+            f"{', '.join(map(str, ranks))}, not rank {int(rank)}"
+        )
     rank = int(rank)
     line = here[here["rank"] == rank].iloc[0].to_dict()
     rows = R.token_rows(con, run, step, [(rank, seq)])
@@ -382,41 +428,67 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
     if update is None:
         update = mine[-1]
     elif int(update) not in mine:
-        at_step = [int(u) for u in run_sql(con, f"SELECT DISTINCT \"update\" AS u FROM tokens WHERE run = "
-                                                f"{sql_str(run)} AND step = {step} ORDER BY u")["u"]]
+        at_step = [
+            int(u)
+            for u in run_sql(
+                con,
+                f'SELECT DISTINCT "update" AS u FROM tokens WHERE run = {sql_str(run)} AND step = {step} ORDER BY u',
+            )["u"]
+        ]
         if int(update) not in at_step:
-            raise QueryError(f"update {int(update)} is not at step {step} of run {_t(run)}; its updates: "
-                             f"{', '.join(map(str, at_step))}")
-        raise QueryError(f"seq {seq} has no token rows at update {int(update)} of step {step}; its updates: "
-                         f"{', '.join(map(str, mine))}")
+            raise QueryError(
+                f"update {int(update)} is not at step {step} of run {_t(run)}; its updates: "
+                f"{', '.join(map(str, at_step))}"
+            )
+        raise QueryError(
+            f"seq {seq} has no token rows at update {int(update)} of step {step}; its updates: "
+            f"{', '.join(map(str, mine))}"
+        )
     update = int(update)
     part = rows[rows["update"] == update]
-    cells = [{c: _cell(c, v) for c, v in zip(R.TOKEN_COLUMNS, r)}
-             for r in part[list(R.TOKEN_COLUMNS)].itertuples(index=False, name=None)]
+    cells = [
+        {c: _cell(c, v) for c, v in zip(R.TOKEN_COLUMNS, r)}
+        for r in part[list(R.TOKEN_COLUMNS)].itertuples(index=False, name=None)
+    ]
     ids = [int(c["token_id"]) for c in cells]
     pos = [int(c["pos"]) for c in cells]
     strings = decoder.tokens(ids) if decoder.has_text else [f"⟨{i}⟩" for i in ids]
-    forks = R.forking([_num(c["old_entropy"]) if _num(c["old_entropy"]) is not None else float("nan")
-                       for c in cells])
+    forks = R.forking([_num(c["old_entropy"]) if _num(c["old_entropy"]) is not None else float("nan") for c in cells])
     scale = Scale(metric, cells)
     sep = _separator(decoder)
 
     method = run_sql(con, f"SELECT method FROM runs WHERE run = {sql_str(run)}")["method"]
     method = method.iloc[0] if len(method) and isinstance(method.iloc[0], str) else None
-    head = Text.assemble(("run ", "dim"), (_t(run), "bold"), (f" ({_t(method)})" if method else ""),
-                         ("  step ", "dim"), (str(step), "bold"),
-                         ("  update ", "dim"), (str(update), "bold"),
-                         (f" (its updates: {', '.join(map(str, mine))})", "dim"),
-                         ("  rank ", "dim"), str(rank), ("  seq ", "dim"), (str(seq), "bold"),
-                         ("  group ", "dim"), fmt(line.get("group")),
-                         ("  reward ", "dim"), fmt(line.get("reward")),
-                         ("  advantage ", "dim"), fmt(line.get("advantage")),
-                         ("  length ", "dim"), fmt(line.get("length")))
+    head = Text.assemble(
+        ("run ", "dim"),
+        (_t(run), "bold"),
+        (f" ({_t(method)})" if method else ""),
+        ("  step ", "dim"),
+        (str(step), "bold"),
+        ("  update ", "dim"),
+        (str(update), "bold"),
+        (f" (its updates: {', '.join(map(str, mine))})", "dim"),
+        ("  rank ", "dim"),
+        str(rank),
+        ("  seq ", "dim"),
+        (str(seq), "bold"),
+        ("  group ", "dim"),
+        fmt(line.get("group")),
+        ("  reward ", "dim"),
+        fmt(line.get("reward")),
+        ("  advantage ", "dim"),
+        fmt(line.get("advantage")),
+        ("  length ", "dim"),
+        fmt(line.get("length")),
+    )
     n_len = _num(line.get("length"))
     if n_len is not None and len(cells) < n_len:
         head.append(f"  ({len(cells)} of {int(n_len)} positions recorded)", style="dim")
-    source = Text("text: " + _t(decoder.source), style="dim") if decoder.has_text else Text(
-        "no token text: " + HOW_TO_GET_TEXT, style="yellow")
+    source = (
+        Text("text: " + _t(decoder.source), style="dim")
+        if decoder.has_text
+        else Text("no token text: " + HOW_TO_GET_TEXT, style="yellow")
+    )
     if not decoder.has_text:  # the completion's text where the run recorded it (sequences.text)
         recorded = R.texts(con, run, here[here["rank"] == rank]).get((step, rank, seq))
         if recorded:
@@ -435,8 +507,12 @@ def show_response(con, run: str | None, step: int | None, seq: int, *, rank: int
         style = Style.parse(f"{_text_colour(bg)} on {bg}" + (f" {FORK_STYLE}" if forks[k] else ""))
         body.append(_shown(s, i), style=style)
 
-    fork_note = Text.assemble(("forking", FORK_STYLE),
-                              (f": bold underlined: the top {R.FORKING_SHARE:.0%} of this response's tokens by "
-                               f"sampling entropy H(pi_old) ({sum(forks)} of {len(forks)}; Wang et al. 2025)", "dim"))
-    return Group(head, source, Text(""), body, Text(""), scale.legend(), fork_note, Text(""),
-                 _per_update(rows, update))
+    fork_note = Text.assemble(
+        ("forking", FORK_STYLE),
+        (
+            f": bold underlined: the top {R.FORKING_SHARE:.0%} of this response's tokens by "
+            f"sampling entropy H(pi_old) ({sum(forks)} of {len(forks)}; Wang et al. 2025)",
+            "dim",
+        ),
+    )
+    return Group(head, source, Text(""), body, Text(""), scale.legend(), fork_note, Text(""), _per_update(rows, update))

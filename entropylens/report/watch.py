@@ -36,8 +36,15 @@ LAST = 8  # steps per run in the table
 SPARK = "▁▂▃▄▅▆▇█"
 
 _WAVG = "sum(s.{c} * s.{w}) / nullif(sum(CASE WHEN s.{c} IS NOT NULL THEN s.{w} END), 0) AS {c}"
-_TOKEN_WEIGHTED = ("entropy_mean", "old_entropy_mean", "clip_low_frac", "clip_high_frac", "clipped_frac",
-                   "erc_drop_frac", "kl_k3")
+_TOKEN_WEIGHTED = (
+    "entropy_mean",
+    "old_entropy_mean",
+    "clip_low_frac",
+    "clip_high_frac",
+    "clipped_frac",
+    "erc_drop_frac",
+    "kl_k3",
+)
 QUADRANTS = ("pa_hp", "pa_lp", "na_hp", "na_lp")
 QUADRANT_NAMES = ("PA&HP", "PA&LP", "NA&HP", "NA&LP")
 WIDE = 100  # columns from which the table holds the quadrants' clip fractions (else a line below it)
@@ -79,8 +86,7 @@ class Snapshot:
         return bool(self.runs) and all(status in ENDED for _, status in self.runs.values())
 
 
-def snapshot(path, runs: list[str] | None = None, thresholds: Thresholds | None = None,
-             tail: int = TAIL) -> Snapshot:
+def snapshot(path, runs: list[str] | None = None, thresholds: Thresholds | None = None, tail: int = TAIL) -> Snapshot:
     """One refresh: a fresh connection (later steps appear only in a new one), the steps table only.
     Raises what :func:`entropylens.read.query.connect` raises (QueryError for a missing path, no run, an
     unknown run)."""
@@ -94,7 +100,9 @@ def snapshot(path, runs: list[str] | None = None, thresholds: Thresholds | None 
     skipped = [str(w.message) for w in caught if issubclass(w.category, UnreadableFileWarning)]
     try:
         steps = con.execute(STEPS_SQL, [int(tail)]).df()
-        info = {str(r): (m, s) for r, m, s in con.execute("SELECT run, method, status FROM runs ORDER BY run").fetchall()}
+        info = {
+            str(r): (m, s) for r, m, s in con.execute("SELECT run, method, status FROM runs ORDER BY run").fetchall()
+        }
         # the alarms exactly as `entropylens check` computes them (report/checks.py): step_health read as
         # Python values (NULL stays None, NaN stays NaN), the rules in alarms.evaluate
         cur = con.execute(render_analysis("step_health"))
@@ -175,35 +183,64 @@ def _run_view(run: str, df, findings: list[Finding], method: str | None, status:
     hs = [_h(r) for r in rows]
     finite = [h for h in hs if h is not None and math.isfinite(h)]
     head = Text.assemble(
-        ("latest step ", "dim"), (str(int(latest["step"])), "bold"),
-        ("  steps ", "dim"), str(n_steps),
-        ("  tokens ", "dim"), str(int(_val(latest.get("n_tokens")) or 0)),
-        ("  H_old ", "dim"), (fmt(latest.get("old_entropy_mean")), "bold"),
-        ("  H ", "dim"), fmt(latest.get("entropy_mean")),
-        ("  reward ", "dim"), fmt(latest.get("reward_mean")))
-    spark = Text.assemble((f"entropy, last {len(rows)} step{'s' if len(rows) != 1 else ''} ", "dim"), (sparkline(hs), "yellow"),
-                          (f"  {fmt(min(finite))} .. {fmt(max(finite))}" if finite else "", "dim"))
+        ("latest step ", "dim"),
+        (str(int(latest["step"])), "bold"),
+        ("  steps ", "dim"),
+        str(n_steps),
+        ("  tokens ", "dim"),
+        str(int(_val(latest.get("n_tokens")) or 0)),
+        ("  H_old ", "dim"),
+        (fmt(latest.get("old_entropy_mean")), "bold"),
+        ("  H ", "dim"),
+        fmt(latest.get("entropy_mean")),
+        ("  reward ", "dim"),
+        fmt(latest.get("reward_mean")),
+    )
+    spark = Text.assemble(
+        (f"entropy, last {len(rows)} step{'s' if len(rows) != 1 else ''} ", "dim"),
+        (sparkline(hs), "yellow"),
+        (f"  {fmt(min(finite))} .. {fmt(max(finite))}" if finite else "", "dim"),
+    )
     has_band = any(_val(r.get("erc_low")) is not None or _val(r.get("erc_high")) is not None for r in rows)
     tables = {wide: _step_table(rows[-last:], wide) for wide in (True, False)}
-    quads = Text.assemble(("clip by quadrant, step ", "dim"), str(int(latest["step"])), ": ",
-                          *(f"{name} {_pct(latest.get(f'clip_frac_{q}'))}  " for q, name in zip(QUADRANTS, QUADRANT_NAMES)))
-    band_note = Text("clip: share of tokens whose gradient PPO-clip removes (by side; by quadrant: of that "
-                     "quadrant's tokens)" + ("; out of band: tokens whose entropy ratio leaves the ERC band "
-                                             f"[{fmt(latest.get('erc_low'), 3)}, {fmt(latest.get('erc_high'), 3)}]"
-                                             if has_band else "; no ERC band in this run"), style="dim")
+    quads = Text.assemble(
+        ("clip by quadrant, step ", "dim"),
+        str(int(latest["step"])),
+        ": ",
+        *(f"{name} {_pct(latest.get(f'clip_frac_{q}'))}  " for q, name in zip(QUADRANTS, QUADRANT_NAMES)),
+    )
+    band_note = Text(
+        "clip: share of tokens whose gradient PPO-clip removes (by side; by quadrant: of that "
+        "quadrant's tokens)"
+        + (
+            "; out of band: tokens whose entropy ratio leaves the ERC band "
+            f"[{fmt(latest.get('erc_low'), 3)}, {fmt(latest.get('erc_high'), 3)}]"
+            if has_band
+            else "; no ERC band in this run"
+        ),
+        style="dim",
+    )
     mine = [f for f in findings if f.run == run]
     if mine:
         alarms = Text(f"alarms ({len(mine)}):", style="bold red")
         for f in mine[-5:]:
-            alarms.append(f"\n  step {f.step} {f.rule} value={f.value:.4g} threshold={f.threshold:.4g}"
-                          + (f" signal={f.signal}" if f.signal else ""), style="red")
+            alarms.append(
+                f"\n  step {f.step} {f.rule} value={f.value:.4g} threshold={f.threshold:.4g}"
+                + (f" signal={f.signal}" if f.signal else ""),
+                style="red",
+            )
         if len(mine) > 5:
             alarms.append(f"\n  ({len(mine) - 5} earlier: entropylens check)", style="dim")
     else:
         alarms = Text("alarms: none", style="green")
-    return Panel(_ByWidth(Group(head, spark, tables[True], band_note, alarms),
-                          Group(head, spark, tables[False], quads, band_note, alarms)),
-                 title=title, title_align="left")
+    return Panel(
+        _ByWidth(
+            Group(head, spark, tables[True], band_note, alarms),
+            Group(head, spark, tables[False], quads, band_note, alarms),
+        ),
+        title=title,
+        title_align="left",
+    )
 
 
 class _ByWidth:
@@ -227,18 +264,31 @@ def _step_table(rows: list[dict], wide: bool):
     for name in names:
         table.add_column(name, justify="right", no_wrap=True)
     for r in rows:
-        band = (_pct(r.get("erc_drop_frac")) if _val(r.get("erc_low")) is not None or _val(r.get("erc_high")) is not None
-                else "-")
+        band = (
+            _pct(r.get("erc_drop_frac"))
+            if _val(r.get("erc_low")) is not None or _val(r.get("erc_high")) is not None
+            else "-"
+        )
         quads = [_pct(r.get(f"clip_frac_{q}")) for q in QUADRANTS] if wide else []
-        table.add_row(str(int(r["step"])), fmt(r.get("old_entropy_mean")), fmt(r.get("entropy_mean")),
-                      fmt(r.get("reward_mean"), 3), _pct(r.get("clip_low_frac")), _pct(r.get("clip_high_frac")),
-                      *quads, fmt(r.get("entropy_ratio_p05"), 3), fmt(r.get("entropy_ratio_p50"), 3),
-                      fmt(r.get("entropy_ratio_p95"), 3), band)
+        table.add_row(
+            str(int(r["step"])),
+            fmt(r.get("old_entropy_mean")),
+            fmt(r.get("entropy_mean")),
+            fmt(r.get("reward_mean"), 3),
+            _pct(r.get("clip_low_frac")),
+            _pct(r.get("clip_high_frac")),
+            *quads,
+            fmt(r.get("entropy_ratio_p05"), 3),
+            fmt(r.get("entropy_ratio_p50"), 3),
+            fmt(r.get("entropy_ratio_p95"), 3),
+            band,
+        )
     return table
 
 
-def render(steps, findings: list[Finding] | tuple = (), runs: dict | None = None, *, last: int = LAST,
-           note: str | None = None):
+def render(
+    steps, findings: list[Finding] | tuple = (), runs: dict | None = None, *, last: int = LAST, note: str | None = None
+):
     """The view of per-step rows (one row per run and step, the columns of STEPS_SQL; missing ones show
     '-'): one panel per run with its latest step, an entropy sparkline, the last ``last`` steps and the
     alarms that fired. ``runs``: run -> (method, status); runs there without a step show too. Pure:
@@ -264,18 +314,32 @@ def summary_line(snap: Snapshot) -> str:
     if len(snap.steps):
         for run, step in zip(snap.steps["run"], snap.steps["step"]):
             last[str(run)] = max(int(step), last.get(str(run), -1))
-    parts = [f"{_t(run)} {_t(status or '?')} at step {last[run]}" if run in last else f"{_t(run)} {_t(status or '?')} (no step)"
-             for run, (_, status) in sorted(snap.runs.items())]
+    parts = [
+        f"{_t(run)} {_t(status or '?')} at step {last[run]}"
+        if run in last
+        else f"{_t(run)} {_t(status or '?')} (no step)"
+        for run, (_, status) in sorted(snap.runs.items())
+    ]
     n_alarms = len(snap.findings)
-    return (f"watch: {'all ' if snap.ended else ''}{len(snap.runs)} run(s) "
-            f"{'ended' if snap.ended else 'watched'}: {', '.join(parts)}; {n_alarms} alarm(s)")
+    return (
+        f"watch: {'all ' if snap.ended else ''}{len(snap.runs)} run(s) "
+        f"{'ended' if snap.ended else 'watched'}: {', '.join(parts)}; {n_alarms} alarm(s)"
+    )
 
 
 # ---------------------------------------------------------------- the loop
 
 
-def watch(path, *, runs: list[str] | None = None, interval: float = 2.0, thresholds: Thresholds | None = None,
-          console=None, last: int = LAST, first: Snapshot | None = None) -> tuple[Snapshot, bool]:
+def watch(
+    path,
+    *,
+    runs: list[str] | None = None,
+    interval: float = 2.0,
+    thresholds: Thresholds | None = None,
+    console=None,
+    last: int = LAST,
+    first: Snapshot | None = None,
+) -> tuple[Snapshot, bool]:
     """Show the runs under ``path`` live until every one has ended (finished / failed) or Ctrl-C.
     Returns (the last snapshot, interrupted). ``first``: an already read snapshot (the CLI reads one to
     report a bad PATH before the view starts). A refresh that fails later (a file gone mid-read) keeps
@@ -296,8 +360,9 @@ def watch(path, *, runs: list[str] | None = None, interval: float = 2.0, thresho
 
     interrupted = False
     try:
-        with Live(view(snap), console=console, auto_refresh=False, redirect_stderr=False,
-                  vertical_overflow="visible") as live:
+        with Live(
+            view(snap), console=console, auto_refresh=False, redirect_stderr=False, vertical_overflow="visible"
+        ) as live:
             while not snap.ended:
                 time.sleep(interval)
                 problem = None

@@ -29,17 +29,27 @@ COV_CAUSES = {"clip_cov": "cov_clipped", "kl_cov": "kl_cov_penalised"}  # cause 
 BUDGET_NAMES = BUDGET_NAMES + tuple(f"entropy_effect_dropped_{c}" for c in CAUSES)
 AGG_NAMES = AGG_NAMES + BUDGET_NAMES
 # the columns the optional step fractions count (present in cols, or the fraction is NaN / absent)
-FRACTION_COLUMNS = {"dual_clip_frac": "dual_clipped", "token_masked_frac": "token_kept",
-                    "seq_masked_frac": "seq_kept", "is_weight_mean": "is_weight",
-                    "sapo_weight_mean": "sapo_weight", "cov_clipped_frac": "cov_clipped",
-                    "kl_cov_frac": "kl_cov_penalised", "is_masked_frac": "is_masked"}
+FRACTION_COLUMNS = {
+    "dual_clip_frac": "dual_clipped",
+    "token_masked_frac": "token_kept",
+    "seq_masked_frac": "seq_kept",
+    "is_weight_mean": "is_weight",
+    "sapo_weight_mean": "sapo_weight",
+    "cov_clipped_frac": "cov_clipped",
+    "kl_cov_frac": "kl_cov_penalised",
+    "is_masked_frac": "is_masked",
+}
 MEAN_COLUMNS = ("is_weight", "sapo_weight")  # FRACTION_COLUMNS averaged as values (the rest count False / True)
 # fractions of true (the others: of false)
 _COUNTED_TRUE = ("dual_clipped", "cov_clipped", "kl_cov_penalised", "is_masked")
 # the steps columns of the training-inference mismatch (:func:`mismatch_aggregates`): null without sampler_logprob
 SAMPLER_METRICS: tuple[str, ...] = (
-    "sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
-    "clipped_mismatched_frac", *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS),
+    "sampler_abs_log_ratio_mean",
+    "sampler_abs_log_ratio_max",
+    "sampler_kl_k1",
+    "sampler_kl_k3",
+    "clipped_mismatched_frac",
+    *(f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}" for q in QUADRANTS),
 )
 # their counts (also null without sampler_logprob): the tokens with a sampler log-prob, and the clipped ones
 # among them, the weights that pool the means and clipped_mismatched_frac over a step's updates. Counts add
@@ -109,7 +119,7 @@ def _budget(cols: dict[str, torch.Tensor], m: torch.Tensor) -> torch.Tensor:
     sums = _bmm(torch.stack(rows, 1), groups)  # [U, 2 or 4, N] x [U, N, 7 or 12] -> [U, 2 or 4, 7 or 12]
     out[:, :k] = sums[:, 0, :k]
     if have_drop:
-        out[:, k:2 * k] = sums[:, 1, :k]
+        out[:, k : 2 * k] = sums[:, 1, :k]
     if split:
         c = 2 * k  # entropy_effect_dropped_<cause>, in CAUSES' order
         dual_part, low_part, high_part, clip_cov_part, kl_cov_part = sums[:, 2, k:].unbind(1)
@@ -176,8 +186,17 @@ def _codes(device: torch.device) -> torch.Tensor:
 
 
 # the count map's columns, by name: n per quadrant code and clipped per quadrant code (0 = ZA, 1..4)
-_COUNT_NAMES: tuple[str, ...] = ("n", "clip_low", "clip_high", "clipped", "region_low", "region_high", "erc_drop",
-                                 *(f"n_q{q}" for q in QUADRANT_NAMES), *(f"clipped_q{q}" for q in QUADRANT_NAMES))
+_COUNT_NAMES: tuple[str, ...] = (
+    "n",
+    "clip_low",
+    "clip_high",
+    "clipped",
+    "region_low",
+    "region_high",
+    "erc_drop",
+    *(f"n_q{q}" for q in QUADRANT_NAMES),
+    *(f"clipped_q{q}" for q in QUADRANT_NAMES),
+)
 _COUNT_INDEX: dict[str, int] = {name: i for i, name in enumerate(_COUNT_NAMES)}
 
 
@@ -189,8 +208,15 @@ def _count_map(device: torch.device) -> torch.Tensor:
         g = torch.arange(_N_GROUPS, device=device)
         quad, side, clipped, dropped = g // 12, (g % 12) // 4, (g % 4) // 2, g % 2
         low, high = side == 0, side == 2
-        cols = [torch.ones_like(g, dtype=torch.bool), low & (clipped == 1), high & (clipped == 1), clipped == 1,
-                low, high, dropped == 1]
+        cols = [
+            torch.ones_like(g, dtype=torch.bool),
+            low & (clipped == 1),
+            high & (clipped == 1),
+            clipped == 1,
+            low,
+            high,
+            dropped == 1,
+        ]
         cols += [quad == q for q in range(len(QUADRANT_NAMES))]
         cols += [(quad == q) & (clipped == 1) for q in range(len(QUADRANT_NAMES))]
         _COUNT_MAP[device] = torch.stack(cols, 1).double()
@@ -242,19 +268,22 @@ def step_aggregates(
     c = counts[:, :_N_GROUPS] @ _count_map(dev)  # [U, 17]: columns named by _COUNT_NAMES
 
     def count(name: str) -> torch.Tensor:
-        return c[:, _COUNT_INDEX[name]:_COUNT_INDEX[name] + 1]  # [U, 1]
+        return c[:, _COUNT_INDEX[name] : _COUNT_INDEX[name] + 1]  # [U, 1]
 
     n, denom = count("n"), _over(count("n"))
 
     log_r = flat(cols["logprob"]).float() - flat(cols["old_logprob"]).float()
     zeros = torch.zeros_like(log_r)
-    rows = torch.stack([
-        flat(cols["entropy"]).float() if have_h else zeros,
-        flat(cols["old_entropy"]).float() if have_oh else zeros,
-        flat(cols["ratio"]).float(),
-        torch.expm1(log_r) - log_r,  # k3 (stats.kl_k3)
-        flat(lgn).float() if lgn is not None else zeros,
-    ], 1).double()  # [U, 5, N]
+    rows = torch.stack(
+        [
+            flat(cols["entropy"]).float() if have_h else zeros,
+            flat(cols["old_entropy"]).float() if have_oh else zeros,
+            flat(cols["ratio"]).float(),
+            torch.expm1(log_r) - log_r,  # k3 (stats.kl_k3)
+            flat(lgn).float() if lgn is not None else zeros,
+        ],
+        1,
+    ).double()  # [U, 5, N]
     finite = torch.isfinite(rows)  # [U, 5, N]
     ratio_ok = finite[:, 2] & finite[:, 3]  # [U, N]: ratio and k3 both finite
     keep = torch.stack([finite[:, 0], finite[:, 1], ratio_ok, ratio_ok, finite[:, 4]], 1)
@@ -263,8 +292,10 @@ def step_aggregates(
     extra = [c for c in FRACTION_COLUMNS.values() if c in cols]
     if extra:
         x = [flat(cols[c]) for c in extra]
-        x = [torch.where(m, v.float(), 0.0) if c in MEAN_COLUMNS else (v.bool() if c in _COUNTED_TRUE else ~v.bool())
-             for c, v in zip(extra, x)]
+        x = [
+            torch.where(m, v.float(), 0.0) if c in MEAN_COLUMNS else (v.bool() if c in _COUNTED_TRUE else ~v.bool())
+            for c, v in zip(extra, x)
+        ]
         vals.append(torch.stack(x, 1).double())  # [U, len(extra), N]
     vals = torch.cat(vals, 1)  # [U, 7 + len(extra), N]
     onehot = ((quad.unsqueeze(2) == _codes(dev)) & m.unsqueeze(2)).double()  # [U, N, 5]: masked one-hot quadrant
@@ -280,8 +311,10 @@ def step_aggregates(
         "entropy_mean": tot[:, 0:1] / denom if have_h else nan(1),
         "old_entropy_mean": tot[:, 1:2] / denom if have_oh else nan(1),
         "ratio_mean": tot[:, 2:3] / ratio_n,
-        **{f"{name}_frac": count(name) / denom
-           for name in ("clip_low", "clip_high", "clipped", "region_low", "region_high")},
+        **{
+            f"{name}_frac": count(name) / denom
+            for name in ("clip_low", "clip_high", "clipped", "region_low", "region_high")
+        },
         "erc_drop_frac": count("erc_drop") / denom if have_erc else nan(1),
         "kl_k3": tot[:, 3:4] / ratio_n,
         "n_nonfinite_ratio": n - tot[:, 5:6],
@@ -293,16 +326,23 @@ def step_aggregates(
         agg[f"n_{slug}"] = count(f"n_q{code}")
         if q in QUADRANTS:
             agg[f"clip_frac_{slug}"] = count(f"clipped_q{code}") / _over(count(f"n_q{code}"))
-            agg[f"lgn_mean_{slug}"] = (per_q[:, 4, code:code + 1] / _over(per_q[:, 6, code:code + 1])
-                                       if lgn is not None else nan(1))
-    quantiles = (masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double().reshape(u, 3)
-                 if "entropy_ratio" in cols else nan(3))
+            agg[f"lgn_mean_{slug}"] = (
+                per_q[:, 4, code : code + 1] / _over(per_q[:, 6, code : code + 1]) if lgn is not None else nan(1)
+            )
+    quantiles = (
+        masked_quantiles(cols["entropy_ratio"], mask, (0.05, 0.5, 0.95)).double().reshape(u, 3)
+        if "entropy_ratio" in cols
+        else nan(3)
+    )
     for k, name in enumerate(("entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95")):
-        agg[name] = quantiles[:, k:k + 1]
+        agg[name] = quantiles[:, k : k + 1]
     for name, col in FRACTION_COLUMNS.items():  # dual_clip_frac, ..., is_weight_mean, sapo_weight_mean
-        agg[name] = tot[:, 7 + extra.index(col):8 + extra.index(col)] / denom if col in extra else nan(1)
-    agg.update(mismatch_aggregates(cols, m, quad) if "sampler_logprob" in cols
-               else {name: nan(1) for name in SAMPLER_METRICS + SAMPLER_COUNTS})
+        agg[name] = tot[:, 7 + extra.index(col) : 8 + extra.index(col)] / denom if col in extra else nan(1)
+    agg.update(
+        mismatch_aggregates(cols, m, quad)
+        if "sampler_logprob" in cols
+        else {name: nan(1) for name in SAMPLER_METRICS + SAMPLER_COUNTS}
+    )
     out = torch.cat([agg[name] for name in STEP_METRICS] + [entropy_budget(cols, mask).reshape(u, -1)], 1)
     return out if batched else out[0]
 
@@ -324,7 +364,11 @@ def mismatch_aggregates(cols: dict[str, torch.Tensor], m: torch.Tensor, quad: to
     a = d0.abs()
     n = ok.sum(1, keepdim=True).double()  # [U, 1]
     over = _over(n)
-    big = torch.where(ok, d.abs(), float("-inf")).amax(1, keepdim=True) if d.shape[1] else torch.full_like(n, float("nan"))
+    big = (
+        torch.where(ok, d.abs(), float("-inf")).amax(1, keepdim=True)
+        if d.shape[1]
+        else torch.full_like(n, float("nan"))
+    )
     out = {
         "sampler_abs_log_ratio_mean": a.sum(1, keepdim=True) / over,
         "sampler_abs_log_ratio_max": torch.where(n > 0, big, float("nan")),
@@ -343,12 +387,16 @@ def mismatch_aggregates(cols: dict[str, torch.Tensor], m: torch.Tensor, quad: to
     q_n = in_q.sum(1).double()  # [U, 5]
     for code, q in QUADRANT_NAMES.items():
         if q in QUADRANTS:
-            out[f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}"] = q_sum[:, code:code + 1] / _over(q_n[:, code:code + 1])
+            out[f"sampler_abs_log_ratio_mean_{quadrant_slug(q)}"] = q_sum[:, code : code + 1] / _over(
+                q_n[:, code : code + 1]
+            )
     return out
 
 
 def step_metrics(
-    cols: dict[str, torch.Tensor], mask: torch.Tensor, loss_value: torch.Tensor | None = None,
+    cols: dict[str, torch.Tensor],
+    mask: torch.Tensor,
+    loss_value: torch.Tensor | None = None,
     lgn: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`step_aggregates` as a dict of 0-dim device tensors keyed by the steps column names,

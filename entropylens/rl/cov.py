@@ -44,8 +44,15 @@ def token_covariance(advantage: torch.Tensor, logp: torch.Tensor, mask: torch.Te
     return torch.where(m, cov, torch.zeros((), dtype=dt, device=cov.device))
 
 
-def clip_cov_select(cov: torch.Tensor, candidates: torch.Tensor, mask: torch.Tensor, ratio: float,
-                    lb: float, ub: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def clip_cov_select(
+    cov: torch.Tensor,
+    candidates: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: float,
+    lb: float,
+    ub: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Clip-Cov's selected tokens [B, T] bool (module docstring): among ``candidates`` [B, T] bool with
     lb < cov < ub, a random max(int(ratio * n_valid), 1) of them (torch.randperm on ``generator``,
     default the global CPU generator)."""
@@ -57,7 +64,7 @@ def clip_cov_select(cov: torch.Tensor, candidates: torch.Tensor, mask: torch.Ten
     n_clip = max(int(ratio * n_valid), 1)
     idx = torch.nonzero(band)  # [n_band, 2], row-major
     dev = generator.device if generator is not None else torch.device("cpu")
-    perm = torch.randperm(n_band, generator=generator, device=dev)[:min(n_clip, n_band)].to(idx.device)
+    perm = torch.randperm(n_band, generator=generator, device=dev)[: min(n_clip, n_band)].to(idx.device)
     pick = idx[perm]
     out[pick[:, 0], pick[:, 1]] = True
     return out

@@ -18,7 +18,7 @@ Adaptive coefficient (:class:`AdaptiveEntropyCoef`), with target H*, step delta 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,8 +54,9 @@ def entropy_threshold(valid_entropies: torch.Tensor, quantile: float) -> torch.T
     return torch.quantile(e, 1.0 - float(quantile))
 
 
-def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *,
-                     all_gather: Gather | None = None) -> torch.Tensor:
+def top_entropy_mask(
+    entropy: torch.Tensor, mask: torch.Tensor, quantile: float, *, all_gather: Gather | None = None
+) -> torch.Tensor:
     """The forking-token mask [B, T] bool: valid tokens whose entropy is at or above the (1 - quantile)
     quantile of the valid tokens' entropies over all processes (module docstring). ``entropy``, ``mask``
     [B, T]; ``all_gather`` maps this process's valid entropies [n] to every process's [N] (e.g.
@@ -75,8 +76,9 @@ def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float,
     return ((h * m.float()) >= thr) & m
 
 
-def bonus_weights(mask: torch.Tensor, keep: torch.Tensor | None, scale: float = 1.0,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def bonus_weights(
+    mask: torch.Tensor, keep: torch.Tensor | None, scale: float = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """TRL's entropy-bonus weights [B, T] (``dtype``): e_t = scale * m_t k_t / max(sum m k, 1), the mean
     entropy over the tokens the bonus acts on (k = the forking mask, 1 without), never the policy term's
     normaliser."""
@@ -90,10 +92,22 @@ class AdaptiveEntropyCoef:
     coefficient. ``state_dict`` / ``load_state_dict`` carry it over a resumed run (TRL's
     entropy_ctrl_state.json holds the same two numbers). Defaults are TRL's GRPOConfig defaults."""
 
-    def __init__(self, target: float = 0.2, *, coef: float = 0.0, delta: float = 0.005, coef_min: float = 0.0,
-                 coef_max: float = 1.0):
-        for name, v in (("target", target), ("coef", coef), ("delta", delta), ("coef_min", coef_min),
-                        ("coef_max", coef_max)):
+    def __init__(
+        self,
+        target: float = 0.2,
+        *,
+        coef: float = 0.0,
+        delta: float = 0.005,
+        coef_min: float = 0.0,
+        coef_max: float = 1.0,
+    ):
+        for name, v in (
+            ("target", target),
+            ("coef", coef),
+            ("delta", delta),
+            ("coef_min", coef_min),
+            ("coef_max", coef_max),
+        ):
             if not math.isfinite(float(v)):
                 raise ValueError(f"AdaptiveEntropyCoef {name} must be finite, got {v}")
         if coef_min > coef_max:
@@ -135,8 +149,12 @@ class AdaptiveEntropyCoef:
         return h
 
     def settings(self) -> dict[str, float]:
-        return {"entropy_target": self.target, "entropy_coef_delta": self.delta, "entropy_coef_min": self.coef_min,
-                "entropy_coef_max": self.coef_max}
+        return {
+            "entropy_target": self.target,
+            "entropy_coef_delta": self.delta,
+            "entropy_coef_min": self.coef_min,
+            "entropy_coef_max": self.coef_max,
+        }
 
     def state_dict(self) -> dict[str, float]:
         return {"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}
@@ -147,8 +165,10 @@ class AdaptiveEntropyCoef:
         self._window = None
 
     def __repr__(self) -> str:
-        return (f"AdaptiveEntropyCoef(target={self.target}, coef={self.coef}, delta={self.delta}, "
-                f"coef_min={self.coef_min}, coef_max={self.coef_max})")
+        return (
+            f"AdaptiveEntropyCoef(target={self.target}, coef={self.coef}, delta={self.delta}, "
+            f"coef_min={self.coef_min}, coef_max={self.coef_max})"
+        )
 
 
 def all_reduce_sum(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -165,5 +185,11 @@ def all_reduce_sum(group=None) -> Callable[[torch.Tensor], torch.Tensor]:
     return reduce
 
 
-__all__ = ["AdaptiveEntropyCoef", "all_reduce_sum", "bonus_weights", "entropy_threshold", "gather_valid",
-           "top_entropy_mask"]
+__all__ = [
+    "AdaptiveEntropyCoef",
+    "all_reduce_sum",
+    "bonus_weights",
+    "entropy_threshold",
+    "gather_valid",
+    "top_entropy_mask",
+]

@@ -111,14 +111,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import stats
-from .cov import (CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, COV_METHODS, KL_COV_RATIO, PPO_KL_COEF, clip_cov_select,
-                  kl_cov_penalty, kl_cov_select, token_covariance)
 from ..schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, ZA
+from . import stats
+from .cov import (
+    CLIP_COV_LB,
+    CLIP_COV_RATIO,
+    CLIP_COV_UB,
+    COV_METHODS,
+    KL_COV_RATIO,
+    PPO_KL_COEF,
+    clip_cov_select,
+    kl_cov_penalty,
+    kl_cov_select,
+    token_covariance,
+)
 
 METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "cispo", "gspo", "sapo", *COV_METHODS)
-AGGS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum",
-                         "seq-mean-token-sum-norm")
+AGGS: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "token-sum",
+    "seq-mean-token-sum-norm",
+)
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
 PPO_CLIP_METHODS: tuple[str, ...] = ("grpo", "dapo", "gppo", "ce_gppo", "gspo", "clip_cov")  # dual_clip and delta apply
 DEFAULT_EPS: dict[str, tuple[float, float]] = {
@@ -282,8 +297,24 @@ def _finite_number(name: str, v) -> float:
     return v
 
 
-def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy,
-              entropy_coef, scale, delta=None, ratio_level="token", loss_scale_factor=None):
+def _validate(
+    method,
+    eps_low,
+    eps_high,
+    beta1,
+    beta2,
+    dual_clip,
+    erc,
+    agg,
+    tau,
+    entropy,
+    old_entropy,
+    entropy_coef,
+    scale,
+    delta=None,
+    ratio_level="token",
+    loss_scale_factor=None,
+):
     if method not in METHODS:
         raise ValueError(f"method: unknown {method!r}; valid methods: {', '.join(METHODS)}")
     if agg not in AGGS and agg != "weights":
@@ -301,15 +332,19 @@ def _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau,
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if delta is not None:
         if method not in PPO_CLIP_METHODS:
-            raise ValueError(f"delta applies to PPO-clip methods only ({', '.join(PPO_CLIP_METHODS)}), "
-                             f"not {method} (TRL applies it only to its PPO-clip loss types)")
+            raise ValueError(
+                f"delta applies to PPO-clip methods only ({', '.join(PPO_CLIP_METHODS)}), "
+                f"not {method} (TRL applies it only to its PPO-clip loss types)"
+            )
         if not _finite_number("delta", delta) > 1.0:
             raise ValueError(f"delta must be > 1 (TRL recommends > 1 + epsilon_high), got {delta}")
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level: unknown {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
     if ratio_level == "sequence" and method == "gspo":
-        raise ValueError("ratio_level='sequence' does not apply to gspo (its ratio is already the sequence "
-                         "ratio, in GSPO-token form); use method='grpo' with ratio_level='sequence' for TRL's form")
+        raise ValueError(
+            "ratio_level='sequence' does not apply to gspo (its ratio is already the sequence "
+            "ratio, in GSPO-token form); use method='grpo' with ratio_level='sequence' for TRL's form"
+        )
     if loss_scale_factor is not None:
         if agg != "seq-mean-token-sum-norm":
             raise ValueError(f"loss_scale_factor applies only to agg='seq-mean-token-sum-norm', not {agg!r}")
@@ -351,8 +386,14 @@ def _in_dtype(t: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return t.detach().to(dt) if t.dtype == torch.float64 else t.detach()
 
 
-def _prepare(logprobs, old_logprobs, advantages, mask, extra: dict[str, torch.Tensor | None],
-             finite_extra: dict[str, torch.Tensor | None] | None = None) -> Tokens:
+def _prepare(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    extra: dict[str, torch.Tensor | None],
+    finite_extra: dict[str, torch.Tensor | None] | None = None,
+) -> Tokens:
     """Shapes checked, one finite check (``extra``: [B, T] inputs that are columns too; ``finite_extra``:
     other inputs checked for finiteness, shapes checked by the caller), cast to the computation dtype."""
     if logprobs.dim() != 2:
@@ -383,8 +424,9 @@ def _prepare(logprobs, old_logprobs, advantages, mask, extra: dict[str, torch.Te
     return Tokens(mask=m, advantage=torch.where(m, adv, zero), logp=logp, old=old, log_ratio=log_ratio)
 
 
-def aggregation_weights(mask: torch.Tensor, agg: str, loss_scale_factor: float | None = None,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def aggregation_weights(
+    mask: torch.Tensor, agg: str, loss_scale_factor: float | None = None, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """w [B, T] (``dtype``) such that loss = sum(w * l). See the module docstring."""
     m = mask.to(dtype)
     if agg == "token-mean":
@@ -457,8 +499,11 @@ def ppo_clip_surrogate(x: Tokens, clip: Clip) -> tuple[torch.Tensor, torch.Tenso
 def ce_gppo_surrogate(x: Tokens, clip: Clip, beta1: float, beta2: float) -> tuple[torch.Tensor, torch.Tensor, None]:
     """gppo (beta1 = beta2 = 1) and ce_gppo: v = g = -A k with k = beta1 (1-eps_low) on clipped_low,
     beta2 (1+eps_high) on clipped_high, q elsewhere. Returns (v, g, None) (g = f, s = 1)."""
-    k = torch.where(clip.low, torch.full_like(clip.ratio, beta1 * (1.0 - clip.eps_low)),
-                    torch.where(clip.high, torch.full_like(clip.ratio, beta2 * (1.0 + clip.eps_high)), clip.ratio))
+    k = torch.where(
+        clip.low,
+        torch.full_like(clip.ratio, beta1 * (1.0 - clip.eps_low)),
+        torch.where(clip.high, torch.full_like(clip.ratio, beta2 * (1.0 + clip.eps_high)), clip.ratio),
+    )
     g = -x.advantage * k  # [B, T] detached
     return g, g, None
 
@@ -470,8 +515,15 @@ def cispo_surrogate(x: Tokens, clip: Clip) -> tuple[torch.Tensor, torch.Tensor, 
     return g * logp, g, None
 
 
-def sapo_surrogate(x: Tokens, ratio: Ratio, tau_pos: float, tau_neg: float, log_ratio_clamp: float | None,
-                   eps_low: float, eps_high: float):
+def sapo_surrogate(
+    x: Tokens,
+    ratio: Ratio,
+    tau_pos: float,
+    tau_neg: float,
+    log_ratio_clamp: float | None,
+    eps_low: float,
+    eps_high: float,
+):
     """SAPO's soft gate on q (module docstring, stage 2): tau = tau_pos (A > 0) / tau_neg (A <= 0),
     sigma = sigmoid(tau (q - 1)), v = -A (4 / tau) sigma, g = f s with f = -A w, s = q,
     w = 4 sigma (1 - sigma) (0 where ``log_ratio_clamp`` cut log q: the clamp's zero gradient).
@@ -506,8 +558,14 @@ def surrogate(method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: fl
     the slope is g = f s (s None: 1), all detached."""
     clip = clip_of(x, ratio.value, eps_low, eps_high)
     if method == "kl_cov":  # no clip: v = g = -A q, every token inside (clip 0)
-        clip = Clip(ratio=clip.ratio, region=torch.zeros_like(clip.region), low=torch.zeros_like(clip.low),
-                    high=torch.zeros_like(clip.high), eps_low=eps_low, eps_high=eps_high)
+        clip = Clip(
+            ratio=clip.ratio,
+            region=torch.zeros_like(clip.region),
+            low=torch.zeros_like(clip.low),
+            high=torch.zeros_like(clip.high),
+            eps_low=eps_low,
+            eps_high=eps_high,
+        )
         g = -x.advantage * clip.ratio
         return g, g, None, clip
     if method in ("grpo", "dapo", "gspo", "clip_cov"):
@@ -523,8 +581,7 @@ def surrogate(method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: fl
 # --- stage 3: modifiers ------------------------------------------------------------------------
 
 
-def apply_caps(v, f, x: Tokens, clip: Clip, dual_clip: float | None, delta: float | None,
-               clipped_value: bool = True):
+def apply_caps(v, f, x: Tokens, clip: Clip, dual_clip: float | None, delta: float | None, clipped_value: bool = True):
     """Dual-clip and delta (module docstring): tokens PPO-clip has not clipped whose ratio exceeds their
     cap get v = -A cap, g = 0 (A < 0: cap = min(c, max(delta, 1+eps_high)); A > 0: cap = delta).
     ``clipped_value`` (grpo / dapo / gspo): with delta < 1+eps_high the clipped_high constant becomes
@@ -574,8 +631,9 @@ def kl_term(x: Tokens, ref_logprobs: torch.Tensor, kl_coef: float, ratio: Ratio 
     return kl * (ratio.value * ratio.unit), local * ratio.value, kl.detach() * ratio.value
 
 
-def cov_settings(method: str, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef,
-                 ratio_level: str, dual_clip, delta) -> dict:
+def cov_settings(
+    method: str, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, ratio_level: str, dual_clip, delta
+) -> dict:
     """The resolved Clip-Cov / KL-Cov settings of ``method`` (cov.py; defaults verl's), checked; {} for
     the other methods."""
     if method not in COV_METHODS:
@@ -583,17 +641,21 @@ def cov_settings(method: str, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_r
     if ratio_level != "token":
         raise ValueError(f"{method} is token-level (verl's): ratio_level must be 'token', got {ratio_level!r}")
     if method == "clip_cov":
-        out = dict(clip_cov_ratio=float(CLIP_COV_RATIO if clip_cov_ratio is None else clip_cov_ratio),
-                   clip_cov_lb=float(CLIP_COV_LB if clip_cov_lb is None else clip_cov_lb),
-                   clip_cov_ub=float(CLIP_COV_UB if clip_cov_ub is None else clip_cov_ub))
+        out = dict(
+            clip_cov_ratio=float(CLIP_COV_RATIO if clip_cov_ratio is None else clip_cov_ratio),
+            clip_cov_lb=float(CLIP_COV_LB if clip_cov_lb is None else clip_cov_lb),
+            clip_cov_ub=float(CLIP_COV_UB if clip_cov_ub is None else clip_cov_ub),
+        )
         if not out["clip_cov_lb"] < out["clip_cov_ub"]:
             raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {out['clip_cov_lb']}, {out['clip_cov_ub']}")
         ratio_key = "clip_cov_ratio"
     else:
         if dual_clip is not None or delta is not None:
             raise ValueError("dual_clip and delta do not apply to kl_cov (its surrogate -A r is not clipped)")
-        out = dict(kl_cov_ratio=float(KL_COV_RATIO if kl_cov_ratio is None else kl_cov_ratio),
-                   ppo_kl_coef=float(PPO_KL_COEF if ppo_kl_coef is None else ppo_kl_coef))
+        out = dict(
+            kl_cov_ratio=float(KL_COV_RATIO if kl_cov_ratio is None else kl_cov_ratio),
+            ppo_kl_coef=float(PPO_KL_COEF if ppo_kl_coef is None else ppo_kl_coef),
+        )
         if not (math.isfinite(out["ppo_kl_coef"]) and out["ppo_kl_coef"] >= 0):
             raise ValueError(f"ppo_kl_coef must be a finite number >= 0, got {out['ppo_kl_coef']}")
         ratio_key = "kl_cov_ratio"
@@ -602,16 +664,26 @@ def cov_settings(method: str, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_r
     return out
 
 
-def apply_cov(method: str, x: Tokens, clip: Clip, v, f, cov: torch.Tensor, capped: torch.Tensor | None,
-              settings: dict, generator: torch.Generator | None):
+def apply_cov(
+    method: str,
+    x: Tokens,
+    clip: Clip,
+    v,
+    f,
+    cov: torch.Tensor,
+    capped: torch.Tensor | None,
+    settings: dict,
+    generator: torch.Generator | None,
+):
     """Clip-Cov / KL-Cov on (v, f) (cov.py): clip_cov zeroes value and slope of its random selection
     among the tokens PPO-clip (and dual-clip / delta) left alone; kl_cov adds ppo_kl_coef |log r| (slope
     ppo_kl_coef sign(log r)) on its top-cov tokens (its f is the whole slope: s = None). Returns
     (v, f, changed [B, T] bool: the tokens whose gradient the control changed, column name, selection)."""
     if method == "clip_cov":
         free = ~clip.clipped if capped is None else ~clip.clipped & ~capped
-        sel = clip_cov_select(cov, free, x.mask, settings["clip_cov_ratio"], settings["clip_cov_lb"],
-                              settings["clip_cov_ub"], generator)
+        sel = clip_cov_select(
+            cov, free, x.mask, settings["clip_cov_ratio"], settings["clip_cov_lb"], settings["clip_cov_ub"], generator
+        )
         zero = torch.zeros_like(v)
         return torch.where(sel, zero, v), torch.where(sel, zero, f), sel & (x.advantage != 0), "cov_clipped", sel
     sel = kl_cov_select(cov, x.mask, settings["kl_cov_ratio"])
@@ -716,20 +788,47 @@ def policy_loss(
         eps_low, eps_high = resolve_eps(method, eps_low, eps_high)
     scale = float(scale)
     delta = None if delta is None else _finite_number("delta", delta)
-    _validate(method, eps_low, eps_high, beta1, beta2, dual_clip, erc, agg, tau, entropy, old_entropy,
-              entropy_coef, scale, delta, ratio_level, loss_scale_factor)
-    cov_cfg = cov_settings(method, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, ratio_level,
-                           dual_clip, delta)
+    _validate(
+        method,
+        eps_low,
+        eps_high,
+        beta1,
+        beta2,
+        dual_clip,
+        erc,
+        agg,
+        tau,
+        entropy,
+        old_entropy,
+        entropy_coef,
+        scale,
+        delta,
+        ratio_level,
+        loss_scale_factor,
+    )
+    cov_cfg = cov_settings(
+        method, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, ratio_level, dual_clip, delta
+    )
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     shape = tuple(logprobs.shape)
     _check_shape("token_mask", token_mask, shape)
     _check_shape("seq_mask", seq_mask, shape, per_seq=True)
     _check_shape("is_weight", is_weight, shape, per_seq=True)
-    x = _prepare(logprobs, old_logprobs, advantages, mask,
-                 {"entropy": entropy, "old_entropy": old_entropy, "ref_logprobs": ref_logprobs,
-                  "weights": weights, "entropy_weights": entropy_weights},
-                 {"is_weight": None if is_weight is None else is_weight.reshape(shape[0], -1)})
+    x = _prepare(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        {
+            "entropy": entropy,
+            "old_entropy": old_entropy,
+            "ref_logprobs": ref_logprobs,
+            "weights": weights,
+            "entropy_weights": entropy_weights,
+        },
+        {"is_weight": None if is_weight is None else is_weight.reshape(shape[0], -1)},
+    )
     dt = x.dtype
     zero = torch.zeros_like(x.log_ratio.detach())
     if weights is not None:
@@ -752,14 +851,22 @@ def policy_loss(
         changed = (clip.region != CLIP_NONE) & (x.advantage != 0) & x.mask
 
     if dual_clip is not None or delta is not None:
-        v, f, capped = apply_caps(v, f, x, clip, None if dual_clip is None else float(dual_clip), delta,
-                                  clipped_value=method in ("grpo", "dapo", "gspo"))
+        v, f, capped = apply_caps(
+            v,
+            f,
+            x,
+            clip,
+            None if dual_clip is None else float(dual_clip),
+            delta,
+            clipped_value=method in ("grpo", "dapo", "gspo"),
+        )
         changed = changed | capped
         columns["dual_clipped"] = capped
     if cov_cfg:  # the covariance term, only where the loss selects on it (the analyses derive it from the rows)
         columns["cov"] = token_covariance(x.advantage, x.logp, x.mask)  # [B, T]
-        v, f, cov_changed, name, columns[name] = apply_cov(method, x, clip, v, f, columns["cov"],
-                                                           columns.get("dual_clipped"), cov_cfg, generator)
+        v, f, cov_changed, name, columns[name] = apply_cov(
+            method, x, clip, v, f, columns["cov"], columns.get("dual_clipped"), cov_cfg, generator
+        )
         changed = changed | cov_changed
     if entropy is not None:
         columns["entropy"] = entropy.detach().to(dt)
@@ -824,19 +931,38 @@ def policy_loss(
     if f_before_erc is not None:
         columns["grad_coef_before_erc"] = grad_coef_of(f_before_erc, s)
     config = dict(
-        method=method, eps_low=eps_low, eps_high=eps_high, beta1=float(beta1), beta2=float(beta2),
-        dual_clip=dual_clip, erc=tuple(erc) if erc is not None else None, agg=agg, tau=tau,
-        entropy_coef=entropy_coef, kl_coef=kl_coef, scale=scale, delta=delta, ratio_level=ratio_level,
-        kl_bias_correction=bool(kl_bias_correction), **cov_cfg,
+        method=method,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        beta1=float(beta1),
+        beta2=float(beta2),
+        dual_clip=dual_clip,
+        erc=tuple(erc) if erc is not None else None,
+        agg=agg,
+        tau=tau,
+        entropy_coef=entropy_coef,
+        kl_coef=kl_coef,
+        scale=scale,
+        delta=delta,
+        ratio_level=ratio_level,
+        kl_bias_correction=bool(kl_bias_correction),
+        **cov_cfg,
     )
     if method == "sapo":
         config.update(sapo_tau_pos=sapo[0], sapo_tau_neg=sapo[1], sapo_log_ratio_clamp=sapo[2])
     if agg == "seq-mean-token-sum-norm":
         config["loss_scale_factor"] = float(mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     # finite as float32: what the check saw in float32 (float64 inputs only when computed in float32)
-    checked = {name: t for name, t in (("logprobs", logprobs), ("old_logprobs", old_logprobs),
-                                         ("entropy", entropy), ("old_entropy", old_entropy),
-                                         ("advantages", advantages))
-               if t is not None and (t.dtype != torch.float64 or dt == torch.float32)}
+    checked = {
+        name: t
+        for name, t in (
+            ("logprobs", logprobs),
+            ("old_logprobs", old_logprobs),
+            ("entropy", entropy),
+            ("old_entropy", old_entropy),
+            ("advantages", advantages),
+        )
+        if t is not None and (t.dtype != torch.float64 or dt == torch.float32)
+    }
     checked["mask"] = mask
     return PolicyLossOutput(loss=loss, columns=columns, config=config, mask=x.mask, checked=checked)

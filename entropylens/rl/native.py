@@ -68,8 +68,13 @@ def _cpu_key() -> str:
 
 _FRESH = "a fresh private folder under the temporary directory"  # the fallback of _cache_dirs
 # a compiler failing for one of these reasons failed on the folder, not on the source: try the next folder
-_FOLDER_TROUBLE = ("No space left on device", "Disk quota exceeded", "Read-only file system", "Permission denied",
-                   "cannot open output file")
+_FOLDER_TROUBLE = (
+    "No space left on device",
+    "Disk quota exceeded",
+    "Read-only file system",
+    "Permission denied",
+    "cannot open output file",
+)
 
 
 def _cache_dirs() -> list:
@@ -132,8 +137,9 @@ def _compile(cc: list[str], flags: list[str], out: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"],
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [*cc, *flags, "-o", tmp, str(_SOURCE), "-lpthread", "-lm"], capture_output=True, text=True, timeout=120
+        )
         if proc.returncode != 0:
             complaint = proc.stderr.strip()[-300:] or f"exit status {proc.returncode}"
             if any(t in complaint for t in _FOLDER_TROUBLE):  # a full disk is an unwritable folder
@@ -204,7 +210,9 @@ def _build() -> ctypes.CDLL:
                         continue
                 try:
                     return _load(out)
-                except OSError:  # damaged (a full disk), or not ours: built anew once; noexec fails again -> next folder
+                except (
+                    OSError
+                ):  # damaged (a full disk), or not ours: built anew once; noexec fails again -> next folder
                     out.unlink(missing_ok=True)
                     _sidecar(out).unlink(missing_ok=True)
                     if _compile(cc, flags, out) is None:
@@ -257,13 +265,27 @@ def _plain(t: torch.Tensor) -> bool:
 def usable(flat: torch.Tensor) -> bool:
     """Whether :func:`row_sums` takes these [N, V] logits: a plain CPU tensor, float32 / bfloat16,
     contiguous rows."""
-    return (flat.device.type == "cpu" and flat.dtype in _DTYPES and flat.dim() == 2
-            and (flat.stride(1) == 1 or flat.shape[1] == 1) and _plain(flat) and enabled()
-            and library() is not None)
+    return (
+        flat.device.type == "cpu"
+        and flat.dtype in _DTYPES
+        and flat.dim() == 2
+        and (flat.stride(1) == 1 or flat.shape[1] == 1)
+        and _plain(flat)
+        and enabled()
+        and library() is not None
+    )
 
 
-def row_sums(flat: torch.Tensor, tokens: torch.Tensor | None, temperature: float, sums: torch.Tensor, *,
-             want_dot: bool, split: bool, want_sens: bool) -> None:
+def row_sums(
+    flat: torch.Tensor,
+    tokens: torch.Tensor | None,
+    temperature: float,
+    sums: torch.Tensor,
+    *,
+    want_dot: bool,
+    split: bool,
+    want_sens: bool,
+) -> None:
     """Fill ``sums`` ([4 | 5 | 7, N] float32, rows as in ``stats._forward``: m, u_a, S, D, e_a, R, Q)
     from logits ``flat`` [N, V] (see :func:`usable`) and ``tokens`` [N] int64 or None. With ``split``
     the sums run over j != a and e_a = exp(max(u_a, floor)) is row 4; with ``want_sens`` rows 5-6 are
@@ -275,7 +297,18 @@ def row_sums(flat: torch.Tensor, tokens: torch.Tensor | None, temperature: float
     rows = [sums[k].data_ptr() for k in range(sums.shape[0])] + [None] * (7 - sums.shape[0])
     threads = max(1, min(torch.get_num_threads(), n * v // _PARALLEL_MIN))  # >= 64k elements per thread
     rc = library().el_row_sums(
-        flat.data_ptr(), _DTYPES[flat.dtype], n, v, flat.stride(0), None if tok is None else tok.data_ptr(),
-        float(temperature), int(want_dot), int(split), int(want_sens), *rows, threads)
+        flat.data_ptr(),
+        _DTYPES[flat.dtype],
+        n,
+        v,
+        flat.stride(0),
+        None if tok is None else tok.data_ptr(),
+        float(temperature),
+        int(want_dot),
+        int(split),
+        int(want_sens),
+        *rows,
+        threads,
+    )
     if rc != 0:
         log.debug("entropylens: a native row-pass thread did not start; its rows ran on the calling thread")

@@ -27,8 +27,8 @@ step, and one no-grad forward after the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -51,7 +51,9 @@ class ProbeForward:
 
 def _mean_entropy(f: ProbeForward) -> torch.Tensor:
     m = f.mask.bool()
-    return torch.where(m, f.entropy.float(), torch.zeros_like(f.entropy, dtype=torch.float32)).sum() / m.sum().clamp(min=1)
+    return torch.where(m, f.entropy.float(), torch.zeros_like(f.entropy, dtype=torch.float32)).sum() / m.sum().clamp(
+        min=1
+    )
 
 
 def _dot(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
@@ -122,8 +124,9 @@ def probe_update(
     optimizer.zero_grad(set_to_none=True)
     fwd = loss_fn(model, batch)
     if not (fwd.logprobs.requires_grad and fwd.entropy.requires_grad):
-        raise ValueError("probe: loss_fn must return logprobs and entropy with grad "
-                         "(logprobs_and_entropy(..., entropy_grad=True))")
+        raise ValueError(
+            "probe: loss_fn must return logprobs and entropy with grad (logprobs_and_entropy(..., entropy_grad=True))"
+        )
     m = fwd.mask.bool()
     h_bar = _mean_entropy(fwd)
     grad_h = list(torch.autograd.grad(h_bar, params, retain_graph=True, allow_unused=True))
@@ -174,8 +177,17 @@ def probe_update(
     step_pred = _dot(grad_h, actual)
     rows.append({**base, "part": "momentum", "tokens": 0, "grad_norm": None, "predicted_dh": mom})
     rows.append({**base, "part": "other", "tokens": 0, "grad_norm": None, "predicted_dh": step_pred - explained - mom})
-    rows.append({**base, "part": "step", "tokens": int(m.sum()), "grad_norm": _norm([p.grad for p in params]),
-                 "predicted_dh": step_pred, "measured_dh": h_after - h0, "grad_norm_before_clip": total})
+    rows.append(
+        {
+            **base,
+            "part": "step",
+            "tokens": int(m.sum()),
+            "grad_norm": _norm([p.grad for p in params]),
+            "predicted_dh": step_pred,
+            "measured_dh": h_after - h0,
+            "grad_norm_before_clip": total,
+        }
+    )
     return rows
 
 

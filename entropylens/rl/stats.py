@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from . import native
 from ..schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE, NA_HP, NA_LP, PA_HP, PA_LP, ZA
+from . import native
 
 # Bytes of one float32 [chunk, V] buffer (two are live). On CPU a chunk that fits in L2 keeps the
 # several passes over it in cache; on an accelerator larger chunks amortise kernel launches.
@@ -80,9 +80,14 @@ class _ChunkBuffers:
         self.e = torch.empty(rows, vocab, dtype=torch.float32, device=device)
         self.t = torch.empty(rows, vocab, dtype=torch.float32, device=device) if products else None
 
-    def load(self, z: torch.Tensor, temperature: float, tok: torch.Tensor | None,
-             m_out: torch.Tensor | None = None, u_a_out: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def load(
+        self,
+        z: torch.Tensor,
+        temperature: float,
+        tok: torch.Tensor | None,
+        m_out: torch.Tensor | None = None,
+        u_a_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """u <- max(z/T - max(z/T), floor) (``_EXP_FLOOR``: exp stays on its fast path; -inf -> floor);
         returns (u [n,V], max [n], u_a [n] or None) with u a view into the buffer and u_a the sampled
         token's shifted logit taken before the floor (-inf stays -inf here). ``m_out`` / ``u_a_out``
@@ -97,14 +102,23 @@ class _ChunkBuffers:
         u_a = None
         if tok is not None:
             idx = tok.unsqueeze(1)
-            u_a = (torch.gather(u, 1, idx, out=u_a_out.unsqueeze(1)) if u_a_out is not None
-                   else u.gather(1, idx)).squeeze(1)  # [n]
+            u_a = (
+                torch.gather(u, 1, idx, out=u_a_out.unsqueeze(1)) if u_a_out is not None else u.gather(1, idx)
+            ).squeeze(1)  # [n]
         u.clamp_(min=_EXP_FLOOR)
         return u, m, u_a
 
 
-def _chunk_sums(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int,
-                sums: torch.Tensor, want_entropy: bool, split: bool, want_sens: bool) -> None:
+def _chunk_sums(
+    flat: torch.Tensor,
+    flat_tok: torch.Tensor | None,
+    temperature: float,
+    rows: int,
+    sums: torch.Tensor,
+    want_entropy: bool,
+    split: bool,
+    want_sens: bool,
+) -> None:
     """The eager pass of :func:`_forward`: the per-row sums (``sums`` rows m, u_a, S, dot, e_a, R, Q)
     one [rows, V] float32 chunk at a time, each a handful of vectorised torch ops."""
     n, v = flat.shape
@@ -133,9 +147,17 @@ def _chunk_sums(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: 
             torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # sum_j e_j u_j
 
 
-def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: float, rows: int, want_entropy: bool,
-             sens_out: torch.Tensor | None = None, dist_out: torch.Tensor | None = None,
-             lse_lo_out: torch.Tensor | None = None, split: bool = False):
+def _forward(
+    flat: torch.Tensor,
+    flat_tok: torch.Tensor | None,
+    temperature: float,
+    rows: int,
+    want_entropy: bool,
+    sens_out: torch.Tensor | None = None,
+    dist_out: torch.Tensor | None = None,
+    lse_lo_out: torch.Tensor | None = None,
+    split: bool = False,
+):
     """One pass over the logits. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     The per-row sums come from the native row pass on CPU (:mod:`entropylens.rl.native`: float32 /
     bfloat16 logits, one vectorised loop per row) or else from :func:`_chunk_sums` (eager, per chunk).
@@ -175,8 +197,9 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     if split:
         u_a = ua_all.clamp(min=_EXP_FLOOR)  # the floored u_a, as the chunk's u held it
         rest = sums[5:] if want_sens else (None, None)
-        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(m_all, ua_all, s_all, dot_all, u_a, sums[4], *rest,
-                                                                 dist_out is not None)
+        lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(
+            m_all, ua_all, s_all, dot_all, u_a, sums[4], *rest, dist_out is not None
+        )
         logp.copy_(lp), ent.copy_(h), lse.copy_(lse_)
         if want_sens:
             sens_out.copy_(sens)
@@ -195,9 +218,17 @@ def _forward(flat: torch.Tensor, flat_tok: torch.Tensor | None, temperature: flo
     return logp, ent, lse
 
 
-def _sensitivity_from_sums(m: torch.Tensor, u_a_exact: torch.Tensor, s_rest: torch.Tensor, dot_rest: torch.Tensor,
-                           u_a: torch.Tensor, e_a: torch.Tensor, r_rest: torch.Tensor | None,
-                           q_rest: torch.Tensor | None, want_dist: bool = False):
+def _sensitivity_from_sums(
+    m: torch.Tensor,
+    u_a_exact: torch.Tensor,
+    s_rest: torch.Tensor,
+    dot_rest: torch.Tensor,
+    u_a: torch.Tensor,
+    e_a: torch.Tensor,
+    r_rest: torch.Tensor | None,
+    q_rest: torch.Tensor | None,
+    want_dist: bool = False,
+):
     """(logp_a, H, lse, s, dist), each [N], from the per-row sums of the sensitivity pass (all [N]):
     m the shift, u_a_exact the sampled token's shifted logit before the floor (log p_a from it),
     S_rest = sum_{j != a} e_j, dot_rest = sum_{j != a} e_j u_j, u_a the floored one, e_a = exp(u_a),
@@ -261,9 +292,17 @@ class _LogprobEntropy(torch.autograd.Function):
         sens = torch.empty(flat.shape[0] if want_sens else 0, dtype=torch.float32, device=flat.device)
         dist = torch.empty(flat.shape[0] if want_dist else 0, dtype=torch.float32, device=flat.device)
         lse_lo = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
-        logp, ent, lse = _forward(flat, flat_tok, temperature, rows, want_entropy=True,
-                                  sens_out=sens if want_sens else None, dist_out=dist if want_dist else None,
-                                  lse_lo_out=lse_lo, split=True)  # the same bits with or without s
+        logp, ent, lse = _forward(
+            flat,
+            flat_tok,
+            temperature,
+            rows,
+            want_entropy=True,
+            sens_out=sens if want_sens else None,
+            dist_out=dist if want_dist else None,
+            lse_lo_out=lse_lo,
+            split=True,
+        )  # the same bits with or without s
         ctx.save_for_backward(logits, flat_tok, lse, ent, lse_lo)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: no work
         ctx.mark_non_differentiable(sens, dist)
@@ -343,8 +382,9 @@ def logprobs_and_entropy(
     if one_hot_distance and not sensitivity:
         raise ValueError("one_hot_distance=True comes from the sensitivity's sums: pass sensitivity=True too")
     if logits.requires_grad and torch.is_grad_enabled():
-        logp, ent, sens, dist = _LogprobEntropy.apply(logits, flat_tok, float(temperature), rows, bool(sensitivity),
-                                                      bool(one_hot_distance))
+        logp, ent, sens, dist = _LogprobEntropy.apply(
+            logits, flat_tok, float(temperature), rows, bool(sensitivity), bool(one_hot_distance)
+        )
         if not entropy_grad:
             ent = ent.detach()
     else:
@@ -352,8 +392,15 @@ def logprobs_and_entropy(
             n = flat_tok.numel()
             sens = torch.empty(n if sensitivity else 0, dtype=torch.float32, device=logits.device)
             dist = torch.empty(n if one_hot_distance else 0, dtype=torch.float32, device=logits.device)
-            logp, ent, _ = _forward(logits.reshape(-1, v), flat_tok, float(temperature), rows, True,
-                                    sens_out=sens if sensitivity else None, dist_out=dist if one_hot_distance else None)
+            logp, ent, _ = _forward(
+                logits.reshape(-1, v),
+                flat_tok,
+                float(temperature),
+                rows,
+                True,
+                sens_out=sens if sensitivity else None,
+                dist_out=dist if one_hot_distance else None,
+            )
     out = (logp.view(tokens.shape), ent.view(tokens.shape))
     if sensitivity:
         out += (sens.view(tokens.shape),)
@@ -410,7 +457,9 @@ def logsumexp_f32(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size:
     v = logits.shape[-1]
     flat = logits.detach().reshape(-1, v)
     with torch.no_grad():
-        _, _, lse = _forward(flat, None, float(temperature), chunk_rows(flat.shape[0], v, chunk_size, flat.device), False)
+        _, _, lse = _forward(
+            flat, None, float(temperature), chunk_rows(flat.shape[0], v, chunk_size, flat.device), False
+        )
     return lse.view(logits.shape[:-1])
 
 
@@ -432,8 +481,9 @@ def one_hot_distance_from_sum_p2(logprobs: torch.Tensor, sum_p2: torch.Tensor) -
     return torch.sqrt((1.0 - 2.0 * p + sum_p2.detach().float()).clamp(min=0.0))
 
 
-def logit_grad_norm_from_sum_p2(grad_coef: torch.Tensor, logprobs: torch.Tensor, sum_p2: torch.Tensor,
-                                temperature: "float | torch.Tensor" = 1.0) -> torch.Tensor:
+def logit_grad_norm_from_sum_p2(
+    grad_coef: torch.Tensor, logprobs: torch.Tensor, sum_p2: torch.Tensor, temperature: float | torch.Tensor = 1.0
+) -> torch.Tensor:
     """||dLoss/dz_t||_2 = |g_t| / T * d_t (:func:`one_hot_distance_from_sum_p2`) for a loss that reaches
     the logits only through logp_a (g_t = dLoss/dlogp_a, the grad_coef column): TRL's fused head and
     verl's engines give sum_j p_j^2, no logits. [B, T] -> [B, T] float32; ``temperature`` a float or
@@ -535,8 +585,9 @@ def _head_rows(n: int, vocab: int, chunk_size: int | None, device: torch.device)
     return max(1, min(max(n, 1), budget // (4 * max(vocab, 1))))
 
 
-def _head_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
-               dtype: torch.dtype) -> torch.Tensor:
+def _head_tile(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
     """u = (h W^T + b) / T for one tile of positions, [c, V] in ``dtype`` (float32, or float64)."""
     u = h.to(dtype) @ weight.to(dtype).t()  # [c, V]
     if bias is not None:
@@ -546,8 +597,9 @@ def _head_tile(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return u
 
 
-def _tile_sensitivity_(logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tensor,
-                       h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _tile_sensitivity_(
+    logp_all: torch.Tensor, p: torch.Tensor, tok: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, sum_j p_j^2) of one tile (log p [c, V], p [c, V], tok [c], H [c]), with
         s = p_a (1 - p_a)(log p_a + H) - sum_{j != a} p_j^2 (log p_j + H)
     the sampled token's term split off so nothing cancels as p_a -> 1 (see :func:`entropy_sensitivity`),
@@ -617,7 +669,11 @@ class _HeadStats(torch.autograd.Function):
         t, rows = ctx.temperature, ctx.rows
         n = hidden.shape[0]
         dtype = lse.dtype
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        need_h, need_w, need_b = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
@@ -649,8 +705,15 @@ class _HeadStats(torch.autograd.Function):
                 grad_w.addmm_(dz.t(), h)  # [V, H]
             if need_b:
                 grad_b.add_(dz.sum(dim=0))
-        return (grad_h, grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None, None, None, None, None)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def head_stats(
@@ -678,7 +741,9 @@ def head_stats(
     ||dL/dz_t|| = |dL/dlogp_t| / T * sqrt(1 - 2 p_t + sum_j p_j^2).
     """
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden [..., H] and weight [V, H] do not match: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
+        )
     if tuple(tokens.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"tokens shape {tuple(tokens.shape)} does not match hidden shape {tuple(hidden.shape)}[:-1]")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):

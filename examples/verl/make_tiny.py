@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 WORDS = [str(d) for d in range(10)] + list("abcdefghij") + ["copy", ":"]
-CHAT = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-        "{% if add_generation_prompt %}: {% endif %}")
+CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}: {% endif %}"
 REWARD = '''def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """Share of the response's words that are digits (learnable in a few steps)."""
     words = solution_str.split()
@@ -33,17 +32,32 @@ def main(out: str) -> None:
     hf_tok.chat_template = CHAT
     hf_tok.save_pretrained(out_dir / "model")
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      pad_token_id=hf_tok.pad_token_id, eos_token_id=hf_tok.eos_token_id,
-                      bos_token_id=hf_tok.eos_token_id, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=len(hf_tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=hf_tok.pad_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        bos_token_id=hf_tok.eos_token_id,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(out_dir / "model")
     rows = []
     for i in range(64):
         words = " ".join(WORDS[(i * 3 + j) % 20] for j in range(4))
-        rows.append({"data_source": "entropylens_copy", "prompt": [{"role": "user", "content": f"copy : {words}"}],
-                     "ability": "copy", "reward_model": {"style": "rule", "ground_truth": words},
-                     "extra_info": {"index": i, "split": "train"}})
+        rows.append(
+            {
+                "data_source": "entropylens_copy",
+                "prompt": [{"role": "user", "content": f"copy : {words}"}],
+                "ability": "copy",
+                "reward_model": {"style": "rule", "ground_truth": words},
+                "extra_info": {"index": i, "split": "train"},
+            }
+        )
     pd.DataFrame(rows[:48]).to_parquet(out_dir / "train.parquet")
     pd.DataFrame(rows[48:]).to_parquet(out_dir / "test.parquet")
     (out_dir / "reward.py").write_text(REWARD)

@@ -5,7 +5,6 @@ import json
 
 import pandas as pd
 import pytest
-
 from cli_calls import err, ok, runner
 from entropylens.cli.main import app
 from fixture_runs import build
@@ -63,11 +62,29 @@ def test_query_formats(runs, tmp_path):
     assert json.loads((tmp_path / "q.json").read_text()) == [{"run": "a", "n": 12}, {"run": "b", "n": 4}]
     # json keeps every digit csv keeps (pandas' to_json rounded to 10 decimals: 1e-12 became 0.0); NaN and
     # inf null, timestamps ISO 8601, float32 as float32 prints, lists as arrays
-    got = json.loads(ok("query", runs, "SELECT 1e-12::DOUBLE AS z, 1.0::DOUBLE / 3 AS x, 7.9756603e-07::FLOAT AS f, "
-                                       "'nan'::DOUBLE AS n, 'inf'::DOUBLE AS i, NULL::INT AS m, [1, 2] AS l, "
-                                       "TIMESTAMP '2026-01-01 03:04:05' AS t", "--format", "json"))
-    assert got == [{"z": 1e-12, "x": 1 / 3, "f": 7.9756603e-07, "n": None, "i": None, "m": None, "l": [1, 2],
-                    "t": "2026-01-01T03:04:05"}]
+    got = json.loads(
+        ok(
+            "query",
+            runs,
+            "SELECT 1e-12::DOUBLE AS z, 1.0::DOUBLE / 3 AS x, 7.9756603e-07::FLOAT AS f, "
+            "'nan'::DOUBLE AS n, 'inf'::DOUBLE AS i, NULL::INT AS m, [1, 2] AS l, "
+            "TIMESTAMP '2026-01-01 03:04:05' AS t",
+            "--format",
+            "json",
+        )
+    )
+    assert got == [
+        {
+            "z": 1e-12,
+            "x": 1 / 3,
+            "f": 7.9756603e-07,
+            "n": None,
+            "i": None,
+            "m": None,
+            "l": [1, 2],
+            "t": "2026-01-01T03:04:05",
+        }
+    ]
     ok("query", runs, sql, "-o", tmp_path / "q.txt")
     assert (tmp_path / "q.txt").read_text().split() == ["run", "n", "a", "12", "b", "4"]
 
@@ -107,8 +124,9 @@ def test_errors_are_one_line_exit_2(runs, tmp_path):
     assert "bad parameter" in err("analyze", runs, "drift_by_prob_bin", "--param", "bins")
     assert "unknown run" in err("query", runs, "SELECT 1", "--run", "zz")
     assert "needs --output" in err("query", runs, "SELECT 1", "--format", "parquet")
-    assert ("--format csv but --output x.json says json: drop --format (the extension decides) or name the file "
-            "x.csv") in err("query", runs, "SELECT 1", "--format", "csv", "--output", tmp_path / "x.json")
+    assert (
+        "--format csv but --output x.json says json: drop --format (the extension decides) or name the file x.csv"
+    ) in err("query", runs, "SELECT 1", "--format", "csv", "--output", tmp_path / "x.json")
     assert "or name the file x.txt" in err("query", runs, "SELECT 1", "-f", "table", "-o", tmp_path / "x.parquet")
     assert not (tmp_path / "x.json").exists()
     # --output to a missing directory or to a directory: one line, not a FileNotFoundError traceback
@@ -188,15 +206,17 @@ def test_query_is_read_only(runs, tmp_path):
     """`query` does not run COPY / CREATE / INSERT / ATTACH / INSTALL, which write files. Only one
     read-only statement runs; the others are refused (one line, exit 2) before anything is written."""
     target = tmp_path / "out.csv"
-    for sql, word in ((f"COPY (SELECT 1) TO '{target}'", "COPY"),
-                      ("CREATE TABLE t AS SELECT 1", "CREATE"),
-                      ("INSERT INTO steps SELECT * FROM steps", "INSERT"),
-                      (f"ATTACH '{tmp_path / 'x.db'}' AS x", "ATTACH"),
-                      ("INSTALL httpfs", "INSTALL"),
-                      ("SET threads = 1", "SET"),
-                      (f"EXPORT DATABASE '{tmp_path / 'exp'}'", "EXPORT"),
-                      ("DROP VIEW tokens", "DROP"),
-                      ("PRAGMA enable_profiling", "PRAGMA enable_profiling")):
+    for sql, word in (
+        (f"COPY (SELECT 1) TO '{target}'", "COPY"),
+        ("CREATE TABLE t AS SELECT 1", "CREATE"),
+        ("INSERT INTO steps SELECT * FROM steps", "INSERT"),
+        (f"ATTACH '{tmp_path / 'x.db'}' AS x", "ATTACH"),
+        ("INSTALL httpfs", "INSTALL"),
+        ("SET threads = 1", "SET"),
+        (f"EXPORT DATABASE '{tmp_path / 'exp'}'", "EXPORT"),
+        ("DROP VIEW tokens", "DROP"),
+        ("PRAGMA enable_profiling", "PRAGMA enable_profiling"),
+    ):
         line = err("query", runs, sql)
         assert word in line and "read-only" in line, line
     assert "2 statements" in err("query", runs, f"SELECT 1; COPY (SELECT 1) TO '{target}'")
@@ -267,14 +287,17 @@ def test_demo_refuses_existing_runs_before_starting(tmp_path):
     """A second `entropylens demo` into the same --out is refused at once, naming the runs."""
     (tmp_path / "runs" / "grpo-s0").mkdir(parents=True)
     line = err("demo", "--out", tmp_path, "--methods", "grpo,dapo")
-    assert line == (f"error: {tmp_path / 'runs'} already holds run(s) grpo-s0; use --overwrite to replace them "
-                    "or --out for a new directory")
+    assert line == (
+        f"error: {tmp_path / 'runs'} already holds run(s) grpo-s0; use --overwrite to replace them "
+        "or --out for a new directory"
+    )
 
 
 def test_compact_checks_the_path_before_its_banner(tmp_path):
     res = runner.invoke(app, ["compact", str(tmp_path)])
     assert res.exit_code == 2 and res.stderr.strip().splitlines() == [
-        f"error: no entropylens run under {tmp_path} (no run.json found)"]
+        f"error: no entropylens run under {tmp_path} (no run.json found)"
+    ]
 
 
 def test_submodules_reachable_from_the_package():
@@ -283,24 +306,37 @@ def test_submodules_reachable_from_the_package():
     import subprocess
     import sys
 
-    code = ("import entropylens; print(entropylens.write_report.__name__, entropylens.connect.__name__, "
-            "*(getattr(entropylens, p).__name__ for p in ('rl', 'record', 'read', 'report', 'demo', 'integrations')))")
+    code = (
+        "import entropylens; print(entropylens.write_report.__name__, entropylens.connect.__name__, "
+        "*(getattr(entropylens, p).__name__ for p in ('rl', 'record', 'read', 'report', 'demo', 'integrations')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["write_report", "connect", *(f"entropylens.{p}" for p in
-                                                        ("rl", "record", "read", "report", "demo", "integrations"))]
+    assert out.split() == [
+        "write_report",
+        "connect",
+        *(f"entropylens.{p}" for p in ("rl", "record", "read", "report", "demo", "integrations")),
+    ]
 
 
 def test_table_format_prints_missing_values_as_null():
     # NULL in a table, not NaN (float) or <NA> (integer); csv leaves them empty, json null
     import numpy as np
     import pandas as pd
-
     from entropylens.cli.output import table_text
 
-    df = pd.DataFrame({"grad_norm": [0.5, np.nan], "n_tokens": pd.array([43, None], dtype="Int64"),
-                       "run": ["r", None], "step": [0, 1]})
+    df = pd.DataFrame(
+        {
+            "grad_norm": [0.5, np.nan],
+            "n_tokens": pd.array([43, None], dtype="Int64"),
+            "run": ["r", None],
+            "step": [0, 1],
+        }
+    )
     assert [line.split() for line in table_text(df).splitlines()] == [
-        ["grad_norm", "n_tokens", "run", "step"], ["0.5", "43", "r", "0"], ["NULL", "NULL", "NULL", "1"]]
+        ["grad_norm", "n_tokens", "run", "step"],
+        ["0.5", "43", "r", "0"],
+        ["NULL", "NULL", "NULL", "1"],
+    ]
 
 
 def test_output_extension_decides_or_is_refused(runs, tmp_path):
@@ -308,9 +344,11 @@ def test_output_extension_decides_or_is_refused(runs, tmp_path):
     is one line, exit 2, before the query runs and without a file; .txt and no extension are text names."""
     sql = "SELECT run, count(*) AS n FROM tokens GROUP BY run ORDER BY run"
     line = err("query", runs, sql, "--output", tmp_path / "x.xlsx")
-    assert line == ("error: --output x.xlsx: unknown extension .xlsx; entropylens writes .csv, .json, .parquet (.pq) "
-                    "or .txt (a text table): name the file x.csv, or leave the extension out and pick the format "
-                    "with --format")
+    assert line == (
+        "error: --output x.xlsx: unknown extension .xlsx; entropylens writes .csv, .json, .parquet (.pq) "
+        "or .txt (a text table): name the file x.csv, or leave the extension out and pick the format "
+        "with --format"
+    )
     assert "name the file x.json" in err("analyze", runs, "run_summary", "-f", "json", "-o", tmp_path / "x.XLSX")
     assert "unknown extension .gz" in err("query", runs, sql, "-f", "csv", "-o", tmp_path / "x.csv.gz")
     # refused before the data is touched: a path that is no run still gets the --output error

@@ -1,6 +1,6 @@
+from entropylens.cli.main import app
 from typer.testing import CliRunner
 
-from entropylens.cli.main import app
 from entropylens.schema import TABLES, schema_markdown
 
 runner = CliRunner()

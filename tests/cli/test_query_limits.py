@@ -2,7 +2,6 @@
 RAM) with one line that names the limit that was hit and what to pass instead, exit 2."""
 
 import pytest
-
 from cli_calls import err, ok, runner
 from entropylens.cli.main import app
 from fixture_runs import build
@@ -44,9 +43,14 @@ def test_bad_limits_are_named(runs):
 def test_within_the_limits_the_answer_is_unchanged(runs):
     """The defaults and explicit limits (0: no timeout) give the same answer as before."""
     plain = ok("query", runs, "SELECT count(*) AS n FROM tokens", "-f", "csv")
-    assert plain == ok("query", runs, "SELECT count(*) AS n FROM tokens", "-f", "csv", "--timeout", "0",
-                       "--memory-limit", "1GB") == "n\n16\n"
-    assert ok("analyze", runs, "kl_by_step", "--timeout", "60", "--memory-limit", "25%") == ok("analyze", runs, "kl_by_step")
+    assert (
+        plain
+        == ok("query", runs, "SELECT count(*) AS n FROM tokens", "-f", "csv", "--timeout", "0", "--memory-limit", "1GB")
+        == "n\n16\n"
+    )
+    assert ok("analyze", runs, "kl_by_step", "--timeout", "60", "--memory-limit", "25%") == ok(
+        "analyze", runs, "kl_by_step"
+    )
 
 
 def test_help_states_the_defaults():

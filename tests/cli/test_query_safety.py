@@ -14,9 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
-from recorded_run import record_run  # noqa: E402
-
 from entropylens.cli.main import app  # noqa: E402
+from recorded_run import record_run  # noqa: E402
 
 runner = CliRunner()
 CLI = [sys.executable, "-c", "from entropylens.cli.main import main; main()"]
@@ -46,8 +45,12 @@ def test_output_beside_the_runs_is_written(run, tmp_path):
 
 
 def test_ctrl_c_stops_a_running_query(run):
-    p = subprocess.Popen([*CLI, "query", str(run), "SELECT count(*) FROM range(1000000000000)"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [*CLI, "query", str(run), "SELECT count(*) FROM range(1000000000000)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(3)  # the query is running (connect takes well under a second here)
     p.send_signal(signal.SIGINT)
     try:
@@ -61,6 +64,11 @@ def test_ctrl_c_stops_a_running_query(run):
 def test_queries_under_the_default_time_limit_exit_cleanly(run):
     env = {**os.environ}
     for _ in range(5):
-        res = subprocess.run([*CLI, "query", str(run), "SELECT count(*) AS n FROM tokens", "--format", "json"],
-                             capture_output=True, text=True, env=env, timeout=120)
+        res = subprocess.run(
+            [*CLI, "query", str(run), "SELECT count(*) AS n FROM tokens", "--format", "json"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert res.returncode == 0 and '"n"' in res.stdout, (res.returncode, res.stderr[-500:])

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run  # noqa: E402
 
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect  # noqa: E402
 
@@ -42,13 +42,18 @@ def test_every_kind_of_wrong_file_is_named_once(tmp_path):
     assert code == 1
     bad = [ln for ln in lines if ln.startswith("bad: ")]
     assert len(bad) == 5, lines
-    assert any(b.startswith(f"bad: {tok(0)}: column(s) of another type than the schema contract: `seq` is string, "
-                            "not int32") for b in bad)
+    assert any(
+        b.startswith(f"bad: {tok(0)}: column(s) of another type than the schema contract: `seq` is string, not int32")
+        for b in bad
+    )
     assert any(b.startswith(f"bad: {tok(1)}: not an entropylens tokens file") for b in bad)
-    assert any(b.startswith(f"bad: {tok(2).with_name('update-0 copy.parquet')}: not a file entropylens writes")
-               for b in bad)
-    assert any(f"step 3 rank 0: its token files ({tok(3).parent}/) hold 128 rows, its steps rows say n_tokens 64"
-               in b for b in bad)
+    assert any(
+        b.startswith(f"bad: {tok(2).with_name('update-0 copy.parquet')}: not a file entropylens writes") for b in bad
+    )
+    assert any(
+        f"step 3 rank 0: its token files ({tok(3).parent}/) hold 128 rows, its steps rows say n_tokens 64" in b
+        for b in bad
+    )
     assert any(b.startswith(f"bad: {d / 'run.json'}: run.json's 'eps_low' is \"0.2\", not a number") for b in bad)
     assert lines[-1].startswith("5 bad file(s) among ")
 
@@ -62,8 +67,9 @@ def test_originals_a_committed_compaction_superseded_are_named(tmp_path):
     for table in ("tokens", "steps", "sequences"):  # a compaction killed before it removed the originals
         shutil.copytree(keep / table, d / table, dirs_exist_ok=True)
     shutil.rmtree(keep)
-    assert connect(tmp_path).execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall() \
-        == want  # readers already ignore them
+    assert (
+        connect(tmp_path).execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall() == want
+    )  # readers already ignore them
     code, lines = _verify(tmp_path)
     superseded = [ln for ln in lines if "superseded by a committed compaction" in ln]
     assert code == 1 and len(superseded) == 9, lines

@@ -57,15 +57,30 @@ def test_harness_on_tiny_runs(tmp_path):
     assert all(x != x for x in mm["grpo"]["kl_k3"]) and all(x == x for x in mm["grpo"]["clipped"])  # no sampler: NaN
     # kl_k3 of a mismatched run from its token rows (a second path to the steps' aggregate): per step
     # mean(exp(d) - 1 - d) over the tokens with d = old_logprob - sampler_logprob, then the mean over steps
-    by_tokens = con.execute("SELECT avg(k) FROM (SELECT step, avg(exp(sampler_log_ratio) - 1 - sampler_log_ratio) AS k "
-                            "FROM tokens WHERE run = 'grpo_mismatch_tis-s1' GROUP BY step)").fetchone()[0]
+    by_tokens = con.execute(
+        "SELECT avg(k) FROM (SELECT step, avg(exp(sampler_log_ratio) - 1 - sampler_log_ratio) AS k "
+        "FROM tokens WHERE run = 'grpo_mismatch_tis-s1' GROUP BY step)"
+    ).fetchone()[0]
     assert mm["grpo_mismatch_tis"]["kl_k3"][1] == pytest.approx(by_tokens, rel=1e-4) and by_tokens > 1e-3
-    res = claims.regime_result("paper", metrics, found, seeds=2, steps=TINY["steps"], workers=2, minutes=1.0,
-                               core_minutes=2.0, rows=rows, shares=shares, mismatch=mm)
+    res = claims.regime_result(
+        "paper",
+        metrics,
+        found,
+        seeds=2,
+        steps=TINY["steps"],
+        workers=2,
+        minutes=1.0,
+        core_minutes=2.0,
+        rows=rows,
+        shares=shares,
+        mismatch=mm,
+    )
     assert res["reduced"] and res["settings"]["lr"] == 2e-4
     (tmp_path / "paper-claims-paper.json").write_text(json.dumps(res, default=float))
     text = claims.write_markdown(tmp_path).read_text()
-    assert "paper (REDUCED: 2 seeds x 3 steps)" in text and "![clipped-prob](paper-claims-paper-clipped-prob.png)" in text
+    assert (
+        "paper (REDUCED: 2 seeds x 3 steps)" in text and "![clipped-prob](paper-claims-paper-clipped-prob.png)" in text
+    )
     for n in claims.CONFIGS:  # one line a method in the methods table
         assert sum(line.startswith(f"| {n} | loss ") for line in text.splitlines()) == 1, n
     assert "## Token-entropy shares beside the 80/20 paper" in text

@@ -9,12 +9,23 @@ from entropylens.demo.toy.config import REGIMES, ToyConfig, config_for
 
 
 # ------------------------------------------------------------------ the t distribution
-@pytest.mark.parametrize("t, df, tail", [
-    # printed tables of Student's t critical values: P(T > t) = tail
-    (12.7062, 1, 0.025), (2.919986, 2, 0.05), (4.302653, 2, 0.025), (2.131847, 4, 0.05), (2.776445, 4, 0.025),
-    (4.604095, 4, 0.005), (2.570582, 5, 0.025), (1.396815, 8, 0.10), (3.169273, 10, 0.005), (2.042272, 30, 0.025),
-    (1.0, 1, 0.25),  # df 1 is Cauchy: P(T > 1) = 1/2 - atan(1)/pi = 1/4 exactly
-])
+@pytest.mark.parametrize(
+    "t, df, tail",
+    [
+        # printed tables of Student's t critical values: P(T > t) = tail
+        (12.7062, 1, 0.025),
+        (2.919986, 2, 0.05),
+        (4.302653, 2, 0.025),
+        (2.131847, 4, 0.05),
+        (2.776445, 4, 0.025),
+        (4.604095, 4, 0.005),
+        (2.570582, 5, 0.025),
+        (1.396815, 8, 0.10),
+        (3.169273, 10, 0.005),
+        (2.042272, 30, 0.025),
+        (1.0, 1, 0.25),  # df 1 is Cauchy: P(T > 1) = 1/2 - atan(1)/pi = 1/4 exactly
+    ],
+)
 def test_t_sf_matches_tables(t, df, tail):
     assert rules.t_sf(t, df) == pytest.approx(tail, rel=2e-5)
     assert rules.t_sf(-t, df) == pytest.approx(1 - tail, rel=2e-5)  # symmetric
@@ -143,13 +154,23 @@ def _agg(rows: dict[str, list[tuple]]) -> dict:
     """rows: config -> [(h0, h_final, r_final, destabilised), ...] per seed."""
     agg = {}
     for name, seeds in rows.items():
-        agg[name] = {"h0": [s[0] for s in seeds], "h_final": [s[1] for s in seeds], "r_final": [s[2] for s in seeds],
-                     "destabilised": [s[3] for s in seeds], "first_spike": [45 if s[3] else None for s in seeds]}
+        agg[name] = {
+            "h0": [s[0] for s in seeds],
+            "h_final": [s[1] for s in seeds],
+            "r_final": [s[2] for s in seeds],
+            "destabilised": [s[3] for s in seeds],
+            "first_spike": [45 if s[3] else None for s in seeds],
+        }
     return agg
 
 
-COLLAPSED = [(1.18, 0.05, 0.98, False), (1.18, 0.06, 0.98, False), (1.18, 0.04, 0.97, False),
-             (1.18, 0.05, 0.99, False), (1.18, 0.055, 0.98, False)]
+COLLAPSED = [
+    (1.18, 0.05, 0.98, False),
+    (1.18, 0.06, 0.98, False),
+    (1.18, 0.04, 0.97, False),
+    (1.18, 0.05, 0.99, False),
+    (1.18, 0.055, 0.98, False),
+]
 
 
 def test_blow_up_is_never_read_as_entropy_preserved():
@@ -229,19 +250,36 @@ def test_regimes():
 
 
 def _result(regime, reduced, verdicts):
-    cl = [dict(key=str(i + 1), text=f"claim {i + 1}", figure="f", verdict=v, evidence="e", beside=[])
-          for i, v in enumerate(verdicts)]
+    cl = [
+        dict(key=str(i + 1), text=f"claim {i + 1}", figure="f", verdict=v, evidence="e", beside=[])
+        for i, v in enumerate(verdicts)
+    ]
     m = [1e-3, 1e-4]
-    return {"regime": regime, "seeds": 2 if reduced else 5, "steps": 10, "reduced": reduced, "command": f"cmd {regime}",
-            "minutes": 3.0, "core_minutes": 5.0, "workers": 2, "settings": {"lr": 1e-4}, "table": {},
-            "measured": {k: m for k in ("kl", "clip_low", "clip_high", "gclip_share", "gn_median")}, "claims": cl}
+    return {
+        "regime": regime,
+        "seeds": 2 if reduced else 5,
+        "steps": 10,
+        "reduced": reduced,
+        "command": f"cmd {regime}",
+        "minutes": 3.0,
+        "core_minutes": 5.0,
+        "workers": 2,
+        "settings": {"lr": 1e-4},
+        "table": {},
+        "measured": {k: m for k in ("kl", "clip_low", "clip_high", "gclip_share", "gn_median")},
+        "claims": cl,
+    }
 
 
 def test_markdown_side_by_side_and_reduced_label(tmp_path):
     import json
 
-    (tmp_path / "paper-claims-fast.json").write_text(json.dumps(_result("fast", False, ["reproduced", "partly reproduced"])))
-    (tmp_path / "paper-claims-paper.json").write_text(json.dumps(_result("paper", True, ["not reproduced", "reproduced"])))
+    (tmp_path / "paper-claims-fast.json").write_text(
+        json.dumps(_result("fast", False, ["reproduced", "partly reproduced"]))
+    )
+    (tmp_path / "paper-claims-paper.json").write_text(
+        json.dumps(_result("paper", True, ["not reproduced", "reproduced"]))
+    )
     text = claims.write_markdown(tmp_path).read_text()
     assert "| 1. claim 1 | reproduced | not reproduced |" in text
     assert "| 2. claim 2 | partly reproduced | reproduced |" in text

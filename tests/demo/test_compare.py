@@ -25,8 +25,13 @@ def _agg(finals: dict[str, list[float]], rewards: dict[str, list[float]] | None 
     for name, hs in finals.items():
         n = len(hs)
         st = methods.settings(_recorded(name, **(over or {}).get(name, {})))
-        agg[name] = {"h0": [1.2] * n, "h_final": list(hs), "r_final": list((rewards or {}).get(name, [0.5] * n)),
-                     "destabilised": list((bad or {}).get(name, [False] * n)), "settings": [st] * n}
+        agg[name] = {
+            "h0": [1.2] * n,
+            "h_final": list(hs),
+            "r_final": list((rewards or {}).get(name, [0.5] * n)),
+            "destabilised": list((bad or {}).get(name, [False] * n)),
+            "settings": [st] * n,
+        }
     return agg
 
 
@@ -56,17 +61,24 @@ def test_holm_hand_worked():
 
 
 def test_table_lists_each_method_with_its_settings_and_what_differs():
-    agg = _agg({"grpo": [0.05, 0.06, 0.04, 0.05, 0.055], "erc_dapo": [0.30, 0.32, 0.31, 0.29, 0.33],
-                "entropy_bonus_0.003": [0.05, 0.07, 0.04, 0.06, 0.05], "gspo": [0.05, 0.06, 0.04, 0.05, 0.055]},
-               over={"gspo": {"lr": 2e-4}})
+    agg = _agg(
+        {
+            "grpo": [0.05, 0.06, 0.04, 0.05, 0.055],
+            "erc_dapo": [0.30, 0.32, 0.31, 0.29, 0.33],
+            "entropy_bonus_0.003": [0.05, 0.07, 0.04, 0.06, 0.05],
+            "gspo": [0.05, 0.06, 0.04, 0.05, 0.055],
+        },
+        over={"gspo": {"lr": 2e-4}},
+    )
     rows = compare.method_rows(agg, "grpo", order=["erc_dapo", "grpo", "entropy_bonus_0.003", "gspo"])
     assert [r["method"] for r in rows] == ["grpo", "erc_dapo", "entropy_bonus_0.003", "gspo"]  # baseline first
     by = {r["method"]: r for r in rows}
     assert by["grpo"]["differs"] == "baseline" and "entropy_test" not in by["grpo"]
     assert by["grpo"]["settings"] == "loss grpo, eps 0.2 / 0.2, agg token-mean"
     assert by["erc_dapo"]["settings"] == "loss dapo, eps 0.2 / 0.28, agg token-mean, erc (0.95, 1.05)"
-    assert by["erc_dapo"]["differs"] == ("loss dapo (grpo: grpo); eps 0.2 / 0.28 (grpo: 0.2 / 0.2); "
-                                         "erc (0.95, 1.05) (grpo: -)")
+    assert by["erc_dapo"]["differs"] == (
+        "loss dapo (grpo: grpo); eps 0.2 / 0.28 (grpo: 0.2 / 0.2); erc (0.95, 1.05) (grpo: -)"
+    )
     assert by["entropy_bonus_0.003"]["differs"] == "entropy_coef 0.003 (grpo: -)"
     # a training setting that differs is named too, with the baseline's value
     assert "lr 0.0002 (grpo: 0.0007)" in by["gspo"]["differs"]
@@ -89,11 +101,21 @@ def test_table_lists_each_method_with_its_settings_and_what_differs():
 def test_destabilised_seeds_leave_entropy_not_reward_and_holm_can_refuse():
     # bonus: 2 of 5 seeds blew up to high entropy: final entropy over the 3 stable seeds only, reward over all 5
     grpo = [0.05, 0.06, 0.04, 0.05, 0.055]  # mean 0.051, var 0.000055
-    agg = _agg({"grpo": grpo, "entropy_bonus_0.001": [0.9, 0.95, 0.05, 0.06, 0.05],
-                "dapo": [0.07, 0.075, 0.06, 0.08, 0.055], "gppo": [0.07, 0.08, 0.06, 0.085, 0.055]},
-               rewards={"entropy_bonus_0.001": [0.1, 0.1, 0.9, 0.9, 0.9], "grpo": [0.9, 0.91, 0.89, 0.9, 0.9],
-                        "dapo": [0.9] * 5, "gppo": [0.9] * 5},
-               bad={"entropy_bonus_0.001": [True, True, False, False, False]})
+    agg = _agg(
+        {
+            "grpo": grpo,
+            "entropy_bonus_0.001": [0.9, 0.95, 0.05, 0.06, 0.05],
+            "dapo": [0.07, 0.075, 0.06, 0.08, 0.055],
+            "gppo": [0.07, 0.08, 0.06, 0.085, 0.055],
+        },
+        rewards={
+            "entropy_bonus_0.001": [0.1, 0.1, 0.9, 0.9, 0.9],
+            "grpo": [0.9, 0.91, 0.89, 0.9, 0.9],
+            "dapo": [0.9] * 5,
+            "gppo": [0.9] * 5,
+        },
+        bad={"entropy_bonus_0.001": [True, True, False, False, False]},
+    )
     rows = {r["method"]: r for r in compare.method_rows(agg, "grpo")}
     b = rows["entropy_bonus_0.001"]
     assert (b["stable"], b["seeds"], b["destabilised"]) == (3, 5, "2/5")
@@ -123,8 +145,18 @@ def test_markdown_section_and_not_run_claims(tmp_path):
     agg = _agg({"grpo": [0.05, 0.06, 0.04], "gspo": [0.05, 0.06, 0.05]})
     rows = compare.method_rows(agg, "grpo")
     metrics = {f"{n}-s{i}": {"config": n, "seed": i} for n in agg for i in range(3)}
-    res = claims.regime_result("paper", metrics, [], seeds=3, steps=4, workers=1, minutes=None, core_minutes=1.0,
-                               configs=("grpo", "gspo"), rows=rows)
+    res = claims.regime_result(
+        "paper",
+        metrics,
+        [],
+        seeds=3,
+        steps=4,
+        workers=1,
+        minutes=None,
+        core_minutes=1.0,
+        configs=("grpo", "gspo"),
+        rows=rows,
+    )
     assert res["command"].endswith("--methods grpo,gspo") and res["compare"]["tests"] == 2
     (tmp_path / "paper-claims-paper.json").write_text(json.dumps(res, default=float))
     text = claims.write_markdown(tmp_path).read_text()
@@ -142,14 +174,24 @@ def test_markdown_section_and_not_run_claims(tmp_path):
 def test_method_paths_one_panel_a_method_with_the_baseline_on_each():
     from entropylens.demo.toy.lab_plots import method_paths
 
-    df = pd.DataFrame([dict(run=f"{m}-s{s}", method=m, step=t, old_entropy=1.0 - 0.1 * t * (m == "grpo") + 0.01 * s)
-                       for m in ("grpo", "dapo", "gspo") for s in range(2) for t in range(6)])
-    fig = method_paths(df, "old_entropy", order=["dapo", "gspo", "grpo"], cols=2,
-                       labels={"dapo": "final 1.005 (2/2 stable seeds)"})
+    df = pd.DataFrame(
+        [
+            dict(run=f"{m}-s{s}", method=m, step=t, old_entropy=1.0 - 0.1 * t * (m == "grpo") + 0.01 * s)
+            for m in ("grpo", "dapo", "gspo")
+            for s in range(2)
+            for t in range(6)
+        ]
+    )
+    fig = method_paths(
+        df, "old_entropy", order=["dapo", "gspo", "grpo"], cols=2, labels={"dapo": "final 1.005 (2/2 stable seeds)"}
+    )
     shown = [ax for ax in fig.axes if ax.get_visible()]
     # grpo's mean path 1.005 - 0.1 t; its last 5 steps t = 1..5 average t = 3: 1.005 - 0.3 = 0.705
-    assert [ax.get_title() for ax in shown] == ["grpo: final 0.705 (n = 2)", "dapo: final 1.005 (2/2 stable seeds)",
-                                                "gspo: final 1.005 (n = 2)"]
+    assert [ax.get_title() for ax in shown] == [
+        "grpo: final 0.705 (n = 2)",
+        "dapo: final 1.005 (2/2 stable seeds)",
+        "gspo: final 1.005 (n = 2)",
+    ]
     assert [len(ax.get_lines()) for ax in shown] == [1, 2, 2]  # the baseline's grey line beside each other method
     grey = shown[1].get_lines()[0]
     assert list(grey.get_ydata()) == pytest.approx([1.005 - 0.1 * t for t in range(6)])
@@ -164,8 +206,10 @@ def test_token_entropy_shares_hand_worked():
     rows = [("a", 0, u, 0, p, h, None) for u in (0, 1) for p, h in enumerate([0.005, 0.5, 0.8, 1.0, 2.0])]
     rows += [("a", 1, 0, 0, p, h, None) for p, h in enumerate([0.001, 0.001, 0.001, 0.001, 0.7])]
     rows += [("b", 0, 0, 0, p, 1.0, p < 1) for p in range(5)] + [("b", 1, 0, 0, p, 1.0, p < 1) for p in range(5)]
-    con.execute("CREATE TABLE tokens (run VARCHAR, step INT, update INT, seq INT, pos INT, old_entropy DOUBLE, "
-                "token_kept BOOLEAN)")
+    con.execute(
+        "CREATE TABLE tokens (run VARCHAR, step INT, update INT, seq INT, pos INT, old_entropy DOUBLE, "
+        "token_kept BOOLEAN)"
+    )
     con.executemany("INSERT INTO tokens VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
     out = beside.token_entropy_shares(con, {"a": "grpo", "b": "forking"})
     a = out["grpo"]

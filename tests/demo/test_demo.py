@@ -8,11 +8,11 @@ import time
 
 import numpy as np
 import pytest
+from entropylens.cli.main import app
 from typer.testing import CliRunner
 
-from entropylens.cli.main import app
-from entropylens.read.query import connect
 from entropylens.demo.toy import config_for, train
+from entropylens.read.query import connect
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +45,11 @@ def test_demo_tables_are_consistent(demo_dir):
     # (ratio, prob and entropy_ratio are the views' own definitions: checked against the stored
     # decisions below, clip / clipped / quadrant / erc_kept, which the loss made on the device)
     a, p, r = t["advantage"], t["prob"], t["ratio"]
-    quad = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= t["tau"], "PA&HP", "PA&LP"),
-                                          np.where(p >= t["tau"], "NA&HP", "NA&LP")))
+    quad = np.where(
+        a == 0,
+        "ZA",
+        np.where(a > 0, np.where(p >= t["tau"], "PA&HP", "PA&LP"), np.where(p >= t["tau"], "NA&HP", "NA&LP")),
+    )
     assert (t["quadrant"].to_numpy() == quad).all()
     clip = np.where(r < 1 - t["eps_low"], -1, np.where(r > 1 + t["eps_high"], 1, 0))
     # the loss decided clip in float32 from the same logprobs: allow float32 ties at the exact boundary
@@ -100,8 +103,7 @@ def test_demo_trains_runs_in_worker_processes_with_one_thread(tmp_path):
     assert os.getpid() not in {r.pid for r in res.runs}  # trained in the worker processes (which one: scheduling)
     assert [r.threads for r in res.runs] == [1, 1]
     before = torch.get_num_threads()
-    one = run_demo(tmp_path / "inproc", methods=("grpo",), quick=True, steps=1, workers=1, report=False,
-                   progress=False)
+    one = run_demo(tmp_path / "inproc", methods=("grpo",), quick=True, steps=1, workers=1, report=False, progress=False)
     assert one.runs[0].pid == os.getpid() and one.runs[0].threads == 1
     assert torch.get_num_threads() == before  # the caller's setting is restored
     # same seed, same results whether trained in a worker or in-process
@@ -110,8 +112,21 @@ def test_demo_trains_runs_in_worker_processes_with_one_thread(tmp_path):
 
 def test_demo_progress_lines_through_a_pipe(tmp_path):
     """Stdout is a pipe: plain progress lines arrive while the demo runs, warm-up named as such."""
-    cmd = [sys.executable, "-m", "entropylens.cli.main", "demo", "--quick", "--steps", "2", "--methods", "grpo",
-           "--workers", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "entropylens.cli.main",
+        "demo",
+        "--quick",
+        "--steps",
+        "2",
+        "--methods",
+        "grpo",
+        "--workers",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     # cwd: `python -m` puts it first on sys.path; the repository root's entropylens/ would shadow the install
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     lines, status_at_warmup = [], None
@@ -124,8 +139,13 @@ def test_demo_progress_lines_through_a_pipe(tmp_path):
     assert proc.wait(timeout=600) == 0, proc.stderr.read()
     assert status_at_warmup == "not started" and alive_at_warmup  # printed live, before any RL step
     text = "\n".join(lines)
-    for want in ("warm-up seed 0: supervised pre-training before RL", "grpo-s0: started (2 RL steps)",
-                 "grpo-s0: step 1/2", "grpo-s0: step 2/2", "grpo-s0: finished"):
+    for want in (
+        "warm-up seed 0: supervised pre-training before RL",
+        "grpo-s0: started (2 RL steps)",
+        "grpo-s0: step 1/2",
+        "grpo-s0: step 2/2",
+        "grpo-s0: finished",
+    ):
         assert want in text, text
     assert text.index("warm-up seed 0") < text.index("grpo-s0: step 1/2") < text.index("grpo-s0: step 2/2")
     assert "\x1b[" not in text  # no terminal control codes in a log
@@ -208,8 +228,9 @@ def test_report_drawn_figure_by_figure_equals_the_one_process_report(tmp_path):
     con = open_report(runs)
     part = {n: render_figure(con, tmp_path / "two", n) for n in FIGURE_ORDER}
     tables = []
-    two = write_report(runs, tmp_path / "two", elsewhere=FIGURE_ORDER, done=lambda: part,
-                       on_summary=tables.append).parent
+    two = write_report(
+        runs, tmp_path / "two", elsewhere=FIGURE_ORDER, done=lambda: part, on_summary=tables.append
+    ).parent
     assert (one / "report.md").read_text() == (two / "report.md").read_text()
     assert (one / "index.html").read_text() == (two / "index.html").read_text()
     assert sorted(p.name for p in one.glob("*.png")) == sorted(p.name for p in two.glob("*.png"))
@@ -263,7 +284,9 @@ def test_demo_workers_start_with_one_thread_environment(monkeypatch):
     ctx = demo._worker_context(mp)
     with demo._one_thread_env():
         with ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            env = [pool.submit(os.getenv, k).result() for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                                                                "OPENBLAS_NUM_THREADS")]
+            env = [
+                pool.submit(os.getenv, k).result()
+                for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+            ]
     assert env == ["1", "1", "1"]
     assert os.environ["OMP_NUM_THREADS"] == "8" and "MKL_NUM_THREADS" not in os.environ

@@ -12,8 +12,16 @@ from entropylens.read.query import connect
 
 TINY = dict(steps=1, prompts=2, group=2, minibatches=1, epochs=1, sft_steps=0)
 # one instance of each family, beside every named method
-NAMES = [*methods.REGISTRY, "entropy_bonus_0.003", "ce_gppo_0.75_1", "dual_clip_3", "forking_0.5",
-         "adaptive_entropy_0.5", "clip_cov_0.01", "kl_cov_0.01"]
+NAMES = [
+    *methods.REGISTRY,
+    "entropy_bonus_0.003",
+    "ce_gppo_0.75_1",
+    "dual_clip_3",
+    "forking_0.5",
+    "adaptive_entropy_0.5",
+    "clip_cov_0.01",
+    "kl_cov_0.01",
+]
 # ToyConfig field -> the steps column the loss writes it to (losses.update_settings)
 STEP_COLUMNS = {"beta1": "beta1", "beta2": "beta2", "dual_clip": "dual_clip", "entropy_coef": "entropy_coef"}
 
@@ -62,8 +70,9 @@ def test_every_method_trains_one_tiny_step_and_records(tmp_path, name):
         assert steps["entropy_coef_adaptive"].isna().all()
     # Clip-Cov / KL-Cov: per update max(int(ratio x n), 1) tokens selected (verl's rule)
     if cfg.method == "clip_cov":  # among the candidates: not PPO-clipped, 1 < cov < 5 (none in band: none)
-        n_sel, n_band = con.execute("SELECT count_if(cov_clipped), count_if(cov > 1 AND cov < 5 AND NOT clipped) "
-                                    "FROM tokens").fetchone()
+        n_sel, n_band = con.execute(
+            "SELECT count_if(cov_clipped), count_if(cov > 1 AND cov < 5 AND NOT clipped) FROM tokens"
+        ).fetchone()
         assert n_sel == min(max(int(float(settings["clip_cov_ratio"]) * int(steps["n_tokens"].iloc[0])), 1), n_band)
         assert steps["cov_clipped_frac"].tolist() == pytest.approx([n_sel / steps["n_tokens"].iloc[0]])
     if cfg.method == "kl_cov":  # the top max(int(ratio x n), 1) tokens by cov
@@ -71,8 +80,9 @@ def test_every_method_trains_one_tiny_step_and_records(tmp_path, name):
         want = [max(int(float(settings["kl_cov_ratio"]) * int(k)), 1) for k in n]
         assert (steps["kl_cov_frac"] * n).round().tolist() == want
     if cfg.erc is not None:
-        assert steps["erc_low"].tolist() == pytest.approx([cfg.erc[0]]) and steps["erc_high"].tolist() == \
-            pytest.approx([cfg.erc[1]])
+        assert steps["erc_low"].tolist() == pytest.approx([cfg.erc[0]]) and steps["erc_high"].tolist() == pytest.approx(
+            [cfg.erc[1]]
+        )
         assert steps["erc_drop_frac"].notna().all()
 
 
@@ -105,9 +115,8 @@ def test_claims_lab_refuses_an_unknown_method(capsys):
 
 
 def test_list_methods_names_every_entry():
-    from typer.testing import CliRunner
-
     from entropylens.cli.main import app
+    from typer.testing import CliRunner
 
     res = CliRunner().invoke(app, ["demo", "--list-methods"])
     assert res.exit_code == 0, res.output
@@ -120,8 +129,12 @@ def test_list_methods_names_every_entry():
 def test_adding_a_method_is_one_entry(tmp_path, monkeypatch):
     """A new entry is a --methods name at once, and its loss options reach policy_loss: TRL's delta clamp
     (delta 1.05 < 1 + eps_high) makes the loss write its dual_clipped column, which plain grpo does not."""
-    entry = methods.Method("grpo_delta", dict(method="grpo", loss_options=dict(delta=1.05)),
-                           "GRPO with TRL's upper clamp of the ratio at 1.05", "INTELLECT-2 (arXiv 2505.07291)")
+    entry = methods.Method(
+        "grpo_delta",
+        dict(method="grpo", loss_options=dict(delta=1.05)),
+        "GRPO with TRL's upper clamp of the ratio at 1.05",
+        "INTELLECT-2 (arXiv 2505.07291)",
+    )
     monkeypatch.setitem(methods.REGISTRY, entry.name, entry)
     assert "grpo_delta" in methods.names()
     cfg = config_for("grpo_delta", **TINY)
@@ -154,25 +167,29 @@ def test_settings_resolve_defaults_and_list_only_what_applies():
         return {**cfg.to_dict(), "method": name, "loss_method": cfg.method}
 
     assert methods.loss_part(methods.settings(rec("grpo"))) == {"loss": "grpo", "eps": "0.2 / 0.2", "agg": "token-mean"}
-    assert methods.loss_part(methods.settings(rec("gspo"))) == {"loss": "gspo", "eps": "0.0003 / 0.0004",
-                                                                "agg": "seq-mean-token-mean"}
+    assert methods.loss_part(methods.settings(rec("gspo"))) == {
+        "loss": "gspo",
+        "eps": "0.0003 / 0.0004",
+        "agg": "seq-mean-token-mean",
+    }
     s = methods.settings(rec("ce_gppo_switch"))
     assert (s["beta1"], s["beta2"], s["beta1_schedule"]) == ("0", "1", "step 60: 0.5")
     assert "beta1" not in methods.settings(rec("dapo"))  # beta1 applies to ce_gppo only
     assert methods.differs_text(methods.settings(rec("erc_dapo")), methods.settings(rec("grpo")), "grpo") == (
-        "loss dapo (grpo: grpo); eps 0.2 / 0.28 (grpo: 0.2 / 0.2); erc (0.95, 1.05) (grpo: -)")
+        "loss dapo (grpo: grpo); eps 0.2 / 0.28 (grpo: 0.2 / 0.2); erc (0.95, 1.05) (grpo: -)"
+    )
     paper = {**rec("grpo"), "lr": 2e-4}
     assert methods.differs(methods.settings(paper), methods.settings(rec("grpo"))) == {"lr": ("0.0002", "0.0007")}
 
 
 @pytest.mark.slow  # every method of the registry through `entropylens demo`, then its report (minutes on 2 cores)
 def test_demo_runs_every_method(tmp_path):
+    from entropylens.cli.main import app
     from typer.testing import CliRunner
 
-    from entropylens.cli.main import app
-
-    res = CliRunner().invoke(app, ["demo", "--quick", "--steps", "2", "--methods", ",".join(NAMES), "--workers", "2",
-                                   "--out", str(tmp_path)])
+    res = CliRunner().invoke(
+        app, ["demo", "--quick", "--steps", "2", "--methods", ",".join(NAMES), "--workers", "2", "--out", str(tmp_path)]
+    )
     assert res.exit_code == 0, res.output
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == sorted(f"{n}-s0" for n in NAMES)
     con = connect(tmp_path / "runs")
@@ -191,8 +208,13 @@ def test_adaptive_entropy_coefficient_moves_in_the_toy(tmp_path):
     cfg = config_for("adaptive_entropy_10", steps=2, prompts=2, group=2, minibatches=2, epochs=1, sft_steps=0)
     assert cfg.updates == 2
     train(cfg, tmp_path, run="r")
-    steps = connect(tmp_path).execute("SELECT entropy_coef, entropy_coef_adaptive FROM steps WHERE grad_norm IS NOT "
-                                      "NULL ORDER BY step, update").df()
+    steps = (
+        connect(tmp_path)
+        .execute(
+            "SELECT entropy_coef, entropy_coef_adaptive FROM steps WHERE grad_norm IS NOT NULL ORDER BY step, update"
+        )
+        .df()
+    )
     assert steps["entropy_coef_adaptive"].tolist() == pytest.approx([0.0, 0.005, 0.010, 0.015])
     assert steps["entropy_coef"].fillna(0.0).tolist() == pytest.approx([0.0, 0.005, 0.010, 0.015])
 

@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from sampler_api import needs_sampler_api
 
 from entropylens.demo.toy.sampler import check_mismatch, sampler_logits, sampler_logprobs, tis_weight
-from sampler_api import needs_sampler_api
 
 
 def _lse(xs):
@@ -91,9 +91,12 @@ def test_toy_run_records_the_sampler_and_tis(tmp_path):
     con = connect(tmp_path)
     n, n_s, max_err, hp = con.execute(
         "SELECT count(*), count(sampler_logprob), max(abs(is_weight - least(exp(sampler_log_ratio), 2.0))), "
-        "corr(old_logprob, sampler_log_ratio) FROM tokens WHERE run = 'mm'").fetchone()
+        "corr(old_logprob, sampler_log_ratio) FROM tokens WHERE run = 'mm'"
+    ).fetchone()
     assert n > 0 and n_s == n and max_err < 1e-5 and hp > 0
-    assert con.execute("SELECT count(sampler_logprob), count(is_weight) FROM tokens WHERE run = 'plain'").fetchone() == (0, 0)
+    assert con.execute(
+        "SELECT count(sampler_logprob), count(is_weight) FROM tokens WHERE run = 'plain'"
+    ).fetchone() == (0, 0)
 
 
 def test_demo_mismatch_runs_each_method_with_and_without_tis():
@@ -104,20 +107,23 @@ def test_demo_mismatch_runs_each_method_with_and_without_tis():
     assert all(c.mismatch == "" and c.tis == 0 for c in plain)  # the default demo: no sampler, unchanged
     cfgs = demo_configs(("grpo",), seeds=2, quick=True, mismatch="temp:1.1", tis=3.0)
     assert [(run_id(c), c.method, c.mismatch, c.tis) for c in cfgs] == [
-        ("grpo-temp1.1-s0", "grpo", "temp:1.1", 0.0), ("grpo-temp1.1-s1", "grpo", "temp:1.1", 0.0),
-        ("grpo-temp1.1-tis-s0", "grpo", "temp:1.1", 3.0), ("grpo-temp1.1-tis-s1", "grpo", "temp:1.1", 3.0)]
+        ("grpo-temp1.1-s0", "grpo", "temp:1.1", 0.0),
+        ("grpo-temp1.1-s1", "grpo", "temp:1.1", 0.0),
+        ("grpo-temp1.1-tis-s0", "grpo", "temp:1.1", 3.0),
+        ("grpo-temp1.1-tis-s1", "grpo", "temp:1.1", 3.0),
+    ]
     with pytest.raises(ValueError, match="mismatch: unknown sampler"):
         demo_configs(("grpo",), mismatch="fp8")
 
 
 def test_demo_cli_refuses_a_bad_sampler_in_one_line(tmp_path):
+    from entropylens.cli.main import app
     from typer.testing import CliRunner
 
-    from entropylens.cli.main import app
-
-    for args, msg in ((["--mismatch", "fp8"], "error: --mismatch: unknown sampler 'fp8'; one of bf16, temp:S "
-                                              "(S > 0, e.g. temp:1.1)"),
-                      (["--mismatch", "bf16", "--tis", "0"], "error: --tis must be > 0, got 0.0")):
+    for args, msg in (
+        (["--mismatch", "fp8"], "error: --mismatch: unknown sampler 'fp8'; one of bf16, temp:S (S > 0, e.g. temp:1.1)"),
+        (["--mismatch", "bf16", "--tis", "0"], "error: --tis must be > 0, got 0.0"),
+    ):
         res = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "d"), "--quick", *args])
         assert res.exit_code == 2 and res.output.strip() == msg, res.output
         assert not (tmp_path / "d").exists()

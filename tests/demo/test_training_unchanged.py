@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.rl import stats
 from entropylens.demo.toy import config_for
 from entropylens.demo.toy.train import ToyTrainer
+from entropylens.rl import stats
 
 
 def _logits(seed: int, with_neg_inf: bool) -> torch.Tensor:
@@ -32,8 +32,15 @@ def test_training_pass_is_the_same_bits_with_the_sensitivity(temperature, entrop
     results = []
     for extra in (False, True):
         z = _logits(0, with_neg_inf).requires_grad_(True)
-        out = stats.logprobs_and_entropy(z, tok, temperature=temperature, chunk_size=4, entropy_grad=entropy_grad,
-                                         sensitivity=extra, one_hot_distance=extra)
+        out = stats.logprobs_and_entropy(
+            z,
+            tok,
+            temperature=temperature,
+            chunk_size=4,
+            entropy_grad=entropy_grad,
+            sensitivity=extra,
+            one_hot_distance=extra,
+        )
         lp, h = out[0], out[1]
         loss = (lp * g_lp).sum() + ((h * g_h).sum() if entropy_grad else 0.0)
         loss.backward()
@@ -57,11 +64,14 @@ def test_head_pass_is_the_same_bits_with_the_sensitivity():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("method,kw", [
-    ("grpo", {}),
-    ("ce_gppo", {"beta1": 0.5, "beta2": 1.0, "erc": (0.95, 1.05)}),
-    ("dapo", {"entropy_coef": 0.01}),  # the entropy bonus: the logits' gradient hook path
-])
+@pytest.mark.parametrize(
+    "method,kw",
+    [
+        ("grpo", {}),
+        ("ce_gppo", {"beta1": 0.5, "beta2": 1.0, "erc": (0.95, 1.05)}),
+        ("dapo", {"entropy_coef": 0.01}),  # the entropy bonus: the logits' gradient hook path
+    ],
+)
 def test_toy_steps_train_the_same_weights_with_and_without_the_recorder(tmp_path, method, kw):
     """Two toy steps (rollout, old-policy pass, 4 recorded updates each) from the same state, once with the
     recorder off and once on: the weights after them are equal, bit for bit."""
@@ -102,9 +112,14 @@ def test_trl_trainer_trains_the_same_weights_as_plain_trl(tmp_path):
     for cls in (GRPOTrainer, EntropyLensGRPOTrainer):
         tok = trl_tiny.trl_grpo.build_tokenizer()
         kw = dict(entropylens_root=str(tmp_path), run="el") if cls is EntropyLensGRPOTrainer else {}
-        trainer = cls(model=trl_tiny.trl_grpo.build_model(tok, 0), reward_funcs=trl_tiny.trl_grpo.digit_reward,
-                      args=trl_tiny.config(tmp_path / cls.__name__, num_iterations=2),
-                      train_dataset=Dataset.from_dict({"prompt": trl_tiny.prompts()}), processing_class=tok, **kw)
+        trainer = cls(
+            model=trl_tiny.trl_grpo.build_model(tok, 0),
+            reward_funcs=trl_tiny.trl_grpo.digit_reward,
+            args=trl_tiny.config(tmp_path / cls.__name__, num_iterations=2),
+            train_dataset=Dataset.from_dict({"prompt": trl_tiny.prompts()}),
+            processing_class=tok,
+            **kw,
+        )
         trainer.train()
         weights.append([p.detach().clone() for p in trainer.model.parameters()])
     assert (tmp_path / "el" / "run.json").exists()

@@ -13,8 +13,14 @@ def record_steps(rec, i, steps, gen) -> None:
 
     for step in steps:
         one_update(rec, step, 0, 4, 8, 16, gen, seq_offset=4 * step)
-        rec.record_sequences(step, seq_ids=torch.arange(4) + 4 * step, rewards=torch.zeros(4),
-                             advantages=torch.zeros(4), lengths=torch.full((4,), 8), texts=[f"writer {i}"] * 4)
+        rec.record_sequences(
+            step,
+            seq_ids=torch.arange(4) + 4 * step,
+            rewards=torch.zeros(4),
+            advantages=torch.zeros(4),
+            lengths=torch.full((4,), 8),
+            texts=[f"writer {i}"] * 4,
+        )
 
 
 def start(root, run, i, barrier, results, env, steps=2) -> None:

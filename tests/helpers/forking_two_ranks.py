@@ -34,8 +34,16 @@ def main(out: str) -> None:
     all_h = gather_valid(h[m].float())
     expected_world = float(all_h.mean())
     coef_expected = 0.11 if expected_world <= 1.5 else 0.09
-    torch.save({"ours": ours, "trl": theirs, "local": local, "ctrl": [world, ctrl.coef],
-                "ctrl_expected": [expected_world, coef_expected]}, f"{out}/rank{rank}.pt")
+    torch.save(
+        {
+            "ours": ours,
+            "trl": theirs,
+            "local": local,
+            "ctrl": [world, ctrl.coef],
+            "ctrl_expected": [expected_world, coef_expected],
+        },
+        f"{out}/rank{rank}.pt",
+    )
 
 
 if __name__ == "__main__":

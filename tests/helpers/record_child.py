@@ -1,14 +1,14 @@
 """A recording process for the reliability tests (killed with SIGKILL, or one rank of two).
 
-  python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
-  python record_child.py commit ROOT RUN      record steps, commit() after each, print 'committed S'; until killed
-  python record_child.py endstep ROOT RUN     record steps 0-1, end_step() after each ('ended S'), then
-                                              sleep (the next step's rollout) until killed
-  python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
-  python record_child.py distcommit ROOT RUN  one gloo rank of run RUN: steps committed one by one ('committed S')
-                                              until killed
-  python record_child.py distresume ROOT RUN K STEPS   one gloo rank resuming RUN after step K, recording
-                                              steps K+1..STEPS-1 (prints 'step=S tokens=N' per step)
+python record_child.py kill ROOT RUN        record steps until killed; prints 'ready' once
+python record_child.py commit ROOT RUN      record steps, commit() after each, print 'committed S'; until killed
+python record_child.py endstep ROOT RUN     record steps 0-1, end_step() after each ('ended S'), then
+                                            sleep (the next step's rollout) until killed
+python record_child.py dist ROOT STEPS      one torch.distributed (gloo) rank; env RANK etc.
+python record_child.py distcommit ROOT RUN  one gloo rank of run RUN: steps committed one by one ('committed S')
+                                            until killed
+python record_child.py distresume ROOT RUN K STEPS   one gloo rank resuming RUN after step K, recording
+                                            steps K+1..STEPS-1 (prints 'step=S tokens=N' per step)
 """
 
 import sys
@@ -30,8 +30,19 @@ def one_update(rec, step, update, b, t, v, gen, seq_offset=0):
     rec.watch_logits(logits)
     lp, h = logprobs_and_entropy(logits, tokens)
     out = policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h)
-    rec.record_update(step, update, mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
-                      old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(b) + seq_offset, loss=out)
+    rec.record_update(
+        step,
+        update,
+        mask=mask,
+        advantages=adv,
+        logprobs=lp,
+        old_logprobs=old_lp,
+        entropy=h,
+        old_entropy=old_h,
+        tokens=tokens,
+        seq_ids=torch.arange(b) + seq_offset,
+        loss=out,
+    )
     out.loss.backward()
     rec.record_step(step, update=update, grad_norm=float(logits.grad.norm()), lr=1e-3)
     return int(mask.sum())
@@ -44,8 +55,13 @@ def kill_mode(root, run):
     while True:
         for u in range(3):
             one_update(rec, step, u, 8, 64, 50, gen)
-        rec.record_sequences(step, seq_ids=torch.arange(8), rewards=torch.rand(8, generator=gen),
-                             advantages=torch.randn(8, generator=gen), lengths=torch.full((8,), 64))
+        rec.record_sequences(
+            step,
+            seq_ids=torch.arange(8),
+            rewards=torch.rand(8, generator=gen),
+            advantages=torch.randn(8, generator=gen),
+            lengths=torch.full((8,), 64),
+        )
         if step == 2:
             rec.step_summary(step)  # waits until the writer thread has taken in everything before: steps 0, 1 written
             print("ready", flush=True)
@@ -59,8 +75,13 @@ def commit_mode(root, run):
     while True:
         for u in range(2):
             one_update(rec, step, u, 8, 64, 50, gen, seq_offset=8 * u)
-        rec.record_sequences(step, seq_ids=torch.arange(16), rewards=torch.rand(16, generator=gen),
-                             advantages=torch.randn(16, generator=gen), lengths=torch.full((16,), 64))
+        rec.record_sequences(
+            step,
+            seq_ids=torch.arange(16),
+            rewards=torch.rand(16, generator=gen),
+            advantages=torch.randn(16, generator=gen),
+            lengths=torch.full((16,), 64),
+        )
         assert rec.commit() == step
         print(f"committed {step}", flush=True)  # a checkpoint would be saved here
         step += 1
@@ -74,8 +95,13 @@ def end_step_mode(root, run):
     for step in range(2):
         for u in range(2):
             one_update(rec, step, u, 8, 64, 50, gen, seq_offset=8 * u)
-        rec.record_sequences(step, seq_ids=torch.arange(16), rewards=torch.rand(16, generator=gen),
-                             advantages=torch.randn(16, generator=gen), lengths=torch.full((16,), 64))
+        rec.record_sequences(
+            step,
+            seq_ids=torch.arange(16),
+            rewards=torch.rand(16, generator=gen),
+            advantages=torch.randn(16, generator=gen),
+            lengths=torch.full((16,), 64),
+        )
         assert rec.end_step() == step
         print(f"ended {step}", flush=True)
     time.sleep(600)  # the next step's rollout: no recorder call
@@ -120,8 +146,10 @@ def dist_resume_mode(root, run, resume, steps):
     gen = torch.Generator().manual_seed(20 + rank)
     with Recorder(root, run=run, resume=resume) as rec:
         for step in range(resume + 1, steps):
-            print(f"step={step} tokens={one_update(rec, step, 0, 4 + rank, 16, 30, gen, seq_offset=100 * rank)}",
-                  flush=True)
+            print(
+                f"step={step} tokens={one_update(rec, step, 0, 4 + rank, 16, 30, gen, seq_offset=100 * rank)}",
+                flush=True,
+            )
     dist.barrier()
     dist.destroy_process_group()
 

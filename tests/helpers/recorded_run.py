@@ -24,14 +24,21 @@ def record_run(root, run: str = "r", *, ranks: int = 1, steps: int = STEPS) -> P
         with Recorder(root, run=run, rank=rank, world_size=ranks, fsync=False) as rec:
             for step in range(steps):
                 record_one(rec, step, 0, seed=step * 10 + rank)
-                rec.record_sequences(step, seq_ids=torch.arange(B), rewards=torch.arange(B, dtype=torch.float32) + step,
-                                     advantages=torch.ones(B), lengths=torch.full((B,), 9))
+                rec.record_sequences(
+                    step,
+                    seq_ids=torch.arange(B),
+                    rewards=torch.arange(B, dtype=torch.float32) + step,
+                    advantages=torch.ones(B),
+                    lengths=torch.full((B,), 9),
+                )
     return Path(root) / run
 
 
-TOKEN_ANSWER = ("SELECT step, rank, count(*) AS n, count(entropy) AS n_entropy, sum(entropy) AS entropy, "
-                "sum(logprob) AS logprob, sum(token_id) AS token_id, sum(ratio) AS ratio, "
-                "count(entropy_ratio) AS n_rho FROM tokens GROUP BY step, rank ORDER BY step, rank")
+TOKEN_ANSWER = (
+    "SELECT step, rank, count(*) AS n, count(entropy) AS n_entropy, sum(entropy) AS entropy, "
+    "sum(logprob) AS logprob, sum(token_id) AS token_id, sum(ratio) AS ratio, "
+    "count(entropy_ratio) AS n_rho FROM tokens GROUP BY step, rank ORDER BY step, rank"
+)
 
 
 def answers(path, sql: str = TOKEN_ANSWER) -> tuple[dict, list[str]]:

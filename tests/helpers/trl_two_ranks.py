@@ -1,6 +1,6 @@
 """One rank of a two-process TRL run (launched by torch.distributed.run; gloo on CPU through accelerate).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/helpers/trl_two_ranks.py OUT
+python -m torch.distributed.run --nproc_per_node 2 tests/helpers/trl_two_ranks.py OUT
 """
 
 import sys
@@ -9,7 +9,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 import trl_tiny  # noqa: E402
 
 

@@ -11,16 +11,27 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-
 import trl_tiny  # noqa: E402
 
 
 def main(out: str, model: str, loss: str) -> None:
     torch.set_num_threads(1)
-    tr = trl_tiny.trainer(out, "r", model=model, el=dict(loss=loss) if loss != "trl" else None, loss_type="dapo",
-                          gradient_accumulation_steps=2, num_iterations=2, beta=0.04, top_entropy_quantile=0.2,
-                          max_steps=2, optim="sgd", learning_rate=0.5, max_completion_length=12,
-                          per_device_train_batch_size=4)
+    tr = trl_tiny.trainer(
+        out,
+        "r",
+        model=model,
+        el=dict(loss=loss) if loss != "trl" else None,
+        loss_type="dapo",
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        beta=0.04,
+        top_entropy_quantile=0.2,
+        max_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        max_completion_length=12,
+        per_device_train_batch_size=4,
+    )
     tr.train()
     if tr.accelerator.is_main_process:
         torch.save({k: v.detach().clone() for k, v in tr.model.state_dict().items()}, f"{out}/weights.pt")

@@ -25,8 +25,9 @@ def check_consistent(con, tau=0.5):
         assert n_tokens == n
         assert ratio_mean == pytest.approx(r, rel=1e-5) and p50 == pytest.approx(rho50, rel=1e-5)
     a, p = t["advantage"].to_numpy(), t["prob"].to_numpy()
-    quad = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= tau, "PA&HP", "PA&LP"),
-                                          np.where(p >= tau, "NA&HP", "NA&LP")))
+    quad = np.where(
+        a == 0, "ZA", np.where(a > 0, np.where(p >= tau, "PA&HP", "PA&LP"), np.where(p >= tau, "NA&HP", "NA&LP"))
+    )
     assert (t["quadrant"].to_numpy() == quad).all()
     assert t["logit_grad_norm"].notna().all()
     return t
@@ -89,7 +90,9 @@ def test_trl_grpo_trainer_records_every_step(tmp_path):
     # sequences join the tokens by run-unique seq ids
     joined = con.execute("""SELECT count(*) FROM tokens t JOIN sequences s USING (run, seq)""").fetchone()[0]
     assert joined == len(t)
-    assert con.execute("SELECT status, method FROM runs").fetchall() == [("finished", "trl-dapo")]  # TRL 1.16 defaults to loss_type="dapo"
+    assert con.execute("SELECT status, method FROM runs").fetchall() == [
+        ("finished", "trl-dapo")
+    ]  # TRL 1.16 defaults to loss_type="dapo"
     logged = [h for h in trainer.state.log_history if "entropylens/entropy_ratio_p50" in h]
     assert logged and "entropylens/share_pa_lp" in logged[0]
 
@@ -127,6 +130,7 @@ def test_trl_version_check():
     assert check_trl_version("1.16.3") == "1.16.3"
     with pytest.raises(ValueError, match="erc needs loss"):
         import trl_grpo
+
         from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
         EntropyLensGRPOTrainer(model=None, reward_funcs=trl_grpo.digit_reward, erc=(0.95, 1.05))

@@ -73,15 +73,39 @@ def test_cross_path_policy_update_and_hook_record_the_same_rows(tmp_path):
     hook = LossHook(rec_b, eps_low=0.2, eps_high=0.28, on_error="raise")
     zb = logits.clone().requires_grad_(True)
     lp, h = logprobs_and_entropy(zb, tokens)
-    hook.watch(0, 0, logprobs=lp, old_logprobs=old_lp, advantages=adv, mask=mask, entropy=h, old_entropy=old_h,
-               logits=zb, tokens=tokens)
+    hook.watch(
+        0,
+        0,
+        logprobs=lp,
+        old_logprobs=old_lp,
+        advantages=adv,
+        mask=mask,
+        entropy=h,
+        old_entropy=old_h,
+        logits=zb,
+        tokens=tokens,
+    )
     policy_loss(lp, old_lp, adv, mask, **kw).loss.backward()
     rec_b.close()
     assert torch.equal(za.grad, zb.grad)
     ta, tb = _tokens(rec_a.dir), _tokens(rec_b.dir)
     assert len(ta) == len(tb) == int(mask.sum())
-    both = ["token_id", "logprob", "old_logprob", "prob", "advantage", "quadrant", "ratio", "clip", "clipped",
-            "grad_coef", "entropy", "old_entropy", "entropy_ratio", "logit_grad_norm"]
+    both = [
+        "token_id",
+        "logprob",
+        "old_logprob",
+        "prob",
+        "advantage",
+        "quadrant",
+        "ratio",
+        "clip",
+        "clipped",
+        "grad_coef",
+        "entropy",
+        "old_entropy",
+        "entropy_ratio",
+        "logit_grad_norm",
+    ]
     for c in both:
         x, y = ta[c].to_numpy(), tb[c].to_numpy()
         if x.dtype.kind == "f":
@@ -113,24 +137,37 @@ def test_clip_mask_from_the_loss_sets_clipped_and_side():
     lp = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
     old = torch.log(torch.tensor([[0.25, 1.0, 0.5]]))  # r = 2, 0.5, 1
     cm = torch.tensor([[True, True, False]])
-    cols = clip_columns(lp, old, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), eps_low=None,
-                        eps_high=None, clip_mask=cm)
+    cols = clip_columns(
+        lp, old, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), eps_low=None, eps_high=None, clip_mask=cm
+    )
     assert cols["clip"].tolist() == [[1, -1, 0]] and cols["clipped"].tolist() == [[True, True, False]]
     # dual clip: A < 0 and r = 4 > c = 3 -> dual_clipped, not clipped (PPO-clip gates A < 0 only below 1 - eps);
     # r = 2 with A < 0: region +1, neither
-    cols = clip_columns(lp, torch.log(torch.tensor([[0.125, 0.25, 0.5]])), torch.tensor([-1.0]),
-                        torch.ones(1, 3, dtype=torch.bool), eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    cols = clip_columns(
+        lp,
+        torch.log(torch.tensor([[0.125, 0.25, 0.5]])),
+        torch.tensor([-1.0]),
+        torch.ones(1, 3, dtype=torch.bool),
+        eps_low=0.2,
+        eps_high=0.2,
+        dual_clip=3.0,
+    )
     assert cols["clip"].tolist() == [[1, 1, 0]]
-    assert cols["clipped"].tolist() == [[False, False, False]] and cols["dual_clipped"].tolist() == [[True, False, False]]
+    assert cols["clipped"].tolist() == [[False, False, False]] and cols["dual_clipped"].tolist() == [
+        [True, False, False]
+    ]
 
 
-@pytest.mark.parametrize("case, msg", [
-    ("shape", "'old_log_probs' (the old_logprobs role) has shape (4, 5)"),
-    ("mask_dtype", "'action_mask' (the mask role) must be bool, integer or float 0/1, got torch.complex64"),
-    ("mask_values", "'action_mask' (the mask role) must hold only 0 and 1"),
-    ("missing", "missing required tensor 'old_log_probs' (the old_logprobs role)"),
-    ("nan", "logprobs (the trainer's 'log_probs') contains NaN"),
-])
+@pytest.mark.parametrize(
+    "case, msg",
+    [
+        ("shape", "'old_log_probs' (the old_logprobs role) has shape (4, 5)"),
+        ("mask_dtype", "'action_mask' (the mask role) must be bool, integer or float 0/1, got torch.complex64"),
+        ("mask_values", "'action_mask' (the mask role) must hold only 0 and 1"),
+        ("missing", "missing required tensor 'old_log_probs' (the old_logprobs role)"),
+        ("nan", "logprobs (the trainer's 'log_probs') contains NaN"),
+    ],
+)
 def test_bad_input_is_named_by_the_trainers_name(tmp_path, case, msg):
     logits, tokens, mask, adv, old_lp, _ = _batch(3)
     lp, _ = logprobs_and_entropy(logits, tokens)
@@ -162,8 +199,9 @@ def test_recorder_failure_never_stops_the_trainer(tmp_path):
     lp, _ = logprobs_and_entropy(z, tokens)
     weights = mask.float() * 0.5  # a trainer's weighted mask: the loss runs, the hook refuses it (warns once)
     with pytest.warns(UserWarning, match="recording stopped, training goes on: .* must hold only 0 and 1"):
-        loss = fn(log_probs=lp, old_log_probs=old_lp, advantages=adv.unsqueeze(1), action_mask=weights,
-                  step=0, update=0)
+        loss = fn(
+            log_probs=lp, old_log_probs=old_lp, advantages=adv.unsqueeze(1), action_mask=weights, step=0, update=0
+        )
     assert torch.equal(loss, _openrlhf_like_loss(lp, old_lp, adv.unsqueeze(1), weights))
     # a recorder that fails inside the backward: the backward still runs and the gradient is the same
     rec2 = Recorder(tmp_path, run="warn2")
@@ -239,13 +277,35 @@ def test_a_run_through_the_hook_reports_as_one_through_policy_update(tmp_path):
                 for u in range(2):
                     z = (logits + 0.2 * u).clone().requires_grad_(True)
                     if run == "torch":
-                        out = policy_update(rec, step, u, z, tokens, mask, adv, old_lp, old_entropy=old_h,
-                                            seq_ids=torch.arange(len(adv)), **kw)
+                        out = policy_update(
+                            rec,
+                            step,
+                            u,
+                            z,
+                            tokens,
+                            mask,
+                            adv,
+                            old_lp,
+                            old_entropy=old_h,
+                            seq_ids=torch.arange(len(adv)),
+                            **kw,
+                        )
                         out.loss.backward()
                     else:
                         lp, h = logprobs_and_entropy(z, tokens)
-                        hook.watch(step, u, logprobs=lp, old_logprobs=old_lp, advantages=adv, mask=mask, entropy=h,
-                                   old_entropy=old_h, logits=z, tokens=tokens, seq_ids=torch.arange(len(adv)))
+                        hook.watch(
+                            step,
+                            u,
+                            logprobs=lp,
+                            old_logprobs=old_lp,
+                            advantages=adv,
+                            mask=mask,
+                            entropy=h,
+                            old_entropy=old_h,
+                            logits=z,
+                            tokens=tokens,
+                            seq_ids=torch.arange(len(adv)),
+                        )
                         policy_loss(lp, old_lp, adv, mask, **kw).loss.backward()
                 hook.flush()
                 rec.end_step(step)
@@ -259,8 +319,9 @@ def test_a_run_through_the_hook_reports_as_one_through_policy_update(tmp_path):
         assert list(a.columns) == list(b.columns) and len(a) == len(b), f.analysis
         for c in a.columns:
             if a[c].dtype.kind == "f":
-                np.testing.assert_allclose(b[c].to_numpy(float), a[c].to_numpy(float), rtol=2e-5, atol=1e-7,
-                                           err_msg=f"{f.analysis}.{c}")
+                np.testing.assert_allclose(
+                    b[c].to_numpy(float), a[c].to_numpy(float), rtol=2e-5, atol=1e-7, err_msg=f"{f.analysis}.{c}"
+                )
             else:
                 assert (a[c].astype(str) == b[c].astype(str)).all(), f"{f.analysis}.{c}"
         compared += 1
@@ -276,8 +337,16 @@ def test_wrap_keeps_the_hooks_own_tensors_from_the_loss(tmp_path):
     lp, h = logprobs_and_entropy(z, tokens)
     with Recorder(tmp_path, run="w") as rec:
         fn = LossHook(rec, names="openrlhf", eps_low=0.2, eps_high=0.2, on_error="raise").wrap(_openrlhf_like_loss)
-        fn(log_probs=lp, old_log_probs=old_lp, advantages=adv.unsqueeze(1).expand(mask.shape),
-           action_mask=mask.float(), entropy=h, old_entropy=old_h, seq_ids=torch.arange(len(adv)),
-           step=0, update=0).backward()
+        fn(
+            log_probs=lp,
+            old_log_probs=old_lp,
+            advantages=adv.unsqueeze(1).expand(mask.shape),
+            action_mask=mask.float(),
+            entropy=h,
+            old_entropy=old_h,
+            seq_ids=torch.arange(len(adv)),
+            step=0,
+            update=0,
+        ).backward()
     t = _tokens(rec.dir)
     assert len(t) == int(mask.sum()) and t["entropy"].notna().all() and t["entropy_ratio"].notna().all()

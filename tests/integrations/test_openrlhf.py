@@ -26,17 +26,26 @@ REF = load_loss_module().PolicyLoss
 # (is_correction_level, mode, gating, threshold): every IS correction 0.11.2 accepts
 IS_VARIANTS = [
     ("off", "mask", "ratio", (0.5, 5.0)),
-    ("token", "clip", "ratio", (0.5, 2.0)),   # TIS: the token IS weight clamped
-    ("token", "mask", "ratio", (0.5, 2.0)),   # ICEPOP: tokens outside the band dropped
-    ("seq", "mask", "ratio", (0.5, 2.0)),     # seq-mask-tis: sequences dropped by the geometric-mean ratio
+    ("token", "clip", "ratio", (0.5, 2.0)),  # TIS: the token IS weight clamped
+    ("token", "mask", "ratio", (0.5, 2.0)),  # ICEPOP: tokens outside the band dropped
+    ("seq", "mask", "ratio", (0.5, 2.0)),  # seq-mask-tis: sequences dropped by the geometric-mean ratio
     ("token", "mask", "binary_kl", (0.0, 0.05)),
     ("seq", "mask", "binary_kl", (0.0, 0.05)),
     ("token", "mask", "tv", (0.0, 0.2)),
     ("seq", "mask", "tv", (0.0, 0.2)),
 ]
-CONFIGS = [dict(policy_loss_type=t, dual_clip=d, token_level_loss=tl, is_correction_level=lv, is_correction_mode=mo,
-                is_correction_gating=ga, is_correction_threshold=th)
-           for t, d, tl, (lv, mo, ga, th) in itertools.product(("ppo", "gspo"), (None, 3.0), (True, False), IS_VARIANTS)]
+CONFIGS = [
+    dict(
+        policy_loss_type=t,
+        dual_clip=d,
+        token_level_loss=tl,
+        is_correction_level=lv,
+        is_correction_mode=mo,
+        is_correction_gating=ga,
+        is_correction_threshold=th,
+    )
+    for t, d, tl, (lv, mo, ga, th) in itertools.product(("ppo", "gspo"), (None, 3.0), (True, False), IS_VARIANTS)
+]
 
 
 def _batch(seed, b=6, t=9, dtype=torch.float64):
@@ -77,8 +86,12 @@ def test_same_loss_gradient_and_metrics_as_openrlhf_with_the_hook_on(tmp_path):
         ours.step = i
         out, grad = _run(ours, lp, old, rollout, adv, mask, **extra)
         name = ", ".join(f"{k}={v}" for k, v in cfg.items())
-        rel = max(_rel(out[0], ref_out[0]), _rel(grad, ref_grad), _rel(out[1], ref_out[1]),
-                  *(_rel(a, b) for a, b in zip(out[2:], ref_out[2:])))
+        rel = max(
+            _rel(out[0], ref_out[0]),
+            _rel(grad, ref_grad),
+            _rel(out[1], ref_out[1]),
+            *(_rel(a, b) for a, b in zip(out[2:], ref_out[2:])),
+        )
         worst[name] = rel
         assert rel <= 1e-6, name
         # bit for bit, in fact: the hook is a tensor hook that returns None
@@ -160,8 +173,9 @@ def test_patch_actor_hands_step_update_and_entropy():
         def ppo_train(self, kl_ctl=0.0):
             for _ in range(2):
                 x, output = self.actor(None, mask)
-                seen.append((self.actor_loss_fn.step, self.actor_loss_fn.update,
-                             tuple(self.actor_loss_fn.entropy.shape)))
+                seen.append(
+                    (self.actor_loss_fn.step, self.actor_loss_fn.update, tuple(self.actor_loss_fn.entropy.shape))
+                )
                 self.actor_loss_fn(x, old, adv, action_mask=mask)
 
     tr = Trainer()
@@ -208,5 +222,7 @@ def test_dual_clip_columns_against_openrlhfs_definitions(tmp_path, kind):
     assert (clipped == ppo_clipped[mask].numpy()).all() and not (clipped & dual_clipped).any()
     assert clipped.mean() == pytest.approx(float(ref_out[1]), rel=1e-6)  # avg(clipped) is OpenRLHF's clip_ratio
     assert (t["clip"].to_numpy()[dual_clipped] == 1).all()  # the dual-clipped sit in the high region
-    print(f"{kind}: clip_ratio {float(ref_out[1]):.6f}, avg(clipped) {clipped.mean():.6f}, "
-          f"avg(dual_clipped) {dual_clipped.mean():.6f} ({dual_clipped.sum()} of {len(t)} tokens)")
+    print(
+        f"{kind}: clip_ratio {float(ref_out[1]):.6f}, avg(clipped) {clipped.mean():.6f}, "
+        f"avg(dual_clipped) {dual_clipped.mean():.6f} ({dual_clipped.sum()} of {len(t)} tokens)"
+    )

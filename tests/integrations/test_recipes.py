@@ -57,11 +57,20 @@ def _load_by_path(package: str, relpath: str, name: str, stand_ins: dict[str, di
 
 
 def _areal_loss_fn():
-    stand_ins = {"areal": {}, "areal.api": {},
-                 "areal.api.cli_args": {"RejectionSamplingConfig": type("RejectionSamplingConfig", (), {})},
-                 "areal.utils": {}, "areal.utils.data": {"KLEstimator": type("KLEstimator", (), {})}}
-    return _load_by_path("areal", "utils/functional/functional.py", "_el_areal_functional", stand_ins,
-                         "pip install --no-deps areal==1.0.4").ppo_actor_loss_fn
+    stand_ins = {
+        "areal": {},
+        "areal.api": {},
+        "areal.api.cli_args": {"RejectionSamplingConfig": type("RejectionSamplingConfig", (), {})},
+        "areal.utils": {},
+        "areal.utils.data": {"KLEstimator": type("KLEstimator", (), {})},
+    }
+    return _load_by_path(
+        "areal",
+        "utils/functional/functional.py",
+        "_el_areal_functional",
+        stand_ins,
+        "pip install --no-deps areal==1.0.4",
+    ).ppo_actor_loss_fn
 
 
 @pytest.mark.parametrize("c_clip", [None, 3.0])
@@ -74,8 +83,15 @@ def test_areal_recipe_changes_nothing_and_records_arealss_clip_mask(tmp_path, c_
     behave = torch.minimum(prox + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64), torch.zeros(()))
     adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t).contiguous()
     mask = torch.rand(b, t, generator=g) > 0.2
-    kw = dict(proximal_logprobs=prox, old_logprobs=behave, advantages=adv, eps_clip=0.2, loss_mask=mask,
-              eps_clip_higher=0.28, c_clip=c_clip)
+    kw = dict(
+        proximal_logprobs=prox,
+        old_logprobs=behave,
+        advantages=adv,
+        eps_clip=0.2,
+        loss_mask=mask,
+        eps_clip_higher=0.28,
+        c_clip=c_clip,
+    )
     ref_lp = lp0.clone().requires_grad_(True)
     ref_loss, ref_stat = ppo_actor_loss_fn(logprobs=ref_lp, **kw)
     ref_loss.backward()
@@ -96,6 +112,7 @@ def test_areal_recipe_changes_nothing_and_records_arealss_clip_mask(tmp_path, c_
 
 
 # --- SkyRL 0.3.1 ---------------------------------------------------------------------------------------------
+
 
 class _Annotation:  # jaxtyping's Float[torch.Tensor, "..."] in ppo_utils' annotations
     def __class_getitem__(cls, item):
@@ -150,8 +167,11 @@ def _skyrl_batch(seed, b=8, t=10):
     return lp, old, rollout, adv.expand(b, t).contiguous(), mask.to(dt)
 
 
-SKYRL_CASES = [(kind, red) for kind in ("regular", "dual_clip", "gspo")
-               for red in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")]
+SKYRL_CASES = [
+    (kind, red)
+    for kind in ("regular", "dual_clip", "gspo")
+    for red in ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+]
 
 
 @pytest.mark.parametrize("policy_loss_type,loss_reduction", SKYRL_CASES)
@@ -159,9 +179,16 @@ def test_skyrl_recipe_changes_nothing_and_records_skyrls_clip_ratio(tmp_path, po
     ppo_utils = _skyrl_ppo_utils()
     loss_fn = ppo_utils.PolicyLossRegistry.get(policy_loss_type)  # what SkyRL's policy worker calls
     use_tis = policy_loss_type != "gspo" and loss_reduction != "token_mean"  # TIS: ppo_policy_loss only
-    cfg = types.SimpleNamespace(policy_loss_type=policy_loss_type, loss_reduction=loss_reduction, eps_clip_low=0.2,
-                                eps_clip_high=0.28, clip_ratio_c=3.0, use_tis=use_tis, tis_imp_ratio_cap=2.0,
-                                max_seq_len=16)
+    cfg = types.SimpleNamespace(
+        policy_loss_type=policy_loss_type,
+        loss_reduction=loss_reduction,
+        eps_clip_low=0.2,
+        eps_clip_high=0.28,
+        clip_ratio_c=3.0,
+        use_tis=use_tis,
+        tis_imp_ratio_cap=2.0,
+        max_seq_len=16,
+    )
     lp0, old, rollout, adv, mask = _skyrl_batch(len(policy_loss_type) + len(loss_reduction))
     m = mask.bool()
 
@@ -175,8 +202,14 @@ def test_skyrl_recipe_changes_nothing_and_records_skyrls_clip_ratio(tmp_path, po
 
     # the recipe's lines; GSPO clips its sequence ratio, handed over as clip_ratio (the ratio column stays the token's)
     rec = Recorder(tmp_path, run="skyrl")
-    hook = LossHook(rec, names="skyrl", eps_low=cfg.eps_clip_low, eps_high=cfg.eps_clip_high,
-                    dual_clip=cfg.clip_ratio_c if policy_loss_type == "dual_clip" else None, on_error="raise")
+    hook = LossHook(
+        rec,
+        names="skyrl",
+        eps_low=cfg.eps_clip_low,
+        eps_high=cfg.eps_clip_high,
+        dual_clip=cfg.clip_ratio_c if policy_loss_type == "dual_clip" else None,
+        on_error="raise",
+    )
     seq_ratio = None
     if policy_loss_type == "gspo":
         log_seq = ((lp0 - old) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
@@ -186,8 +219,16 @@ def test_skyrl_recipe_changes_nothing_and_records_skyrls_clip_ratio(tmp_path, po
         lp = lp0.clone().requires_grad_(True)
         extra = {} if seq_ratio is None else {"clip_ratio": seq_ratio}
         if via == "watch":
-            hook.watch(step, 0, log_probs=lp, old_log_probs=old, advantages=adv, loss_mask=mask,
-                       rollout_logprobs=rollout, **extra)
+            hook.watch(
+                step,
+                0,
+                log_probs=lp,
+                old_log_probs=old,
+                advantages=adv,
+                loss_mask=mask,
+                rollout_logprobs=rollout,
+                **extra,
+            )
             loss, clip_ratio = call(loss_fn, lp)
         else:
             loss, clip_ratio = call(hook.wrap(loss_fn), lp, step=step, update=0, **extra)
@@ -198,17 +239,22 @@ def test_skyrl_recipe_changes_nothing_and_records_skyrls_clip_ratio(tmp_path, po
         assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_lp.grad) and clip_ratio == ref_clip_ratio
 
     # SkyRL's own per-token definitions: clip_ratio's indicator (-surr2 > -surr1), and dual clip's cap
-    ratio = seq_ratio if seq_ratio is not None else \
-        ppo_utils._safe_exp_delta(lp0 - old, clip=20.0, out_dtype=lp0.dtype)
+    ratio = seq_ratio if seq_ratio is not None else ppo_utils._safe_exp_delta(lp0 - old, clip=20.0, out_dtype=lp0.dtype)
     surr1, surr2 = ratio * adv, ratio.clamp(1 - cfg.eps_clip_low, 1 + cfg.eps_clip_high) * adv
     ppo_clipped = -surr2 > -surr1
-    dual = (adv < 0) & (-adv * cfg.clip_ratio_c < -torch.min(surr1, surr2)) if policy_loss_type == "dual_clip" \
+    dual = (
+        (adv < 0) & (-adv * cfg.clip_ratio_c < -torch.min(surr1, surr2))
+        if policy_loss_type == "dual_clip"
         else torch.zeros_like(m)
+    )
     assert ref_clip_ratio > 0.1  # PPO-clip acts on this batch
     assert ref_clip_ratio == pytest.approx(float(ppo_clipped[m].double().mean()), rel=1e-12)
 
-    t = connect(rec.dir).execute("SELECT step, clipped, dual_clipped, grad_coef, ratio FROM tokens "
-                                 "ORDER BY step, seq, pos").df()
+    t = (
+        connect(rec.dir)
+        .execute("SELECT step, clipped, dual_clipped, grad_coef, ratio FROM tokens ORDER BY step, seq, pos")
+        .df()
+    )
     for step in (0, 1):
         rows = t[t.step == step]
         assert len(rows) == int(m.sum())

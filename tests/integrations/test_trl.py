@@ -45,10 +45,18 @@ def _snapshot_class():
                 seq = inputs["el_seq_ids"].unsqueeze(1).expand(-1, k)
                 pos = torch.arange(k).unsqueeze(0).expand_as(seq)
                 keep = inputs["completion_mask"].bool()
-                self.snaps.append(pd.DataFrame({
-                    "step": self.state.global_step, "seq": seq[keep].numpy(), "pos": pos[keep].numpy(),
-                    "ref_logprob": lp_a[keep].numpy(), "ref_sum_p2": sq[keep].numpy(),
-                    "ref_sens": sens[keep].numpy()}))
+                self.snaps.append(
+                    pd.DataFrame(
+                        {
+                            "step": self.state.global_step,
+                            "seq": seq[keep].numpy(),
+                            "pos": pos[keep].numpy(),
+                            "ref_logprob": lp_a[keep].numpy(),
+                            "ref_sum_p2": sq[keep].numpy(),
+                            "ref_sens": sens[keep].numpy(),
+                        }
+                    )
+                )
             return super()._compute_loss(model, inputs)
 
     Snapshot.snaps = []
@@ -56,7 +64,7 @@ def _snapshot_class():
 
 
 def _rows(run_dir):
-    return connect(run_dir).execute("SELECT * FROM tokens ORDER BY step, \"update\", seq, pos").df()
+    return connect(run_dir).execute('SELECT * FROM tokens ORDER BY step, "update", seq, pos').df()
 
 
 def _check_bounds(t):
@@ -122,9 +130,11 @@ def test_trl_logs_carry_every_steps_aggregates_at_their_own_step(tmp_path):
     assert sorted(logs) == [1, 2, 3] and not tr._el_summaries
     t = _rows(tmp_path / "logs")
     assert sorted(t["step"].unique()) == [0, 1, 2]
-    per_step = t.groupby("step").agg(low=("clip", lambda c: (c == -1).mean()),
-                                     high=("clip", lambda c: (c == 1).mean()),
-                                     pa_hp=("quadrant", lambda q: (q == "PA&HP").mean()))
+    per_step = t.groupby("step").agg(
+        low=("clip", lambda c: (c == -1).mean()),
+        high=("clip", lambda c: (c == 1).mean()),
+        pa_hp=("quadrant", lambda q: (q == "PA&HP").mean()),
+    )
     for step, row in per_step.iterrows():
         h = logs[step + 1]
         assert h["entropylens/clip_low_frac"] == pytest.approx(row["low"], abs=1e-6)
@@ -167,8 +177,9 @@ def test_trl_checkpoint_commits_the_recorded_steps(tmp_path, monkeypatch):
     def spy(self, step=None):
         upto = commit(self, step)
         con = connect(tmp_path / "ckpt")
-        seen.append((upto, con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps").fetchone()[0],
-                     self._closed))
+        seen.append(
+            (upto, con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps").fetchone()[0], self._closed)
+        )
         return upto
 
     monkeypatch.setattr(Recorder, "commit", spy)
@@ -189,8 +200,12 @@ def test_trl_each_step_is_written_when_it_ends(tmp_path):
         def on_step_end(self, args, state, control, **kwargs):
             tr.recorder._writer.drain()  # only waits for the writer: no close, no commit
             con = connect(tmp_path / "ends")
-            seen.append((state.global_step - 1, con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps")
-                         .fetchone()[0]))
+            seen.append(
+                (
+                    state.global_step - 1,
+                    con.execute("SELECT list(DISTINCT step ORDER BY step) FROM steps").fetchone()[0],
+                )
+            )
 
     tr = trl_tiny.trainer(tmp_path, "ends", max_steps=3, gradient_accumulation_steps=2)
     tr.add_callback(After())
@@ -209,17 +224,26 @@ def test_trl_resume_from_a_checkpoint_continues_the_run(tmp_path):
     assert sorted({r[0] for r in con.execute("SELECT step FROM steps").fetchall()}) == [0, 1, 2, 3]
     ckpt = tmp_path / ".trl" / "checkpoint-2"
     # an off-by-one resume= would record a step twice or lose steps: refused before any file goes
-    with pytest.raises(ValueError, match=r"resume=2: no checkpoint in .* ends at step 2 \(checkpoint-2: steps 0-1, "
-                                         r"checkpoint-4: steps 0-3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"resume=2: no checkpoint in .* ends at step 2 \(checkpoint-2: steps 0-1, "
+        r"checkpoint-4: steps 0-3\)",
+    ):
         trl_tiny.trainer(tmp_path, "res", max_steps=3, el=dict(resume=2))
     wrong = trl_tiny.trainer(tmp_path, "res", max_steps=3, el=dict(resume=3))  # checkpoint-4's: nothing removed
-    with pytest.raises(ValueError, match=r"resume=3 but .*checkpoint-2 holds steps 0-1: build the trainer with resume=1"):
+    with pytest.raises(
+        ValueError, match=r"resume=3 but .*checkpoint-2 holds steps 0-1: build the trainer with resume=1"
+    ):
         wrong.train(resume_from_checkpoint=str(ckpt))
     assert con.execute("SELECT count(DISTINCT step) FROM steps").fetchone() == (4,)  # nothing lost
     with pytest.warns(UserWarning, match=r"removed 2 complete steps .* recorded after step 1: 2, 3"):
         second = trl_tiny.trainer(tmp_path, "res", max_steps=3, save_strategy="no", el=dict(resume=str(ckpt)))
     second.train(resume_from_checkpoint=str(ckpt))
-    rows = connect(tmp_path / "res").execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL').fetchall()
+    rows = (
+        connect(tmp_path / "res")
+        .execute('SELECT step, "update", n_tokens, grad_norm FROM steps ORDER BY ALL')
+        .fetchall()
+    )
     assert [r for r in rows if r[0] <= 1] == kept
     assert sorted({r[0] for r in rows}) == [0, 1, 2]
     info = json.loads((tmp_path / "res" / "run.json").read_text())
@@ -273,8 +297,16 @@ def test_trl_peft_lora_with_kl_old_entropy_is_the_policy_not_the_reference(tmp_p
     from peft import LoraConfig
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    tr = trl_tiny.trainer(tmp_path, "lora", peft_config=lora, beta=0.04, num_iterations=2, max_steps=3,
-                          learning_rate=5e-2, el=dict(attribution=attribution))
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "lora",
+        peft_config=lora,
+        beta=0.04,
+        num_iterations=2,
+        max_steps=3,
+        learning_rate=5e-2,
+        el=dict(attribution=attribution),
+    )
     tr.train()
     t = _rows(tmp_path / "lora")
     assert t["entropy_effect"].notna().all() if attribution else t["entropy_effect"].isna().all()
@@ -294,8 +326,16 @@ def test_trl_peft_lora_with_kl_old_entropy_is_the_policy_not_the_reference(tmp_p
 @pytest.mark.parametrize("loss_type,level", [("cispo", "token"), ("sapo", "token"), ("grpo", "sequence")])
 def test_trl_non_ppo_loss_types_write_their_own_clip_definition(tmp_path, loss_type, level):
     kw = dict(epsilon_high=5.0) if loss_type == "cispo" else {}
-    trl_tiny.trainer(tmp_path, "r", loss_type=loss_type, importance_sampling_level=level, num_iterations=2,
-                     max_steps=2, learning_rate=5e-2, **kw).train()
+    trl_tiny.trainer(
+        tmp_path,
+        "r",
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        num_iterations=2,
+        max_steps=2,
+        learning_rate=5e-2,
+        **kw,
+    ).train()
     t = _rows(tmp_path / "r")
     assert len(t) > 0
     if loss_type in ("cispo", "sapo"):
@@ -306,8 +346,10 @@ def test_trl_non_ppo_loss_types_write_their_own_clip_definition(tmp_path, loss_t
             np.testing.assert_array_equal(t["clip"], np.where(t["ratio"] > 5.0, 1, 0))
     else:  # clipping acts on the sequence ratio exp(mean_t log r), the same for every token of a sequence
         assert (t.groupby(["step", "update", "seq"])["clip"].nunique() == 1).all()
-        seq_r = np.exp(t.groupby(["step", "update", "seq"])["logprob"].transform("mean")
-                       - t.groupby(["step", "update", "seq"])["old_logprob"].transform("mean"))
+        seq_r = np.exp(
+            t.groupby(["step", "update", "seq"])["logprob"].transform("mean")
+            - t.groupby(["step", "update", "seq"])["old_logprob"].transform("mean")
+        )
         np.testing.assert_array_equal(t["clip"], np.where(seq_r < 0.8, -1, np.where(seq_r > 1.2, 1, 0)))
     _check_bounds(t)
 
@@ -340,8 +382,22 @@ def test_trl_loss_swap_refuses_only_an_unknown_loss_type(tmp_path):
 def test_trl_two_processes(tmp_path):
     child = Path(__file__).parent.parent / "helpers" / "trl_two_ranks.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(child), str(tmp_path)], env=env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(child),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     runs = [p for p in tmp_path.iterdir() if (p / "run.json").is_file()]
     assert len(runs) == 1  # one run id agreed by both ranks
@@ -411,7 +467,9 @@ def test_trl_at_its_defaults_is_on_policy_and_says_so(tmp_path, num_iterations):
         tr.train()
     said = [str(w.message) for w in caught if "on_policy" in str(w.message)]
     found = [f for f in notes(tmp_path / "r") if f.rule == "on_policy"]
-    ratios = connect(tmp_path / "r").execute("SELECT count(*), count(*) FILTER (WHERE ratio <> 1) FROM tokens").fetchone()
+    ratios = (
+        connect(tmp_path / "r").execute("SELECT count(*), count(*) FILTER (WHERE ratio <> 1) FROM tokens").fetchone()
+    )
     if num_iterations == 1:
         assert len(said) == 1 and ON_POLICY_TEXT in said[0], said
         assert [f.signal for f in found] == [ON_POLICY_TEXT] and ratios[0] > 0 and ratios[1] == 0

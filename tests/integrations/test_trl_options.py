@@ -21,8 +21,17 @@ import trl_tiny  # noqa: E402
 
 # A run with GA 2, num_iterations 2, KL beta 0.04, top_entropy_quantile 0.2. Four optimizer
 # steps = two generations, each used by two iterations (steps 1 and 3 update with old != current).
-BASE = dict(gradient_accumulation_steps=2, num_iterations=2, beta=0.04, top_entropy_quantile=0.2, max_steps=4,
-            optim="sgd", learning_rate=0.5, max_completion_length=12, per_device_train_batch_size=4)
+BASE = dict(
+    gradient_accumulation_steps=2,
+    num_iterations=2,
+    beta=0.04,
+    top_entropy_quantile=0.2,
+    max_steps=4,
+    optim="sgd",
+    learning_rate=0.5,
+    max_completion_length=12,
+    per_device_train_batch_size=4,
+)
 TOL = 1e-5  # relative difference per tensor
 
 
@@ -64,8 +73,14 @@ def _train(out, run, model_dir, el_loss=None, vllm_weight=False, model=None, **o
     level = vllm_weight if isinstance(vllm_weight, str) else "token"
     cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {"level": level}) if vllm_weight else None
     cfg = {**BASE, **opts}
-    tr = trl_tiny.trainer(out, run, cls=cls, model=model if model is not None else model_dir,
-                          el=dict(loss=el_loss) if el_loss else None, **cfg)
+    tr = trl_tiny.trainer(
+        out,
+        run,
+        cls=cls,
+        model=model if model is not None else model_dir,
+        el=dict(loss=el_loss) if el_loss else None,
+        **cfg,
+    )
     tr.train()
     return tr, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
 
@@ -106,15 +121,23 @@ def test_dapo_equals_trls_dapo_at_ga2_two_iterations_kl_and_top_entropy(tmp_path
     # the reference until the first optimizer step), then what TRL logs as kl (TRL averages its
     # micro-batches' token means, the column weighs every token alike: close, not equal)
     for run, tr in (("el", el_tr), ("trl", trl_tr)):
-        kl = connect(tmp_path / run).execute("SELECT step, max(kl_ref) FROM steps GROUP BY step ORDER BY step").fetchall()
+        kl = (
+            connect(tmp_path / run)
+            .execute("SELECT step, max(kl_ref) FROM steps GROUP BY step ORDER BY step")
+            .fetchall()
+        )
         assert [s for s, _ in kl] == [0, 1, 2, 3] and kl[0][1] == 0.0 and all(v > 0 for _, v in kl[1:]), kl
         logged = [h["kl"] for h in tr.state.log_history if "kl" in h]
         np.testing.assert_allclose([v for _, v in kl[1:]], logged[1:], rtol=0.2)
     # TRL's own metrics keep their curves with loss=...: entropy and kl logged at every step
     for key in ("entropy", "kl", "clip_ratio/region_mean"):
         assert sum(key in h for h in el_tr.state.log_history) == BASE["max_steps"], key
-        np.testing.assert_allclose([h[key] for h in el_tr.state.log_history if key in h],
-                                   [h[key] for h in trl_tr.state.log_history if key in h], rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(
+            [h[key] for h in el_tr.state.log_history if key in h],
+            [h[key] for h in trl_tr.state.log_history if key in h],
+            rtol=1e-4,
+            atol=1e-7,
+        )
 
 
 def test_the_comparison_can_fail_bnpo_normalises_per_micro_batch(tmp_path, model_dir):
@@ -184,11 +207,24 @@ def _moe(model_dir):
 
     tok = trl_tiny.trl_grpo.build_tokenizer()
     torch.manual_seed(0)
-    moe = Qwen2MoeForCausalLM(Qwen2MoeConfig(
-        vocab_size=len(tok), hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
-        shared_expert_intermediate_size=8, num_experts=4, num_experts_per_tok=2, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
-        output_router_logits=True, router_aux_loss_coef=0.01))
+    moe = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=len(tok),
+            hidden_size=16,
+            intermediate_size=16,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=tok.pad_token_id,
+            output_router_logits=True,
+            router_aux_loss_coef=0.01,
+        )
+    )
     d = Path(model_dir).parent / "moe"
     if not d.exists():
         moe.save_pretrained(d)
@@ -210,9 +246,18 @@ def test_ce_gppo_and_gppo_train_with_erc_under_every_option(tmp_path, model_dir,
     from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
     cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {})
-    tr = trl_tiny.trainer(tmp_path, "all", cls=cls, model=model_dir, **{**BASE, "max_steps": 2},
-                          use_bias_correction_kl=True, off_policy_mask_threshold=0.0, delta=1.5, entropy_coef=0.01,
-                          el=dict(loss=loss, erc=(0.9, 1.1)))
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "all",
+        cls=cls,
+        model=model_dir,
+        **{**BASE, "max_steps": 2},
+        use_bias_correction_kl=True,
+        off_policy_mask_threshold=0.0,
+        delta=1.5,
+        entropy_coef=0.01,
+        el=dict(loss=loss, erc=(0.9, 1.1)),
+    )
     tr.train()
     con = connect(tmp_path / "all")
     t = con.execute("SELECT * FROM tokens").df()
@@ -238,8 +283,11 @@ def test_texts_and_the_tokenizer_are_kept(tmp_path, model_dir):
     # the stored text is the decoding of the recorded token ids
     tok = trl_tiny.trl_grpo.build_tokenizer()
     first = seqs.iloc[0]
-    ids = connect(tmp_path / "txt").execute(
-        "SELECT token_id FROM tokens WHERE seq = ? AND \"update\" = 0 ORDER BY pos", [int(first["seq"])]).df()
+    ids = (
+        connect(tmp_path / "txt")
+        .execute('SELECT token_id FROM tokens WHERE seq = ? AND "update" = 0 ORDER BY pos', [int(first["seq"])])
+        .df()
+    )
     assert tok.decode(ids["token_id"].tolist(), skip_special_tokens=True) == first["text"]
     # a tokenizer built in memory has no name to load: the run keeps a copy, and run.json says where
     cfg = json.loads((tmp_path / "txt" / "run.json").read_text())["config"]
@@ -255,8 +303,14 @@ def test_entropy_bonus_leaves_entropy_effect_null_with_attribution(tmp_path, mod
     # TRL's entropy bonus reaches the logits through H, a term the TRL path does not measure: with
     # attribution=True the tokens' entropy_effect and the steps' budget stay null (as in the torch helper
     # and verl)
-    tr = trl_tiny.trainer(tmp_path, "bonus", model=model_dir, **{**BASE, "max_steps": 2}, entropy_coef=0.05,
-                          el=dict(attribution=True, **({"loss": loss} if loss else {})))
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "bonus",
+        model=model_dir,
+        **{**BASE, "max_steps": 2},
+        entropy_coef=0.05,
+        el=dict(attribution=True, **({"loss": loss} if loss else {})),
+    )
     tr.train()
     con = connect(tmp_path / "bonus")
     n, eff = con.execute("SELECT count(*), count(entropy_effect) FROM tokens").fetchone()
@@ -276,9 +330,24 @@ def test_dapo_equals_trls_dapo_over_two_processes(tmp_path, model_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     w = {}
     for loss in ("trl", "dapo"):
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                            str(child), str(tmp_path / loss), model_dir, loss], env=env, capture_output=True,
-                           text=True, timeout=900)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                str(child),
+                str(tmp_path / loss),
+                model_dir,
+                loss,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert r.returncode == 0, r.stderr[-4000:]
         w[loss] = torch.load(tmp_path / loss / "weights.pt")
         con = connect(tmp_path / loss / "r")
@@ -289,8 +358,11 @@ def test_dapo_equals_trls_dapo_over_two_processes(tmp_path, model_dir):
     _assert_same_weights(w["dapo"], w["trl"])
 
 
-@pytest.mark.parametrize("opts", [dict(), dict(importance_sampling_level="sequence", sapo_temperature_pos=0.8,
-                                               sapo_temperature_neg=1.3)], ids=["token", "sequence-temps"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(importance_sampling_level="sequence", sapo_temperature_pos=0.8, sapo_temperature_neg=1.3)],
+    ids=["token", "sequence-temps"],
+)
 def test_sapo_equals_trls_sapo_and_records_its_gate(tmp_path, model_dir, opts):
     """loss="sapo" under TRL's loss_type="sapo" with the base run's options (GA 2, two iterations, KL, the
     top-entropy mask; then sequence-level ratios and other temperatures) ends with TRL's own sapo weights;
@@ -301,8 +373,9 @@ def test_sapo_equals_trls_sapo_and_records_its_gate(tmp_path, model_dir, opts):
     assert _moved(model_dir, el_w) > 1e-4
     _assert_same_weights(el_w, trl_w)
     con = connect(tmp_path / "el")
-    n, n_w, lo, clipped = con.execute("SELECT count(*), count(sapo_weight), min(sapo_weight), "
-                                      "count(*) FILTER (clipped) FROM tokens").fetchone()
+    n, n_w, lo, clipped = con.execute(
+        "SELECT count(*), count(sapo_weight), min(sapo_weight), count(*) FILTER (clipped) FROM tokens"
+    ).fetchone()
     assert n > 0 and n_w == n and 0.0 < lo < 1.0 and clipped == 0
     means = con.execute("SELECT sapo_weight_mean FROM steps WHERE n_tokens > 0").fetchall()
     assert means and all(0.0 < m <= 1.0 for (m,) in means)
@@ -320,9 +393,12 @@ def test_clip_cov_and_kl_cov_train_under_trls_options(tmp_path, model_dir, loss)
     from entropylens.integrations.trl import EntropyLensGRPOTrainer
 
     cls = type("VllmWeighted", (_VllmWeight, EntropyLensGRPOTrainer), {})
-    cov = {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0} if loss == "clip_cov" else {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}
-    tr = trl_tiny.trainer(tmp_path, "cov", cls=cls, model=model_dir, **{**BASE, "max_steps": 2, "beta": 0.0},
-                          el=dict(loss=loss, cov=cov))
+    cov = (
+        {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0} if loss == "clip_cov" else {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}
+    )
+    tr = trl_tiny.trainer(
+        tmp_path, "cov", cls=cls, model=model_dir, **{**BASE, "max_steps": 2, "beta": 0.0}, el=dict(loss=loss, cov=cov)
+    )
     tr.train()
     con = connect(tmp_path / "cov")
     t = con.execute("SELECT * FROM tokens").df()

@@ -32,9 +32,17 @@ def test_a_rank_that_died_makes_the_run_stale(tmp_path):
     r0 = Recorder(tmp_path, "dead", rank=0, world_size=2, config={"method": "grpo"})
     r0.close()
     # rank 1 was killed (kill -9) long ago: its last heartbeat is old and it never wrote a final status
-    (tmp_path / "dead" / "ranks" / "rank-1.json").write_text(json.dumps(
-        {"rank": 1, "status": "running", "heartbeat_at": "2020-01-01T00:00:00+00:00", "heartbeat_s": 10.0,
-         "error": None}))
+    (tmp_path / "dead" / "ranks" / "rank-1.json").write_text(
+        json.dumps(
+            {
+                "rank": 1,
+                "status": "running",
+                "heartbeat_at": "2020-01-01T00:00:00+00:00",
+                "heartbeat_s": 10.0,
+                "error": None,
+            }
+        )
+    )
     assert _status(tmp_path / "dead") == "stale"
     # a rank that never wrote anything at all (world_size 2, one file) counts as running since the start
     (tmp_path / "dead" / "ranks" / "rank-1.json").unlink()
@@ -54,8 +62,15 @@ def test_sample_keeps_a_sequence_whole_across_steps(tmp_path):
     with Recorder(tmp_path, "s", sample=0.5, config={"method": "grpo"}) as rec:
         for step in (0, 1):
             lp = torch.full((b, t), -1.0)
-            rec.record_update(step, 0, mask=torch.ones(b, t, dtype=torch.bool), advantages=torch.ones(b),
-                              logprobs=lp, old_logprobs=lp, seq_ids=seq)
+            rec.record_update(
+                step,
+                0,
+                mask=torch.ones(b, t, dtype=torch.bool),
+                advantages=torch.ones(b),
+                logprobs=lp,
+                old_logprobs=lp,
+                seq_ids=seq,
+            )
     t_ = connect(tmp_path / "s").execute("SELECT step, seq, count(*) AS n FROM tokens GROUP BY step, seq").df()
     kept = {s: set(t_.loc[t_["step"] == s, "seq"]) for s in (0, 1)}
     assert kept[0] == kept[1] and 0 < len(kept[0]) < b  # the same half, at both steps

@@ -36,24 +36,42 @@ def _scalars(logdir: Path) -> dict[str, dict[int, float]]:
 def test_tensorboard_gets_every_steps_metrics_at_its_step(tmp_path, monkeypatch):
     tb = tmp_path / "tb"
     monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tb))  # transformers' TensorBoardCallback reads it
-    tr = trl_tiny.trainer(tmp_path, "tb", max_steps=6, gradient_accumulation_steps=2, num_iterations=2,
-                          logging_steps=1, report_to=["tensorboard"], el=dict(alarms=FIRING))
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "tb",
+        max_steps=6,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        logging_steps=1,
+        report_to=["tensorboard"],
+        el=dict(alarms=FIRING),
+    )
     with pytest.warns(UserWarning, match="entropylens alarm"):
         tr.train()
     got = _scalars(tb)
     # TRL's own log of every step stays (logging entropylens' values must not cancel TRL's due log)
     assert sorted(got["train/entropy"]) == [1, 2, 3, 4, 5, 6]
     assert sorted(h["step"] for h in tr.state.log_history if "loss" in h) == [1, 2, 3, 4, 5, 6]
-    steps = connect(tmp_path / "tb").execute(
-        "SELECT step, sum(n_tokens) n, sum(clip_low_frac * n_tokens) / sum(n_tokens) low, "
-        "sum(clip_high_frac * n_tokens) / sum(n_tokens) high, sum(n_pa_lp) / sum(n_tokens) pa_lp, "
-        "sum(kl_k3 * n_tokens) / sum(n_tokens) kl FROM steps GROUP BY step ORDER BY step").df()
+    steps = (
+        connect(tmp_path / "tb")
+        .execute(
+            "SELECT step, sum(n_tokens) n, sum(clip_low_frac * n_tokens) / sum(n_tokens) low, "
+            "sum(clip_high_frac * n_tokens) / sum(n_tokens) high, sum(n_pa_lp) / sum(n_tokens) pa_lp, "
+            "sum(kl_k3 * n_tokens) / sum(n_tokens) kl FROM steps GROUP BY step ORDER BY step"
+        )
+        .df()
+    )
     assert steps["step"].tolist() == [0, 1, 2, 3, 4, 5]
-    for tag, col in (("train/entropylens/clip_low_frac", "low"), ("train/entropylens/clip_high_frac", "high"),
-                     ("train/entropylens/share_pa_lp", "pa_lp"), ("train/entropylens/kl_k3", "kl")):
+    for tag, col in (
+        ("train/entropylens/clip_low_frac", "low"),
+        ("train/entropylens/clip_high_frac", "high"),
+        ("train/entropylens/share_pa_lp", "pa_lp"),
+        ("train/entropylens/kl_k3", "kl"),
+    ):
         assert sorted(got[tag]) == [1, 2, 3, 4, 5, 6], tag  # every step, at its own index
-        np.testing.assert_allclose([got[tag][s + 1] for s in steps["step"]], steps[col], rtol=1e-5, atol=1e-7,
-                                   err_msg=tag)
+        np.testing.assert_allclose(
+            [got[tag][s + 1] for s in steps["step"]], steps[col], rtol=1e-5, atol=1e-7, err_msg=tag
+        )
     # the histograms at the same global_step, with numpy's counts over every token row (sample=1.0)
     assert_histograms(tensorboard_histograms(tb), tmp_path / "tb", "tb", at=lambda s: s + 1, prefix="train/")
     # TensorBoard has no alerts: a text summary (SummaryWriter.add_text adds /text_summary to the tag)

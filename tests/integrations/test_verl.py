@@ -44,8 +44,14 @@ def run_checks(python: str, selector: str, timeout: int = 900) -> str:
     """Run verl_checks.py tests matching ``selector`` (a -k expression) in the verl venv; all must pass."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.setdefault("OMP_NUM_THREADS", "1")
-    p = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", CHECKS,
-                        "-k", selector], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    p = subprocess.run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", CHECKS, "-k", selector],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     m = re.search(r"(\d+) passed", out)

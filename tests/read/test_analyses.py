@@ -2,12 +2,12 @@
 
 import math
 
+import covlaw_runs
 import pandas as pd
 import pytest
+from fixture_runs import MEAN_ABS_LOG, build
 
 from entropylens.read.query import QueryError, analysis_info, connect, list_analyses, run_analysis
-import covlaw_runs
-from fixture_runs import MEAN_ABS_LOG, build
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def one(df, col, **where):
 
 def test_every_sql_file_has_a_header_and_is_tested():
     info = analysis_info()
-    tested = {n[len("test_"):] for n in globals() if n.startswith("test_")}
+    tested = {n[len("test_") :] for n in globals() if n.startswith("test_")}
     for name, head in info.items():
         assert head.get("title") and head.get("columns") and head.get("figure") and "params" in head, name
         assert name in tested, f"analysis {name} has no test"
@@ -63,8 +63,15 @@ def test_quadrant_share_by_step(con):
 
 def test_clip_by_quadrant(con):
     df = run_analysis(con, "clip_by_quadrant")  # the whole run: no step column, nothing to double-count
-    assert list(df.columns) == ["run", "method", "quadrant", "tokens", "clip_low_frac", "clip_high_frac",
-                                "clipped_frac"]
+    assert list(df.columns) == [
+        "run",
+        "method",
+        "quadrant",
+        "tokens",
+        "clip_low_frac",
+        "clip_high_frac",
+        "clipped_frac",
+    ]
     assert one(df, "clip_high_frac", run="a", quadrant="PA&LP") == 1.0
     assert one(df, "tokens", run="a", quadrant="PA&LP") == 3
     assert one(df, "clip_low_frac", run="a", quadrant="NA&LP") == 1.0
@@ -202,8 +209,9 @@ def test_run_summary_entropy_falls_back_to_the_current_policy_entropy(tmp_path):
     from entropylens.read.query import connect
 
     lp = torch.full((2, 3), -1.0)
-    kw = dict(mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]), logprobs=lp,
-              old_logprobs=lp)
+    kw = dict(
+        mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]), logprobs=lp, old_logprobs=lp
+    )
     with Recorder(tmp_path, run="cur") as rec:
         for step, h in enumerate((0.5, 0.8)):
             rec.record_update(step, 0, entropy=torch.full((2, 3), h), **kw)
@@ -268,11 +276,36 @@ def test_probe_vs_measured(con, tmp_path):
     from fixture_runs import build
 
     root = build(tmp_path / "r")
-    write_probes(root / "a", 1, 0, 0, [
-        {"update": 0, "part": "step", "tokens": 0, "grad_norm": 1.0, "predicted_dh": -0.01, "measured_dh": -0.012,
-         "entropy_before": 1.0, "optimizer": "Adam", "lr": 1e-3},
-        {"update": 0, "part": "PA&LP", "tokens": 1, "grad_norm": 0.5, "predicted_dh": 0.004, "measured_dh": None,
-         "entropy_before": 1.0, "optimizer": "Adam", "lr": 1e-3}])
+    write_probes(
+        root / "a",
+        1,
+        0,
+        0,
+        [
+            {
+                "update": 0,
+                "part": "step",
+                "tokens": 0,
+                "grad_norm": 1.0,
+                "predicted_dh": -0.01,
+                "measured_dh": -0.012,
+                "entropy_before": 1.0,
+                "optimizer": "Adam",
+                "lr": 1e-3,
+            },
+            {
+                "update": 0,
+                "part": "PA&LP",
+                "tokens": 1,
+                "grad_norm": 0.5,
+                "predicted_dh": 0.004,
+                "measured_dh": None,
+                "entropy_before": 1.0,
+                "optimizer": "Adam",
+                "lr": 1e-3,
+            },
+        ],
+    )
     df = run_analysis(connect(root), "probe_vs_measured")
     assert one(df, "measured_dh", run="a", part="step") == pytest.approx(-0.012)
     assert one(df, "predicted_dh", run="a", part="PA&LP") == pytest.approx(0.004)
@@ -333,26 +366,62 @@ def cov_con(tmp_path_factory):
     root = tmp_path_factory.mktemp("cov")
     d = root / "cov"
     d.mkdir()
-    (d / "run.json").write_text(json.dumps({"run": "cov", "method": "grpo", "status": "finished", "tau": 0.5,
-                                            "schema_version": 1, "config": {"method": "grpo"}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": "cov",
+                "method": "grpo",
+                "status": "finished",
+                "tau": 0.5,
+                "schema_version": 1,
+                "config": {"method": "grpo"},
+            }
+        )
+    )
     for step in (0, 1):
         updates = [u for (s, u) in COV_A if s == step]
         for u in updates:
             a, lp = np.array(COV_A[step, u], np.float32), np.array(COV_L[step, u], np.float32)
             n = len(a)
-            write_tokens(d, step, 0, u, {"update": np.full(n, u, np.int16), "seq": np.arange(n, dtype=np.int32),
-                                         "group": np.zeros(n, np.int32), "pos": np.zeros(n, np.int32),
-                                         "token_id": np.zeros(n, np.int32), "logprob": lp, "old_logprob": lp,
-                                         "advantage": a, "quadrant": np.array(COV_Q[step, u], np.int8)})
-        write_steps(d, step, 0, [{"update": u, "n_tokens": len(COV_A[step, u]), "old_entropy_mean": COV_H[step]}
-                                 for u in updates])
+            write_tokens(
+                d,
+                step,
+                0,
+                u,
+                {
+                    "update": np.full(n, u, np.int16),
+                    "seq": np.arange(n, dtype=np.int32),
+                    "group": np.zeros(n, np.int32),
+                    "pos": np.zeros(n, np.int32),
+                    "token_id": np.zeros(n, np.int32),
+                    "logprob": lp,
+                    "old_logprob": lp,
+                    "advantage": a,
+                    "quadrant": np.array(COV_Q[step, u], np.int8),
+                },
+            )
+        write_steps(
+            d,
+            step,
+            0,
+            [{"update": u, "n_tokens": len(COV_A[step, u]), "old_entropy_mean": COV_H[step]} for u in updates],
+        )
     return connect(root)
 
 
 def test_covariance_by_quadrant(cov_con):
     df = run_analysis(cov_con, "covariance_by_quadrant")
-    assert list(df.columns) == ["run", "method", "step", "quadrant", "tokens", "cov_sum", "cov_mean", "contribution",
-                                "step_cov"]
+    assert list(df.columns) == [
+        "run",
+        "method",
+        "step",
+        "quadrant",
+        "tokens",
+        "cov_sum",
+        "cov_mean",
+        "contribution",
+        "step_cov",
+    ]
     assert one(df, "cov_sum", step=0, quadrant="PA&HP") == pytest.approx(1.8)
     assert one(df, "tokens", step=0, quadrant="PA&HP") == 2
     assert one(df, "cov_mean", step=0, quadrant="PA&HP") == pytest.approx(0.9)
@@ -421,7 +490,7 @@ def test_entropy_performance_fit(law_con):
     assert (fit.a, fit.b) == pytest.approx((-slope, icpt), rel=1e-9)
     assert fit.a == pytest.approx(0.05, rel=0.1) and fit.b == pytest.approx(0.9, rel=0.02)
     res = r - (icpt + slope * np.exp(h))
-    assert fit.rmse == pytest.approx(np.sqrt(np.mean(res ** 2)), rel=1e-9)
+    assert fit.rmse == pytest.approx(np.sqrt(np.mean(res**2)), rel=1e-9)
     assert fit.r2 == pytest.approx(np.corrcoef(np.exp(h), r)[0, 1] ** 2, rel=1e-9)
     sql_fit = fit_entropy_performance(g["entropy"], g["reward"])  # the library and the SQL agree on a run
     assert (sql_fit.a, sql_fit.b, sql_fit.n) == pytest.approx((g["a"].iloc[0], g["b"].iloc[0], 20), rel=1e-9)
@@ -433,6 +502,7 @@ def test_entropy_performance_fit(law_con):
 # --- sampler-trainer mismatch (tests/mismatch_runs.py: run m with sampler log-probs, run n without) ----
 # the quadrant / share analyses are checked at mismatch=0.1 (t1, t3 mismatched by |d|; t3 also masked)
 
+
 @pytest.fixture(scope="module")
 def mcon(tmp_path_factory):
     import mismatch_runs
@@ -442,8 +512,18 @@ def mcon(tmp_path_factory):
 
 def test_mismatch_by_step(mcon):
     df = run_analysis(mcon, "mismatch_by_step")
-    assert list(df.columns) == ["run", "method", "step", "tokens", "mean_abs_log_ratio", "max_abs_log_ratio",
-                                "kl_k1", "kl_k3", "masked_frac", "clipped_mismatched_frac"]
+    assert list(df.columns) == [
+        "run",
+        "method",
+        "step",
+        "tokens",
+        "mean_abs_log_ratio",
+        "max_abs_log_ratio",
+        "kl_k1",
+        "kl_k3",
+        "masked_frac",
+        "clipped_mismatched_frac",
+    ]
     # tests/mismatch_runs.py's run m: hand-written steps rows without n_sampled: they weigh by n_tokens
     assert one(df, "tokens", run="m", step=0) == 40
     assert one(df, "mean_abs_log_ratio", run="m", step=0) == pytest.approx((10 * 0.1 + 30 * 0.2) / 40)  # 0.175
@@ -452,8 +532,23 @@ def test_mismatch_by_step(mcon):
     assert one(df, "mean_abs_log_ratio", run="m", step=1) == pytest.approx(0.1)  # step 1: update 0 alone
     # run n has no sampler log-probs: NULL, never 0
     n = rows(df, run="n")
-    assert len(n) == 2 and n[["tokens", "mean_abs_log_ratio", "max_abs_log_ratio", "kl_k1", "kl_k3",
-                              "masked_frac", "clipped_mismatched_frac"]].isna().all().all()
+    assert (
+        len(n) == 2
+        and n[
+            [
+                "tokens",
+                "mean_abs_log_ratio",
+                "max_abs_log_ratio",
+                "kl_k1",
+                "kl_k3",
+                "masked_frac",
+                "clipped_mismatched_frac",
+            ]
+        ]
+        .isna()
+        .all()
+        .all()
+    )
 
 
 # Two updates of one step whose counts differ: update 0 has 10 tokens, all scored by the sampler, 4 of them
@@ -461,16 +556,56 @@ def test_mismatch_by_step(mcon):
 # clipped (clipped_frac 0.1) of which 2 scored, both mismatched. Step 1: an update without clipped tokens
 # (its clipped_mismatched_frac NULL) beside one with 2 clipped, 1 mismatched.
 POOL_ROWS = {
-    0: [{"update": 0, "n_tokens": 10, "n_sampled": 10, "n_sampled_clipped": 4, "clipped_frac": 0.4,
-         "sampler_abs_log_ratio_mean": 0.1, "sampler_abs_log_ratio_max": 0.5, "sampler_kl_k1": 0.01,
-         "sampler_kl_k3": 0.02, "is_masked_frac": 0.0, "clipped_mismatched_frac": 0.25},
-        {"update": 1, "n_tokens": 30, "n_sampled": 6, "n_sampled_clipped": 2, "clipped_frac": 0.1,
-         "sampler_abs_log_ratio_mean": 0.2, "sampler_abs_log_ratio_max": 0.9, "sampler_kl_k1": 0.03,
-         "sampler_kl_k3": 0.04, "is_masked_frac": 0.1, "clipped_mismatched_frac": 1.0}],
-    1: [{"update": 0, "n_tokens": 20, "n_sampled": 20, "n_sampled_clipped": 0, "clipped_frac": 0.0,
-         "sampler_abs_log_ratio_mean": 0.1, "sampler_kl_k3": 0.02, "clipped_mismatched_frac": None},
-        {"update": 1, "n_tokens": 20, "n_sampled": 20, "n_sampled_clipped": 2, "clipped_frac": 0.1,
-         "sampler_abs_log_ratio_mean": 0.3, "sampler_kl_k3": 0.04, "clipped_mismatched_frac": 0.5}],
+    0: [
+        {
+            "update": 0,
+            "n_tokens": 10,
+            "n_sampled": 10,
+            "n_sampled_clipped": 4,
+            "clipped_frac": 0.4,
+            "sampler_abs_log_ratio_mean": 0.1,
+            "sampler_abs_log_ratio_max": 0.5,
+            "sampler_kl_k1": 0.01,
+            "sampler_kl_k3": 0.02,
+            "is_masked_frac": 0.0,
+            "clipped_mismatched_frac": 0.25,
+        },
+        {
+            "update": 1,
+            "n_tokens": 30,
+            "n_sampled": 6,
+            "n_sampled_clipped": 2,
+            "clipped_frac": 0.1,
+            "sampler_abs_log_ratio_mean": 0.2,
+            "sampler_abs_log_ratio_max": 0.9,
+            "sampler_kl_k1": 0.03,
+            "sampler_kl_k3": 0.04,
+            "is_masked_frac": 0.1,
+            "clipped_mismatched_frac": 1.0,
+        },
+    ],
+    1: [
+        {
+            "update": 0,
+            "n_tokens": 20,
+            "n_sampled": 20,
+            "n_sampled_clipped": 0,
+            "clipped_frac": 0.0,
+            "sampler_abs_log_ratio_mean": 0.1,
+            "sampler_kl_k3": 0.02,
+            "clipped_mismatched_frac": None,
+        },
+        {
+            "update": 1,
+            "n_tokens": 20,
+            "n_sampled": 20,
+            "n_sampled_clipped": 2,
+            "clipped_frac": 0.1,
+            "sampler_abs_log_ratio_mean": 0.3,
+            "sampler_kl_k3": 0.04,
+            "clipped_mismatched_frac": 0.5,
+        },
+    ],
 }
 
 
@@ -484,8 +619,11 @@ def _pool_runs(root):
     for run, drop in (("w", ()), ("h", ("n_sampled", "n_sampled_clipped"))):
         d = root / run
         d.mkdir(parents=True)
-        (d / "run.json").write_text(json.dumps({"run": run, "method": "grpo", "status": "finished",
-                                                "schema_version": 4, "config": {"method": "grpo"}}))
+        (d / "run.json").write_text(
+            json.dumps(
+                {"run": run, "method": "grpo", "status": "finished", "schema_version": 4, "config": {"method": "grpo"}}
+            )
+        )
         for step, rs in POOL_ROWS.items():
             write_steps(d, step, 0, [{k: v for k, v in r.items() if k not in drop} for r in rs])
     return connect(root)
@@ -525,6 +663,7 @@ def test_mismatch_by_step_weighs_each_update_by_its_own_count(tmp_path):
 
 def _mismatch_quadrant_checks(df, per):
     import math as m
+
     # per = rows per token in a group (run-wide: 3 rows each, step 0: 2); delta t0..t3 = 0, .2, -.05, .3
     for q, d in (("PA&HP", 0.0), ("PA&LP", 0.2), ("NA&LP", -0.05), ("NA&HP", 0.3)):
         assert one(df, "sampled", quadrant=q, run="m") == per
@@ -548,8 +687,25 @@ def _mismatch_quadrant_checks(df, per):
     assert one(df, "abs_effect_mismatched_share", quadrant="PA&HP", run="m") == pytest.approx(0.0)
     n = rows(df, run="n")
     assert len(n) == 4 and (n["sampled"] == 0).all()
-    assert n[["mean_abs_log_ratio", "kl_k1", "kl_k3", "mismatched_frac", "masked_frac", "clipped",
-              "clipped_mismatched_frac", "effect", "abs_effect", "abs_effect_mismatched_share"]].isna().all().all()
+    assert (
+        n[
+            [
+                "mean_abs_log_ratio",
+                "kl_k1",
+                "kl_k3",
+                "mismatched_frac",
+                "masked_frac",
+                "clipped",
+                "clipped_mismatched_frac",
+                "effect",
+                "abs_effect",
+                "abs_effect_mismatched_share",
+            ]
+        ]
+        .isna()
+        .all()
+        .all()
+    )
 
 
 def pd_isna(v):
@@ -593,14 +749,21 @@ def test_mismatch_shares_by_step(mcon):
     assert one(df, "effect_mismatched", run="m", step=0) == pytest.approx(0.6)
     assert one(df, "abs_effect_mismatched_share", run="m", step=0) == pytest.approx(0.6 / 0.8)
     n = rows(df, run="n")
-    assert len(n) == 2 and (n["sampled"] == 0).all() and n[["mismatched_frac", "clipped", "effect",
-                                                            "abs_effect_mismatched_share"]].isna().all().all()
+    assert (
+        len(n) == 2
+        and (n["sampled"] == 0).all()
+        and n[["mismatched_frac", "clipped", "effect", "abs_effect_mismatched_share"]].isna().all().all()
+    )
     # the report's figure pools mismatch_by_quadrant_by_step's rows (plots.mismatch_pooled) to the same shares
     from entropylens.report.plots import mismatch_pooled
 
     q = run_analysis(mcon, "mismatch_by_quadrant_by_step", mismatch=0.1)
     for step in (0, 1):
         p = mismatch_pooled(q[(q["run"] == "m") & (q["step"] == step)]).iloc[0]
-        for a, b in (("clipped_mm", "clipped_mismatched_frac"), ("unclipped_mm", "unclipped_mismatched_frac"),
-                     ("effect_mm", "abs_effect_mismatched_share"), ("mismatched", "mismatched_frac")):
+        for a, b in (
+            ("clipped_mm", "clipped_mismatched_frac"),
+            ("unclipped_mm", "unclipped_mismatched_frac"),
+            ("effect_mm", "abs_effect_mismatched_share"),
+            ("mismatched", "mismatched_frac"),
+        ):
             assert p[a] == pytest.approx(one(df, b, run="m", step=step)), (step, a)

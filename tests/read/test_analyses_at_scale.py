@@ -15,9 +15,11 @@ import pytest
 from entropylens.read.query import connect, run_analysis, run_sql
 from entropylens.record.writer import write_steps, write_tokens
 
-HASH = ("((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)"
-        " % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)"
-        " * 742938285 % 2147483647")
+HASH = (
+    "((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)"
+    " % 2147483647) * 742938285 + t.seq) % 2147483647) * 742938285 + t.pos) % 2147483647)"
+    " * 742938285 % 2147483647"
+)
 
 PLAIN_RATIO_VS_PROB = f"""
 WITH ranked AS (
@@ -60,13 +62,21 @@ def _tokens(rng, n_seq: int, seq0: int, update: int) -> dict:
     quadrant = np.where(adv == 0, 0, np.where(adv > 0, np.where(prob >= 0.5, 1, 2), np.where(prob >= 0.5, 3, 4)))
     clip = rng.choice(np.array([-1, 0, 1], np.int8), n)
     return {
-        "update": np.full(n, update, np.int16), "seq": seq, "group": seq // 4, "pos": pos,
+        "update": np.full(n, update, np.int16),
+        "seq": seq,
+        "group": seq // 4,
+        "pos": pos,
         "token_id": rng.integers(0, 50, n).astype(np.int32),
-        "logprob": (old + rng.normal(0, 0.2, n)).astype(np.float32), "old_logprob": old, "advantage": adv,
-        "quadrant": quadrant.astype(np.int8), "clip": clip,
+        "logprob": (old + rng.normal(0, 0.2, n)).astype(np.float32),
+        "old_logprob": old,
+        "advantage": adv,
+        "quadrant": quadrant.astype(np.int8),
+        "clip": clip,
         "clipped": ((clip == -1) & (adv < 0)) | ((clip == 1) & (adv > 0)),
-        "entropy": rng.uniform(0.1, 3.0, n).astype(np.float32), "old_entropy": rng.uniform(0.1, 3.0, n).astype(np.float32),
-        "grad_coef": rng.normal(0, 1, n).astype(np.float32), "logit_grad_norm": rng.uniform(0, 2, n).astype(np.float32),
+        "entropy": rng.uniform(0.1, 3.0, n).astype(np.float32),
+        "old_entropy": rng.uniform(0.1, 3.0, n).astype(np.float32),
+        "grad_coef": rng.normal(0, 1, n).astype(np.float32),
+        "logit_grad_norm": rng.uniform(0, 2, n).astype(np.float32),
     }
 
 
@@ -78,14 +88,26 @@ def _run(root, name: str, repeat: bool, seed: int, boundary: bool = False) -> No
     rng = np.random.default_rng(seed)
     d = root / name
     d.mkdir()
-    (d / "run.json").write_text(json.dumps({"run": name, "method": "grpo", "status": "finished", "eps_low": 0.2,
-                                            "eps_high": 0.2, "tau": 0.5, "schema_version": 1}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": name,
+                "method": "grpo",
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.2,
+                "tau": 0.5,
+                "schema_version": 1,
+            }
+        )
+    )
     for step in range(3):
         for rank in range(3):
             rows = []
             for update in range(2):
-                seq0 = (step * 10 if repeat else (step * 2 + update) * 39 if boundary
-                        else (step * 6 + update * 3) * 40) + rank * 1000
+                seq0 = (
+                    step * 10 if repeat else (step * 2 + update) * 39 if boundary else (step * 6 + update * 3) * 40
+                ) + rank * 1000
                 arrs = _tokens(np.random.default_rng(seed + 7 * step + rank) if repeat else rng, 40, seq0, update)
                 if repeat:  # same tokens, new entropies
                     arrs["entropy"] = rng.uniform(0.1, 3.0, len(arrs["seq"])).astype(np.float32)

@@ -12,11 +12,11 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 import pytest
+from fixture_runs import build
 
 import entropylens
 from entropylens.read.query import QueryError, QueryLimitError, connect, run_sql
 from entropylens.read.sql_guard import ReadOnlyConnection
-from fixture_runs import build
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run, write_step  # noqa: E402
 
 from entropylens.read import compact as compact_mod  # noqa: E402
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect, list_analyses, run_analysis  # noqa: E402
 
@@ -40,8 +40,9 @@ def test_every_analysis_gives_the_same_rows_after_compaction(tmp_path):
     assert len(after_files) < n_before / 2  # several parts per table (file_bytes is tiny here)
     con = connect(tmp_path)
     for name, df in before.items():
-        pd.testing.assert_frame_equal(run_analysis(con, name), df, check_exact=False, rtol=1e-9,
-                                      check_dtype=False, obj=name)
+        pd.testing.assert_frame_equal(
+            run_analysis(con, name), df, check_exact=False, rtol=1e-9, check_dtype=False, obj=name
+        )
 
 
 def test_compacted_files_keep_step_and_rank_and_large_row_groups(tmp_path):

@@ -9,16 +9,19 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run, write_step  # noqa: E402
 
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.compact import StepLeftAloneWarning, compact  # noqa: E402
 from entropylens.read.query import connect, run_analysis, run_sql  # noqa: E402
 
 
 def _token_rows(run: Path) -> int:
-    return sum(pq.read_metadata(p).num_rows for p in run.rglob("*.parquet")
-               if "/tokens/" in str(p) and "steps.parquet" not in p.name)
+    return sum(
+        pq.read_metadata(p).num_rows
+        for p in run.rglob("*.parquet")
+        if "/tokens/" in str(p) and "steps.parquet" not in p.name
+    )
 
 
 def _damage(f: Path) -> None:

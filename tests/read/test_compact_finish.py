@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from cli_calls import ok  # noqa: E402
 from layout_run import make_run, write_step  # noqa: E402
 
-from cli_calls import ok  # noqa: E402
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect  # noqa: E402
 
@@ -49,8 +49,9 @@ def _cli(*args) -> list[str]:
 
 def _killed_in_grace(root: Path, commit: Path) -> None:
     """Start `entropylens compact ROOT --grace 600`, wait until its commit file lands, kill it (SIGKILL)."""
-    proc = subprocess.Popen(_cli("compact", root, "--grace", "600"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli("compact", root, "--grace", "600"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 300
         while not commit.exists():
@@ -99,8 +100,9 @@ def test_the_rest_of_the_grace_is_waited_for(tmp_path):
     make_run(tmp_path, "a", steps=4, rows=16)
     commit = tmp_path / "a" / "compacted" / "steps" / "steps-0-3.parquet"
     _killed_in_grace(tmp_path, commit)
-    proc = subprocess.Popen(_cli("compact", tmp_path, "--grace", "600"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _cli("compact", tmp_path, "--grace", "600"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stderr.readline().startswith("compacting: ")  # started; removing 12 files takes ms
         time.sleep(1)
@@ -131,8 +133,10 @@ def test_stale_temporaries_of_dead_processes_are_removed(tmp_path, status):
             os.kill(p.pid, signal.SIGKILL)
             p.wait()
         temps = _temps(d)
-        assert len(temps) == 3 and all(str(live.pid) in t.name or str(dead_writer.pid) in t.name
-                                       or str(dead_compactor.pid) in t.name for t in temps)
+        assert len(temps) == 3 and all(
+            str(live.pid) in t.name or str(dead_writer.pid) in t.name or str(dead_compactor.pid) in t.name
+            for t in temps
+        )
         res = compact(tmp_path, grace_s=0)
         left = _temps(d)
         assert [t for t in left if f".{live.pid}." in t.name]  # the live writer's: never touched

@@ -15,9 +15,26 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow  # a benchmark end to end (about a minute): in .ci/run's slow pass
 def test_scale_benchmark_small(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--rows", "20000", "--ranks", "2",
-         "--rows-per-file", "2048", "--workers", "1", "--dir", str(tmp_path), "--keep"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "scale.py"),
+            "--rows",
+            "20000",
+            "--ranks",
+            "2",
+            "--rows-per-file",
+            "2048",
+            "--workers",
+            "1",
+            "--dir",
+            str(tmp_path),
+            "--keep",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     # ceil(20000 / (2 x 2048)) = 5 steps x 2 ranks x 2048 rows: at least the rows asked for
@@ -31,5 +48,8 @@ def test_scale_benchmark_small(tmp_path):
     for name in ("ratio_vs_prob", "entropy_change_by_quadrant", "connect"):
         assert re.search(rf"^  {name} .* s CPU", text, re.M), name
     last = text.strip().splitlines()[-2]  # before "data kept in"
-    assert re.fullmatch(r"rows=20480 bytes_per_row=[\d.]+ report_s=[\d.]+ compacted_report_s=[\d.]+ "
-                        r"compacted_report_cpu_s=[\d.]+ speedup_cpu=[\d.]+", last), last
+    assert re.fullmatch(
+        r"rows=20480 bytes_per_row=[\d.]+ report_s=[\d.]+ compacted_report_s=[\d.]+ "
+        r"compacted_report_cpu_s=[\d.]+ speedup_cpu=[\d.]+",
+        last,
+    ), last

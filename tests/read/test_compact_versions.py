@@ -22,8 +22,13 @@ def _rewrite(run: Path, step: int, change) -> None:
 
 def test_a_run_of_two_versions_compacts_and_reads_the_same(tmp_path):
     run = record_run(tmp_path)
-    _rewrite(run, 0, lambda t: t.drop_columns(["entropy"]).replace_schema_metadata(
-        {**(t.schema.metadata or {}), b"entropylens.schema_version": b"2"}))  # written before `entropy` existed
+    _rewrite(
+        run,
+        0,
+        lambda t: t.drop_columns(["entropy"]).replace_schema_metadata(
+            {**(t.schema.metadata or {}), b"entropylens.schema_version": b"2"}
+        ),
+    )  # written before `entropy` existed
     _rewrite(run, 2, lambda t: t.append_column("newer", pa.array([1.5] * t.num_rows)))  # by a newer version
     newer = "SELECT step, count(newer), sum(newer) FROM tokens GROUP BY step ORDER BY step"
     before, said = answers(run)
@@ -36,5 +41,8 @@ def test_a_run_of_two_versions_compacts_and_reads_the_same(tmp_path):
     assert not list((run / "tokens").rglob("*.parquet"))  # the originals are gone: only compacted parts read
     after, _ = answers(run)
     assert after == before
-    assert connect(run).execute(newer).fetchall() == extra_before == [(0, 0, None), (1, 0, None),
-                                                                        (2, before[(2, 0)][0], 1.5 * before[(2, 0)][0])]
+    assert (
+        connect(run).execute(newer).fetchall()
+        == extra_before
+        == [(0, 0, None), (1, 0, None), (2, before[(2, 0)][0], 1.5 * before[(2, 0)][0])]
+    )

@@ -14,9 +14,9 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from recorded_run import answers, record_run  # noqa: E402
 
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.query import QueryError, connect, run_analysis, run_sql  # noqa: E402
 
 runner = CliRunner()
@@ -64,7 +64,10 @@ def test_a_run_written_by_two_versions_reads_right_file_by_file(clean, run):
     with pytest.warns(UserWarning, match="written before column"):  # said again by every new connection
         con = connect(run)
     assert con.execute("SELECT step, count(newer) FROM tokens GROUP BY step ORDER BY step").fetchall() == [
-        (0, 0), (1, 0), (2, base[(2, 0)][0])]
+        (0, 0),
+        (1, 0),
+        (2, base[(2, 0)][0]),
+    ]
     assert len(run_analysis(con, "run_summary")) == 1
 
 
@@ -119,8 +122,9 @@ def test_token_rows_beyond_n_tokens_are_named(clean, run):
     shutil.copy(f, f.with_name("updates-5-6.parquet"))  # a recorder's name: read, but the count says so
     got, said = answers(run)
     assert got[(1, 0)][0] == 2 * base[(1, 0)][0]
-    assert len(said) == 1 and f"step 1 rank 0: its token files ({f.parent}/) hold {2 * base[(1, 0)][0]} rows" \
-        in said[0], said
+    assert (
+        len(said) == 1 and f"step 1 rank 0: its token files ({f.parent}/) hold {2 * base[(1, 0)][0]} rows" in said[0]
+    ), said
     res = runner.invoke(app, ["verify", str(run)])
     assert res.exit_code == 1 and "step 1 rank 0" in res.stdout, res.output
     f.with_name("updates-5-6.parquet").unlink()
@@ -139,16 +143,20 @@ def test_stray_folders_are_ignored_with_one_note(clean, run):
         shutil.copy(_token_file(run, 0), run / name / "x.parquet")
     got, said = answers(run)
     assert got == base
-    assert sorted(said) == sorted(f"run r: folder {run / n}/ holds Parquet files but is not a table entropylens "
-                                  "writes: ignored" for n in ("select", "runs", "my table"))
+    assert sorted(said) == sorted(
+        f"run r: folder {run / n}/ holds Parquet files but is not a table entropylens writes: ignored"
+        for n in ("select", "runs", "my table")
+    )
     for args in (["runs", str(run)], ["query", str(run), "SELECT count(*) FROM tokens"]):
         res = runner.invoke(app, args)
         assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     assert runner.invoke(app, ["verify", str(run)]).exit_code == 0  # ignored, not bad
 
 
-@pytest.mark.parametrize("key, value, skipped", [("tau", "x", False), ("seed", [1], False), ("config", 3, False),
-                                                  ("world_size", "a", True), ("status", 1, True)])
+@pytest.mark.parametrize(
+    "key, value, skipped",
+    [("tau", "x", False), ("seed", [1], False), ("config", 3, False), ("world_size", "a", True), ("status", 1, True)],
+)
 def test_run_json_of_the_wrong_types_is_named_and_the_other_runs_read(clean, tmp_path, key, value, skipped):
     good = shutil.copytree(clean, tmp_path / "good")
     bad = Path(shutil.copytree(clean, tmp_path / "bad"))
@@ -164,8 +172,9 @@ def test_run_json_of_the_wrong_types_is_named_and_the_other_runs_read(clean, tmp
     with pytest.warns(UserWarning, match=f"run.json's {key!r}"):  # the same warning, from the Python API
         con = connect(tmp_path)
     if not skipped:
-        assert con.execute(f"SELECT {key} FROM runs WHERE run = 'bad'").fetchall() == [(None if key != "config"
-                                                                                        else "{}",)]
+        assert con.execute(f"SELECT {key} FROM runs WHERE run = 'bad'").fetchall() == [
+            (None if key != "config" else "{}",)
+        ]
     assert runner.invoke(app, ["verify", str(tmp_path)]).exit_code == 1
 
 
@@ -206,8 +215,13 @@ def test_the_file_check_benchmark_runs():
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "file_check.py"), "--steps", "3", "--rounds", "1"],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+    out = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "file_check.py"), "--steps", "3", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0].startswith("10 files") and "check_ratio=" in out.stdout.splitlines()[-1]
 

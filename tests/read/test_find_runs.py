@@ -11,18 +11,27 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run  # noqa: E402
 
-
-from entropylens.read import catalog
 from entropylens import storage  # noqa: E402
-from entropylens.cli.main import app  # noqa: E402
+from entropylens.read import catalog
 
 RUNS = ["a", "exp/sweep/b", "x/y/z/w/c"]  # depths 1, 3, 5
 # a run.json in each of these is not a run: a folder that cannot hold one, or a run's own folder
-DECOYS = [".venv/lib/python3.12/site-packages/pkg", "venv/lib/python3.12/site-packages/pkg", "venv/share",
-          "proj/.git/objects/ab", "web/node_modules/m/lib", "src/__pycache__", "lib/dist-packages/p",
-          ".cache/pip", "a/tokens/step=0", "a/extra", "exp/sweep/b/compacted/tokens"]
+DECOYS = [
+    ".venv/lib/python3.12/site-packages/pkg",
+    "venv/lib/python3.12/site-packages/pkg",
+    "venv/share",
+    "proj/.git/objects/ab",
+    "web/node_modules/m/lib",
+    "src/__pycache__",
+    "lib/dist-packages/p",
+    ".cache/pip",
+    "a/tokens/step=0",
+    "a/extra",
+    "exp/sweep/b/compacted/tokens",
+]
 UNREADABLE = ["systemd-private-1", "x/locked"]
 
 
@@ -82,10 +91,14 @@ def test_walk_skips_folders_that_cannot_hold_a_run(tmp_path, monkeypatch):
         walk_s = time.perf_counter() - t
         monkeypatch.setattr(os, "scandir", real_scandir)
         t = time.perf_counter()
-        everything = [p for p in storage.location(root).files() if p.endswith("/run.json")]  # every file listed, for the timing printed
+        everything = [
+            p for p in storage.location(root).files() if p.endswith("/run.json")
+        ]  # every file listed, for the timing printed
         full_s = time.perf_counter() - t
-        print(f"\nfind_runs: {len(found)} runs, {len(listed)} folders listed, {walk_s * 1e3:.1f} ms; listing every "
-              f"file: {len(everything)} run.json files, {full_s * 1e3:.1f} ms")
+        print(
+            f"\nfind_runs: {len(found)} runs, {len(listed)} folders listed, {walk_s * 1e3:.1f} ms; listing every "
+            f"file: {len(everything)} run.json files, {full_s * 1e3:.1f} ms"
+        )
 
         assert [os.path.relpath(d.path, root) for d in found] == sorted(["exp/broken", *RUNS])
         assert all(str(root / d) not in listed for d in DECOYS)
@@ -101,8 +114,9 @@ def test_walk_skips_folders_that_cannot_hold_a_run(tmp_path, monkeypatch):
         assert res.exit_code == 0, res.output
         assert [line.split()[0] for line in res.stdout.splitlines()[1:]] == ["a", "b", "c"]
         warnings = [line for line in res.stderr.splitlines() if line.strip()]
-        assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipped {root / 'exp/broken/run.json'}: "
-                                                             "unreadable run.json"), res.stderr
+        assert len(warnings) == 1 and warnings[0].startswith(
+            f"warning: skipped {root / 'exp/broken/run.json'}: unreadable run.json"
+        ), res.stderr
     finally:
         for d in unreadable:
             os.chmod(d, 0o755)
@@ -110,12 +124,24 @@ def test_walk_skips_folders_that_cannot_hold_a_run(tmp_path, monkeypatch):
 
 def test_rules_are_said_in_docstring_and_help():
     doc = " ".join(catalog.find_runs.__doc__.split())
-    for word in ("nothing below it", "hidden folders", "__pycache__", "node_modules", "site-packages",
-                 "pyvenv.cfg", "cannot be read", "skipped silently"):
+    for word in (
+        "nothing below it",
+        "hidden folders",
+        "__pycache__",
+        "node_modules",
+        "site-packages",
+        "pyvenv.cfg",
+        "cannot be read",
+        "skipped silently",
+    ):
         assert word in doc
     out = " ".join(CliRunner().invoke(app, ["runs", "--help"]).stdout.split())
-    for word in ("the folders of a run (nothing below a run)", "hidden folders (.git, .venv, .cache, ...)",
-                 "__pycache__, node_modules, site-packages", "folders that cannot be read (skipped silently)"):
+    for word in (
+        "the folders of a run (nothing below a run)",
+        "hidden folders (.git, .venv, .cache, ...)",
+        "__pycache__, node_modules, site-packages",
+        "folders that cannot be read (skipped silently)",
+    ):
         assert word in out
 
 

@@ -2,10 +2,10 @@
 
 import polars as pl
 import pytest
+from fixture_runs import build
 
 import entropylens
 from entropylens.read.query import QueryError
-from fixture_runs import build
 
 
 def test_sql_and_analyses_as_pandas_or_polars(tmp_path):
@@ -14,9 +14,14 @@ def test_sql_and_analyses_as_pandas_or_polars(tmp_path):
     pd_df, pl_df = runs.sql(sql), runs.sql(sql, polars=True)
     assert isinstance(pl_df, pl.DataFrame)
     # fixture: run a has 3 updates x 4 tokens, b 1 x 4; a's mean entropy over its 12 rows
-    assert pl_df.to_dicts() == pd_df.to_dict("records") == [
-        {"run": "a", "n": 12, "h": round((0.5 + 1.2 + 0.9 + 2.0) * 2 / 12 + (0.4 + 1.5 + 0.7 + 2.4) / 12, 4)},
-        {"run": "b", "n": 4, "h": round((0.5 + 1.2 + 0.9 + 2.0) / 4, 4)}]
+    assert (
+        pl_df.to_dicts()
+        == pd_df.to_dict("records")
+        == [
+            {"run": "a", "n": 12, "h": round((0.5 + 1.2 + 0.9 + 2.0) * 2 / 12 + (0.4 + 1.5 + 0.7 + 2.4) / 12, 4)},
+            {"run": "b", "n": 4, "h": round((0.5 + 1.2 + 0.9 + 2.0) / 4, 4)},
+        ]
+    )
     a = runs.analysis("clip_by_quadrant")
     b = runs.analysis("clip_by_quadrant", polars=True)
     assert b.columns == list(a.columns) and b.height == len(a)

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from recorded_run import record_run  # noqa: E402
 
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.query import connect, run_analysis  # noqa: E402
 
 runner = CliRunner()
@@ -43,13 +43,20 @@ def test_folders_above_the_run_change_nothing(two_ranks, tmp_path, parents):
     assert _contents(moved) == want
     assert _contents(tmp_path) == want  # found from above as well
     con = connect(moved)
-    assert con.execute("SELECT count(*) FROM tokens WHERE step = 1 AND rank = 1").fetchall() == \
-        connect(two_ranks).execute("SELECT count(*) FROM tokens WHERE step = 1 AND rank = 1").fetchall() != [(0,)]
-    assert con.execute("SELECT count(*) FROM tokens t JOIN sequences s USING (step, rank, seq)").fetchall() == \
-        connect(two_ranks).execute("SELECT count(*) FROM tokens t JOIN sequences s USING (step, rank, seq)").fetchall()
+    assert (
+        con.execute("SELECT count(*) FROM tokens WHERE step = 1 AND rank = 1").fetchall()
+        == connect(two_ranks).execute("SELECT count(*) FROM tokens WHERE step = 1 AND rank = 1").fetchall()
+        != [(0,)]
+    )
+    assert (
+        con.execute("SELECT count(*) FROM tokens t JOIN sequences s USING (step, rank, seq)").fetchall()
+        == connect(two_ranks)
+        .execute("SELECT count(*) FROM tokens t JOIN sequences s USING (step, rank, seq)")
+        .fetchall()
+    )
 
 
-@pytest.mark.parametrize("name", ['say "hi"=1', "it's=2", 'a"b\'c=d'])
+@pytest.mark.parametrize("name", ['say "hi"=1', "it's=2", "a\"b'c=d"])
 def test_a_run_named_with_quotes_and_equals_works_everywhere(two_ranks, tmp_path, name):
     root = tmp_path / "runs"
     shutil.copytree(two_ranks, root / name)

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from entropylens.cli.main import app
-from entropylens.read.query import QueryError, connect, list_analyses, run_analysis, run_sql
 from cli_calls import err, runner
+from entropylens.cli.main import app
 from fixture_runs import build
+
+from entropylens.read.query import QueryError, connect, list_analyses, run_analysis, run_sql
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
 
@@ -69,10 +69,15 @@ def test_a_writing_cte_is_refused(runs, tmp_path):
     before = _digest(runs)
     for sql, word in (
         (f"WITH a AS (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) SELECT 1", "COPY"),
-        (f"WITH a AS MATERIALIZED (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) "
-         "SELECT 1", "COPY"),
-        (f"EXPLAIN ANALYZE WITH a AS (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) "
-         "SELECT 1", "COPY"),
+        (
+            f"WITH a AS MATERIALIZED (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) SELECT 1",
+            "COPY",
+        ),
+        (
+            f"EXPLAIN ANALYZE WITH a AS (COPY (SELECT 1 AS x) TO '{own}' (FORMAT parquet, USE_TMP_FILE false)) "
+            "SELECT 1",
+            "COPY",
+        ),
         ("WITH d AS (DELETE FROM steps RETURNING *) SELECT count(*) FROM d", "DELETE"),
         ("SELECT * FROM (WITH i AS (INSERT INTO steps BY NAME SELECT 0 AS step RETURNING *) SELECT 1)", "INSERT"),
         ("WITH s AS (SELECT 1), u AS (UPDATE steps SET step = 0 RETURNING *) SELECT 1", "UPDATE"),
@@ -97,29 +102,39 @@ def test_locked_connection_refuses_what_the_parser_would(runs, tmp_path):
     own = runs / "a" / "tokens" / "step=0" / "rank=0" / "update-0.parquet"
     before = _digest(runs)
     outside = tmp_path / "x.csv"
-    for sql in (f"COPY (SELECT 1) TO '{outside}'",
-                f"COPY (SELECT 1) TO '{runs / 'new.csv'}'",
-                f"ATTACH '{tmp_path / 'x.db'}' AS x",
-                "INSTALL httpfs",
-                "LOAD httpfs",
-                "SET enable_external_access = true",
-                "SET lock_configuration = false",
-                "RESET allowed_paths",
-                f"SET allowed_directories = ['{tmp_path}/']",
-                "SET autoinstall_known_extensions = true",
-                "SET threads = 1",
-                "PRAGMA enable_profiling",
-                f"SELECT * FROM read_text('{os.__file__}')",  # a file outside the runs
-                "SELECT * FROM read_csv('https://example.invalid/x.csv')"):
+    for sql in (
+        f"COPY (SELECT 1) TO '{outside}'",
+        f"COPY (SELECT 1) TO '{runs / 'new.csv'}'",
+        f"ATTACH '{tmp_path / 'x.db'}' AS x",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "SET lock_configuration = false",
+        "RESET allowed_paths",
+        f"SET allowed_directories = ['{tmp_path}/']",
+        "SET autoinstall_known_extensions = true",
+        "SET threads = 1",
+        "PRAGMA enable_profiling",
+        f"SELECT * FROM read_text('{os.__file__}')",  # a file outside the runs
+        "SELECT * FROM read_csv('https://example.invalid/x.csv')",
+    ):
         with pytest.raises(QueryError, match="disabled|locked|Permission"):
             run_sql(con, sql)
     assert not outside.exists() and not (runs / "new.csv").exists() and not (tmp_path / "x.db").exists()
     assert _digest(runs) == before and own.exists()
-    settings = dict(con.execute("SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
-                                "'lock_configuration', 'autoinstall_known_extensions', "
-                                "'autoload_known_extensions')").fetchall())
-    assert settings == {"enable_external_access": "false", "lock_configuration": "true",
-                        "autoinstall_known_extensions": "false", "autoload_known_extensions": "false"}
+    settings = dict(
+        con.execute(
+            "SELECT name, value FROM duckdb_settings() WHERE name IN ('enable_external_access', "
+            "'lock_configuration', 'autoinstall_known_extensions', "
+            "'autoload_known_extensions')"
+        ).fetchall()
+    )
+    assert settings == {
+        "enable_external_access": "false",
+        "lock_configuration": "true",
+        "autoinstall_known_extensions": "false",
+        "autoload_known_extensions": "false",
+    }
     # what still works: the views, in-memory temporary tables, the progress bar switch (report/build.py)
     assert run_sql(con, "SELECT count(*) AS n FROM tokens")["n"].tolist() == [16]
     run_sql(con, "SET enable_progress_bar = false")

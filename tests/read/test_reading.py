@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "helpers"))
+from entropylens.cli.main import app  # noqa: E402
 from layout_run import make_run, write_run_json, write_step  # noqa: E402
 
-from entropylens.cli.main import app  # noqa: E402
 from entropylens.read.query import UnreadableFileWarning, connect, run_analysis  # noqa: E402
 
 runner = CliRunner()
@@ -50,15 +50,20 @@ def test_bad_files_are_skipped_with_one_warning_each(broken):
         assert sum(str(f) in m for m in msgs) == 1
     # every query over the rest works: run a's step 1 lost its only token file, b is whole
     assert con.execute("SELECT run, count(*) FROM tokens GROUP BY run ORDER BY run").fetchall() == [
-        ("a", 2 * 64), ("b", 2 * 32)]
+        ("a", 2 * 64),
+        ("b", 2 * 32),
+    ]
     assert con.execute("SELECT count(*) FROM steps").fetchall() == [(5,)]
     assert len(run_analysis(con, "run_summary")) == 2
 
 
 def test_cli_runs_query_analyze_survive_bad_files(broken):
     root, bad = broken
-    for args in (["runs", str(root)], ["query", str(root), "SELECT count(*) AS n FROM steps"],
-                 ["analyze", str(root), "clip_by_quadrant"]):
+    for args in (
+        ["runs", str(root)],
+        ["query", str(root), "SELECT count(*) AS n FROM steps"],
+        ["analyze", str(root), "clip_by_quadrant"],
+    ):
         res = runner.invoke(app, args)
         assert res.exit_code == 0, (args, res.output)
         warn_lines = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from retau_runs import STEPS, B, T, record  # noqa: F401 - B, T: the runs' shape
 
 from entropylens.read.query import QueryError, connect, run_analysis, run_sql
 from entropylens.schema import QUADRANTS, quadrant_slug
-
-from retau_runs import B, STEPS, T, record  # noqa: F401 - B, T: the runs' shape
-
 
 QCOLS = [f"{p}_{quadrant_slug(q)}" for q in QUADRANTS for p in ("n", "clip_frac")] + ["n_za"]
 
@@ -46,10 +44,14 @@ def test_resplit_at_tau_equals_the_run_recorded_at_tau(runs, tau):
 
 def test_quadrant_macro_on_every_connection(runs):
     con = connect(runs / "at0.5")
-    got = run_sql(con, "SELECT count(*) FILTER (WHERE quadrant(advantage, prob, 0.5) <> quadrant) AS n, "
-                       "count(*) AS rows FROM tokens")
+    got = run_sql(
+        con,
+        "SELECT count(*) FILTER (WHERE quadrant(advantage, prob, 0.5) <> quadrant) AS n, count(*) AS rows FROM tokens",
+    )
     assert got["n"].iloc[0] == 0 and got["rows"].iloc[0] > 0
-    lit = run_sql(con, "SELECT quadrant(1.0, 0.6, 0.5) AS a, quadrant(-1.0, 0.4, 0.5) AS b, quadrant(0.0, 0.9, 0.5) AS c")
+    lit = run_sql(
+        con, "SELECT quadrant(1.0, 0.6, 0.5) AS a, quadrant(-1.0, 0.4, 0.5) AS b, quadrant(0.0, 0.9, 0.5) AS c"
+    )
     assert lit.iloc[0].tolist() == ["PA&HP", "NA&LP", "ZA"]
 
 
@@ -66,7 +68,9 @@ def test_cli_tau_on_analyze_show_check(runs):
 
     got = json.loads(ok("analyze", runs / "at0.5", "quadrant_share_by_step", "--tau", "0.7", "-f", "json"))
     want = json.loads(ok("analyze", runs / "at0.7", "quadrant_share_by_step", "-f", "json"))
-    assert [(r["step"], r["quadrant"], r["tokens"]) for r in got] == [(r["step"], r["quadrant"], r["tokens"]) for r in want]
+    assert [(r["step"], r["quadrant"], r["tokens"]) for r in got] == [
+        (r["step"], r["quadrant"], r["tokens"]) for r in want
+    ]
     assert "--tau 1.5: not in (0, 1]" in err("analyze", runs / "at0.5", "quadrant_share_by_step", "--tau", "1.5")
     assert "--tau" in err("analyze", runs / "at0.5", "quadrant_share_by_step", "--tau", "0.7", "--engine", "spark")
     shown = ok("show", runs / "at0.5", "--step", "0", "--seq", "0", "--color", "quadrant", "--tau", "0.7")
@@ -76,12 +80,15 @@ def test_cli_tau_on_analyze_show_check(runs):
     assert "note: run=r step=0 rule=thin_quadrant" in res.stdout and "try --tau" in res.stdout, res.output
 
 
-@pytest.mark.parametrize("sql, mean", [
-    ("SELECT quadrnt FROM tokens", "`quadrant`"),
-    ("SELECT * FROM token", "`tokens`"),
-    ("SELECT quadrnt(advantage, prob, 0.5) FROM tokens", "`quadrant`"),
-    ("SELECT t.entrpy FROM tokens AS t", "`entropy`"),
-])
+@pytest.mark.parametrize(
+    "sql, mean",
+    [
+        ("SELECT quadrnt FROM tokens", "`quadrant`"),
+        ("SELECT * FROM token", "`tokens`"),
+        ("SELECT quadrnt(advantage, prob, 0.5) FROM tokens", "`quadrant`"),
+        ("SELECT t.entrpy FROM tokens AS t", "`entropy`"),
+    ],
+)
 def test_sql_slips_name_the_closest_names_the_views_and_schema(runs, sql, mean):
     from cli_calls import err
 

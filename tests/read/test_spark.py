@@ -20,29 +20,45 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from fixture_runs import build as build_hand_runs
 from typer.testing import CliRunner
 
 from entropylens.read import query
-from entropylens.schema import STEPS, stored_columns
 from entropylens.record.writer import write_probes, write_sequences, write_steps, write_tokens
-from fixture_runs import build as build_hand_runs
+from entropylens.schema import STEPS, stored_columns
 
 pytestmark = pytest.mark.slow
 
 APPROX: dict[str, tuple[str, ...]] = {}  # analysis -> approximate quantile columns (see above)
 QUANTILE = {"p05": 0.05, "p95": 0.95}
 RANK_TOL = 0.02
-EXTRA_PARAMS = [("ratio_vs_prob", {"points": 25}), ("clipped_prob_distribution", {"bins": 4}),
-                ("drift_by_prob_bin", {"bins": 7}), ("entropy_ratio_by_step", {"band_low": 0.9, "band_high": 1.1})]
+EXTRA_PARAMS = [
+    ("ratio_vs_prob", {"points": 25}),
+    ("clipped_prob_distribution", {"bins": 4}),
+    ("drift_by_prob_bin", {"bins": 7}),
+    ("entropy_ratio_by_step", {"band_low": 0.9, "band_high": 1.1}),
+]
 
 
-def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric=False, first_step=0,
-                uncommitted=()):
+def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric=False, first_step=0, uncommitted=()):
     rng = np.random.default_rng(seed)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "run.json").write_text(json.dumps({
-        "run": d.name, "method": method, "status": "finished", "eps_low": 0.2, "eps_high": 0.28, "tau": 0.5,
-        "world_size": ranks, "seed": seed, "schema_version": 1, "config": {"method": method, "lr": 1e-6}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": d.name,
+                "method": method,
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.28,
+                "tau": 0.5,
+                "world_size": ranks,
+                "seed": seed,
+                "schema_version": 1,
+                "config": {"method": method, "lr": 1e-6},
+            }
+        )
+    )
     seq0 = 1000 * first_step
     for step in range(first_step, first_step + steps):
         for rank in range(ranks):
@@ -64,51 +80,109 @@ def _random_run(d, *, method, ranks, steps, updates, seed, drop=(), extra_metric
                 p = np.exp(old_lp.astype(np.float64))
                 quad = np.where(adv == 0, 0, np.where(adv > 0, np.where(p >= 0.5, 1, 2), np.where(p >= 0.5, 3, 4)))
                 h = (old_h * rng.uniform(0.7, 1.4, n)).astype(np.float32)
-                arrs = {"update": np.full(n, u, np.int16), "seq": seq, "group": seq // 3, "pos": pos,
-                        "token_id": rng.integers(0, 50000, n).astype(np.int32), "logprob": lp, "old_logprob": old_lp,
-                        "advantage": adv, "quadrant": quad.astype(np.int8), "clip": clip,
-                        "clipped": ((clip == -1) & (adv < 0)) | ((clip == 1) & (adv > 0)),
-                        "entropy": h, "old_entropy": old_h, "erc_kept": rng.random(n) < 0.9,
-                        "grad_coef": rng.normal(0, 0.01, n).astype(np.float32),
-                        "logit_grad_norm": rng.uniform(0, 0.05, n).astype(np.float32)}
+                arrs = {
+                    "update": np.full(n, u, np.int16),
+                    "seq": seq,
+                    "group": seq // 3,
+                    "pos": pos,
+                    "token_id": rng.integers(0, 50000, n).astype(np.int32),
+                    "logprob": lp,
+                    "old_logprob": old_lp,
+                    "advantage": adv,
+                    "quadrant": quad.astype(np.int8),
+                    "clip": clip,
+                    "clipped": ((clip == -1) & (adv < 0)) | ((clip == 1) & (adv > 0)),
+                    "entropy": h,
+                    "old_entropy": old_h,
+                    "erc_kept": rng.random(n) < 0.9,
+                    "grad_coef": rng.normal(0, 0.01, n).astype(np.float32),
+                    "logit_grad_norm": rng.uniform(0, 0.05, n).astype(np.float32),
+                }
                 for c in stored_columns("tokens"):  # every other column of the contract gets values too
                     if c.name not in arrs and c.name not in ("step", "rank") and c.dtype not in ("string", "dict8"):
-                        arrs[c.name] = (rng.random(n) < 0.3 if c.dtype == "bool" else
-                                        rng.normal(0, 0.01, n).astype(np.float32) if c.dtype.startswith("float")
-                                        else rng.integers(0, 5, n).astype(c.dtype))
+                        arrs[c.name] = (
+                            rng.random(n) < 0.3
+                            if c.dtype == "bool"
+                            else rng.normal(0, 0.01, n).astype(np.float32)
+                            if c.dtype.startswith("float")
+                            else rng.integers(0, 5, n).astype(c.dtype)
+                        )
                 f = write_tokens(d, step, rank, u, arrs)
                 if drop:
                     t = pq.read_table(f)
                     pq.write_table(t.drop_columns(list(drop)), f)
-                write_probes(d, step, rank, u, [
-                    {"update": u, "part": part, "tokens": int(rng.integers(0, 50)), "grad_norm": float(rng.random()),
-                     "predicted_dh": float(rng.normal()), "measured_dh": float(rng.normal()) if part == "step" else None,
-                     "entropy_before": float(rng.random()), "optimizer": "AdamW", "lr": 1e-6}
-                    for part in ("PA&HP", "NA&LP", "momentum", "step")])
-                rows.append({
-                    **{c.name: float(rng.random()) for c in STEPS if c.dtype.startswith("float")},
-                    "update": u, "n_tokens": n, "loss": float(rng.normal()), "grad_norm": float(rng.uniform(0.1, 2)),
-                    "entropy_mean": float(h.mean()), "old_entropy_mean": float(old_h.mean()),
-                    "clip_low_frac": float(((clip == -1) & (adv < 0)).mean()),
-                    "clip_high_frac": float(((clip == 1) & (adv > 0)).mean()),
-                    **{f"n_{k}": int((quad == c).sum()) for k, c in
-                       (("pa_hp", 1), ("pa_lp", 2), ("na_hp", 3), ("na_lp", 4), ("za", 0))},
-                    "erc_drop_frac": float(rng.uniform(0, 0.1)), "kl_k3": float(rng.uniform(0, 0.01)),
-                    "reward_mean": float(rng.uniform()), **({"my_metric": float(rng.normal())} if extra_metric else {})})
+                write_probes(
+                    d,
+                    step,
+                    rank,
+                    u,
+                    [
+                        {
+                            "update": u,
+                            "part": part,
+                            "tokens": int(rng.integers(0, 50)),
+                            "grad_norm": float(rng.random()),
+                            "predicted_dh": float(rng.normal()),
+                            "measured_dh": float(rng.normal()) if part == "step" else None,
+                            "entropy_before": float(rng.random()),
+                            "optimizer": "AdamW",
+                            "lr": 1e-6,
+                        }
+                        for part in ("PA&HP", "NA&LP", "momentum", "step")
+                    ],
+                )
+                rows.append(
+                    {
+                        **{c.name: float(rng.random()) for c in STEPS if c.dtype.startswith("float")},
+                        "update": u,
+                        "n_tokens": n,
+                        "loss": float(rng.normal()),
+                        "grad_norm": float(rng.uniform(0.1, 2)),
+                        "entropy_mean": float(h.mean()),
+                        "old_entropy_mean": float(old_h.mean()),
+                        "clip_low_frac": float(((clip == -1) & (adv < 0)).mean()),
+                        "clip_high_frac": float(((clip == 1) & (adv > 0)).mean()),
+                        **{
+                            f"n_{k}": int((quad == c).sum())
+                            for k, c in (("pa_hp", 1), ("pa_lp", 2), ("na_hp", 3), ("na_lp", 4), ("za", 0))
+                        },
+                        "erc_drop_frac": float(rng.uniform(0, 0.1)),
+                        "kl_k3": float(rng.uniform(0, 0.01)),
+                        "reward_mean": float(rng.uniform()),
+                        **({"my_metric": float(rng.normal())} if extra_metric else {}),
+                    }
+                )
             if step not in uncommitted:
                 write_steps(d, step, rank, rows)
-            write_sequences(d, step, rank, 0, {
-                "seq": np.arange(seq0 - n_seq, seq0, dtype=np.int32), "group": np.arange(n_seq, dtype=np.int32) // 3,
-                "reward": rng.uniform(0, 1, n_seq).astype(np.float32), "advantage": adv_seq,
-                "length": lengths.astype(np.int32)})
+            write_sequences(
+                d,
+                step,
+                rank,
+                0,
+                {
+                    "seq": np.arange(seq0 - n_seq, seq0, dtype=np.int32),
+                    "group": np.arange(n_seq, dtype=np.int32) // 3,
+                    "reward": rng.uniform(0, 1, n_seq).astype(np.float32),
+                    "advantage": adv_seq,
+                    "length": lengths.astype(np.int32),
+                },
+            )
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     r = build_hand_runs(tmp_path_factory.mktemp("parity"))
     _random_run(r / "c", method="dapo", ranks=2, steps=3, updates=2, seed=1)
-    _random_run(r / "older" / "d", method="ce_gppo", ranks=1, steps=2, updates=2, seed=2,
-                drop=("erc_kept", "logit_grad_norm"), extra_metric=True)
+    _random_run(
+        r / "older" / "d",
+        method="ce_gppo",
+        ranks=1,
+        steps=2,
+        updates=2,
+        seed=2,
+        drop=("erc_kept", "logit_grad_norm"),
+        extra_metric=True,
+    )
     from entropylens.read.compact import compact
 
     _random_run(r / "e", method="grpo", ranks=2, steps=3, updates=2, seed=3)
@@ -135,9 +209,13 @@ def cons(root, spark):
 
 
 def _exact_rank_band(duck, run, step, q, n_tol=RANK_TOL):
-    x = np.sort(duck.execute(
-        f"SELECT entropy_ratio FROM tokens WHERE run = '{run}' AND step = {step} AND entropy_ratio IS NOT NULL"
-    ).df()["entropy_ratio"].to_numpy(np.float64))
+    x = np.sort(
+        duck.execute(
+            f"SELECT entropy_ratio FROM tokens WHERE run = '{run}' AND step = {step} AND entropy_ratio IS NOT NULL"
+        )
+        .df()["entropy_ratio"]
+        .to_numpy(np.float64)
+    )
     lo = max(0, math.floor((q - n_tol) * (len(x) - 1)))
     hi = min(len(x) - 1, math.ceil((q + n_tol) * (len(x) - 1)))
     return x[lo], x[hi]
@@ -146,8 +224,16 @@ def _exact_rank_band(duck, run, step, q, n_tol=RANK_TOL):
 def _canonical(df: pd.DataFrame) -> pd.DataFrame:
     """Rows sorted by every column (floats to 5 significant digits): for results whose ORDER BY
     leaves ties (e.g. the same key from two ranks), where each engine may return tied rows in any order."""
-    keys = pd.DataFrame({c: (df[c].map(lambda v: None if pd.isna(v) else float(f"{float(v):.5g}"))
-                             if df[c].dtype.kind in "iufb" else df[c].astype(str)) for c in df.columns})
+    keys = pd.DataFrame(
+        {
+            c: (
+                df[c].map(lambda v: None if pd.isna(v) else float(f"{float(v):.5g}"))
+                if df[c].dtype.kind in "iufb"
+                else df[c].astype(str)
+            )
+            for c in df.columns
+        }
+    )
     return df.iloc[keys.sort_values(list(keys.columns), kind="mergesort", na_position="last").index]
 
 
@@ -172,8 +258,9 @@ def assert_same_rows(a: pd.DataFrame, b: pd.DataFrame, skip=()):
 CASES = [(n, {}) for n in sorted(query.analysis_info())] + EXTRA_PARAMS
 
 
-@pytest.mark.parametrize("name, params", CASES, ids=[f"{n}-{'-'.join(map(str, p.values())) or 'default'}"
-                                                     for n, p in CASES])
+@pytest.mark.parametrize(
+    "name, params", CASES, ids=[f"{n}-{'-'.join(map(str, p.values())) or 'default'}" for n, p in CASES]
+)
 def test_same_rows_on_duckdb_and_spark(cons, name, params):
     duck, sc = cons
     a = query.run_analysis(duck, name, **params)
@@ -194,15 +281,21 @@ def test_same_rows_on_duckdb_and_spark(cons, name, params):
 def test_views_are_equal(cons, root):
     """Every view has the same rows and columns on both engines (derived columns, run, union by name)."""
     duck, sc = cons
-    for table, key in (("tokens", "run, step, update, rank, seq, pos"), ("steps", "run, step, rank, update"),
-                       ("sequences", "run, step, rank, seq"), ("probes", "run, step, rank, update, part"),
-                       ("runs", "run")):
+    for table, key in (
+        ("tokens", "run, step, update, rank, seq, pos"),
+        ("steps", "run, step, rank, update"),
+        ("sequences", "run, step, rank, seq"),
+        ("probes", "run, step, rank, update, part"),
+        ("runs", "run"),
+    ):
         a = duck.execute(f"SELECT * FROM {table} ORDER BY {key}").df()
         b = sc.execute(f"SELECT * FROM {table} ORDER BY {key}").df()
         assert sorted(a.columns) == sorted(b.columns), table
         assert_same_rows(a, b[list(a.columns)])
     # the fixture does exercise union by name: run d's files lack erc_kept, only d has my_metric
-    t = sc.execute("SELECT run = 'd' AS d, count(*) AS n, count(erc_kept) AS kept FROM tokens GROUP BY 1 ORDER BY 1").df()
+    t = sc.execute(
+        "SELECT run = 'd' AS d, count(*) AS n, count(erc_kept) AS kept FROM tokens GROUP BY 1 ORDER BY 1"
+    ).df()
     assert t["n"].tolist()[1] > 0 and t["kept"].tolist()[1] == 0 and t["kept"].tolist()[0] > 0
     m = sc.execute("SELECT run = 'd' AS d, count(my_metric) AS m FROM steps GROUP BY 1 ORDER BY 1").df()
     assert m["m"].tolist()[0] == 0 and m["m"].tolist()[1] > 0
@@ -214,8 +307,9 @@ def test_views_are_equal(cons, root):
 
 
 def test_python_api_and_cli(root, spark, tmp_path):
-    from entropylens.read import spark as es
     from entropylens.cli.main import app
+
+    from entropylens.read import spark as es
 
     df = es.run_analysis(root, "entropy_by_step", runs=["c"], spark=spark)
     assert set(df["run"]) == {"c"} and len(df) == 3

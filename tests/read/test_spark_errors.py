@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from fixture_runs import build
 
 CLI = [sys.executable, "-m", "entropylens.cli.main"]
@@ -21,8 +20,7 @@ def root(tmp_path_factory):
 
 def _run(args, env=None, pre=""):
     code = f"{pre}import sys; from entropylens.cli.main import main; sys.argv = ['entropylens'] + {args!r}; main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                          cwd=HERE)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, cwd=HERE)
 
 
 def test_missing_java_is_one_line(root, tmp_path):
@@ -49,8 +47,10 @@ def test_bad_analysis_and_path_fail_before_spark(root, tmp_path):
 
 
 def test_help_does_not_import_pyspark():
-    code = ("import sys; from entropylens.cli.main import app; from typer.testing import CliRunner; "
-            "r = CliRunner().invoke(app, ['analyze', '--help']); assert '--engine' in r.output, r.output; "
-            "print('pyspark' in sys.modules, 'sqlglot' in sys.modules)")
+    code = (
+        "import sys; from entropylens.cli.main import app; from typer.testing import CliRunner; "
+        "r = CliRunner().invoke(app, ['analyze', '--help']); assert '--engine' in r.output, r.output; "
+        "print('pyspark' in sys.modules, 'sqlglot' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=HERE)
     assert res.stdout.strip() == "False False", res.stderr

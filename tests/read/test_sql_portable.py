@@ -15,37 +15,45 @@ def test_analysis_is_portable(name):
     assert problems(render_analysis(name)) == [], name
 
 
-@pytest.mark.parametrize("sql, why", [
-    # silently mistranslated by sqlglot (DuckDB -> Spark)
-    ("SELECT run, list(entropy ORDER BY step)[1] AS first_h FROM tokens GROUP BY run", "indexing"),
-    ("SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ratio) FROM tokens", "WITHIN GROUP"),
-    ("SELECT * FROM read_parquet('r/tokens/**/*.parquet', hive_partitioning = true)", "views only"),
-    ("SELECT run FROM tokens ORDER BY hash(step, seq, pos)", "hashes differently"),
-    # rejected by sqlglot or Spark
-    ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95]) FROM tokens", "exact quantile"),
-    ("SELECT quantile_disc(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
-    ("SELECT quantile(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
-    ("SELECT sum(clipped) FROM tokens", "over a boolean"),
-    ("SELECT sum(ratio > 1.2) FROM tokens", "over a boolean"),
-    ("SELECT histogram(quadrant) FROM tokens", "DuckDB-only"),
-    ("WITH c AS (SELECT run, sum(n_za) AS za FROM steps GROUP BY run) "
-     "UNPIVOT c ON za INTO NAME quadrant VALUE tokens", "UNPIVOT"),
-    # DuckDB's arg_max skips NULL arguments, Spark's max_by does not
-    ("SELECT arg_max(reward_mean, step) FROM steps", "FILTER"),
-    # only the engine's views
-    ("SELECT count(*) FROM tokens_raw", "only the views"),
-    ("SELECT list_sum([1, 2])", "untranslated"),
-    ("SELECT 1 FROM tokens; SELECT 2 FROM steps", "one query"),
-])
+@pytest.mark.parametrize(
+    "sql, why",
+    [
+        # silently mistranslated by sqlglot (DuckDB -> Spark)
+        ("SELECT run, list(entropy ORDER BY step)[1] AS first_h FROM tokens GROUP BY run", "indexing"),
+        ("SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY ratio) FROM tokens", "WITHIN GROUP"),
+        ("SELECT * FROM read_parquet('r/tokens/**/*.parquet', hive_partitioning = true)", "views only"),
+        ("SELECT run FROM tokens ORDER BY hash(step, seq, pos)", "hashes differently"),
+        # rejected by sqlglot or Spark
+        ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95]) FROM tokens", "exact quantile"),
+        ("SELECT quantile_disc(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
+        ("SELECT quantile(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
+        ("SELECT sum(clipped) FROM tokens", "over a boolean"),
+        ("SELECT sum(ratio > 1.2) FROM tokens", "over a boolean"),
+        ("SELECT histogram(quadrant) FROM tokens", "DuckDB-only"),
+        (
+            "WITH c AS (SELECT run, sum(n_za) AS za FROM steps GROUP BY run) "
+            "UNPIVOT c ON za INTO NAME quadrant VALUE tokens",
+            "UNPIVOT",
+        ),
+        # DuckDB's arg_max skips NULL arguments, Spark's max_by does not
+        ("SELECT arg_max(reward_mean, step) FROM steps", "FILTER"),
+        # only the engine's views
+        ("SELECT count(*) FROM tokens_raw", "only the views"),
+        ("SELECT list_sum([1, 2])", "untranslated"),
+        ("SELECT 1 FROM tokens; SELECT 2 FROM steps", "one query"),
+    ],
+)
 def test_lint_catches_non_portable_sql(sql, why):
     found = problems(sql)
     assert found and any(why in p for p in found), found
 
 
 def test_guarded_arg_max_and_count_if_pass():
-    sql = ("SELECT run, arg_max(reward_mean, step) FILTER (WHERE reward_mean IS NOT NULL) AS r, "
-           "count_if(clipped) AS c, avg(CAST(clipped AS INTEGER)) AS f, median(ratio) AS m, "
-           "approx_quantile(ratio, 0.05) AS q FROM tokens GROUP BY run")
+    sql = (
+        "SELECT run, arg_max(reward_mean, step) FILTER (WHERE reward_mean IS NOT NULL) AS r, "
+        "count_if(clipped) AS c, avg(CAST(clipped AS INTEGER)) AS f, median(ratio) AS m, "
+        "approx_quantile(ratio, 0.05) AS q FROM tokens GROUP BY run"
+    )
     assert problems(sql) == []
     spark = to_spark(sql)
     for fn in ("MAX_BY(", "COUNT_IF(", "MEDIAN(", "PERCENTILE_APPROX("):

@@ -23,8 +23,9 @@ def _env():
 
 def _child_until(line: str, *args: str) -> subprocess.Popen:
     """record_child.py with ``args``, once it has printed ``line`` (it goes on running)."""
-    p = subprocess.Popen([sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_env())
+    p = subprocess.Popen(
+        [sys.executable, str(CHILD), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     for out in p.stdout:
         if out.strip() == line:
             break
@@ -35,8 +36,13 @@ def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
     rng = random.Random(1234)
     kills = 10
     for i in range(kills):
-        p = subprocess.Popen([sys.executable, str(CHILD), "kill", str(tmp_path), f"k{i}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        p = subprocess.Popen(
+            [sys.executable, str(CHILD), "kill", str(tmp_path), f"k{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         line = p.stdout.readline()  # 'ready' after 3 steps: the writer is busy
         assert line.strip() == "ready", p.stderr.read()
         time.sleep(rng.uniform(0.0, 1.5))
@@ -45,8 +51,9 @@ def test_sigkill_leaves_only_whole_files_and_complete_steps(tmp_path):
         assert p.returncode == -signal.SIGKILL
     # every file the glob sees is whole: DuckDB reads all of them without error
     glob = f"{tmp_path}/**/*.parquet"
-    n_files = duckdb.sql(f"SELECT count(DISTINCT filename) FROM read_parquet('{glob}', union_by_name=true, "
-                         "filename=true)").fetchall()[0][0]
+    n_files = duckdb.sql(
+        f"SELECT count(DISTINCT filename) FROM read_parquet('{glob}', union_by_name=true, filename=true)"
+    ).fetchall()[0][0]
     assert n_files > 0
     for f in tmp_path.rglob("*.parquet"):
         assert not f.name.startswith(".")
@@ -68,8 +75,13 @@ def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
     # step it reported committed is on disk whole: its steps rows, all their token rows, its sequences
     rng = random.Random(99)
     for i in range(4):
-        p = subprocess.Popen([sys.executable, str(CHILD), "commit", str(tmp_path), f"c{i}"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+        p = subprocess.Popen(
+            [sys.executable, str(CHILD), "commit", str(tmp_path), f"c{i}"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
         first = p.stdout.readline()
         assert first.strip() == "committed 0", p.stderr.read()
         time.sleep(rng.uniform(0.0, 1.0))
@@ -78,8 +90,9 @@ def test_sigkill_after_commit_loses_no_committed_step(tmp_path):
         lines = [first] + p.stdout.read().splitlines()
         last = int(lines[-1].split()[1])  # the last step reported committed before the kill
         con = connect(tmp_path)
-        steps = con.execute("SELECT step, count(*), sum(n_tokens) FROM steps WHERE run = ? GROUP BY step "
-                            "ORDER BY step", [f"c{i}"]).fetchall()
+        steps = con.execute(
+            "SELECT step, count(*), sum(n_tokens) FROM steps WHERE run = ? GROUP BY step ORDER BY step", [f"c{i}"]
+        ).fetchall()
         assert [s for s, _, _ in steps][: last + 1] == list(range(last + 1))
         for step, n_updates, n_tokens in steps[: last + 1]:
             assert n_updates == 2
@@ -132,9 +145,12 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
         raise AssertionError("an existing run must be refused without resume")
     import pytest
 
-    with pytest.raises(ValueError, match=r"resume=100000: step 100000 of rank 0 is not on disk in .* \(its last "
-                                         r"written step is \d+\); resume from a checkpoint at or before step \d+, "
-                                         r"and call commit\(\) when saving one"):
+    with pytest.raises(
+        ValueError,
+        match=r"resume=100000: step 100000 of rank 0 is not on disk in .* \(its last "
+        r"written step is \d+\); resume from a checkpoint at or before step \d+, "
+        r"and call commit\(\) when saving one",
+    ):
         Recorder(tmp_path, run="k", resume=100_000)
     with pytest.raises(ValueError, match="holds no run to resume"):
         Recorder(tmp_path, run="nothing-here", resume=3)
@@ -161,9 +177,12 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     kept_tmp.write_bytes(b"PAR1")
     last = con.execute("SELECT max(step) FROM steps").fetchone()[0]  # the child committed more than step 1
     assert last >= 2
-    with pytest.warns(UserWarning, match=rf"resume=1 removed {last - 1} complete steps? of run 'k' \(rank 0\) "
-                                         rf"recorded after step 1: "
-                                         rf"{2 if last == 2 else f'2, 3' if last == 3 else f'2-{last}'}; the resumed job"):
+    with pytest.warns(
+        UserWarning,
+        match=rf"resume=1 removed {last - 1} complete steps? of run 'k' \(rank 0\) "
+        rf"recorded after step 1: "
+        rf"{2 if last == 2 else '2, 3' if last == 3 else f'2-{last}'}; the resumed job",
+    ):
         rec = Recorder(tmp_path, run="k", resume=1)  # no config: the run keeps the first job's
     with rec:
         with pytest.raises(ValueError, match="steps <= 1 are closed"):
@@ -208,8 +227,11 @@ def test_a_run_compacted_while_it_trained_resumes_after_its_compacted_steps(tmp_
     (done,) = compact(tmp_path, grace_s=0)
     assert done.steps == (0, 3)  # the final steps of a live run: every rank committed them
     rec.close(status="failed", _raise=False)  # then it fails (as a trainer's crash handler closes it)
-    with pytest.raises(ValueError, match=r"resume=1: steps 0-3 of .* were compacted .* reach past step 1; "
-                                         r"compacted steps cannot be removed: resume after step 3 or later"):
+    with pytest.raises(
+        ValueError,
+        match=r"resume=1: steps 0-3 of .* were compacted .* reach past step 1; "
+        r"compacted steps cannot be removed: resume after step 3 or later",
+    ):
         Recorder(tmp_path, run="c", resume=1)
     before = connect(tmp_path).execute("SELECT step, n_tokens FROM steps ORDER BY step").fetchall()
     with Recorder(tmp_path, run="c", resume=3) as again:
@@ -233,10 +255,19 @@ def _two_ranks(*args):
     port = _free_port()
     procs = []
     for rank in range(2):
-        env = {**_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, str(CHILD), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = {
+            **_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(CHILD), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     return procs
 
 
@@ -300,8 +331,9 @@ def test_two_killed_ranks_resume_their_run_together(tmp_path):
     rows = con.execute("SELECT step, rank, n_tokens FROM steps ORDER BY ALL").fetchall()
     assert [r for r in rows if r[0] <= 1] == kept
     assert {(s, r): n for s, r, n in rows if s >= 2} == recorded
-    tokens = dict(((s, r), n) for s, r, n in con.execute(
-        "SELECT step, rank, count(*) FROM tokens GROUP BY ALL").fetchall())
+    tokens = dict(
+        ((s, r), n) for s, r, n in con.execute("SELECT step, rank, count(*) FROM tokens GROUP BY ALL").fetchall()
+    )
     assert tokens == {(s, r): n for s, r, n in rows}  # every step's token rows whole, none of the killed job's
     assert con.execute("SELECT world_size, status, resumes FROM runs").fetchall() == [(2, "finished", 1)]
     info = json.loads((tmp_path / "d" / "run.json").read_text())
@@ -325,8 +357,17 @@ def test_a_run_resumes_on_fewer_or_more_ranks(tmp_path):
     gen = torch.Generator().manual_seed(3)
 
     def job(world, steps, resume=None):
-        recs = [Recorder(tmp_path, run="w", rank=r, world_size=world, resume=resume,
-                         config=None if resume is not None else {"method": "grpo"}) for r in range(world)]
+        recs = [
+            Recorder(
+                tmp_path,
+                run="w",
+                rank=r,
+                world_size=world,
+                resume=resume,
+                config=None if resume is not None else {"method": "grpo"},
+            )
+            for r in range(world)
+        ]
         for step in steps:
             for r, rec in enumerate(recs):
                 one_update(rec, step, 0, 2 + r, 8, 20, gen, seq_offset=100 * r)
@@ -342,18 +383,31 @@ def test_a_run_resumes_on_fewer_or_more_ranks(tmp_path):
         rec.close()
     con = connect(tmp_path)
     assert con.execute("SELECT step, rank FROM steps ORDER BY ALL").fetchall() == [
-        (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (3, 0), (3, 1)]
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 0),
+        (1, 1),
+        (1, 2),
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+    ]
     assert not (tmp_path / "w" / "ranks" / "rank-2.json").exists()
     assert con.execute("SELECT status, resumes FROM runs").fetchall() == [("finished", 1)]
-    with pytest.warns(UserWarning, match=r"resume=2 removed 1 complete step of run 'w'"), \
-            pytest.warns(UserWarning, match=r"resume=2: rank 2 has no steps 2-2 on disk .* did not take part"):
+    with (
+        pytest.warns(UserWarning, match=r"resume=2 removed 1 complete step of run 'w'"),
+        pytest.warns(UserWarning, match=r"resume=2: rank 2 has no steps 2-2 on disk .* did not take part"),
+    ):
         recs = job(4, range(3, 5), resume=2)  # rank 2 sat out the 2-rank job; rank 3 is new
     for rec in recs:
         rec.close()
     con = connect(tmp_path)
     rows = con.execute("SELECT step, rank FROM steps ORDER BY ALL").fetchall()
     assert rows == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)] + [
-        (s, r) for s in (3, 4) for r in range(4)]
+        (s, r) for s in (3, 4) for r in range(4)
+    ]
     tokens = con.execute("SELECT step, rank, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall()
     n_tokens = con.execute("SELECT step, rank, n_tokens FROM steps ORDER BY ALL").fetchall()
     assert tokens == n_tokens  # every step's rows whole, none left of a removed step

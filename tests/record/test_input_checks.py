@@ -32,15 +32,16 @@ def _batch(b: int, t: int, step: int, seed: int = 0):
 
 
 def _train(rec, step, logits, tokens, mask, adv, old_lp, old_h, seq_ids=None, update=0):
-    out = policy_update(rec, step, update, logits, tokens, mask, adv, old_lp, old_entropy=old_h, method="grpo",
-                        seq_ids=seq_ids)
+    out = policy_update(
+        rec, step, update, logits, tokens, mask, adv, old_lp, old_entropy=old_h, method="grpo", seq_ids=seq_ids
+    )
     out.loss.backward()
     rec.record_step(step, update=update, grad_norm=1.0, lr=1e-3)
     return out
 
 
 def _steps(root, cols="*"):
-    return entropylens.open(root).sql(f"SELECT {cols} FROM steps ORDER BY step, \"update\"")
+    return entropylens.open(root).sql(f'SELECT {cols} FROM steps ORDER BY step, "update"')
 
 
 def _status(root, run):
@@ -58,17 +59,30 @@ def test_an_empty_batch_is_an_empty_update_and_recording_goes_on(tmp_path, shape
                 b, t = shape if step == 1 else (4, 5)
                 _train(rec, step, *_batch(b, t, step), seq_ids=torch.arange(b) + 10 * step)
     assert _status(tmp_path, "r") == "finished"
-    df = _steps(tmp_path, "step, n_tokens, entropy_mean, old_entropy_mean, ratio_mean, kl_k3, clipped_frac, "
-                          "entropy_ratio_p05, entropy_ratio_p50, entropy_ratio_p95, n_pa_lp, n_nonfinite_ratio")
+    df = _steps(
+        tmp_path,
+        "step, n_tokens, entropy_mean, old_entropy_mean, ratio_mean, kl_k3, clipped_frac, "
+        "entropy_ratio_p05, entropy_ratio_p50, entropy_ratio_p95, n_pa_lp, n_nonfinite_ratio",
+    )
     assert df["step"].tolist() == [0, 1, 2] and df["n_tokens"].tolist() == [20, 0, 20]
     empty = df.iloc[1]
-    for col in ("entropy_mean", "old_entropy_mean", "ratio_mean", "kl_k3", "clipped_frac", "entropy_ratio_p05",
-                "entropy_ratio_p50", "entropy_ratio_p95"):
+    for col in (
+        "entropy_mean",
+        "old_entropy_mean",
+        "ratio_mean",
+        "kl_k3",
+        "clipped_frac",
+        "entropy_ratio_p05",
+        "entropy_ratio_p50",
+        "entropy_ratio_p95",
+    ):
         assert math.isnan(empty[col]), col  # pandas shows DuckDB's NULL as NaN: checked as NULL below
     assert empty["n_pa_lp"] == 0 and empty["n_nonfinite_ratio"] == 0  # counts over no tokens: 0
     con = entropylens.open(tmp_path)
-    assert con.sql("SELECT count(*) AS n FROM steps WHERE step = 1 AND entropy_mean IS NULL "
-                   "AND entropy_ratio_p50 IS NULL AND clipped_frac IS NULL")["n"].tolist() == [1]
+    assert con.sql(
+        "SELECT count(*) AS n FROM steps WHERE step = 1 AND entropy_mean IS NULL "
+        "AND entropy_ratio_p50 IS NULL AND clipped_frac IS NULL"
+    )["n"].tolist() == [1]
     assert con.sql("SELECT DISTINCT step FROM tokens ORDER BY step")["step"].tolist() == [0, 2]
 
 
@@ -82,8 +96,10 @@ def test_means_and_fractions_over_no_tokens_are_null_never_zero(tmp_path):
                 mask[:] = False
             _train(rec, step, logits, tokens, mask, adv, old_lp, old_h)
     con = entropylens.open(tmp_path)
-    got = con.sql("SELECT step, n_tokens, entropy_mean IS NULL AS h, ratio_mean IS NULL AS r, "
-                  "clipped_frac IS NULL AS c, clip_frac_pa_lp IS NULL AS q FROM steps ORDER BY step")
+    got = con.sql(
+        "SELECT step, n_tokens, entropy_mean IS NULL AS h, ratio_mean IS NULL AS r, "
+        "clipped_frac IS NULL AS c, clip_frac_pa_lp IS NULL AS q FROM steps ORDER BY step"
+    )
     assert got.iloc[3].tolist() == [3, 0, True, True, True, True]
     assert not got.drop(index=3)[["h", "r", "c"]].any().any()
     assert con.sql("SELECT min(entropy_mean) AS m FROM steps")["m"].iloc[0] > 0.5  # no collapse to 0
@@ -102,15 +118,22 @@ def test_texts_must_be_str_or_none_and_invalid_code_points_are_replaced_once(tmp
             _train(rec, 0, *_batch(3, 4, 0), seq_ids=ids)
             with pytest.raises(TypeError, match=r"^record_sequences: texts\[1\] is int, expected a str or None$"):
                 rec.record_sequences(0, seq_ids=ids, rewards=ones, advantages=ones, lengths=ones, texts=["a", 3, None])
-            rec.record_sequences(0, seq_ids=ids[:2], rewards=ones[:2], advantages=ones[:2], lengths=ones[:2],
-                                 texts=["lone \ud800 surrogate", "a pair \ud83d\ude00 joined"])
-            rec.record_sequences(0, seq_ids=ids[2:], rewards=ones[2:], advantages=ones[2:], lengths=ones[2:],
-                                 texts=["\udfff"])
+            rec.record_sequences(
+                0,
+                seq_ids=ids[:2],
+                rewards=ones[:2],
+                advantages=ones[:2],
+                lengths=ones[:2],
+                texts=["lone \ud800 surrogate", "a pair \ud83d\ude00 joined"],
+            )
+            rec.record_sequences(
+                0, seq_ids=ids[2:], rewards=ones[2:], advantages=ones[2:], lengths=ones[2:], texts=["\udfff"]
+            )
     said = [str(w.message) for w in caught if "lone surrogates" in str(w.message)]
     assert len(said) == 1 and said[0].startswith("entropylens: record_sequences(0): 2 texts held lone surrogates")
     assert caught[0].filename == __file__
     texts = entropylens.open(tmp_path).sql("SELECT seq, text FROM sequences ORDER BY seq")["text"].tolist()
-    assert texts == ["lone \ufffd surrogate", "a pair \U0001F600 joined", "\ufffd"]
+    assert texts == ["lone \ufffd surrogate", "a pair \U0001f600 joined", "\ufffd"]
     assert _status(tmp_path, "r") == "finished"
 
 
@@ -126,7 +149,10 @@ def test_duplicate_seq_ids_are_refused_at_the_call_naming_them(tmp_path):
         _train(rec, 0, logits, tokens, mask, adv, old_lp, old_h, seq_ids=torch.tensor([0, 9, 9, 3]))
         rec.record_sequences(0, seq_ids=[0, 3], rewards=[1.0, 0.0], advantages=[1.0, -1.0], lengths=[5, 5])
     con = entropylens.open(tmp_path)
-    assert con.sql("SELECT seq, count(*) AS n FROM tokens GROUP BY seq ORDER BY seq").values.tolist() == [[0, 5], [3, 5]]
+    assert con.sql("SELECT seq, count(*) AS n FROM tokens GROUP BY seq ORDER BY seq").values.tolist() == [
+        [0, 5],
+        [3, 5],
+    ]
     assert con.sql("SELECT count(*) AS n FROM steps")["n"].tolist() == [1]
     resp = entropylens.open(tmp_path).analysis("responses")
     assert resp["seq"].tolist() == [0, 3] and resp["reward"].tolist() == [1.0, 0.0]
@@ -154,10 +180,13 @@ def test_sequences_no_update_trains_are_named_once_at_close(tmp_path):
             for step in range(3):
                 n = len(sequence_ids(step))
                 ones = torch.ones(n)
+
                 def seqs():
                     if n:
-                        rec.record_sequences(step, seq_ids=sequence_ids(step), rewards=ones, advantages=ones,
-                                             lengths=ones)
+                        rec.record_sequences(
+                            step, seq_ids=sequence_ids(step), rewards=ones, advantages=ones, lengths=ones
+                        )
+
                 if sequences_first:
                     seqs()
                 ids = trained_ids(step)
@@ -168,8 +197,12 @@ def test_sequences_no_update_trains_are_named_once_at_close(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # TRL: a generation's sequences recorded at its first step, before its updates, trained over 3 steps
-        run("trl", lambda s: torch.arange(2) + 2 * s, lambda s: torch.arange(6) if s == 0 else torch.arange(0),
-            sequences_first=True)
+        run(
+            "trl",
+            lambda s: torch.arange(2) + 2 * s,
+            lambda s: torch.arange(6) if s == 0 else torch.arange(0),
+            sequences_first=True,
+        )
         # verl: each step's updates first, then its sequences
         run("verl", lambda s: torch.arange(3) + 3 * s, lambda s: torch.arange(3) + 3 * s, sequences_first=False)
     assert not [w for w in caught if "matched no recorded update" in str(w.message)]
@@ -177,9 +210,11 @@ def test_sequences_no_update_trains_are_named_once_at_close(tmp_path):
         warnings.simplefilter("always")
         run("off", lambda s: torch.arange(3) + 3 * s, lambda s: torch.arange(3) + 3 * s + 100, sequences_first=False)
     said = [str(w.message) for w in caught if "matched no recorded update" in str(w.message)]
-    assert said == ["entropylens: 9 sequences of record_sequences in run 'off' (rank 0) matched no recorded update "
-                    "at their step or a later one: seq 100 (step 0), 101 (step 0), 102 (step 0), 103 (step 1), "
-                    "104 (step 1), ...; their rewards join no tokens. Pass record_update the same seq_ids"]
+    assert said == [
+        "entropylens: 9 sequences of record_sequences in run 'off' (rank 0) matched no recorded update "
+        "at their step or a later one: seq 100 (step 0), 101 (step 0), 102 (step 0), 103 (step 1), "
+        "104 (step 1), ...; their rewards join no tokens. Pass record_update the same seq_ids"
+    ]
     resp = entropylens.open(tmp_path, runs=["off"]).analysis("responses")
     assert resp["reward"].isna().all()  # what the warning says: nothing joined
 
@@ -195,9 +230,11 @@ def test_untrained_sequences_past_the_cap_are_counted(tmp_path, monkeypatch):
             _train(rec, 0, *_batch(2, 3, 0), seq_ids=torch.arange(2))
             rec.record_sequences(0, seq_ids=[0, 7, 8, 9], rewards=[1.0] * 4, advantages=[0.0] * 4, lengths=[3] * 4)
     said = [str(w.message) for w in caught if "matched no recorded update" in str(w.message)]
-    assert len(said) == 1 and said[0].startswith("entropylens: 3 sequences of record_sequences in run 'r' (rank 0) "
-                                                 "matched no recorded update at their step or a later one: seq 7 "
-                                                 "(step 0), 8 (step 0), ...;")
+    assert len(said) == 1 and said[0].startswith(
+        "entropylens: 3 sequences of record_sequences in run 'r' (rank 0) "
+        "matched no recorded update at their step or a later one: seq 7 "
+        "(step 0), 8 (step 0), ...;"
+    )
 
 
 def test_a_minus_inf_logprob_is_nonfinite_counted_and_alarmed_not_a_finite_number(tmp_path):
@@ -218,17 +255,33 @@ def test_a_minus_inf_logprob_is_nonfinite_counted_and_alarmed_not_a_finite_numbe
             old = lp.clone()
             old[0, 0] = float("-inf")
             m = torch.ones(2, 3, dtype=torch.bool)
-            rec.record_update(3, 0, mask=m, advantages=torch.tensor([1.0, -1.0]), logprobs=lp, old_logprobs=old,
-                              seq_ids=torch.tensor([0, 1]))
+            rec.record_update(
+                3,
+                0,
+                mask=m,
+                advantages=torch.tensor([1.0, -1.0]),
+                logprobs=lp,
+                old_logprobs=old,
+                seq_ids=torch.tensor([0, 1]),
+            )
             with pytest.raises(ValueError, match="^logprobs contains NaN or Inf at masked-in positions"):
-                rec.record_update(3, 1, mask=m, advantages=torch.ones(2), logprobs=torch.full((2, 3), math.nan),
-                                  old_logprobs=lp, seq_ids=torch.tensor([5, 6]))
+                rec.record_update(
+                    3,
+                    1,
+                    mask=m,
+                    advantages=torch.ones(2),
+                    logprobs=torch.full((2, 3), math.nan),
+                    old_logprobs=lp,
+                    seq_ids=torch.tensor([5, 6]),
+                )
     con = entropylens.open(tmp_path)
     steps = con.sql("SELECT step, n_tokens, n_nonfinite_ratio, kl_k3 FROM steps ORDER BY step")
     assert steps["n_nonfinite_ratio"].tolist() == [0, 1, 0, 1]
     assert all(math.isfinite(k) and k < 10 for k in steps["kl_k3"])  # the finite tokens' mean, not 1e37
-    bad = con.sql("SELECT step, seq, pos, logprob, old_logprob, ratio FROM tokens WHERE isinf(logprob) "
-                  "OR isinf(old_logprob) ORDER BY step")
+    bad = con.sql(
+        "SELECT step, seq, pos, logprob, old_logprob, ratio FROM tokens WHERE isinf(logprob) "
+        "OR isinf(old_logprob) ORDER BY step"
+    )
     assert bad[["step", "seq", "pos"]].values.tolist() == [[1, 2, 3], [3, 0, 0]]
     assert bad["logprob"].iloc[0] == -math.inf and bad["ratio"].iloc[0] == 0.0
     assert bad["old_logprob"].iloc[1] == -math.inf and bad["ratio"].iloc[1] == math.inf
@@ -311,12 +364,21 @@ def test_duplicate_seq_ids_on_cuda_are_found_without_a_sync(tmp_path):
     with Recorder(tmp_path, run="r", fsync=False) as rec:
         torch.cuda.set_sync_debug_mode("error")
         try:
-            rec.record_update(0, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=lp - 0.1,
-                              seq_ids=torch.tensor([5, 0, 5, 0], device=dev))
+            rec.record_update(
+                0,
+                0,
+                mask=m,
+                advantages=adv,
+                logprobs=lp,
+                old_logprobs=lp - 0.1,
+                seq_ids=torch.tensor([5, 0, 5, 0], device=dev),
+            )
         finally:
             torch.cuda.set_sync_debug_mode("default")
         rec.step_summary(0)
         with pytest.raises(ValueError, match=r"^seq_ids: step 0 update 0 gives seq ids 0, 5 to more than one row; "):
             rec.record_step(0, grad_norm=1.0)
-        rec.record_update(1, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=lp, seq_ids=torch.arange(4, device=dev))
+        rec.record_update(
+            1, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=lp, seq_ids=torch.arange(4, device=dev)
+        )
     assert entropylens.open(tmp_path).sql("SELECT DISTINCT step FROM tokens")["step"].tolist() == [1]

@@ -21,8 +21,16 @@ from sampler_api import needs_sampler_api  # noqa: E402
 
 def _update(rec, step, h):
     lp = torch.full((2, 3), -0.5)
-    rec.record_update(step, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
-                      logprobs=lp, old_logprobs=lp, entropy=torch.full((2, 3), h), old_entropy=torch.full((2, 3), h))
+    rec.record_update(
+        step,
+        0,
+        mask=torch.ones(2, 3, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        logprobs=lp,
+        old_logprobs=lp,
+        entropy=torch.full((2, 3), h),
+        old_entropy=torch.full((2, 3), h),
+    )
 
 
 def test_a_plain_loop_stops_when_a_stop_on_rule_fires(tmp_path):
@@ -67,10 +75,16 @@ def test_stop_on_is_checked(tmp_path):
 def test_trl_stops_training_when_a_stop_on_rule_fires(tmp_path):
     # explosion at 1e-3 x H0 fires at the first step after the baseline (any entropy is above it): the
     # trainer stops long before max_steps, with one warning naming the finding
-    with pytest.warns(EntropyAlarm, match="run=stop step=1 rule=explosion"), \
-            pytest.warns(UserWarning, match="entropylens: stopping training: run=stop step=1 rule=explosion"):
-        tr = trl_tiny.trainer(tmp_path, "stop", max_steps=20,
-                              el=dict(alarms=Thresholds(baseline=1, explosion=1e-3), stop_on=("explosion",)))
+    with (
+        pytest.warns(EntropyAlarm, match="run=stop step=1 rule=explosion"),
+        pytest.warns(UserWarning, match="entropylens: stopping training: run=stop step=1 rule=explosion"),
+    ):
+        tr = trl_tiny.trainer(
+            tmp_path,
+            "stop",
+            max_steps=20,
+            el=dict(alarms=Thresholds(baseline=1, explosion=1e-3), stop_on=("explosion",)),
+        )
         tr.train()
     assert tr.state.global_step < 20
     assert tr.recorder.stop_reason.startswith("run=stop step=1 rule=explosion")
@@ -117,14 +131,22 @@ def test_mismatch_fires_live_and_reaches_the_trackers(tmp_path):
     lp = torch.full((2, 3), -0.5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with Recorder(tmp_path, run="mm", alarms=Thresholds(mismatch_warmup=5), stop_on=("mismatch",),
-                      log_to=tr) as rec:
+        with Recorder(
+            tmp_path, run="mm", alarms=Thresholds(mismatch_warmup=5), stop_on=("mismatch",), log_to=tr
+        ) as rec:
             for step in range(40):
                 d = 0.2 if step >= 6 else 0.01
-                rec.record_update(step, 0, mask=torch.ones(2, 3, dtype=torch.bool),
-                                  advantages=torch.tensor([1.0, -1.0]), logprobs=lp, old_logprobs=lp,
-                                  entropy=torch.full((2, 3), 1.0), old_entropy=torch.full((2, 3), 1.0),
-                                  sampler_logprobs=lp - d)
+                rec.record_update(
+                    step,
+                    0,
+                    mask=torch.ones(2, 3, dtype=torch.bool),
+                    advantages=torch.tensor([1.0, -1.0]),
+                    logprobs=lp,
+                    old_logprobs=lp,
+                    entropy=torch.full((2, 3), 1.0),
+                    old_entropy=torch.full((2, 3), 1.0),
+                    sampler_logprobs=lp - d,
+                )
                 rec.end_step(step)
                 time.sleep(0.02)
                 if rec.should_stop:

@@ -9,12 +9,21 @@ import torch
 
 from entropylens import Recorder
 from entropylens.integrations.torch import policy_update
-from entropylens.record import blocks, packed_block
 from entropylens.read.query import connect
+from entropylens.record import blocks, packed_block
 
-STEP_COLS = ("sampler_abs_log_ratio_mean", "sampler_abs_log_ratio_max", "sampler_kl_k1", "sampler_kl_k3",
-             "is_masked_frac", "clipped_mismatched_frac", "sampler_abs_log_ratio_mean_pa_hp",
-             "sampler_abs_log_ratio_mean_pa_lp", "sampler_abs_log_ratio_mean_na_hp", "sampler_abs_log_ratio_mean_na_lp")
+STEP_COLS = (
+    "sampler_abs_log_ratio_mean",
+    "sampler_abs_log_ratio_max",
+    "sampler_kl_k1",
+    "sampler_kl_k3",
+    "is_masked_frac",
+    "clipped_mismatched_frac",
+    "sampler_abs_log_ratio_mean_pa_hp",
+    "sampler_abs_log_ratio_mean_pa_lp",
+    "sampler_abs_log_ratio_mean_na_hp",
+    "sampler_abs_log_ratio_mean_na_lp",
+)
 
 # 2 sequences x 3 positions, position (1, 2) masked out: 5 tokens. A = +1 (seq 0), -1 (seq 1).
 #   old_logprob  -1    -1    -1   | -1    -1    (-1)      p = e^-1 = 0.37 < tau 0.5... : all LP
@@ -43,8 +52,9 @@ COUNT_COLS = ("n_sampled", "n_sampled_clipped")
 
 def _record(path, **kw):
     with Recorder(path, run="m", tau=0.5) as rec:
-        rec.record_update(0, 0, mask=MASK, advantages=ADV, logprobs=NEW, old_logprobs=OLD,
-                          seq_ids=torch.tensor([3, 4]), **kw)
+        rec.record_update(
+            0, 0, mask=MASK, advantages=ADV, logprobs=NEW, old_logprobs=OLD, seq_ids=torch.tensor([3, 4]), **kw
+        )
     return connect(path)
 
 
@@ -57,8 +67,9 @@ def test_hand_built_columns_and_step_figures(tmp_path):
     con = _record(tmp_path, sampler_logprobs=SAMPLER, is_masked=MASKED)
     _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(), WANT)
     assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (5, 2)
-    toks = con.execute("SELECT clipped, sampler_logprob, is_masked, sampler_log_ratio FROM tokens "
-                       "ORDER BY seq, pos").fetchall()
+    toks = con.execute(
+        "SELECT clipped, sampler_logprob, is_masked, sampler_log_ratio FROM tokens ORDER BY seq, pos"
+    ).fetchall()
     assert [t[0] for t in toks] == [False, True, False, False, True]
     assert [t[1] for t in toks] == pytest.approx([-1.1, -0.2, -1.0, -2.0, -1.0], rel=1e-6)
     assert [t[2] for t in toks] == [False, False, False, True, False]
@@ -71,15 +82,15 @@ def test_absent_is_null_not_zero(tmp_path):
     con = _record(tmp_path)
     assert con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone() == (None,) * len(STEP_COLS)
     assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (None, None)
-    assert con.execute("SELECT count(*), count(sampler_logprob), count(is_masked), count(sampler_log_ratio) "
-                       "FROM tokens").fetchone() == (5, 0, 0, 0)
+    assert con.execute(
+        "SELECT count(*), count(sampler_logprob), count(is_masked), count(sampler_log_ratio) FROM tokens"
+    ).fetchone() == (5, 0, 0, 0)
 
 
 def test_sampler_without_masking_correction_nulls_is_masked_only(tmp_path):
     # no is_masked: is_masked_frac null; mismatched by |d| alone: (0, 1) and (1, 0), still 1 of the 2 clipped
     con = _record(tmp_path, sampler_logprobs=SAMPLER)
-    _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(),
-            WANT[:4] + (None, 0.5) + WANT[6:])
+    _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(), WANT[:4] + (None, 0.5) + WANT[6:])
     assert con.execute("SELECT count(is_masked), count(sampler_logprob) FROM tokens").fetchone() == (0, 5)
 
 
@@ -91,26 +102,44 @@ def test_unscored_token_nan_is_null_and_left_out(tmp_path):
     s[0, 1] = float("nan")
     con = _record(tmp_path, sampler_logprobs=s, is_masked=MASKED)
     k3 = ((math.exp(0.1) - 1.1) + (math.e - 2)) / 4
-    _approx(con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(),
-            (1.1 / 4, 1.0, -1.1 / 4, k3, 0.2, 0.0, None, 0.05, None, 0.5))
+    _approx(
+        con.execute(f"SELECT {', '.join(STEP_COLS)} FROM steps").fetchone(),
+        (1.1 / 4, 1.0, -1.1 / 4, k3, 0.2, 0.0, None, 0.05, None, 0.5),
+    )
     assert con.execute(f"SELECT {', '.join(COUNT_COLS)} FROM steps").fetchone() == (4, 1)  # (0, 1) left out
-    assert con.execute("SELECT sampler_logprob, sampler_log_ratio FROM tokens WHERE seq = 3 AND pos = 1").fetchone() \
-        == (None, None)
+    assert con.execute(
+        "SELECT sampler_logprob, sampler_log_ratio FROM tokens WHERE seq = 3 AND pos = 1"
+    ).fetchone() == (None, None)
 
 
 def test_stacked_updates_equal_each_alone():
     """The writer thread stacks a step's updates: row u of the stacked block equals update u's own."""
-    cols = {"advantage": ADV.unsqueeze(1).expand(2, 3), "logprob": NEW, "old_logprob": OLD,
-            "ratio": torch.exp(NEW - OLD), "quadrant": torch.tensor([[2] * 3, [4] * 3], dtype=torch.int8),
-            "clip": torch.tensor([[0, 1, 0], [0, -1, 0]], dtype=torch.int8),
-            "clipped": torch.tensor([[False, True, False], [False, True, False]]),
-            "sampler_logprob": SAMPLER, "is_masked": MASKED}
+    cols = {
+        "advantage": ADV.unsqueeze(1).expand(2, 3),
+        "logprob": NEW,
+        "old_logprob": OLD,
+        "ratio": torch.exp(NEW - OLD),
+        "quadrant": torch.tensor([[2] * 3, [4] * 3], dtype=torch.int8),
+        "clip": torch.tensor([[0, 1, 0], [0, -1, 0]], dtype=torch.int8),
+        "clipped": torch.tensor([[False, True, False], [False, True, False]]),
+        "sampler_logprob": SAMPLER,
+        "is_masked": MASKED,
+    }
     other = {**cols, "sampler_logprob": SAMPLER - 0.3, "is_masked": ~MASKED}
     finite, seq, group = packed_block.FiniteFlags((), None), torch.tensor([3, 4]), torch.tensor([0, 0])
     a, layout = blocks.update_block(dict(cols), MASK, None, finite, seq, group, None, 0, 1.0)
     b, _ = blocks.update_block(dict(other), MASK, None, finite, seq, group, None, 0, 1.0)
-    both, _ = blocks.update_block({k: torch.stack([cols[k], other[k]]) for k in cols}, torch.stack([MASK, MASK]),
-                                  None, finite, torch.stack([seq, seq]), torch.stack([group, group]), None, 0, 1.0)
+    both, _ = blocks.update_block(
+        {k: torch.stack([cols[k], other[k]]) for k in cols},
+        torch.stack([MASK, MASK]),
+        None,
+        finite,
+        torch.stack([seq, seq]),
+        torch.stack([group, group]),
+        None,
+        0,
+        1.0,
+    )
     assert torch.equal(both[0], a) and torch.equal(both[1], b)
     host = packed_block.unpack(a.numpy(), layout)
     assert "is_masked" in layout.bool_names and "sampler_logprob" in layout.float_names
@@ -134,8 +163,17 @@ def test_live_summary_weighs_each_mean_by_its_own_count(tmp_path):
     seq1[1, :2] = -2.0
     with Recorder(tmp_path, run="s", tau=0.5) as rec:
         for u, s in enumerate((SAMPLER, seq1)):
-            rec.record_update(0, u, mask=MASK, advantages=ADV, logprobs=NEW, old_logprobs=OLD,
-                              seq_ids=torch.tensor([3, 4]), sampler_logprobs=s, is_masked=MASKED)
+            rec.record_update(
+                0,
+                u,
+                mask=MASK,
+                advantages=ADV,
+                logprobs=NEW,
+                old_logprobs=OLD,
+                seq_ids=torch.tensor([3, 4]),
+                sampler_logprobs=s,
+                is_masked=MASKED,
+            )
         summary = rec.step_summary(0)
     assert (summary["n_sampled"], summary["n_sampled_clipped"]) == (7, 3)
     assert summary["sampler_kl_k3"] == pytest.approx((5 * K3 + 2 * (math.e - 2)) / 7, rel=1e-6)
@@ -159,8 +197,19 @@ def test_policy_update_records_sampler_logprobs(tmp_path):
     old = torch.log_softmax(logits.detach(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     s = old - torch.tensor([[0.1, -0.8, 0.0], [1.0, 0.0, 0.0]])  # d = old - s as in the hand batch
     with Recorder(tmp_path, run="p") as rec:
-        out = policy_update(rec, 0, 0, logits, tokens, MASK, ADV, old, seq_ids=torch.tensor([3, 4]),
-                            sampler_logprobs=s, is_masked=MASKED[:, :1])
+        out = policy_update(
+            rec,
+            0,
+            0,
+            logits,
+            tokens,
+            MASK,
+            ADV,
+            old,
+            seq_ids=torch.tensor([3, 4]),
+            sampler_logprobs=s,
+            is_masked=MASKED[:, :1],
+        )
         out.loss.backward()
     con = connect(tmp_path)
     row = con.execute("SELECT sampler_abs_log_ratio_mean, sampler_kl_k1, is_masked_frac FROM steps").fetchone()

@@ -12,17 +12,24 @@ import torch
 from entropylens import Recorder
 from entropylens.alarms import NonFiniteWarning
 from entropylens.read.query import connect, list_analyses, run_analysis, run_sql
-from entropylens.rl.aggregates import AGG_NAMES
 from entropylens.record.writer import nan_is_null, steps_table, steps_table_by_values
+from entropylens.rl.aggregates import AGG_NAMES
 
 NAN, INF = float("nan"), float("inf")
 
 
 def _update(rec, step, update=0):
     lp = torch.full((2, 3), -0.5)
-    rec.record_update(step, update, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
-                      logprobs=lp, old_logprobs=lp, old_entropy=torch.full((2, 3), 1.0),
-                      seq_ids=torch.tensor([0, 1]) + 2 * update + 4 * step)
+    rec.record_update(
+        step,
+        update,
+        mask=torch.ones(2, 3, dtype=torch.bool),
+        advantages=torch.tensor([1.0, -1.0]),
+        logprobs=lp,
+        old_logprobs=lp,
+        old_entropy=torch.full((2, 3), 1.0),
+        seq_ids=torch.tensor([0, 1]) + 2 * update + 4 * step,
+    )
 
 
 def _steps(run_dir, step):
@@ -49,10 +56,16 @@ def test_user_scalars_keep_nan_and_inf_aggregates_not_measured_stay_null(tmp_pat
     row1 = _steps(tmp_path / "r", 1)[0]
     assert math.isnan(row1["grad_norm"]) and math.isnan(row1["reward_mean"])
     con = connect(tmp_path)
-    got = run_sql(con, "SELECT step, \"update\", isnan(grad_norm) AS nan, grad_norm IS NULL AS null, "
-                       "entropy_mean IS NULL AS h_null FROM steps ORDER BY step, \"update\"")
-    assert got[["nan", "null", "h_null"]].values.tolist() == [[True, False, True], [False, False, True],
-                                                               [True, False, True]]
+    got = run_sql(
+        con,
+        'SELECT step, "update", isnan(grad_norm) AS nan, grad_norm IS NULL AS null, '
+        'entropy_mean IS NULL AS h_null FROM steps ORDER BY step, "update"',
+    )
+    assert got[["nan", "null", "h_null"]].values.tolist() == [
+        [True, False, True],
+        [False, False, True],
+        [True, False, True],
+    ]
     # step_health: avg over a NaN is NaN (visible, not dropped)
     health = run_analysis(con, "step_health")
     assert health["grad_norm"].map(math.isnan).tolist() == [True, True]
@@ -83,10 +96,14 @@ def test_one_warning_per_run_naming_the_step_and_the_value(tmp_path):
         with Recorder(tmp_path, run="w", fsync=False) as rec:
             for step in range(4):
                 _update(rec, step)
-                rec.record_step(step, update=0, grad_norm=1.0 if step < 2 else NAN, loss_scale_seen=INF if step == 3 else 1.0)
+                rec.record_step(
+                    step, update=0, grad_norm=1.0 if step < 2 else NAN, loss_scale_seen=INF if step == 3 else 1.0
+                )
     got = [w for w in caught if issubclass(w.category, NonFiniteWarning)]
     assert len(got) == 1
-    assert str(got[0].message).startswith("entropylens: record_step(2, update=0) recorded grad_norm=nan, stored as it is")
+    assert str(got[0].message).startswith(
+        "entropylens: record_step(2, update=0) recorded grad_norm=nan, stored as it is"
+    )
     assert got[0].filename == __file__  # the user's line
 
 
@@ -101,8 +118,9 @@ def test_a_device_scalar_is_checked_once_its_copy_lands(tmp_path, monkeypatch):
             _update(rec, 0)
             rec.record_step(0, update=0, grad_norm=torch.tensor(NAN), lr=torch.tensor(1e-3))
     assert math.isnan(_steps(tmp_path / "d", 0)[0]["grad_norm"])
-    assert [str(w.message)[:48] for w in caught if issubclass(w.category, NonFiniteWarning)] == \
-        ["entropylens: record_step(0, update=0) recorded g"]
+    assert [str(w.message)[:48] for w in caught if issubclass(w.category, NonFiniteWarning)] == [
+        "entropylens: record_step(0, update=0) recorded g"
+    ]
 
 
 @pytest.mark.parametrize("lr", [NAN, INF, -INF, -1e-3, torch.tensor(NAN)])
@@ -120,8 +138,10 @@ def test_only_the_recorders_aggregates_turn_nan_into_null():
     assert all(nan_is_null(n) for n in AGG_NAMES if n != "loss")
     assert not nan_is_null("loss")  # the caller's loss: left out of the row when not given, its NaN kept
     assert not any(nan_is_null(n) for n in ("grad_norm", "lr", "reward_mean", "beta1", "erc_low", "my_metric"))
-    rows = [{"update": 0, "n_tokens": 4.0, "entropy_mean": NAN, "grad_norm": NAN, "acc": INF, "m": NAN},
-            {"update": 1, "n_tokens": 4.0, "entropy_mean": 1.0, "grad_norm": None, "acc": 1.0}]
+    rows = [
+        {"update": 0, "n_tokens": 4.0, "entropy_mean": NAN, "grad_norm": NAN, "acc": INF, "m": NAN},
+        {"update": 1, "n_tokens": 4.0, "entropy_mean": 1.0, "grad_norm": None, "acc": 1.0},
+    ]
     fast, slow = steps_table(rows), steps_table_by_values(rows)
     assert fast.schema == slow.schema
     for table in (fast, slow):
@@ -148,8 +168,17 @@ def test_a_nan_loss_from_record_update_is_stored_and_fires_nonfinite(tmp_path):
             out = policy_loss(lp, lp, adv, mask)
             if step == 2:  # the same columns, the loss value a blow-up
                 out = SimpleNamespace(loss=torch.tensor(NAN), columns=out.columns, config=out.config)
-            rec.record_update(step, 0, mask=mask, advantages=adv, logprobs=lp, old_logprobs=lp,
-                              old_entropy=torch.full((2, 3), 1.0), seq_ids=torch.tensor([0, 1]) + 2 * step, loss=out)
+            rec.record_update(
+                step,
+                0,
+                mask=mask,
+                advantages=adv,
+                logprobs=lp,
+                old_logprobs=lp,
+                old_entropy=torch.full((2, 3), 1.0),
+                seq_ids=torch.tensor([0, 1]) + 2 * step,
+                loss=out,
+            )
         _update(rec, 3)  # no loss=
     assert _steps(tmp_path / "r", 0)[0]["loss"] == pytest.approx(float(policy_loss(lp, lp, adv, mask).loss))
     assert math.isnan(_steps(tmp_path / "r", 2)[0]["loss"]) and _steps(tmp_path / "r", 3)[0]["loss"] is None

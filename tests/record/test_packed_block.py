@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens.rl import aggregates
 from entropylens.record import blocks, packed_block, token_columns
+from entropylens.rl import aggregates
 from entropylens.schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
 
@@ -24,8 +24,15 @@ def test_pack_unpack_round_trip_with_flags_and_selection():
     }
     aggs = torch.arange(len(aggregates.AGG_NAMES), dtype=torch.float64) / 8  # 0, 0.125, ... exact in float64
     finite = {"logprobs": torch.tensor(True), "entropy": torch.tensor(False)}
-    packed, layout = packed_block.pack(cols, selected, aggs, finite, seq=torch.tensor([10, 11]),
-                                     group=torch.tensor([5, 6]), tokens=torch.tensor([[7, 8, 9], [1, 2, 3]]))
+    packed, layout = packed_block.pack(
+        cols,
+        selected,
+        aggs,
+        finite,
+        seq=torch.tensor([10, 11]),
+        group=torch.tensor([5, 6]),
+        tokens=torch.tensor([[7, 8, 9], [1, 2, 3]]),
+    )
     assert packed.dtype == torch.int32 and packed.shape == (layout.size,)
     # sizes in int32 words: aggregates 2 each, 2 finite flags x 2, 4 float columns x 6, 6 token ids,
     # 6 flags, 2 seq ids, 2 group ids
@@ -51,10 +58,21 @@ def test_pack_unpack_round_trip_with_flags_and_selection():
 
 def test_pack_without_tokens_or_erc():
     selected = torch.tensor([[True, False]])
-    cols = {"logprob": torch.zeros(1, 2), "quadrant": torch.zeros(1, 2, dtype=torch.int8),
-            "clip": torch.zeros(1, 2, dtype=torch.int8), "clipped": torch.zeros(1, 2, dtype=torch.bool)}
-    packed, layout = packed_block.pack(cols, selected, torch.zeros(len(aggregates.AGG_NAMES)), {},
-                                     seq=torch.tensor([3]), group=torch.tensor([-1]), tokens=None)
+    cols = {
+        "logprob": torch.zeros(1, 2),
+        "quadrant": torch.zeros(1, 2, dtype=torch.int8),
+        "clip": torch.zeros(1, 2, dtype=torch.int8),
+        "clipped": torch.zeros(1, 2, dtype=torch.bool),
+    }
+    packed, layout = packed_block.pack(
+        cols,
+        selected,
+        torch.zeros(len(aggregates.AGG_NAMES)),
+        {},
+        seq=torch.tensor([3]),
+        group=torch.tensor([-1]),
+        tokens=None,
+    )
     rows = packed_block.unpack(packed.numpy(), layout).rows()
     assert rows["token_id"].tolist() == [-1] and rows["seq"].tolist() == [3] and "erc_kept" not in rows
 
@@ -68,9 +86,18 @@ def test_step_aggregates_count_non_finite_values_instead_of_zeroing_them():
     old = torch.log(torch.full((1, 4), 0.6))
     logp = old + torch.tensor([[0.0, np.log(2.0), 100.0, 0.0]])
     mask = torch.ones(1, 4, dtype=torch.bool)
-    cols = token_columns.derive_columns(mask=mask, advantages=torch.ones(1), logprobs=logp, old_logprobs=old,
-                                     entropy=None, old_entropy=None, loss_columns=None, eps_low=0.2,
-                                     eps_high=0.2, tau=0.5)
+    cols = token_columns.derive_columns(
+        mask=mask,
+        advantages=torch.ones(1),
+        logprobs=logp,
+        old_logprobs=old,
+        entropy=None,
+        old_entropy=None,
+        loss_columns=None,
+        eps_low=0.2,
+        eps_high=0.2,
+        tau=0.5,
+    )
     lgn = torch.tensor([[1.0, float("inf"), float("nan"), 3.0]])
     agg = aggregates.step_metrics(cols, mask, lgn=lgn)
     assert agg["n_tokens"].item() == 4 and agg["n_pa_hp"].item() == 4
@@ -104,13 +131,24 @@ def test_snapshot_block_equals_update_block_and_ignores_later_changes(sample):
     old = lp.detach() + 0.3 * torch.randn(b, t, generator=g)
     old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
     out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h, erc=(0.95, 1.05))
-    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
-                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
+    cols = token_columns.derive_columns(
+        mask=mask,
+        advantages=adv,
+        logprobs=lp,
+        old_logprobs=old,
+        entropy=h,
+        old_entropy=old_h,
+        loss_columns=out.columns,
+        eps_low=0.2,
+        eps_high=0.2,
+        tau=0.5,
+    )
     cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
     finite = packed_block.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, False]))
     seq, group = torch.arange(b) * 7, torch.arange(b) // 2
-    expected, layout = blocks.update_block(dict(cols), mask, out.loss, finite, seq, group, tokens, 12345, sample,
-                                               sens, 0.7)
+    expected, layout = blocks.update_block(
+        dict(cols), mask, out.loss, finite, seq, group, tokens, 12345, sample, sens, 0.7
+    )
     snap = blocks.snapshot(cols, mask, out.loss, finite, seq, group, tokens, sens, 0.7)
     for x in (*cols.values(), mask, seq, group, tokens, sens):
         x.detach().zero_()  # the caller reuses its buffers
@@ -138,10 +176,21 @@ def _update_inputs(seed: int, b: int = 6, t: int = 5, v: int = 11, erc: bool = T
     if seed == 2:
         old[1, 1] = -200.0  # ratio exp(~200) = inf: counted in n_nonfinite_ratio, left out of the means
     old_h = h.detach() * (0.9 + 0.2 * torch.rand(b, t, generator=g))
-    out = policy_loss(lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h,
-                      erc=(0.95, 1.05) if erc else None)
-    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
-                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2, tau=0.5)
+    out = policy_loss(
+        lp, old, adv, mask, method="ce_gppo", entropy=h, old_entropy=old_h, erc=(0.95, 1.05) if erc else None
+    )
+    cols = token_columns.derive_columns(
+        mask=mask,
+        advantages=adv,
+        logprobs=lp,
+        old_logprobs=old,
+        entropy=h,
+        old_entropy=old_h,
+        loss_columns=out.columns,
+        eps_low=0.2,
+        eps_high=0.2,
+        tau=0.5,
+    )
     cols = {k: x.detach() for k, x in cols.items()}
     cols["logit_grad_norm"] = torch.rand(b, t, generator=g)
     finite = packed_block.FiniteFlags(("logprobs", "entropy"), torch.tensor([True, True]))
@@ -176,8 +225,7 @@ def test_build_blocks_groups_same_shaped_updates_and_leaves_each_block_as_alone(
     # it builds alone.
     from entropylens.record.host_copy import DeferredBlock, build_blocks
 
-    specs = [dict(seed=0), dict(seed=1), dict(seed=2, b=4), dict(seed=3, b=4), dict(seed=4, erc=False),
-             dict(seed=5)]
+    specs = [dict(seed=0), dict(seed=1), dict(seed=2, b=4), dict(seed=3, b=4), dict(seed=4, erc=False), dict(seed=5)]
     snaps = [blocks.snapshot(*a[:7], a[7], 1.0) for a in (_update_inputs(**s) for s in specs)]
     together = [DeferredBlock(s, 9, 1.0) for s in snaps]
     build_blocks([*together, "not a block"])
@@ -227,4 +275,9 @@ def test_snapshot_computes_missing_finite_flags_from_its_copies():
     names = ("logprobs", "old_logprobs", "advantages", "entropy", "old_entropy")
     snap = blocks.snapshot(cols, mask, loss, packed_block.FiniteFlags(names, None), seq, group, tokens, sens)
     assert dict(zip(names, snap.finite.flags.tolist())) == {
-        "logprobs": True, "old_logprobs": True, "advantages": False, "entropy": False, "old_entropy": True}
+        "logprobs": True,
+        "old_logprobs": True,
+        "advantages": False,
+        "entropy": False,
+        "old_entropy": True,
+    }

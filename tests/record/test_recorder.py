@@ -9,15 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from recorded_batches import B, T, V, make_batch, record_one  # noqa: E402,F401
 
 from entropylens import SCHEMA_VERSION, Recorder
-from entropylens.rl import stats
-from entropylens.rl.losses import policy_loss
 from entropylens.read.query import connect
 from entropylens.record.recorder import RecorderError
+from entropylens.rl import stats
+from entropylens.rl.losses import policy_loss
 from entropylens.schema import QUADRANT_NAMES
-
-from recorded_batches import B, T, V, make_batch, record_one  # noqa: E402,F401
 
 
 def test_rows_columns_and_hook(tmp_path):
@@ -50,8 +49,13 @@ def test_step_aggregates_equal_token_rows(tmp_path):
         for step in range(2):
             for u in range(3):
                 record_one(rec, step, u, seed=10 * step + u, erc=(0.95, 1.05))
-            rec.record_sequences(step, seq_ids=torch.arange(B), rewards=torch.arange(B).float(),
-                                 advantages=torch.zeros(B), lengths=torch.full((B,), T))
+            rec.record_sequences(
+                step,
+                seq_ids=torch.arange(B),
+                rewards=torch.arange(B).float(),
+                advantages=torch.zeros(B),
+                lengths=torch.full((B,), T),
+            )
     con = connect(tmp_path)
     got = con.execute("""
         SELECT s.step, s.update, s.n_tokens, t.n, s.entropy_mean, t.h, s.clip_low_frac, t.cl, s.clip_high_frac,
@@ -101,8 +105,9 @@ def test_without_loss_object_derives_columns(tmp_path):
     np.testing.assert_array_equal(df["advantage"], a)
     np.testing.assert_array_equal(df["clipped"], ((exp_clip == -1) & (a < 0)) | ((exp_clip == 1) & (a > 0)))
     p = torch.exp(old_lp.double()).numpy()[sel]
-    exp_q = np.where(a == 0, "ZA", np.where(a > 0, np.where(p >= 0.3, "PA&HP", "PA&LP"),
-                                              np.where(p >= 0.3, "NA&HP", "NA&LP")))
+    exp_q = np.where(
+        a == 0, "ZA", np.where(a > 0, np.where(p >= 0.3, "PA&HP", "PA&LP"), np.where(p >= 0.3, "NA&HP", "NA&LP"))
+    )
     assert df["quadrant"].tolist() == exp_q.tolist()
     assert df["entropy"].isna().all() and df["logit_grad_norm"].isna().all() and df["erc_kept"].isna().all()
 
@@ -114,10 +119,20 @@ def kept_seqs(root, run, sample):
                 x, tokens, mask, adv, old = make_batch(step)
                 big = torch.ones(40, 4, dtype=torch.bool)
                 lp = torch.full((40, 4), -1.0)
-                rec.record_update(step, u, mask=big, advantages=torch.randn(40), logprobs=lp, old_logprobs=lp,
-                                  seq_ids=torch.arange(40))
-    return connect(root / run).execute(
-        "SELECT step, update, list(DISTINCT seq ORDER BY seq) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall()
+                rec.record_update(
+                    step,
+                    u,
+                    mask=big,
+                    advantages=torch.randn(40),
+                    logprobs=lp,
+                    old_logprobs=lp,
+                    seq_ids=torch.arange(40),
+                )
+    return (
+        connect(root / run)
+        .execute("SELECT step, update, list(DISTINCT seq ORDER BY seq) FROM tokens GROUP BY ALL ORDER BY ALL")
+        .fetchall()
+    )
 
 
 def test_sampling_is_deterministic_whole_sequences_and_aggregates_exact(tmp_path):
@@ -181,14 +196,23 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(ValueError, match="seq_ids: step 0 has more than one update"):
             rec.record_update(0, 1, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
         # an empty mask: no rows, no error
-        rec.record_update(0, 1, mask=torch.zeros(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp,
-                          old_logprobs=lp, seq_ids=ids + 2)
+        rec.record_update(
+            0,
+            1,
+            mask=torch.zeros(2, 3, dtype=torch.bool),
+            advantages=torch.ones(2),
+            logprobs=lp,
+            old_logprobs=lp,
+            seq_ids=ids + 2,
+        )
         rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
         with pytest.raises(ValueError, match="steps must not go back"):
             rec.record_update(0, 5, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
     con = connect(tmp_path)
     assert con.execute("SELECT step, update, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall() == [
-        (0, 0, 6), (1, 0, 6)]
+        (0, 0, 6),
+        (1, 0, 6),
+    ]
     assert con.execute("SELECT n_tokens FROM steps WHERE step = 0 AND update = 1").fetchall() == [(0,)]
     with pytest.raises(RecorderError, match="cannot write the run directory"):
         Recorder("/proc/entropylens-cannot-write", run="r")
@@ -242,13 +266,23 @@ def test_schema_evolution_reads_older_files(tmp_path):
     old_dir = tmp_path / "old"
     (old_dir / "tokens" / "step=0" / "rank=0").mkdir(parents=True)
     (old_dir / "run.json").write_text(json.dumps({"run": "old", "method": "grpo", "schema_version": 0}))
-    pq.write_table(pa.table({"update": pa.array([0, 0], pa.int16()), "seq": pa.array([0, 0], pa.int32()),
-                             "pos": pa.array([0, 1], pa.int32()), "ratio": pa.array([1.0, 1.1], pa.float32()),
-                             "quadrant": ["PA&HP", "NA&LP"]}),
-                   old_dir / "tokens" / "step=0" / "rank=0" / "update-0.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "update": pa.array([0, 0], pa.int16()),
+                "seq": pa.array([0, 0], pa.int32()),
+                "pos": pa.array([0, 1], pa.int32()),
+                "ratio": pa.array([1.0, 1.1], pa.float32()),
+                "quadrant": ["PA&HP", "NA&LP"],
+            }
+        ),
+        old_dir / "tokens" / "step=0" / "rank=0" / "update-0.parquet",
+    )
     (old_dir / "steps" / "step=0" / "rank=0").mkdir(parents=True)  # the steps file commits step 0
-    pq.write_table(pa.table({"update": pa.array([0], pa.int16()), "n_tokens": pa.array([2], pa.int64())}),
-                   old_dir / "steps" / "step=0" / "rank=0" / "steps.parquet")
+    pq.write_table(
+        pa.table({"update": pa.array([0], pa.int16()), "n_tokens": pa.array([2], pa.int64())}),
+        old_dir / "steps" / "step=0" / "rank=0" / "steps.parquet",
+    )
     with Recorder(tmp_path, run="new") as rec:
         record_one(rec, 0, 0)
     con = connect(tmp_path)
@@ -272,8 +306,9 @@ def test_concurrent_reader_never_errors(tmp_path):
                     con.execute("SELECT count(*), sum(ratio) FROM tokens").fetchall()
                     con.execute("SELECT count(*) FROM steps").fetchall()
                     if any(tmp_path.rglob("*.parquet")):  # files only ever appear, whole
-                        duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', "
-                                   "union_by_name=true)").fetchall()
+                        duckdb.sql(
+                            f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', union_by_name=true)"
+                        ).fetchall()
                     reads[0] += 1
             except Exception as e:  # noqa: BLE001 - any error fails the test
                 errors.append(repr(e))
@@ -306,8 +341,18 @@ def test_watch_logits_context_manager_leaves_no_hook(tmp_path):
             assert rec.has_hook and len(logits._backward_hooks) == 1
             lp, h = stats.logprobs_and_entropy(logits, tokens)
             out = policy_loss(lp, old_lp, adv.float(), mask, entropy=h, old_entropy=old_h)
-            rec.record_update(0, 0, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
-                              entropy=h, old_entropy=old_h, tokens=tokens, loss=out)
+            rec.record_update(
+                0,
+                0,
+                mask=mask,
+                advantages=adv.float(),
+                logprobs=lp,
+                old_logprobs=old_lp,
+                entropy=h,
+                old_entropy=old_h,
+                tokens=tokens,
+                loss=out,
+            )
             out.loss.backward()
         assert watch.norms is not None and not logits._backward_hooks and not rec.has_hook
         # 2) the block is left without a backward: the exit removes the hook
@@ -339,6 +384,7 @@ def test_recorder_resolves_eps_like_the_loss(tmp_path):
         assert [c for (c,) in got] == expected, method
         info = json.loads((tmp_path / method / "run.json").read_text())
         from entropylens.rl.losses import resolve_eps
+
         assert (info["eps_low"], info["eps_high"]) == resolve_eps(method, None, None)
 
 
@@ -359,9 +405,19 @@ def test_record_update_does_not_synchronise_on_cuda(tmp_path):
                 out_cols = policy_loss(lp.detach(), old_lp, adv.float(), mask, entropy=h.detach(), old_entropy=old_h)
             torch.cuda.set_sync_debug_mode("error")
             try:
-                rec.record_update(0, update, mask=mask, advantages=adv.float(), logprobs=lp, old_logprobs=old_lp,
-                                  entropy=h, old_entropy=old_h, tokens=tokens, seq_ids=torch.arange(B, device=dev),
-                                  loss=out_cols)
+                rec.record_update(
+                    0,
+                    update,
+                    mask=mask,
+                    advantages=adv.float(),
+                    logprobs=lp,
+                    old_logprobs=old_lp,
+                    entropy=h,
+                    old_entropy=old_h,
+                    tokens=tokens,
+                    seq_ids=torch.arange(B, device=dev),
+                    loss=out_cols,
+                )
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             lp.sum().backward()
@@ -376,7 +432,7 @@ def test_record_update_does_not_synchronise_on_cuda(tmp_path):
     con = connect(tmp_path)
     n = con.execute("SELECT sum(n_tokens) FROM steps").fetchone()[0]
     assert n == 2 * int(mask.sum()) == summary["n_tokens"]
-    got = con.execute("SELECT grad_norm, lr FROM steps ORDER BY \"update\"").fetchall()
+    got = con.execute('SELECT grad_norm, lr FROM steps ORDER BY "update"').fetchall()
     lr32 = float(np.float32(1e-3))  # steps store float32: the device norm (a float32) round-trips exactly
     assert got == [(norms[0], lr32), (norms[1], lr32)]
     assert con.execute("SELECT count(logit_grad_norm) = count(*) FROM tokens").fetchone()[0]
@@ -395,8 +451,9 @@ def test_device_scalars_of_record_step_arrive_through_the_writer_thread(tmp_path
             record_one(rec, 0, update, seed=update, watch=False)
             rec.record_step(0, update=update, grad_norm=norms[update], lr=1e-3)
         rec.record_step(0, reward_std=torch.tensor(2.5), accuracy=0.75)
-    got = connect(tmp_path).execute(
-        'SELECT grad_norm, lr, reward_std, accuracy FROM steps ORDER BY "update"').fetchall()
+    got = (
+        connect(tmp_path).execute('SELECT grad_norm, lr, reward_std, accuracy FROM steps ORDER BY "update"').fetchall()
+    )
     f32 = [float(np.float32(x)) for x in (1.2345678, 0.1, 1e-3, 0.75)]
     assert got == [(f32[0], f32[2], 2.5, f32[3]), (f32[1], f32[2], 2.5, f32[3])]
 
@@ -409,13 +466,23 @@ def test_step_summary_quantiles_are_quantiles_of_the_step(tmp_path):
         for update, h in ((0, [[1.0, 1.0, 1.0]]), (1, [[2.0, 4.0, 9.0]])):
             mask = torch.tensor([[True, True, update == 0]])
             lp = torch.zeros(1, 3)
-            rec.record_update(0, update, mask=mask, advantages=torch.ones(1), logprobs=lp, old_logprobs=lp,
-                              entropy=torch.tensor(h), old_entropy=torch.ones(1, 3), seq_ids=torch.tensor([update]))
+            rec.record_update(
+                0,
+                update,
+                mask=mask,
+                advantages=torch.ones(1),
+                logprobs=lp,
+                old_logprobs=lp,
+                entropy=torch.tensor(h),
+                old_entropy=torch.ones(1, 3),
+                seq_ids=torch.tensor([update]),
+            )
         summary = rec.step_summary(0)
         only = rec.step_summary_later(0, ("entropy_ratio_p95", "n_pa_hp")).result()  # what a trainer log asks
         assert only == {k: summary[k] for k in ("n_tokens", "entropy_ratio_p95", "n_pa_hp")}
-        assert rec.step_summary_later(0, ("entropy_mean",)).result() == {k: summary[k] for k in ("n_tokens",
-                                                                                                "entropy_mean")}
+        assert rec.step_summary_later(0, ("entropy_mean",)).result() == {
+            k: summary[k] for k in ("n_tokens", "entropy_mean")
+        }
     assert summary["n_tokens"] == 5
     assert summary["entropy_ratio_p50"] == pytest.approx(1.0)
     assert summary["entropy_ratio_p95"] == pytest.approx(3.6, rel=1e-6)
@@ -445,8 +512,13 @@ def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monke
         for step in range(2):
             for u in range(2):
                 record_one(rec, step, u, seed=step + u, watch=False)
-            rec.record_sequences(step, seq_ids=torch.arange(B), rewards=torch.ones(B), advantages=torch.zeros(B),
-                                 lengths=torch.full((B,), T))
+            rec.record_sequences(
+                step,
+                seq_ids=torch.arange(B),
+                rewards=torch.ones(B),
+                advantages=torch.zeros(B),
+                lengths=torch.full((B,), T),
+            )
     monkeypatch.undo()
     run_dir = str((tmp_path / "r").resolve())
     for step in range(2):
@@ -456,8 +528,8 @@ def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monke
         for f in files:
             i = events.index(("replace", f))
             assert events[i - 1][0] == "fsync" and events[i - 1][1].endswith(".tmp")  # the file, before its rename
-            assert ("fsync", os.path.dirname(f)) in events[i + 1: commit]  # its directory, before the commit
-        assert ("fsync", f"{run_dir}/steps/step={step}/rank=0") in events[commit + 1:]  # the commit itself
+            assert ("fsync", os.path.dirname(f)) in events[i + 1 : commit]  # its directory, before the commit
+        assert ("fsync", f"{run_dir}/steps/step={step}/rank=0") in events[commit + 1 :]  # the commit itself
     assert connect(tmp_path).execute("SELECT count(*) FROM steps").fetchone()[0] == 4
 
 
@@ -475,7 +547,9 @@ def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, mon
     with Recorder(tmp_path, run="r") as rec:
         rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=bad, old_logprobs=lp)
         rec.step_summary(0)  # the writer thread has taken the update in
-        with pytest.raises(ValueError, match=r"logprobs contains NaN or Inf at masked-in positions \(step 0, update 0\)"):
+        with pytest.raises(
+            ValueError, match=r"logprobs contains NaN or Inf at masked-in positions \(step 0, update 0\)"
+        ):
             rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
         rec.record_update(1, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp)
     con = connect(tmp_path)
@@ -491,8 +565,11 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
 
     names = []
     snapshot = blocks.snapshot
-    monkeypatch.setattr(blocks, "snapshot", lambda cols, mask, loss, finite, *a: names.append(finite.names)
-                        or snapshot(cols, mask, loss, finite, *a))
+    monkeypatch.setattr(
+        blocks,
+        "snapshot",
+        lambda cols, mask, loss, finite, *a: names.append(finite.names) or snapshot(cols, mask, loss, finite, *a),
+    )
     m = torch.ones(2, 3, dtype=torch.bool)
     lp, old, adv = torch.full((2, 3), -1.0), torch.full((2, 3), -1.1), torch.tensor([1.0, -1.0])
     h = torch.full((2, 3), 0.5)
@@ -503,8 +580,9 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
     out64 = policy_loss(big, old, adv, m)
     assert "logprobs" not in out64.checked
     with Recorder(tmp_path, run="r") as rec:
-        rec.record_update(0, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h,
-                          old_entropy=h.clone(), loss=out)
+        rec.record_update(
+            0, 0, mask=m, advantages=adv, logprobs=lp, old_logprobs=old, entropy=h, old_entropy=h.clone(), loss=out
+        )
         assert names[-1] == ("old_entropy",)  # the one input the loss was not given
         with pytest.raises(ValueError, match="^logprobs contains NaN or Inf at masked-in positions"):
             rec.record_update(1, 0, mask=m, advantages=adv, logprobs=big, old_logprobs=old, loss=out64)
@@ -521,10 +599,20 @@ def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_pa
     lp = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     with Recorder(tmp_path, run="r") as rec:
-        rec.record_update(0, 0, mask=m, advantages=torch.ones(2), logprobs=lp, old_logprobs=lp,
-                          entropy=torch.full((2, 3), 2.0), old_entropy=torch.full((2, 3), 2.0))
+        rec.record_update(
+            0,
+            0,
+            mask=m,
+            advantages=torch.ones(2),
+            logprobs=lp,
+            old_logprobs=lp,
+            entropy=torch.full((2, 3), 2.0),
+            old_entropy=torch.full((2, 3), 2.0),
+        )
         for name in ("entropy_mean", "n_tokens", "clip_high_frac", "loss", "rank", "run"):
-            with pytest.raises(ValueError, match=f"metric name '{name}': the steps column '{name}' is the recorder's own"):
+            with pytest.raises(
+                ValueError, match=f"metric name '{name}': the steps column '{name}' is the recorder's own"
+            ):
                 rec.record_step(0, update=0, **{name: 9.0})
         with pytest.raises(ValueError, match="metric name 'entropy/mean': the steps column 'entropy_mean'"):
             rec.record_step(0, **{"entropy/mean": 1.0})
@@ -533,8 +621,11 @@ def test_record_step_refuses_the_recorders_own_columns_and_clashing_names(tmp_pa
         with pytest.raises(ValueError, match="metric 'note': expected a number, got str"):
             rec.record_step(0, note="hello")
         rec.record_step(0, update=0, grad_norm=torch.tensor(0.5), lr=1e-3, reward_mean=0.25, beta1=0.5, my_metric=1.0)
-    row = connect(tmp_path).execute(
-        "SELECT entropy_mean, n_tokens, grad_norm, reward_mean, beta1, my_metric FROM steps").fetchall()
+    row = (
+        connect(tmp_path)
+        .execute("SELECT entropy_mean, n_tokens, grad_norm, reward_mean, beta1, my_metric FROM steps")
+        .fetchall()
+    )
     assert row == [(pytest.approx(2.0), 6, pytest.approx(0.5), pytest.approx(0.25), pytest.approx(0.5), 1.0)]
 
 
@@ -546,8 +637,11 @@ def test_record_step_refuses_an_update_that_was_not_recorded(tmp_path):
     with Recorder(tmp_path, run="r") as rec:
         rec.record_update(0, 0, seq_ids=torch.tensor([0, 1]), **kw)
         rec.record_update(0, 1, seq_ids=torch.tensor([2, 3]), **kw)
-        with pytest.raises(ValueError, match=r"record_step\(0, update=2\): step 0 has no update 2 recorded "
-                                             r"\(its updates: 0, 1\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"record_step\(0, update=2\): step 0 has no update 2 recorded "
+            r"\(its updates: 0, 1\)",
+        ):
             rec.record_step(0, update=2, grad_norm=1.0)
         with pytest.raises(ValueError, match=r"step 1 has no update 0 recorded \(its updates: none\)"):
             rec.record_step(1, update=0, grad_norm=1.0)  # a later step without updates: refused, nothing closed
@@ -560,8 +654,9 @@ def test_record_step_refuses_an_update_that_was_not_recorded(tmp_path):
 def test_record_step_names_a_metric_that_is_not_one_number(tmp_path):
     lp = torch.zeros(2, 3)
     with Recorder(tmp_path, run="r") as rec:
-        rec.record_update(0, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp,
-                          old_logprobs=lp)
+        rec.record_update(
+            0, 0, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.ones(2), logprobs=lp, old_logprobs=lp
+        )
         with pytest.raises(ValueError, match=r"metric 'kl': expected one number, got a tensor of shape \(2,\)"):
             rec.record_step(0, kl=torch.tensor([1.0, 2.0]))
         with pytest.raises(ValueError, match=r"metric 'val_acc': expected one number, got a tensor of shape \(0,\)"):
@@ -611,12 +706,21 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
     assert n == 43
     con = connect(tmp_path)
     assert con.execute('SELECT step, "update", n_tokens FROM steps ORDER BY ALL').fetchall() == [
-        (0, 0, n), (0, 1, n), (1, 0, n), (1, 1, n)]
+        (0, 0, n),
+        (0, 1, n),
+        (1, 0, n),
+        (1, 1, n),
+    ]
     assert con.execute("SELECT step, count(*) FROM tokens GROUP BY step ORDER BY step").fetchall() == [
-        (0, 2 * n), (1, 2 * n)]
+        (0, 2 * n),
+        (1, 2 * n),
+    ]
     # the committed step is closed: its updates and scalars are refused, naming the reason
-    with pytest.raises(ValueError, match=r"step 1 was already written \(steps <= 1 are closed: by a later step, "
-                                         r"by end_step\(\), commit\(\) or resume=\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"step 1 was already written \(steps <= 1 are closed: by a later step, "
+        r"by end_step\(\), commit\(\) or resume=\)",
+    ):
         record_one(rec, 1, 2)
     with pytest.raises(ValueError, match="step 1 was already written"):
         rec.record_step(1, reward_mean=0.5)
@@ -631,8 +735,12 @@ def test_commit_writes_the_recorded_steps_and_closes_them(tmp_path):
     assert connect(tmp_path).execute("SELECT max(step) FROM steps").fetchone() == (2,)
     record_one(rec, 3, 1, seed=31)  # step 3 is still open
     rec.close()
-    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step ORDER BY step').fetchall() == [
-        (0, 2), (1, 2), (2, 1), (3, 2)]
+    assert connect(tmp_path).execute("SELECT step, count(*) FROM steps GROUP BY step ORDER BY step").fetchall() == [
+        (0, 2),
+        (1, 2),
+        (2, 1),
+        (3, 2),
+    ]
     with pytest.raises(RecorderError, match="closed"):
         rec.commit()
 
@@ -646,9 +754,12 @@ def test_end_step_closes_the_step_without_waiting(tmp_path):
     record_one(rec, 0, 1, seed=2)
     assert rec.end_step() == 0
     rec._writer.drain()  # no close_steps, no later step: end_step already asked for the files
-    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step').fetchall() == [(0, 2)]
-    with pytest.raises(ValueError, match=r"step 0 was already written \(steps <= 0 are closed: by a later step, "
-                                         r"by end_step\(\), commit\(\) or resume=\)"):
+    assert connect(tmp_path).execute("SELECT step, count(*) FROM steps GROUP BY step").fetchall() == [(0, 2)]
+    with pytest.raises(
+        ValueError,
+        match=r"step 0 was already written \(steps <= 0 are closed: by a later step, "
+        r"by end_step\(\), commit\(\) or resume=\)",
+    ):
         record_one(rec, 0, 2)
     with pytest.raises(ValueError, match=r"step 3 has not been recorded \(the last recorded step is 0\)"):
         rec.end_step(3)
@@ -657,8 +768,10 @@ def test_end_step_closes_the_step_without_waiting(tmp_path):
     record_one(rec, 1, 0, seed=3)  # later steps record as usual
     assert rec.end_step(0) == 0  # already closed: nothing to do
     rec.close()
-    assert connect(tmp_path).execute('SELECT step, count(*) FROM steps GROUP BY step ORDER BY step').fetchall() == [
-        (0, 2), (1, 1)]
+    assert connect(tmp_path).execute("SELECT step, count(*) FROM steps GROUP BY step ORDER BY step").fetchall() == [
+        (0, 2),
+        (1, 1),
+    ]
 
 
 def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
@@ -671,13 +784,15 @@ def test_a_config_method_other_than_the_loss_warns_once(tmp_path):
         old_lp, old_h = stats.logprobs_and_entropy(old.float(), tokens)
     with Recorder(tmp_path, run="r", config={"method": "grpo"}) as rec:
         with pytest.warns(UserWarning, match=r"config=\{'method': 'grpo'\}\) but the loss is 'ce_gppo'") as w:
-            policy_update(rec, 0, 0, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B),
-                          method="ce_gppo")
+            policy_update(
+                rec, 0, 0, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B), method="ce_gppo"
+            )
         assert [r.filename for r in w if "but the loss is" in str(r.message)] == [__file__]  # the caller's line
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # once: the run-level settings are taken from the first update only
-            policy_update(rec, 0, 1, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B) + B,
-                          method="ce_gppo")
+            policy_update(
+                rec, 0, 1, x.float(), tokens, mask, adv.float(), old_lp, seq_ids=torch.arange(B) + B, method="ce_gppo"
+            )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same method: no warning
         with Recorder(tmp_path, run="s", config={"method": "ce_gppo"}) as rec:
@@ -698,12 +813,21 @@ def test_all_masked_update_needs_no_seq_ids(tmp_path):
         rec.record_update(1, 1, mask=empty, **kw)
         with pytest.raises(ValueError) as e:
             rec.record_update(1, 2, mask=m, seq_ids=torch.arange(2) + 2, **kw)
-        assert str(e.value).startswith("seq_ids: step 1 has more than one update with tokens and update 0 came "
-                                       "without seq_ids") and "\n" not in str(e.value)
+        assert str(e.value).startswith(
+            "seq_ids: step 1 has more than one update with tokens and update 0 came without seq_ids"
+        ) and "\n" not in str(e.value)
         with pytest.raises(ValueError, match="and updates 0, 2 came without seq_ids"):
             rec.record_update(1, 2, mask=m, **kw)
     con = connect(tmp_path)
     assert con.execute("SELECT step, update, count(*) FROM tokens GROUP BY ALL ORDER BY ALL").fetchall() == [
-        (0, 0, 6), (0, 2, 6), (1, 0, 6)]
+        (0, 0, 6),
+        (0, 2, 6),
+        (1, 0, 6),
+    ]
     assert con.execute("SELECT step, update, n_tokens FROM steps ORDER BY ALL").fetchall() == [
-        (0, 0, 6), (0, 1, 0), (0, 2, 6), (1, 0, 6), (1, 1, 0)]
+        (0, 0, 6),
+        (0, 1, 0),
+        (0, 2, 6),
+        (1, 0, 6),
+        (1, 1, 0),
+    ]

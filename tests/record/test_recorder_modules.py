@@ -9,8 +9,8 @@ import torch
 
 from entropylens import Recorder
 from entropylens.record.loss_output import CheckedLossOutput, LossOutput
-from entropylens.rl.losses import policy_loss
 from entropylens.record.recorder import RecorderError, StepState
+from entropylens.rl.losses import policy_loss
 
 PACKAGE = Path(__file__).resolve().parents[2] / "entropylens" / "record"
 PARTS = ("recorder.py", "lifecycle.py", "inputs.py", "update.py", "steps.py", "summaries.py", "loss_output.py")
@@ -38,8 +38,16 @@ def test_the_step_state_is_one_object(tmp_path):
         rec.end_step()
         assert isinstance(rec._steps, StepState)
         assert (rec._steps.last, rec._steps.closed_upto, list(rec._steps.updates)) == (3, 3, [0])
-        for old in ("_last_step", "_closed_upto", "_alarms_seen", "_step_logged", "_step_updates",
-                    "_step_scalars_seen", "_sequence_parts", "_resumed_after"):
+        for old in (
+            "_last_step",
+            "_closed_upto",
+            "_alarms_seen",
+            "_step_logged",
+            "_step_updates",
+            "_step_scalars_seen",
+            "_sequence_parts",
+            "_resumed_after",
+        ):
             assert not hasattr(rec, old)
 
 

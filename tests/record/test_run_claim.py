@@ -35,8 +35,9 @@ def _simultaneous_starts(root, run: str, n: int, env: dict | None = None) -> lis
     import claim_child
 
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=claim_child.start, args=(str(root), run, i, barrier, results, env or {}))
-             for i in range(n)]
+    procs = [
+        ctx.Process(target=claim_child.start, args=(str(root), run, i, barrier, results, env or {})) for i in range(n)
+    ]
     for p in procs:
         p.start()
     reports = [results.get(timeout=600) for _ in procs]
@@ -55,15 +56,18 @@ def _one_run_from_one_writer(run_dir, reports, n: int) -> None:
     _, winner, pid, nonce = recorded[0]
     for _, _, _, message in refused:
         assert "\n" not in message
-        assert message.startswith(f"{run_dir} already holds a run (rank 0 claimed by pid {pid} on host "
-                                  f"{socket.gethostname()}, started 20"), message
+        assert message.startswith(
+            f"{run_dir} already holds a run (rank 0 claimed by pid {pid} on host {socket.gethostname()}, started 20"
+        ), message
     info = json.loads(storage.location(f"{run_dir}/run.json").read_text())
     assert info["config"]["seed"] == winner and info["status"] == "finished"
     con = connect(run_dir)
     assert con.execute("SELECT DISTINCT text FROM sequences").fetchall() == [(f"writer {winner}",)]
     assert con.execute("SELECT count(DISTINCT step), count(*) FROM steps").fetchone() == (2, 2)
-    assert con.execute("SELECT sum(n_tokens) FROM steps").fetchone() == con.execute(
-        "SELECT count(*) FROM tokens").fetchone()
+    assert (
+        con.execute("SELECT sum(n_tokens) FROM steps").fetchone()
+        == con.execute("SELECT count(*) FROM tokens").fetchone()
+    )
     claim_file = claim_path(storage.location(str(run_dir)), 0)
     assert json.loads(claim_file.read_bytes())["nonce"] == nonce  # kept after close
 
@@ -113,8 +117,10 @@ def test_two_writers_that_list_the_run_at_the_same_moment_get_one_run(tmp_path, 
 def test_simultaneous_starts_on_object_storage(s3):
     """The same on S3 (moto's server): the claim is a conditional PUT (If-None-Match: *)."""
     root = s3()
-    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                      "AWS_DEFAULT_REGION")}
+    env = {
+        k: os.environ[k]
+        for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+    }
     reports = _simultaneous_starts(root, "same", 6, env)
     _one_run_from_one_writer(f"{root}/same", reports, 6)
 
@@ -137,11 +143,18 @@ def test_a_writer_whose_run_was_taken_over_stops_and_writes_nothing_more(tmp_pat
     a = Recorder(tmp_path, run="x", config={"method": "grpo", "seed": 1})
     record_steps(a, "A", [0], gen)
     a.commit()
-    b = Recorder(tmp_path, run="x", config={"method": "grpo", "seed": 2},
-                 **({"overwrite": True} if how == "overwrite" else {"resume": 0}))
-    with pytest.raises(RecorderError, match=r"run 'x' \(rank 0\) in .* is no longer this writer's: another writer "
-                                            rf"took it over \(pid \d+ on host {socket.gethostname()}, started .*: "
-                                            r"overwrite=True or resume=K\); this writer stopped"):
+    b = Recorder(
+        tmp_path,
+        run="x",
+        config={"method": "grpo", "seed": 2},
+        **({"overwrite": True} if how == "overwrite" else {"resume": 0}),
+    )
+    with pytest.raises(
+        RecorderError,
+        match=r"run 'x' \(rank 0\) in .* is no longer this writer's: another writer "
+        rf"took it over \(pid \d+ on host {socket.gethostname()}, started .*: "
+        r"overwrite=True or resume=K\); this writer stopped",
+    ):
         record_steps(a, "A", [1, 2], gen)  # its writer stops at its first file after the takeover: a later
         a.close()  # call, or close(), raises
     with b:
@@ -150,8 +163,10 @@ def test_a_writer_whose_run_was_taken_over_stops_and_writes_nothing_more(tmp_pat
     texts = con.execute("SELECT step, text, count(*) FROM sequences GROUP BY ALL ORDER BY ALL").fetchall()
     kept = [(0, "writer A", 4)] if how == "resume" else []  # resume keeps the run's steps up to 0
     assert texts == kept + [(1, "writer B", 4), (2, "writer B", 4)]
-    assert con.execute("SELECT sum(n_tokens) FROM steps").fetchone() == con.execute(
-        "SELECT count(*) FROM tokens").fetchone()
+    assert (
+        con.execute("SELECT sum(n_tokens) FROM steps").fetchone()
+        == con.execute("SELECT count(*) FROM tokens").fetchone()
+    )
     info = json.loads((tmp_path / "x" / "run.json").read_text())
     assert info["config"]["seed"] == 2 and info["status"] == "finished"
 
@@ -176,13 +191,20 @@ def test_a_rank_the_overwriting_job_does_not_have_stops_too(tmp_path):
 def test_a_killed_jobs_claim_refuses_a_new_run_and_is_taken_over_by_resume(tmp_path):
     """A job killed with -9 leaves its claim: a plain create of the run id is refused, naming the dead
     job; resume=K takes the claim over."""
-    child = subprocess.Popen([sys.executable, str(HELPERS / "record_child.py"), "kill", str(tmp_path), "k"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, str(HELPERS / "record_child.py"), "kill", str(tmp_path), "k"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert child.stdout.readline().strip() == "ready", child.stderr.read()
     child.send_signal(signal.SIGKILL)
     child.wait()
-    with pytest.raises(RunExistsError, match=rf"^{tmp_path}/k already holds a run \(rank 0 claimed by pid {child.pid} "
-                                             r"on host .*, started .*; \d+ file\(s\): .*\); pass resume=K"):
+    with pytest.raises(
+        RunExistsError,
+        match=rf"^{tmp_path}/k already holds a run \(rank 0 claimed by pid {child.pid} "
+        r"on host .*, started .*; \d+ file\(s\): .*\); pass resume=K",
+    ):
         Recorder(tmp_path, run="k")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "resume=1 removed step 2", where the killed job had committed it
@@ -199,20 +221,29 @@ def test_ranks_of_two_jobs_never_share_a_run(tmp_path):
     """Rank 0 twice (two "nodes" both of world_size 1) is refused, and so are ranks whose world sizes
     disagree with the run's other claims; a finished run stays claimed."""
     a = Recorder(tmp_path, run="n", rank=0, world_size=1)
-    with pytest.raises(RunExistsError, match=rf"n already holds a run \(rank 0 claimed by pid {os.getpid()} on host "
-                                             r".*; 1 file\(s\): run\.json\)"):
+    with pytest.raises(
+        RunExistsError,
+        match=rf"n already holds a run \(rank 0 claimed by pid {os.getpid()} on host "
+        r".*; 1 file\(s\): run\.json\)",
+    ):
         Recorder(tmp_path, run="n", rank=0, world_size=1)
     a.close()
     with pytest.raises(RunExistsError, match=r"rank 0 claimed by pid \d+ .*run\.json"):
         Recorder(tmp_path, run="n")  # finished: still claimed
     two = Recorder(tmp_path, run="m", rank=0, world_size=2)
-    with pytest.raises(RunExistsError, match=r"m already holds a run: its rank 0 is claimed by pid \d+ .* with "
-                                             r"world_size 2, not 3"):
+    with pytest.raises(
+        RunExistsError,
+        match=r"m already holds a run: its rank 0 is claimed by pid \d+ .* with "
+        r"world_size 2, not 3",
+    ):
         Recorder(tmp_path, run="m", rank=1, world_size=3)
     assert not claim_path(storage.location(tmp_path / "m"), 1).exists()  # the refused rank's claim is gone
     one = Recorder(tmp_path, run="q", rank=1, world_size=2)
-    with pytest.raises(RunExistsError, match=r"q already holds a run: rank 1 is claimed by pid \d+ .*, beyond "
-                                             r"world_size 1"):
+    with pytest.raises(
+        RunExistsError,
+        match=r"q already holds a run: rank 1 is claimed by pid \d+ .*, beyond "
+        r"world_size 1",
+    ):
         Recorder(tmp_path, run="q", rank=0, world_size=1)
     two.close()
     one.close()
@@ -228,7 +259,10 @@ def test_of_two_jobs_taking_one_claim_over_at_once_one_is_refused(tmp_path):
     claim(loc, 0, 1, overwrite=False, writer=first)
     racer = Claim.new(loc, 0, 1)
     assert _takeover_path(first.path, _read_claim(first.path)).create_exclusive(racer.data)  # it won the race
-    with pytest.raises(RunExistsError, match=rf"rank 0 was taken over at the same moment by another job \(pid "
-                                             rf"{os.getpid()} on host"):
+    with pytest.raises(
+        RunExistsError,
+        match=rf"rank 0 was taken over at the same moment by another job \(pid "
+        rf"{os.getpid()} on host",
+    ):
         claim(loc, 0, 1, overwrite=True, writer=Claim.new(loc, 0, 1))
     first.check()  # the claim itself is untouched: the racer rewrites it, not the refused job

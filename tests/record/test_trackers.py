@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from entropylens import Recorder
-from entropylens.record import trackers
 from entropylens.read.query import connect
-from entropylens.record.step_table import HIST_EDGES, StepTable, TABLE_COLUMNS
+from entropylens.record import trackers
+from entropylens.record.step_table import HIST_EDGES, TABLE_COLUMNS, StepTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recorded_batches import record_one  # noqa: E402
@@ -47,7 +47,6 @@ from tracker_files import (  # noqa: E402 - the trackers' file readers
 os.environ.setdefault("TRACKIO_DIR", tempfile.mkdtemp(prefix="el-trackio-"))
 
 
-
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
     """W&B offline into tmp_path (WANDB_MODE=offline, WANDB_DIR); wandb's process-wide settings are
@@ -55,8 +54,13 @@ def wandb_offline(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     wd = tmp_path / "wandb-dir"
     wd.mkdir()
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(wd), "WANDB_SILENT": "true",
-                 "WANDB_DISABLE_GIT": "true", "WANDB_CONSOLE": "off"}.items():
+    for k, v in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(wd),
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_CONSOLE": "off",
+    }.items():
         monkeypatch.setenv(k, v)
     wandb.teardown()
     yield wd
@@ -91,8 +95,9 @@ def test_callable_and_list(tmp_path):
 
 
 def test_wandb_offline_gets_every_step_at_its_step(tmp_path, wandb_offline):
-    record_loop(tmp_path / "runs", {"wandb": {"project": "el-test"}}, alarms=FIRING, stop_on=("explosion",),
-                log_table_every=2)
+    record_loop(
+        tmp_path / "runs", {"wandb": {"project": "el-test"}}, alarms=FIRING, stop_on=("explosion",), log_table_every=2
+    )
     rows = [r for r in wandb_history(wandb_offline) if "entropylens/clip_low_frac" in r]
     assert_matches({r["_step"]: r for r in rows}, tmp_path / "runs")
     # histograms in the same history rows; the table (steps 0 and 2) as W&B table files
@@ -156,8 +161,9 @@ def test_histograms_and_table_options(tmp_path):
     np.testing.assert_array_equal(HIST_EDGES, EDGES)  # the bins the tests count in
     table = StepTable()
     table.add_aggregates(0, 0, {"n_tokens": 4})
-    table.add_histograms(0, np.ones(4, np.float32), np.array([0.1, 1, 3, np.inf], np.float32),
-                         np.array([1, 1, 4, 0], np.int8))
+    table.add_histograms(
+        0, np.ones(4, np.float32), np.array([0.1, 1, 3, np.inf], np.float32), np.array([1, 1, 4, 0], np.int8)
+    )
     h = table.histograms(0)
     assert h["entropy_ratio"].counts[17] == 4 and h["ratio_pa_hp"].counts[[0, 17]].tolist() == [1, 1]
     assert h["ratio_na_lp"].counts[33] == 1 and "ratio_pa_lp" not in h  # the ZA token (inf) in none
@@ -171,19 +177,40 @@ def test_payload_bytes(tmp_path):
     pytest.importorskip("tensorboard")
     from entropylens.record.step_table import StepHistogram
 
-    hists = {f"entropylens/hist/{k}": StepHistogram(np.full(34, 123456, np.int64), 1.2345678e5, 2.3456789e5)
-             for k in ("entropy_ratio", "ratio_pa_hp", "ratio_pa_lp", "ratio_na_hp", "ratio_na_lp")}
+    hists = {
+        f"entropylens/hist/{k}": StepHistogram(np.full(34, 123456, np.int64), 1.2345678e5, 2.3456789e5)
+        for k in ("entropy_ratio", "ratio_pa_hp", "ratio_pa_lp", "ratio_na_hp", "ratio_na_lp")
+    }
     tb = trackers.TensorBoard(tmp_path / "tb")
     tb.start("p", {})
     events = []
     tb.writer.add_event = events.append
     tb.write(0, {}, hists, None)
     tb_bytes = events[0].summary.ByteSize()
-    json_bytes = {name: len(json.dumps({k: {"_type": kind, "values": h.counts.tolist(), "bins": h.edges().tolist()}
-                                       for k, h in hists.items()}))
-                  for name, kind in (("wandb", "histogram"), ("trackio", "trackio.histogram"))}
-    row = [50, 3, 123456, 1023, 151642, 0.123456789, 1.23456789, -0.987654321, "PA&HP", 0, False, 1.23456789,
-           1.0123456789, True]
+    json_bytes = {
+        name: len(
+            json.dumps(
+                {k: {"_type": kind, "values": h.counts.tolist(), "bins": h.edges().tolist()} for k, h in hists.items()}
+            )
+        )
+        for name, kind in (("wandb", "histogram"), ("trackio", "trackio.histogram"))
+    }
+    row = [
+        50,
+        3,
+        123456,
+        1023,
+        151642,
+        0.123456789,
+        1.23456789,
+        -0.987654321,
+        "PA&HP",
+        0,
+        False,
+        1.23456789,
+        1.0123456789,
+        True,
+    ]
     table_bytes = len(json.dumps({"columns": list(TABLE_COLUMNS), "data": [row] * 64}))
     got = {"tensorboard": tb_bytes, **json_bytes, "table": table_bytes}
     for name, n in got.items():  # the stated size, to within 5%
@@ -258,13 +285,20 @@ def test_no_log_to_costs_nothing(tmp_path):
 # ---------------------------------------------------------------- TRL's report_to: W&B and Trackio
 def trl_steps(root, run) -> dict[int, dict[str, float]]:
     """The steps table of a TRL run as TRL's trackers should carry it: step S at global_step S + 1."""
-    df = connect(root).execute(
-        "SELECT step, sum(clip_low_frac * n_tokens) / sum(n_tokens) low, sum(clip_high_frac * n_tokens) / "
-        "sum(n_tokens) high, sum(kl_k3 * n_tokens) / sum(n_tokens) kl, sum(n_pa_lp) / sum(n_tokens) pa_lp "
-        f"FROM steps WHERE run = '{run}' GROUP BY step ORDER BY step").df()
+    df = (
+        connect(root)
+        .execute(
+            "SELECT step, sum(clip_low_frac * n_tokens) / sum(n_tokens) low, sum(clip_high_frac * n_tokens) / "
+            "sum(n_tokens) high, sum(kl_k3 * n_tokens) / sum(n_tokens) kl, sum(n_pa_lp) / sum(n_tokens) pa_lp "
+            f"FROM steps WHERE run = '{run}' GROUP BY step ORDER BY step"
+        )
+        .df()
+    )
     names = {"low": "clip_low_frac", "high": "clip_high_frac", "kl": "kl_k3", "pa_lp": "share_pa_lp"}
-    return {int(r.step) + 1: {f"train/entropylens/{names[k]}": float(v) for k, v in r._asdict().items() if k != "step"}
-            for r in df.itertuples(index=False)}
+    return {
+        int(r.step) + 1: {f"train/entropylens/{names[k]}": float(v) for k, v in r._asdict().items() if k != "step"}
+        for r in df.itertuples(index=False)
+    }
 
 
 def assert_trl_rows(rows: list[dict], root, run, n_steps):
@@ -300,15 +334,24 @@ def test_trl_report_to_wandb_offline(tmp_path, wandb_offline, monkeypatch):
 
     trl_tiny = _trl_tiny()
     monkeypatch.setenv("WANDB_PROJECT", "el-trl")
-    tr = trl_tiny.trainer(tmp_path, "wb", max_steps=3, gradient_accumulation_steps=2, logging_steps=1,
-                          report_to=["wandb"], run_name="wb", el={**trl_alarms(), "log_table_every": 2})
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "wb",
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        report_to=["wandb"],
+        run_name="wb",
+        el={**trl_alarms(), "log_table_every": 2},
+    )
     tr.train()
     wandb.finish()  # TRL's callback leaves the run open (finished at exit): its file is complete after this
     rows = wandb_history(wandb_offline)
     assert_trl_rows(rows, tmp_path, "wb", 3)
     # histograms and tables through W&B itself, at train/global_step = step + 1 (rows of their own)
-    hist_rows = [{**r, "_step": int(r["train/global_step"])} for r in rows
-                 if "train/entropylens/hist/entropy_ratio/values" in r]
+    hist_rows = [
+        {**r, "_step": int(r["train/global_step"])} for r in rows if "train/entropylens/hist/entropy_ratio/values" in r
+    ]
     assert_histograms(wandb_hists(hist_rows, prefix="train/"), tmp_path, "wb", at=lambda s: s + 1, prefix="train/")
     assert_table_rows(wandb_tables(rows, wandb_offline, "train/entropylens/tokens"), tmp_path, steps=(0, 2), run="wb")
     (alert,) = wandb_alerts(wandb_offline)  # the finding, through the run TRL's callback started
@@ -322,13 +365,27 @@ def test_trl_report_to_trackio(tmp_path):
     project = f"el-trl-{tmp_path.name}"
     from trackio.sqlite_storage import SQLiteStorage
 
-    tr = trl_tiny.trainer(tmp_path, "tk", max_steps=3, gradient_accumulation_steps=2, logging_steps=1,
-                          report_to=["trackio"], run_name="tk", project=project, el=trl_alarms())
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "tk",
+        max_steps=3,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        report_to=["trackio"],
+        run_name="tk",
+        project=project,
+        el=trl_alarms(),
+    )
     tr.train()
     rows = trackio_logs(project, "tk")
     assert_trl_rows(rows, tmp_path, "tk", 3)
-    assert_histograms(trackio_hists(rows, prefix="train/", at="train/global_step"), tmp_path, "tk",
-                      at=lambda s: s + 1, prefix="train/")
+    assert_histograms(
+        trackio_hists(rows, prefix="train/", at="train/global_step"),
+        tmp_path,
+        "tk",
+        at=lambda s: s + 1,
+        prefix="train/",
+    )
     assert_table_rows(trackio_tables(rows, "train/entropylens/tokens"), tmp_path, steps=(0,), run="tk")  # every 50
     (alert,) = SQLiteStorage.get_alerts(project, run_name="tk")  # trackio.alert on TRL's run
     assert alert["title"] == "entropylens alarm: explosion" and alert["level"] == "warn"
@@ -361,8 +418,16 @@ def test_the_two_clip_definitions_on_one_batch(tmp_path):
             out = policy_loss(logp, old, adv, mask, method="grpo")
             low = (out.columns["clip"] == -1) & (adv[:, None] < 0) & mask  # TRL's is_low_clipped
             trl_fracs.append(float(low.sum() / mask.sum()))  # TRL: global_masked_mean per micro-batch
-            rec.record_update(0, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old,
-                              seq_ids=torch.arange(2) + 2 * u, loss=out)
+            rec.record_update(
+                0,
+                u,
+                mask=mask,
+                advantages=adv,
+                logprobs=logp,
+                old_logprobs=old,
+                seq_ids=torch.arange(2) + 2 * u,
+                loss=out,
+            )
         rec.end_step(0)
     trl = sum(trl_fracs) / len(trl_fracs)  # TRL's log(): the mean over the micro-batches
     assert trl == pytest.approx((10 / 122 + 1 / 60) / 2)

@@ -36,17 +36,26 @@ def test_quadrant_sums_and_budget_groups_equal_their_definitions():
     quad = torch.randint(0, 5, (b, t), generator=g)
     clip = torch.randint(-1, 2, (b, t), generator=g)
     cols = {
-        "quadrant": quad, "clip": clip, "clipped": torch.rand(b, t, generator=g) < 0.2,
-        "logprob": -torch.rand(b, t, generator=g), "old_logprob": -torch.rand(b, t, generator=g),
-        "entropy": torch.rand(b, t, generator=g), "old_entropy": torch.rand(b, t, generator=g),
+        "quadrant": quad,
+        "clip": clip,
+        "clipped": torch.rand(b, t, generator=g) < 0.2,
+        "logprob": -torch.rand(b, t, generator=g),
+        "old_logprob": -torch.rand(b, t, generator=g),
+        "entropy": torch.rand(b, t, generator=g),
+        "old_entropy": torch.rand(b, t, generator=g),
         "entropy_effect": torch.randn(b, t, generator=g),
     }
     cols["ratio"] = torch.exp(cols["logprob"] - cols["old_logprob"])
     lgn = torch.rand(b, t, generator=g)
     agg = dict(zip(aggregates.AGG_NAMES, aggregates.step_aggregates(cols, mask, lgn, None).tolist()))
     m = mask.numpy()
-    q, c, h, eff, lg = quad.numpy(), clip.numpy(), cols["entropy"].double().numpy(), \
-        cols["entropy_effect"].double().numpy(), lgn.double().numpy()
+    q, c, h, eff, lg = (
+        quad.numpy(),
+        clip.numpy(),
+        cols["entropy"].double().numpy(),
+        cols["entropy_effect"].double().numpy(),
+        lgn.double().numpy(),
+    )
     n = m.sum()
     assert agg["n_tokens"] == n
     assert np.isclose(agg["entropy_mean"], h[m].sum() / n, rtol=1e-12)

@@ -87,8 +87,10 @@ def test_a_long_back_pressure_wait_warns_once_and_drops_nothing(tmp_path, monkey
     assert connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchone() == (24,)
 
 
-needs_idle = pytest.mark.skipif(not scheduling.WRITER_IDLE or not hasattr(os, "SCHED_IDLE"),
-                                reason="SCHED_IDLE writer switched off or not available")
+needs_idle = pytest.mark.skipif(
+    not scheduling.WRITER_IDLE or not hasattr(os, "SCHED_IDLE"),
+    reason="SCHED_IDLE writer switched off or not available",
+)
 
 
 @needs_idle
@@ -110,8 +112,15 @@ def _record(rec, step, updates):
 
     lp = torch.full((2, 3), -1.0)
     for u in range(updates):
-        rec.record_update(step, u, mask=torch.ones(2, 3, dtype=torch.bool), advantages=torch.tensor([1.0, -1.0]),
-                          logprobs=lp, old_logprobs=lp, seq_ids=torch.tensor([2 * u, 2 * u + 1]))
+        rec.record_update(
+            step,
+            u,
+            mask=torch.ones(2, 3, dtype=torch.bool),
+            advantages=torch.tensor([1.0, -1.0]),
+            logprobs=lp,
+            old_logprobs=lp,
+            seq_ids=torch.tensor([2 * u, 2 * u + 1]),
+        )
 
 
 def test_a_rescue_in_the_middle_of_a_hand_over_keeps_every_message_in_order(tmp_path, monkeypatch):
@@ -179,8 +188,7 @@ def test_a_writer_starved_by_busy_cores_is_rescued_and_nothing_is_lost(tmp_path)
     # CPU; the commit waits, finds the writer starved, and a nice-19 thread takes over
     import subprocess
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(len(os.sched_getaffinity(0)))]
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(len(os.sched_getaffinity(0)))]
     try:
         with Recorder(tmp_path, run="r") as rec:
             for step in range(3):

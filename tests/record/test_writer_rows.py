@@ -7,26 +7,35 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens.rl import aggregates
 from entropylens.record import packed_block
 from entropylens.record.token_buffer import TokenBuffer
+from entropylens.rl import aggregates
 
 
 def packed_update(seed: int, b: int = 3, t: int = 5, *, tokens: bool = True, erc: bool = True, sample: float = 0.6):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(b, t, generator=g) < 0.8
     selected = mask & (torch.rand(b, 1, generator=g) < sample)  # whole sequences kept or dropped
-    cols = {name: torch.randn(b, t, generator=g) for name in ("logprob", "old_logprob", "advantage", "entropy",
-                                                                 "old_entropy", "grad_coef")}
+    cols = {
+        name: torch.randn(b, t, generator=g)
+        for name in ("logprob", "old_logprob", "advantage", "entropy", "old_entropy", "grad_coef")
+    }
     cols["quadrant"] = torch.randint(0, 5, (b, t), generator=g)
     cols["clip"] = torch.randint(-1, 2, (b, t), generator=g)
     cols["clipped"] = torch.rand(b, t, generator=g) < 0.3
     if erc:
         cols["erc_kept"] = torch.rand(b, t, generator=g) < 0.7
     aggs = torch.randn(len(aggregates.AGG_NAMES), generator=g, dtype=torch.float64)
-    packed, layout = packed_block.pack(cols, selected, aggs, {}, seq=torch.arange(b) + 10 * seed,
-                                     group=torch.arange(b) // 2, mask=mask,
-                                     tokens=torch.randint(0, 50, (b, t), generator=g) if tokens else None)
+    packed, layout = packed_block.pack(
+        cols,
+        selected,
+        aggs,
+        {},
+        seq=torch.arange(b) + 10 * seed,
+        group=torch.arange(b) // 2,
+        mask=mask,
+        tokens=torch.randint(0, 50, (b, t), generator=g) if tokens else None,
+    )
     return packed_block.unpack(packed.numpy(), layout)
 
 

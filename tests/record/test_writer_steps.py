@@ -12,9 +12,8 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from entropylens.schema import STEP_METRICS, STEPS, arrow_type
 from entropylens.record.writer import steps_table, write_steps
-
+from entropylens.schema import STEP_METRICS, STEPS, arrow_type
 
 # the recorder's own aggregates: NaN there means "not measured" (null); the caller's scalars keep NaN
 AGGREGATES = set(STEP_METRICS) | {c.name for c in STEPS if c.name.startswith("entropy_effect")}
@@ -49,14 +48,39 @@ def assert_same(got: pa.Table, want: pa.Table) -> None:
 
 ROWS = [
     # an aggregates-like row: floats (counts as floats, as packed_block.unpack gives them), NaN = not measured
-    {"update": 0, "n_tokens": 4096.0, "n_pa_hp": 1000.0, "n_pa_lp": 24.0, "n_na_hp": 2000.0, "n_na_lp": 72.0,
-     "n_za": 1000.0, "entropy_mean": 3.4114692211151123, "old_entropy_mean": 0.1 + 0.2, "ratio_mean": 1.0000001,
-     "lgn_mean_pa_hp": float("nan"), "kl_k3": 1e-9, "loss": -0.0, "entropy_effect": float("inf"),
-     "entropy_effect_dropped": float("-inf"), "n_nonfinite_ratio": 0.0, "reward_mean": 0.4375,
-     "accuracy": 0.25, "policy/entropy": 1.5},
+    {
+        "update": 0,
+        "n_tokens": 4096.0,
+        "n_pa_hp": 1000.0,
+        "n_pa_lp": 24.0,
+        "n_na_hp": 2000.0,
+        "n_na_lp": 72.0,
+        "n_za": 1000.0,
+        "entropy_mean": 3.4114692211151123,
+        "old_entropy_mean": 0.1 + 0.2,
+        "ratio_mean": 1.0000001,
+        "lgn_mean_pa_hp": float("nan"),
+        "kl_k3": 1e-9,
+        "loss": -0.0,
+        "entropy_effect": float("inf"),
+        "entropy_effect_dropped": float("-inf"),
+        "n_nonfinite_ratio": 0.0,
+        "reward_mean": 0.4375,
+        "accuracy": 0.25,
+        "policy/entropy": 1.5,
+    },
     # keys missing, explicit None, an extra metric only this row has, an int count, halves that round to even
-    {"update": 1, "n_tokens": 2.5, "n_pa_hp": 3.5, "n_za": None, "grad_norm": 1e40, "lr": 3e-45,
-     "entropy_mean": None, "my_metric": 2.0, "n_na_lp": 7},
+    {
+        "update": 1,
+        "n_tokens": 2.5,
+        "n_pa_hp": 3.5,
+        "n_za": None,
+        "grad_norm": 1e40,
+        "lr": 3e-45,
+        "entropy_mean": None,
+        "my_metric": 2.0,
+        "n_na_lp": 7,
+    },
     # a row with almost nothing
     {"update": 2},
     # big integers: beyond float64's exact ones (value-by-value for that column) and an exact one
@@ -75,8 +99,10 @@ def test_steps_table_equals_the_value_by_value_construction():
 def test_values_only_the_slow_path_takes():
     import numpy as np
 
-    rows = [{"update": 0, "n_tokens": np.float64(12.0), "entropy_mean": np.float32(0.5), "accuracy": True},
-            {"update": np.int16(1), "n_tokens": 3, "extra": np.float64("nan")}]
+    rows = [
+        {"update": 0, "n_tokens": np.float64(12.0), "entropy_mean": np.float32(0.5), "accuracy": True},
+        {"update": np.int16(1), "n_tokens": 3, "extra": np.float64("nan")},
+    ]
     assert_same(steps_table(rows), by_the_schema(rows))
     assert steps_table(rows).column("extra").null_count == 1  # a caller's NaN (np.float64 is a float) stays NaN
 
@@ -95,7 +121,8 @@ def test_steps_file_reads_back_in_duckdb(tmp_path):
     got = con.execute(
         "SELECT step, update, n_tokens, n_pa_hp, n_za, entropy_mean, lgn_mean_pa_hp, entropy_effect, my_metric "
         "FROM read_parquet(?, hive_partitioning = true) ORDER BY update",
-        [str(tmp_path / "steps" / "*" / "*" / "*.parquet")]).fetchall()
+        [str(tmp_path / "steps" / "*" / "*" / "*.parquet")],
+    ).fetchall()
     # n_tokens 2.5 and n_pa_hp 3.5 round half to even: 2 and 4
     assert got[0][:5] == (7, 0, 4096, 1000, 1000) and math.isclose(got[0][5], 3.4114692211151123, rel_tol=1e-7)
     assert got[0][6] is None and got[0][7] == math.inf and got[0][8] is None
@@ -114,19 +141,33 @@ def test_small_files_skip_compression_and_statistics_tokens_files_keep_them(tmp_
         return col.compression, col.is_stats_set
 
     n = 64
-    seqs = {"seq": np.arange(n, dtype=np.int32), "group": np.arange(n, dtype=np.int32) // 8,
-            "reward": np.ones(n, np.float32), "advantage": np.zeros(n, np.float32), "length": np.full(n, 16, np.int32)}
+    seqs = {
+        "seq": np.arange(n, dtype=np.int32),
+        "group": np.arange(n, dtype=np.int32) // 8,
+        "reward": np.ones(n, np.float32),
+        "advantage": np.zeros(n, np.float32),
+        "length": np.full(n, 16, np.int32),
+    }
     assert meta(write_steps(tmp_path, 0, 0, ROWS[:3])) == ("UNCOMPRESSED", False)
     assert meta(write_sequences(tmp_path, 0, 0, 0, seqs)) == ("UNCOMPRESSED", False)
     big = {**seqs, "text": ["x" * (SMALL_BYTES // n + 1)] * n}  # texts past the small-file size: zstd again
     assert meta(write_sequences(tmp_path, 0, 0, 1, big)) == ("ZSTD", True)
-    rows = {"update": np.zeros(n, np.int16), "seq": np.arange(n, dtype=np.int32), "group": np.zeros(n, np.int32),
-            "pos": np.zeros(n, np.int32), "logprob": np.zeros(n, np.float32), "quadrant": np.zeros(n, np.int8),
-            "clip": np.zeros(n, np.int8), "clipped": np.zeros(n, bool)}
+    rows = {
+        "update": np.zeros(n, np.int16),
+        "seq": np.arange(n, dtype=np.int32),
+        "group": np.zeros(n, np.int32),
+        "pos": np.zeros(n, np.int32),
+        "logprob": np.zeros(n, np.float32),
+        "quadrant": np.zeros(n, np.int8),
+        "clip": np.zeros(n, np.int8),
+        "clipped": np.zeros(n, bool),
+    }
     tok = write_tokens(tmp_path, 0, 0, 0, rows)
     assert meta(tok) == ("ZSTD", True)  # DuckDB's filter pushdown reads the tokens files' min/max
     # the small files read back whole: values, types and nulls
     back = pq.read_table(tmp_path / "sequences" / "step=0" / "rank=0" / "part-0.parquet")
     assert back.column("seq").to_pylist() == list(range(n)) and back.column("text").null_count == n
-    assert_same(pq.read_table(tmp_path / "steps" / "step=0" / "rank=0" / "steps.parquet").replace_schema_metadata(),
-                by_the_schema(ROWS[:3]))
+    assert_same(
+        pq.read_table(tmp_path / "steps" / "step=0" / "rank=0" / "steps.parquet").replace_schema_metadata(),
+        by_the_schema(ROWS[:3]),
+    )

@@ -72,8 +72,16 @@ def _record_one_step(root, run: str, check=None):
             lp = -torch.rand(b, t)
             m = torch.ones(b, t, dtype=torch.bool)
             out = policy_loss(lp, lp - 0.01, torch.randn(b), m, entropy=torch.rand(b, t), old_entropy=torch.rand(b, t))
-            rec.record_update(0, u, mask=m, advantages=torch.randn(b), logprobs=lp, old_logprobs=lp - 0.01,
-                              seq_ids=torch.arange(b) + b * u, loss=out)
+            rec.record_update(
+                0,
+                u,
+                mask=m,
+                advantages=torch.randn(b),
+                logprobs=lp,
+                old_logprobs=lp - 0.01,
+                seq_ids=torch.arange(b) + b * u,
+                loss=out,
+            )
         rec.step_summary(0)  # the writer thread has built the blocks (aggregates: GEMMs on the CPU)
         if check is not None:
             check()

@@ -4,9 +4,9 @@ for a fit. The runs and the report are built once per module."""
 
 import re
 
+import covlaw_runs
 import pytest
 
-import covlaw_runs
 from entropylens.read.query import connect, run_analysis
 from entropylens.report import captions, covlaw, plots
 from entropylens.report.build import write_report
@@ -33,8 +33,11 @@ def _caption(md: str, analysis: str) -> str:
 
 
 def test_the_section_holds_three_figures_after_its_heading(report):
-    assert [f.analysis for f in CUI_FIGURES] == ["covariance_by_quadrant", "covariance_law_by_step",
-                                                 "entropy_performance_fit"]
+    assert [f.analysis for f in CUI_FIGURES] == [
+        "covariance_by_quadrant",
+        "covariance_law_by_step",
+        "entropy_performance_fit",
+    ]
     md = (report.parent / "report.md").read_text()
     head = md.index(f"## {SECTIONS[CUI][0]}")
     for f in CUI_FIGURES:
@@ -50,12 +53,16 @@ def test_captions_say_what_the_run_shows_and_that_three_steps_fit_nothing(report
     law = _caption(md, "covariance_law_by_step")
     r = float(re.search(r"law-20 \(grpo\) r = ([-0-9.]+) over 19 steps", law).group(1))
     assert r > 0.8 and "As the law predicts" in law
-    assert "short-3 (grpo) has 2 steps with a next step: the fit (its scale and r) is not meaningful below 5 steps" in law
+    assert (
+        "short-3 (grpo) has 2 steps with a next step: the fit (its scale and r) is not meaningful below 5 steps" in law
+    )
     assert "short-3 (grpo) r =" not in law  # no correlation claimed for it
     fit = _caption(md, "entropy_performance_fit")
     assert "law-20 (grpo) a = 0.05, b = 0.9," in fit and "at H = 0: b - a = 0.85" in fit
-    assert "short-3 (grpo) has 3 steps with a reward and an entropy: a fit of a and b is not meaningful below 5 steps, " \
+    assert (
+        "short-3 (grpo) has 3 steps with a reward and an entropy: a fit of a and b is not meaningful below 5 steps, "
         "so no curve is drawn." in fit
+    )
     cov = _caption(md, "covariance_by_quadrant")
     assert "law-20 (grpo) (PA&HP +" in cov and "the law's sign in 4 of 4" in cov
 

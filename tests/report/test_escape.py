@@ -10,13 +10,47 @@ from markdown_it import MarkdownIt
 
 from entropylens.report.escape import code, drawn_as_nothing, markdown, markdown_cell, terminal, token, visible
 
-HOSTILE = ["x<img src=x onerror=alert(1)>", "<script>alert(1)</script>", "<!-- c -->", "<?php x ?>",
-           "<https://e.com>", "<a@b.c>", "[link](http://e.com)", "![img](x.png)", "[ref][1]", "`code`",
-           "``a|b``", "*em* **strong**", "_em_ __strong__", "a\\*b", "a\\", "&lt;&amp;&#60;&#x3c;",
-           "# heading", "> quote", "- item", "1. item", "a\nb\r\nc\rd", "a|b||c", "\\|", "tab\there",
-           "nul\x00 esc\x1b[31m del\x7f nel\x85 csi\x9b", "rlo\u202egnp.exe lri\u2066 zw\u200b bom\ufeff ls\u2028"]
-ORDINARY = ["grpo-seed1", "grpo_lr_1e-3", "erc-dapo.s0", "lr=0.001", "PA&HP 42.4%", "p < tau = 0.5 vs p >= tau",
-            "1.15 -> 0.359", "p in [0.2, 0.3) (mean |log rho| 0.136)", "(0.95, 1.05)", "[red]", "a-b_c.d"]
+HOSTILE = [
+    "x<img src=x onerror=alert(1)>",
+    "<script>alert(1)</script>",
+    "<!-- c -->",
+    "<?php x ?>",
+    "<https://e.com>",
+    "<a@b.c>",
+    "[link](http://e.com)",
+    "![img](x.png)",
+    "[ref][1]",
+    "`code`",
+    "``a|b``",
+    "*em* **strong**",
+    "_em_ __strong__",
+    "a\\*b",
+    "a\\",
+    "&lt;&amp;&#60;&#x3c;",
+    "# heading",
+    "> quote",
+    "- item",
+    "1. item",
+    "a\nb\r\nc\rd",
+    "a|b||c",
+    "\\|",
+    "tab\there",
+    "nul\x00 esc\x1b[31m del\x7f nel\x85 csi\x9b",
+    "rlo\u202egnp.exe lri\u2066 zw\u200b bom\ufeff ls\u2028",
+]
+ORDINARY = [
+    "grpo-seed1",
+    "grpo_lr_1e-3",
+    "erc-dapo.s0",
+    "lr=0.001",
+    "PA&HP 42.4%",
+    "p < tau = 0.5 vs p >= tau",
+    "1.15 -> 0.359",
+    "p in [0.2, 0.3) (mean |log rho| 0.136)",
+    "(0.95, 1.05)",
+    "[red]",
+    "a-b_c.d",
+]
 
 
 def _render(md: str):
@@ -52,7 +86,8 @@ def test_ordinary_names_and_measured_sentences_stay_as_they_are(s):
 
 def test_terminal_writes_each_invisible_character_as_its_python_code():
     assert terminal("a\x00\x1b\x7f\x85\x9b\u202a\u202e\u2066\u2069\u200e\u200f\u061c\u200b\ufeff\u2028\U000e0001") == (
-        "a\\x00\\x1b\\x7f\\x85\\x9b\\u202a\\u202e\\u2066\\u2069\\u200e\\u200f\\u061c\\u200b\\ufeff\\u2028\\U000e0001")
+        "a\\x00\\x1b\\x7f\\x85\\x9b\\u202a\\u202e\\u2066\\u2069\\u200e\\u200f\\u061c\\u200b\\ufeff\\u2028\\U000e0001"
+    )
     assert terminal("a\nb\tc", keep="\n\t") == "a\nb\tc" and terminal("a\nb\tc\r") == "a\\nb\\tc\\r"
     assert terminal("\ud800") == "\\ud800"  # a lone surrogate: printing it raw would fail to encode
     assert terminal("é ü 日本 שלום \u00a0") == "é ü 日本 שלום \u00a0"  # letters and spaces as they are

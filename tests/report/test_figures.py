@@ -22,8 +22,18 @@ def ratio_frame(steps=10):
     rows = []
     for i, m in enumerate(METHODS):
         for s in range(steps):
-            rows.append(dict(run=f"{m}-s0", method=m, step=s, p05=0.8 - 0.01 * i, p50=1.0 - 0.002 * i,
-                             p95=1.2 + 0.01 * i, outside_band=0.5 - 0.1 * (m == "erc_dapo"), tokens=100))
+            rows.append(
+                dict(
+                    run=f"{m}-s0",
+                    method=m,
+                    step=s,
+                    p05=0.8 - 0.01 * i,
+                    p50=1.0 - 0.002 * i,
+                    p95=1.2 + 0.01 * i,
+                    outside_band=0.5 - 0.1 * (m == "erc_dapo"),
+                    tokens=100,
+                )
+            )
     return pd.DataFrame(rows)
 
 
@@ -41,8 +51,12 @@ def visible(fig):
 
 def bar_heights(ax) -> list[float]:
     """The heights of the bars plots draws as one PolyCollection (gid "bars"), in drawing order."""
-    return [float(p.vertices[1, 1] - p.vertices[0, 1]) for c in ax.collections if c.get_gid() == "bars"
-            for p in c.get_paths()]
+    return [
+        float(p.vertices[1, 1] - p.vertices[0, 1])
+        for c in ax.collections
+        if c.get_gid() == "bars"
+        for p in c.get_paths()
+    ]
 
 
 def test_entropy_ratio_one_linear_panel_per_method_with_its_median():
@@ -53,8 +67,9 @@ def test_entropy_ratio_one_linear_panel_per_method_with_its_median():
     for ax, m in zip(axes, METHODS):
         assert ax.get_yscale() == "linear" and m in ax.get_title()
         want = df[df["method"] == m]["p50"].to_numpy()
-        medians = [ln for ln in ax.get_lines()
-                   if len(ln.get_ydata()) == len(want) and np.allclose(ln.get_ydata(), want)]
+        medians = [
+            ln for ln in ax.get_lines() if len(ln.get_ydata()) == len(want) and np.allclose(ln.get_ydata(), want)
+        ]
         assert medians and medians[0].get_linewidth() >= 1.5  # the median is drawn, on top, thick
         lo, hi = ax.get_ylim()
         assert lo < 0.95 and hi > 1.05 and hi - lo < 1.0  # the ERC band is visible, not a sliver
@@ -64,10 +79,19 @@ def test_entropy_ratio_one_linear_panel_per_method_with_its_median():
 def test_ratio_vs_prob_linear_shared_axis_one_legend():
     rng = np.random.default_rng(0)
     n = 200
-    df = pd.DataFrame(dict(run=np.repeat(["a", "b"], n), method="grpo", step=0, prob=rng.uniform(0, 1, 2 * n),
-                           ratio=np.r_[rng.normal(1, 0.1, 2 * n - 2), 1e-5, 50.0],
-                           quadrant=rng.choice(["PA&HP", "PA&LP", "NA&HP", "NA&LP"], 2 * n), clipped=False,
-                           eps_low=0.2, eps_high=0.28))
+    df = pd.DataFrame(
+        dict(
+            run=np.repeat(["a", "b"], n),
+            method="grpo",
+            step=0,
+            prob=rng.uniform(0, 1, 2 * n),
+            ratio=np.r_[rng.normal(1, 0.1, 2 * n - 2), 1e-5, 50.0],
+            quadrant=rng.choice(["PA&HP", "PA&LP", "NA&HP", "NA&LP"], 2 * n),
+            clipped=False,
+            eps_low=0.2,
+            eps_high=0.28,
+        )
+    )
     fig = plots.ratio_vs_prob(df)
     axes = visible(fig)
     assert len(axes) == 2
@@ -91,16 +115,36 @@ def test_short_runs_are_drawn_as_markers_not_empty_axes():
 def test_clipped_token_probability_histogram_is_in_the_report():
     f = next(f for f in FIGURES if f.analysis == "clipped_prob_distribution")
     assert f.plot is plots.clipped_prob and f.observe is captions.clipped_prob
-    df = pd.DataFrame(dict(run="a", method="grpo", side=["low", "low", "high"], bin=[0, 9, 0], prob_lo=[0, 0.9, 0],
-                           prob_hi=[0.1, 1.0, 0.1], tokens=[8, 2, 5], share=[0.8, 0.2, 1.0], lp_share=[0.8, 0.8, 1.0]))
+    df = pd.DataFrame(
+        dict(
+            run="a",
+            method="grpo",
+            side=["low", "low", "high"],
+            bin=[0, 9, 0],
+            prob_lo=[0, 0.9, 0],
+            prob_hi=[0.1, 1.0, 0.1],
+            tokens=[8, 2, 5],
+            share=[0.8, 0.2, 1.0],
+            lp_share=[0.8, 0.8, 1.0],
+        )
+    )
     fig = plots.clipped_prob(df)
     heights = sorted(round(h) for ax in fig.axes for h in bar_heights(ax) if h)
     assert heights == [20, 80, 100]  # % of each side's clipped tokens
 
 
 def test_captions_measure_the_run_and_flag_disagreement():
-    drift = pd.DataFrame(dict(run="a", method="grpo", bin=[0, 3, 9], prob_lo=[0.0, 0.3, 0.9], prob_hi=[0.1, 0.4, 1.0],
-                              tokens=[10, 10, 10], mean_abs_log_ratio=[0.1, 0.3, 0.2]))
+    drift = pd.DataFrame(
+        dict(
+            run="a",
+            method="grpo",
+            bin=[0, 3, 9],
+            prob_lo=[0.0, 0.3, 0.9],
+            prob_hi=[0.1, 0.4, 1.0],
+            tokens=[10, 10, 10],
+            mean_abs_log_ratio=[0.1, 0.3, 0.2],
+        )
+    )
     text = captions.drift_by_prob(drift)
     assert "largest drift: a (grpo) p in [0.3, 0.4)" in text and "differs from the paper" in text
     drift["mean_abs_log_ratio"] = [0.5, 0.3, 0.2]
@@ -110,15 +154,28 @@ def test_captions_measure_the_run_and_flag_disagreement():
     frame["erc"] = frame["method"] == "erc_dapo"
     text = captions.entropy_ratio(frame)  # erc_dapo: 40% outside vs 50%: fewer, as the paper says
     assert "erc_dapo-s0 40.0% outside (its ERC band (0.95, 1.05)" in text and "as the paper reports" in text
-    clipped = pd.DataFrame(dict(run="a", method="grpo", side=["low", "high"], bin=0, prob_lo=0.0, prob_hi=0.1,
-                                tokens=[30, 10], share=1.0, lp_share=[0.9, 0.2]))
+    clipped = pd.DataFrame(
+        dict(
+            run="a",
+            method="grpo",
+            side=["low", "high"],
+            bin=0,
+            prob_lo=0.0,
+            prob_hi=0.1,
+            tokens=[30, 10],
+            share=1.0,
+            lp_share=[0.9, 0.2],
+        )
+    )
     assert captions.clipped_prob(clipped).startswith(
-        "Here, share of the clipped tokens with p < tau: a (grpo) 90.0% of 30 low-side, 20.0% of 10 high-side.")
+        "Here, share of the clipped tokens with p < tau: a (grpo) 90.0% of 30 low-side, 20.0% of 10 high-side."
+    )
 
 
 def test_report_captions_carry_measured_text(tmp_path):
-    from entropylens.report.build import write_report
     from fixture_runs import build
+
+    from entropylens.report.build import write_report
 
     md = (write_report(build(tmp_path / "runs"), tmp_path / "rep").parent / "report.md").read_text()
     for f in (f for f in FIGURES if not f.optional):  # the fixture records no probes
@@ -139,10 +196,19 @@ def test_ratio_vs_prob_legend_inside_the_figure_for_one_to_four_runs():
     rng = np.random.default_rng(1)
     for n_runs in (1, 2, 4):
         n = 50
-        df = pd.DataFrame(dict(run=np.repeat([f"r{i}" for i in range(n_runs)], n), method="grpo", step=0,
-                               prob=rng.uniform(0, 1, n_runs * n), ratio=rng.normal(1, 0.1, n_runs * n),
-                               quadrant=rng.choice(["PA&HP", "PA&LP", "NA&HP", "NA&LP"], n_runs * n),
-                               clipped=False, eps_low=0.2, eps_high=0.28))
+        df = pd.DataFrame(
+            dict(
+                run=np.repeat([f"r{i}" for i in range(n_runs)], n),
+                method="grpo",
+                step=0,
+                prob=rng.uniform(0, 1, n_runs * n),
+                ratio=rng.normal(1, 0.1, n_runs * n),
+                quadrant=rng.choice(["PA&HP", "PA&LP", "NA&HP", "NA&LP"], n_runs * n),
+                clipped=False,
+                eps_low=0.2,
+                eps_high=0.28,
+            )
+        )
         fig = plots.ratio_vs_prob(df)
         (legend,) = fig.legends
         assert _inside_figure(fig, legend), n_runs
@@ -151,9 +217,8 @@ def test_ratio_vs_prob_legend_inside_the_figure_for_one_to_four_runs():
 
 
 # ------------------------------------------------------------------ series, bands, smoothing, thresholds
-from matplotlib.colors import to_hex  # noqa: E402
-
 from figure_frames import QUADS, frames, spec  # noqa: E402
+from matplotlib.colors import to_hex  # noqa: E402
 
 
 def series_lines(ax):
@@ -168,20 +233,34 @@ def legend_texts(fig) -> list[str]:
 
 def two_lrs(steps=30):
     """Two GRPO runs at two learning rates (one method), a DAPO run: no series column (the fallback)."""
-    return frames([spec("grpo-lr1e-3", "grpo", lr=1e-3, steps=steps), spec("grpo-lr3e-4", "grpo", lr=3e-4, steps=steps),
-                   spec("dapo-a", "dapo", steps=steps)])
+    return frames(
+        [
+            spec("grpo-lr1e-3", "grpo", lr=1e-3, steps=steps),
+            spec("grpo-lr3e-4", "grpo", lr=3e-4, steps=steps),
+            spec("dapo-a", "dapo", steps=steps),
+        ]
+    )
 
 
 def grouped(band_runs=3, steps=30):
     """Runs of one method at two learning rates, ``band_runs`` seeds each, series = the lr group."""
-    return frames([spec(f"grpo-lr{lr:g}-s{k}", "grpo", lr=lr, seed=k, steps=steps, series=f"lr={lr:g}")
-                   for lr in (1e-3, 3e-4) for k in range(band_runs)])
+    return frames(
+        [
+            spec(f"grpo-lr{lr:g}-s{k}", "grpo", lr=lr, seed=k, steps=steps, series=f"lr={lr:g}")
+            for lr in (1e-3, 3e-4)
+            for k in range(band_runs)
+        ]
+    )
 
 
 def test_two_runs_of_one_method_get_their_own_colour_and_legend_entry():
     f = two_lrs()
-    for fn, name in ((plots.entropy_vs_step, "entropy_by_step"), (plots.reward_vs_step, "reward_by_step"),
-                     (plots.grad_norm_vs_step, "grad_norm_by_step"), (plots.kl_vs_step, "kl_by_step")):
+    for fn, name in (
+        (plots.entropy_vs_step, "entropy_by_step"),
+        (plots.reward_vs_step, "reward_by_step"),
+        (plots.grad_norm_vs_step, "grad_norm_by_step"),
+        (plots.kl_vs_step, "kl_by_step"),
+    ):
         fig = fn(f[name])
         lines = series_lines(fig.axes[0])
         assert set(lines) == {"grpo-lr1e-3", "grpo-lr3e-4", "dapo-a"}, fn.__name__
@@ -272,9 +351,12 @@ def test_bar_figures_draw_the_mean_of_a_series_with_an_error_bar():
     # NA&HP: every run clips the same share, no spread, no error bar; NA&LP: min..max over the 3 runs
     assert np.allclose(spans, expect)
     # entropy_change, clipping_removed, clipped_prob, probe: one bar per (series, category), error bars
-    for fn, name in ((plots.entropy_change, "entropy_change_by_quadrant"),
-                     (plots.clipping_removed, "entropy_budget_by_step"),
-                     (plots.clipped_prob, "clipped_prob_distribution"), (plots.probe_vs_measured, "probe_vs_measured")):
+    for fn, name in (
+        (plots.entropy_change, "entropy_change_by_quadrant"),
+        (plots.clipping_removed, "entropy_budget_by_step"),
+        (plots.clipped_prob, "clipped_prob_distribution"),
+        (plots.probe_vs_measured, "probe_vs_measured"),
+    ):
         fig = fn(f[name], legend_title="lr")
         drawn = [ax for ax in fig.axes if bar_heights(ax)]
         assert drawn, fn.__name__
@@ -291,8 +373,9 @@ def test_clip_by_quadrant_draws_only_the_quadrants_each_side_can_clip():
     assert len(bar_heights(low)) == len(bar_heights(high)) == 2 * 3  # two groups of one bar per series
     d = f["clip_by_quadrant"].set_index(["run", "quadrant"])
     runs = sorted(f["clip_by_quadrant"]["run"].unique())
-    assert bar_heights(high) == pytest.approx([100 * d.loc[(r, q), "clip_high_frac"] for r in runs
-                                               for q in ("PA&HP", "PA&LP")])
+    assert bar_heights(high) == pytest.approx(
+        [100 * d.loc[(r, q), "clip_high_frac"] for r in runs for q in ("PA&HP", "PA&LP")]
+    )
 
 
 def test_per_series_panels_pool_runs_and_say_how_many_are_not_shown():
@@ -304,8 +387,11 @@ def test_per_series_panels_pool_runs_and_say_how_many_are_not_shown():
     fig = plots.entropy_budget(f["entropy_budget_by_step"], legend_title="lr")
     assert len(visible(fig)) == 2 and "mean of 3 runs" in visible(fig)[0].get_title()
     nine = frames([spec(f"r{k}", "grpo", seed=k) for k in range(9)])
-    for fn, name in ((plots.ratio_vs_prob, "ratio_vs_prob"), (plots.entropy_budget, "entropy_budget_by_step"),
-                     (plots.entropy_ratio_band, "entropy_ratio_by_step")):
+    for fn, name in (
+        (plots.ratio_vs_prob, "ratio_vs_prob"),
+        (plots.entropy_budget, "entropy_budget_by_step"),
+        (plots.entropy_ratio_band, "entropy_ratio_by_step"),
+    ):
         fig = fn(nine[name])
         assert len(visible(fig)) == 6, fn.__name__
         text = " ".join(t.get_text() for t in fig.texts)
@@ -313,8 +399,13 @@ def test_per_series_panels_pool_runs_and_say_how_many_are_not_shown():
 
 
 def test_entropy_ratio_draws_each_runs_own_band_and_the_papers_only_as_a_reference():
-    f = frames([spec("erc_dapo-a", "erc_dapo", erc=(0.9, 1.1)), spec("erc_dapo-b", "erc_dapo", erc=(0.8, 1.2)),
-                spec("grpo-a", "grpo")])
+    f = frames(
+        [
+            spec("erc_dapo-a", "erc_dapo", erc=(0.9, 1.1)),
+            spec("erc_dapo-b", "erc_dapo", erc=(0.8, 1.2)),
+            spec("grpo-a", "grpo"),
+        ]
+    )
     fig = plots.entropy_ratio_band(f["entropy_ratio_by_step"])
     axes = {ax.get_title().split(":")[0]: ax for ax in visible(fig)}
     assert set(axes) == {"erc_dapo-a", "erc_dapo-b", "grpo-a"}
@@ -344,8 +435,14 @@ def test_clipped_prob_draws_each_runs_tau_and_falls_back_to_the_keyword():
     d = f["clipped_prob_distribution"]
 
     def taus(fig):
-        return sorted({round(float(ln.get_xdata()[0]), 6) for ax in fig.axes for ln in ax.get_lines()
-                       if ln.get_linestyle() == ":"})
+        return sorted(
+            {
+                round(float(ln.get_xdata()[0]), 6)
+                for ax in fig.axes
+                for ln in ax.get_lines()
+                if ln.get_linestyle() == ":"
+            }
+        )
 
     fig = plots.clipped_prob(d)
     assert taus(fig) == [0.3, 0.5]
@@ -366,8 +463,15 @@ def test_smooth_window_is_a_pure_function_of_the_steps():
     assert [plots.smooth_window(n) for n in (1, 50, 199, 200, 1000, 5000, 5100)] == [1, 1, 1, 5, 21, 101, 103]
     assert all(plots.smooth_window(n) % 2 == 1 for n in range(200, 20000, 37))
     # steps_per_series: distinct steps of the series that holds the most (two runs of one series, offset)
-    df = pd.DataFrame(dict(run=["a"] * 300 + ["b"] * 300, method="grpo", series="g",
-                           step=np.r_[np.arange(300), np.arange(100, 400)], old_entropy=1.0))
+    df = pd.DataFrame(
+        dict(
+            run=["a"] * 300 + ["b"] * 300,
+            method="grpo",
+            series="g",
+            step=np.r_[np.arange(300), np.arange(100, 400)],
+            old_entropy=1.0,
+        )
+    )
     assert plots.steps_per_series(df) == 400 and plots.steps_per_series(df.drop(columns="series")) == 300
 
 
@@ -387,19 +491,25 @@ def test_5000_steps_draw_a_faint_raw_line_under_a_rolling_mean():
     assert smooth.get_linewidth() > 1.5 and smooth.get_alpha() in (None, 1)
     got = np.asarray(smooth.get_ydata())
     for i in (0, 30, 2500, 4321, n - 1):  # centred window, truncated at the ends
-        assert got[i] == pytest.approx(np.mean(y[max(0, i - w // 2): i + w // 2 + 1]))
+        assert got[i] == pytest.approx(np.mean(y[max(0, i - w // 2) : i + w // 2 + 1]))
     assert "rolling mean of 101 steps" in ax.get_title()
     # the other step-line figures smooth the same way, and say so
     long = frames([spec("grpo-long", "grpo", steps=n)])
-    for fn, name in ((plots.quadrant_share, "quadrant_share_by_step"), (plots.grad_share, "grad_share_by_quadrant"),
-                     (plots.entropy_ratio_band, "entropy_ratio_by_step"),
-                     (plots.entropy_budget, "entropy_budget_by_step"), (plots.kl_vs_step, "kl_by_step"),
-                     (plots.reward_vs_step, "reward_by_step"), (plots.grad_norm_vs_step, "grad_norm_by_step")):
+    for fn, name in (
+        (plots.quadrant_share, "quadrant_share_by_step"),
+        (plots.grad_share, "grad_share_by_quadrant"),
+        (plots.entropy_ratio_band, "entropy_ratio_by_step"),
+        (plots.entropy_budget, "entropy_budget_by_step"),
+        (plots.kl_vs_step, "kl_by_step"),
+        (plots.reward_vs_step, "reward_by_step"),
+        (plots.grad_norm_vs_step, "grad_norm_by_step"),
+    ):
         fig = fn(long[name])
         text = " ".join([t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes])
         assert "rolling mean of 101 steps" in text, fn.__name__
-        faint = [ln for ax in fig.axes for ln in ax.get_lines() if (ln.get_alpha() or 1) <= 0.35
-                 and len(ln.get_xdata()) == n]
+        faint = [
+            ln for ax in fig.axes for ln in ax.get_lines() if (ln.get_alpha() or 1) <= 0.35 and len(ln.get_xdata()) == n
+        ]
         assert faint, fn.__name__
 
 
@@ -415,10 +525,15 @@ def test_50_steps_are_not_smoothed():
 
 def test_legends_sit_outside_the_data():
     f = two_lrs()
-    for fig in (plots.kl_vs_step(f["kl_by_step"]), plots.entropy_vs_step(f["entropy_by_step"]),
-                plots.quadrant_share(f["quadrant_share_by_step"]), plots.grad_share(f["grad_share_by_quadrant"]),
-                plots.entropy_budget(f["entropy_budget_by_step"]), plots.clip_by_quadrant(f["clip_by_quadrant"]),
-                plots.entropy_change(f["entropy_change_by_quadrant"])):
+    for fig in (
+        plots.kl_vs_step(f["kl_by_step"]),
+        plots.entropy_vs_step(f["entropy_by_step"]),
+        plots.quadrant_share(f["quadrant_share_by_step"]),
+        plots.grad_share(f["grad_share_by_quadrant"]),
+        plots.entropy_budget(f["entropy_budget_by_step"]),
+        plots.clip_by_quadrant(f["clip_by_quadrant"]),
+        plots.entropy_change(f["entropy_change_by_quadrant"]),
+    ):
         fig.canvas.draw()
         r = fig.canvas.get_renderer()
         assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1
@@ -458,8 +573,10 @@ def test_50_runs_render_with_a_capped_legend(capsys):
 
     import matplotlib.pyplot as plt
 
-    specs = [spec(f"run{k:02d}", m, lr=1e-3 * (1 + k % 5), seed=k, erc=(0.9, 1.1) if m == "erc_dapo" else None)
-             for k, m in ((k, ("grpo", "dapo", "erc_dapo", "ce_gppo")[k % 4]) for k in range(50))]
+    specs = [
+        spec(f"run{k:02d}", m, lr=1e-3 * (1 + k % 5), seed=k, erc=(0.9, 1.1) if m == "erc_dapo" else None)
+        for k, m in ((k, ("grpo", "dapo", "erc_dapo", "ce_gppo")[k % 4]) for k in range(50))
+    ]
     f = frames(specs)
     names = set(plots.series_names(f["entropy_by_step"]))
     assert len(names) == 50
@@ -480,23 +597,42 @@ def test_50_runs_render_with_a_capped_legend(capsys):
 
 
 def test_grad_norm_marks_the_steps_with_a_nan_norm():
-    df = pd.DataFrame(dict(run=["a"] * 4 + ["b"] * 4, method="grpo", step=list(range(4)) * 2,
-                           grad_norm=[0.5, 0.6, float("nan"), 0.7, 0.4, 0.4, 0.4, 0.4],
-                           nonfinite=[0, 1, 1, 0, 0, 0, 0, 0]))
+    df = pd.DataFrame(
+        dict(
+            run=["a"] * 4 + ["b"] * 4,
+            method="grpo",
+            step=list(range(4)) * 2,
+            grad_norm=[0.5, 0.6, float("nan"), 0.7, 0.4, 0.4, 0.4, 0.4],
+            nonfinite=[0, 1, 1, 0, 0, 0, 0, 0],
+        )
+    )
     fig = plots.grad_norm_vs_step(df)
     marks = [c for c in fig.axes[0].collections if c.get_gid() == "nonfinite"]
     assert len(marks) == 1 and sorted(marks[0].get_offsets()[:, 0]) == [1, 2]  # run a's steps 1 and 2 only
     text = captions.grad_norm(df)
-    assert "Updates with a NaN / inf norm (x in the figure; left out of the step mean): a (grpo) at 2 steps " \
+    assert (
+        "Updates with a NaN / inf norm (x in the figure; left out of the step mean): a (grpo) at 2 steps "
         "from step 1." in text
-    assert not [c for c in plots.grad_norm_vs_step(df.assign(nonfinite=0)).axes[0].collections
-                if c.get_gid() == "nonfinite"]
+    )
+    assert not [
+        c for c in plots.grad_norm_vs_step(df.assign(nonfinite=0)).axes[0].collections if c.get_gid() == "nonfinite"
+    ]
 
 
 def test_clip_by_quadrant_says_where_a_quadrant_has_no_tokens():
     # every sampled token below tau (a small model's early steps): no HP tokens in any run
-    df = pd.DataFrame(dict(run="a", method="grpo", step=float("nan"), quadrant=["PA&LP", "NA&LP"], tokens=[10, 12],
-                           clip_low_frac=[0.0, 0.25], clip_high_frac=[0.1, 0.0], clipped_frac=[0.1, 0.25]))
+    df = pd.DataFrame(
+        dict(
+            run="a",
+            method="grpo",
+            step=float("nan"),
+            quadrant=["PA&LP", "NA&LP"],
+            tokens=[10, 12],
+            clip_low_frac=[0.0, 0.25],
+            clip_high_frac=[0.1, 0.0],
+            clipped_frac=[0.1, 0.25],
+        )
+    )
     fig = plots.clip_by_quadrant(df)
     notes = sorted(t.get_text() for ax in fig.axes for t in ax.texts if t.get_gid() == "no tokens")
     assert notes == ["no NA&HP tokens", "no PA&HP tokens"]
@@ -506,7 +642,8 @@ def test_clip_by_quadrant_says_where_a_quadrant_has_no_tokens():
 def test_every_figure_is_declared_once_with_its_plot_and_observer():
     import inspect
 
-    from entropylens.report import figures, build as report, runset
+    from entropylens.report import build as report
+    from entropylens.report import figures, runset
 
     assert report.FIGURES is figures.FIGURES and report.Figure is figures.Figure
     assert len({f.name for f in FIGURES}) == len(FIGURES)
@@ -525,8 +662,10 @@ def test_every_figure_is_declared_once_with_its_plot_and_observer():
 def test_every_caption_measures_the_fixture_and_many_runs_without_raising(tmp_path):
     """Each observer called directly (no fallback) on the report's own frames of the fixture runs, per run
     and grouped, and on hand-made frames of 50 runs."""
-    from entropylens.report import build as report, runset
     from fixture_runs import build
+
+    from entropylens.report import build as report
+    from entropylens.report import runset
 
     con = report.open_report(build(tmp_path / "runs"))
     for group_by in (None, "method"):
@@ -534,8 +673,15 @@ def test_every_caption_measures_the_fixture_and_many_runs_without_raising(tmp_pa
         for f in FIGURES:
             text = f.observe(report._frame(con, f, rs), rs)
             assert isinstance(text, str) and text and "rows of this figure" not in text, f.name
-    specs = [spec(f"run{k:02d}", ("grpo", "dapo", "erc_dapo", "ce_gppo")[k % 4], seed=k,
-                  erc=(0.9, 1.1) if k % 4 == 2 else None) for k in range(50)]
+    specs = [
+        spec(
+            f"run{k:02d}",
+            ("grpo", "dapo", "erc_dapo", "ce_gppo")[k % 4],
+            seed=k,
+            erc=(0.9, 1.1) if k % 4 == 2 else None,
+        )
+        for k in range(50)
+    ]
     many = frames(specs)
     for f in FIGURES:
         assert isinstance(f.observe(many[f.analysis], None), str), f.name
@@ -570,13 +716,16 @@ def test_a_caption_that_raises_fails_the_tests_and_warns_a_user():
 
 
 def test_a_caption_that_failed_in_another_process_is_warned_by_the_report(tmp_path):
-    from entropylens.report.figures import CaptionFailure, CaptionWarning
-    from entropylens.report.build import write_report
     from fixture_runs import build
 
+    from entropylens.report.build import write_report
+    from entropylens.report.figures import CaptionFailure, CaptionWarning
+
     runs = build(tmp_path / "runs")
-    failed = CaptionFailure("Here: 2 rows of this figure's analysis (its measured caption failed: KeyError).",
-                            "figure 'kl': its measured caption (kl) raised KeyError: 'kl'")
+    failed = CaptionFailure(
+        "Here: 2 rows of this figure's analysis (its measured caption failed: KeyError).",
+        "figure 'kl': its measured caption (kl) raised KeyError: 'kl'",
+    )
     done = {f.name: (f"{f.name}.png", "Here, drawn elsewhere.") for f in FIGURES} | {"kl": ("kl.png", failed)}
     with pytest.raises(CaptionWarning, match="figure 'kl'"):  # every figure drawn "elsewhere": none drawn here
         write_report(runs, tmp_path / "rep", elsewhere=tuple(done), done=done, responses=0)
@@ -617,8 +766,12 @@ def test_every_figure_fits_its_canvas_and_keeps_its_legend_narrow(n_runs):
         r = fig.canvas.get_renderer()
         box = fig.get_tightbbox(r)
         w, h = fig.get_figwidth(), fig.get_figheight()
-        assert box.x0 >= -0.01 and box.y0 >= -0.01 and box.x1 <= w + 0.01 and box.y1 <= h + 0.01, \
-            (fig_def.name, n_runs, box, (w, h))
+        assert box.x0 >= -0.01 and box.y0 >= -0.01 and box.x1 <= w + 0.01 and box.y1 <= h + 0.01, (
+            fig_def.name,
+            n_runs,
+            box,
+            (w, h),
+        )
         right = max(ax.get_window_extent(r).x1 for ax in visible(fig))
         for lg in fig.legends:
             lb = lg.get_window_extent(r)
@@ -652,6 +805,7 @@ def test_mismatch_figure_with_and_without_sampler_logprobs(tmp_path):
     """The mismatch figure of a run with sampler log-probs draws |delta log p| by quadrant and the shares;
     one without says so in its row (no line at 0), and so does the caption."""
     import mismatch_runs
+
     from entropylens.read.query import connect, run_analysis
 
     df = run_analysis(connect(mismatch_runs.build(tmp_path / "runs")), "mismatch_by_quadrant_by_step")

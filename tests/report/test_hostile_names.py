@@ -23,32 +23,62 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from cli_calls import ok, runner
+from entropylens.cli.main import app
+
 from entropylens import Recorder
 from entropylens.alarms import NonFiniteWarning
-from entropylens.cli.main import app
 from entropylens.report.escape import visible
 from entropylens.report.viewer import page_name
 from entropylens.rl.losses import policy_loss
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-needs_chromium = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                                    reason="chromium not installed (CI installs it)")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"), reason="chromium not installed (CI installs it)"
+)
 
 # no '"' or '=' in a run's folder name here: the reader's handling of those is tested on its own
 RUN = "x<img src onerror>|<b>[red]\u202egnp.exe\x85'"
 PLAIN = "grpo-seed1"
 CONFIGS = {
-    RUN: {"method": "grpo", "note": "a|b<img src=x onerror=window.PWNED=3>\x00\u202eend",
-          "kl_beta": "0.1|<script>window.PWNED=4</script>\x00"},
+    RUN: {
+        "method": "grpo",
+        "note": "a|b<img src=x onerror=window.PWNED=3>\x00\u202eend",
+        "kl_beta": "0.1|<script>window.PWNED=4</script>\x00",
+    },
     PLAIN: {"method": "grpo", "note": "plain", "kl_beta": 0.1},
 }
-VOCAB = [" the", "\u202e", " cat", "\u200b", " dog", "\u2066", " x", "\ufeff", " \u05e9\u05dc\u05d5\u05dd",
-         " \u05d0\u05d1", " y", "<img src=x onerror=window.PWNED=1>", "a\x00b", " \u202eabc", " |", "\x85",
-         " end", "\u2028", "\u3164", " z"]
-FORMAT_ONLY = {1: "\\u202e", 3: "\\u200b", 5: "\\u2066", 7: "\\ufeff", 15: "\\x85", 17: "\\u2028",
-               18: "\\u3164"}  # token id -> the mark the viewer draws for it
+VOCAB = [
+    " the",
+    "\u202e",
+    " cat",
+    "\u200b",
+    " dog",
+    "\u2066",
+    " x",
+    "\ufeff",
+    " \u05e9\u05dc\u05d5\u05dd",
+    " \u05d0\u05d1",
+    " y",
+    "<img src=x onerror=window.PWNED=1>",
+    "a\x00b",
+    " \u202eabc",
+    " |",
+    "\x85",
+    " end",
+    "\u2028",
+    "\u3164",
+    " z",
+]
+FORMAT_ONLY = {
+    1: "\\u202e",
+    3: "\\u200b",
+    5: "\\u2066",
+    7: "\\ufeff",
+    15: "\\x85",
+    17: "\\u2028",
+    18: "\\u3164",
+}  # token id -> the mark the viewer draws for it
 TEXT_TAIL = " <script>window.PWNED=2</script>\x00\u202e tail"
 STEPS, B = 2, 4
 T = len(VOCAB)
@@ -67,13 +97,31 @@ def record(root: Path, run: str) -> None:
             rewards = torch.tensor([1.0, 0.0, 1.0, 0.0])
             adv = rewards - 0.5
             seq_ids = torch.arange(B) + step * B
-            rec.record_sequences(step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=torch.full((B,), T),
-                                 group_ids=seq_ids // 2, texts=[text] * B)
+            rec.record_sequences(
+                step,
+                seq_ids=seq_ids,
+                rewards=rewards,
+                advantages=adv,
+                lengths=torch.full((B,), T),
+                group_ids=seq_ids // 2,
+                texts=[text] * B,
+            )
             logp = (old_logp + 0.2 * torch.randn(B, T, generator=gen)).clamp(max=0.0)
             out = policy_loss(logp, old_logp, adv, mask, method="grpo", entropy=old_h, old_entropy=old_h)
-            rec.record_update(step, 0, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old_logp,
-                              entropy=old_h, old_entropy=old_h, tokens=ids, seq_ids=seq_ids, group_ids=seq_ids // 2,
-                              loss=out)
+            rec.record_update(
+                step,
+                0,
+                mask=mask,
+                advantages=adv,
+                logprobs=logp,
+                old_logprobs=old_logp,
+                entropy=old_h,
+                old_entropy=old_h,
+                tokens=ids,
+                seq_ids=seq_ids,
+                group_ids=seq_ids // 2,
+                loss=out,
+            )
             nan = run == RUN and step == NAN_STEP
             rec.record_step(step, update=0, grad_norm=float("nan") if nan else 0.5, lr=1e-3)
 
@@ -94,8 +142,9 @@ def report(tmp_path_factory):
 def raw_invisible(text: str, keep: str = "\n") -> list[str]:
     """The characters of ``text`` that no output may carry raw: C0 (but ``keep``), DEL, C1, format (bidi
     included), line / paragraph separators."""
-    return sorted({f"U+{ord(c):04X}" for c in text
-                   if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") and c not in keep})
+    return sorted(
+        {f"U+{ord(c):04X}" for c in text if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp", "Cs") and c not in keep}
+    )
 
 
 # ------------------------------------------------------------------------------------- the Recorder
@@ -190,12 +239,15 @@ def test_report_html_runs_no_script_and_shows_the_names_as_typed(report, browser
 
 
 def _spans(pg) -> list[dict]:
-    return pg.eval_on_selector_all("#el-text span.tk", """ss => ss.map(s => {
+    return pg.eval_on_selector_all(
+        "#el-text span.tk",
+        """ss => ss.map(s => {
         const r = [...s.getClientRects()];
         return {pos: +s.dataset.pos, text: s.textContent, left: r[0].left, top: r[0].top,
                 right: r[r.length - 1].right, bottom: r[r.length - 1].bottom,
                 marks: [...s.querySelectorAll('.cc')].map(m => [m.textContent, m.getBoundingClientRect().width])};
-    })""")
+    })""",
+    )
 
 
 @needs_chromium
@@ -211,7 +263,7 @@ def test_viewer_page_runs_no_script_draws_tokens_in_order_and_marks_format_only_
     for a, b in zip(spans, spans[1:]):  # each next token on a later line, or to the right on the same line
         assert b["top"] >= a["bottom"] - 1 or b["left"] >= a["right"] - 0.5, (a, b)
     for i, mark in FORMAT_ONLY.items():
-        (text, width), = spans[i]["marks"]
+        ((text, width),) = spans[i]["marks"]
         assert text == mark and width > 4, (i, spans[i])
     assert spans[12]["text"] == "a\\x00b" and spans[13]["text"] == " \\u202eabc"  # NUL, RLO within a token
     assert spans[11]["text"] == VOCAB[11] and spans[8]["text"] == VOCAB[8]  # HTML as text, Hebrew as it is

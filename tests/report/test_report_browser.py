@@ -6,9 +6,9 @@ import shutil
 import subprocess
 
 import pytest
+from fixture_runs import build
 
 from entropylens.report.build import FIGURES, write_report
-from fixture_runs import build
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
@@ -38,11 +38,25 @@ def test_report_renders_in_headless_chromium(tmp_path):
     index = write_report(build(tmp_path / "runs"), tmp_path / "rep")
     shot = tmp_path / "shot.png"
     subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400", "--hide-scrollbars",
-         f"--screenshot={shot}", index.as_uri()],
-        check=True, capture_output=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--window-size=1200,2400",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            index.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     img = Image.open(shot).convert("L")
     assert img.size == (1200, 2400)
@@ -69,12 +83,28 @@ def test_every_figure_decodes_in_chromium_with_content(tmp_path):
         "const ims = [...document.images]; if (!ims.every(i => i.complete)) { setTimeout(check, 50); return; }"
         "document.getElementById('out').textContent = ims.map("
         "i => i.getAttribute('src') + ' ' + i.naturalWidth + 'x' + i.naturalHeight).join(';');} check();"
-        "</script></body></html>")
+        "</script></body></html>"
+    )
     dom = subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
-         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
-        check=True, capture_output=True, text=True, timeout=120).stdout
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=5000",
+            "--dump-dom",
+            probe.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     sizes = dict(x.split(" ") for x in re.search(r'<pre id="out">([^<]*)</pre>', dom).group(1).split(";"))
     assert set(sizes) == set(srcs)
     for src, wh in sizes.items():

@@ -5,8 +5,9 @@ import json
 import re
 
 from cli_calls import err, ok
-from entropylens.report.build import DEFAULT_PAGE_BYTES, STEP_LINK_FIGURES, response_pages, write_report
 from fixture_runs import build
+
+from entropylens.report.build import DEFAULT_PAGE_BYTES, STEP_LINK_FIGURES, response_pages, write_report
 
 
 def _data(page):

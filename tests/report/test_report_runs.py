@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import user_runs
+from entropylens.cli.main import app
 from typer.testing import CliRunner
 
-import user_runs
 from entropylens.report import runset
-from entropylens.cli.main import app
 from entropylens.report.build import write_report
 
 
@@ -80,8 +80,10 @@ def test_a_controlled_comparison_is_named(user, tmp_path):
     root, _ = user
     caps = captions_of(write_report(root, tmp_path / "rep", runs=["grpo-lr1e-3", "grpo-lr3e-3"]))
     assert caps["comparison"].startswith("2 runs, a controlled comparison in lr (0.001, 0.003)")
-    assert ("The runs differ only in lr (0.001, 0.003): a controlled comparison of lr; the papers' verdicts "
-            "compare methods, so none here.") in caps["entropy"]
+    assert (
+        "The runs differ only in lr (0.001, 0.003): a controlled comparison of lr; the papers' verdicts "
+        "compare methods, so none here."
+    ) in caps["entropy"]
     assert "not a controlled comparison" not in caps["entropy"]
 
 
@@ -102,8 +104,9 @@ def test_method_verdict_only_when_only_the_method_differs(tmp_path):
 
 def test_group_by_lr_draws_the_mean_with_a_band(user, tmp_path):
     root, exp = user
-    res = CliRunner().invoke(app, ["report", str(root), "--out", str(tmp_path / "rep"), "--group-by", "lr",
-                                   "--band", "sd"])
+    res = CliRunner().invoke(
+        app, ["report", str(root), "--out", str(tmp_path / "rep"), "--group-by", "lr", "--band", "sd"]
+    )
     assert res.exit_code == 0, res.output
     caps = captions_of(tmp_path / "rep" / "index.html")
     runs = [r for r, s in user_runs.RUNS.items() if s["lr"] == 1e-3]
@@ -120,18 +123,25 @@ def test_group_by_an_unknown_key_is_one_line(user, tmp_path):
     root, _ = user
     res = CliRunner().invoke(app, ["report", str(root), "--out", str(tmp_path / "rep"), "--group-by", "lrr"])
     assert res.exit_code != 0 and "Traceback" not in res.output
-    assert "--group-by lrr: no run records that config key; keys: method, config, erc, lr, model, seed, steps" \
+    assert (
+        "--group-by lrr: no run records that config key; keys: method, config, erc, lr, model, seed, steps"
         in res.output
+    )
 
 
 def test_group_by_config_pools_the_seeds_of_one_config(tmp_path):
     for seed in (0, 1, 2):
-        user_runs.record_run(tmp_path / "runs", f"grpo-s{seed}", {"method": "grpo", "lr": 1e-3, "decay": 0.05},
-                             seed=seed)
+        user_runs.record_run(
+            tmp_path / "runs", f"grpo-s{seed}", {"method": "grpo", "lr": 1e-3, "decay": 0.05}, seed=seed
+        )
     user_runs.record_run(tmp_path / "runs", "grpo-fast", {"method": "grpo", "lr": 3e-3, "decay": 0.15})
     con_rs = runset.from_connection(__import__("entropylens").connect(tmp_path / "runs"), group_by="config")
-    assert con_rs.series == {"grpo-s0": "grpo lr=0.001", "grpo-s1": "grpo lr=0.001", "grpo-s2": "grpo lr=0.001",
-                             "grpo-fast": "grpo lr=0.003"}
+    assert con_rs.series == {
+        "grpo-s0": "grpo lr=0.001",
+        "grpo-s1": "grpo lr=0.001",
+        "grpo-s2": "grpo lr=0.001",
+        "grpo-fast": "grpo lr=0.003",
+    }
     caps = captions_of(write_report(tmp_path / "runs", tmp_path / "rep", group_by="config"))
     assert "Runs grouped (seeds of one config" in caps["comparison"] or "seeds of one config" in caps["comparison"]
 
@@ -143,16 +153,38 @@ def _long_run(root, steps: int = 5000):
 
     d = root / "long"
     (d / "compacted" / "steps").mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"run": "long", "method": "grpo", "status": "finished", "eps_low": 0.2,
-                                            "eps_high": 0.2, "tau": 0.5, "schema_version": 2,
-                                            "config": {"method": "grpo", "lr": 1e-3}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": "long",
+                "method": "grpo",
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.2,
+                "tau": 0.5,
+                "schema_version": 2,
+                "config": {"method": "grpo", "lr": 1e-3},
+            }
+        )
+    )
     rng = np.random.default_rng(0)
     h = 2.0 * np.exp(-np.arange(steps) / 2000) + 0.1 + 0.05 * rng.standard_normal(steps)
-    rows = [{"update": 0, "n_tokens": 100, "entropy_mean": float(v), "old_entropy_mean": float(v),
-             "grad_norm": 0.5, "kl_k3": 1e-3, "reward_mean": 0.5} for v in h]
+    rows = [
+        {
+            "update": 0,
+            "n_tokens": 100,
+            "entropy_mean": float(v),
+            "old_entropy_mean": float(v),
+            "grad_norm": 0.5,
+            "kl_k3": 1e-3,
+            "reward_mean": 0.5,
+        }
+        for v in h
+    ]
     t = steps_table(rows)
-    t = t.add_column(0, "rank", pa.array(np.zeros(steps, np.int16))).add_column(0, "step", pa.array(
-        np.arange(steps, dtype=np.int32)))
+    t = t.add_column(0, "rank", pa.array(np.zeros(steps, np.int16))).add_column(
+        0, "step", pa.array(np.arange(steps, dtype=np.int32))
+    )
     pq.write_table(t, d / "compacted" / "steps" / f"steps-0-{steps - 1}.parquet")
     return h
 
@@ -167,8 +199,9 @@ def test_a_long_run_is_smoothed_and_says_so(tmp_path):
     assert f"rolling mean of {w} steps" in caps["entropy"]
     # the ends of a long run: means over the first and last w steps (float32 as stored)
     h = h.astype(np.float32).astype(np.float64)
-    assert f"first -> last {w} steps (nats): long (grpo) {_g(h[:w].mean())} -> {_g(h[-w:].mean())}" \
-        in caps["entropy"], caps["entropy"]
+    assert (
+        f"first -> last {w} steps (nats): long (grpo) {_g(h[:w].mean())} -> {_g(h[-w:].mean())}" in caps["entropy"]
+    ), caps["entropy"]
 
 
 def test_check_over_the_user_runs_names_what_is_wrong(user):
@@ -181,7 +214,9 @@ def test_check_over_the_user_runs_names_what_is_wrong(user):
     lines = [x for x in res.output.splitlines() if not x.startswith("note: ")]
     noted = [x for x in res.output.splitlines() if x.startswith("note: ")]
     # stable updates on the sampling policy (every ratio 1): a note, not an alarm
-    assert [x.split(" signal=")[0] for x in noted] == ["note: run=stable step=0 rule=on_policy value=0 threshold=0"], noted
+    assert [x.split(" signal=")[0] for x in noted] == ["note: run=stable step=0 rule=on_policy value=0 threshold=0"], (
+        noted
+    )
     h = exp["grpo-lr3e-3"]["old_entropy"]
     base = 0.25 * np.mean([h[s] for s in range(3)])  # collapse: below 0.25 x the mean of the first 3 steps
     first = min(s for s in range(3, user_runs.STEPS) if h[s] < base)

@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from entropylens.report import responses as R
 from entropylens.read.query import QueryError, connect, run_analysis
 from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.report import responses as R
 
 
 class Ids:  # no tokenizer: ids shown
@@ -21,15 +21,37 @@ class Ids:  # no tokenizer: ids shown
         return [f"<{i}>" for i in ids]
 
 
-def _run(root, name="r", steps=10, seqs=6, length=5, updates=(0, 1), run_unique=False, rewards=None,
-         clipped_seq=None, long_seq=None):
+def _run(
+    root,
+    name="r",
+    steps=10,
+    seqs=6,
+    length=5,
+    updates=(0, 1),
+    run_unique=False,
+    rewards=None,
+    clipped_seq=None,
+    long_seq=None,
+):
     """A run whose answers are known: step s, sequence q has reward rewards(s, q) (default (q + s) / 10),
     every token of sequence ``clipped_seq`` (all steps) is clipped at update 1, ``long_seq`` = (q, n)
     gives sequence q n tokens. Seq ids per step 0..seqs-1, or run-unique (TRL) with ``run_unique``."""
     d = root / name
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"run": name, "method": "grpo", "status": "finished", "eps_low": 0.2,
-                                            "eps_high": 0.2, "tau": 0.5, "schema_version": 3, "config": {}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": name,
+                "method": "grpo",
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.2,
+                "tau": 0.5,
+                "schema_version": 3,
+                "config": {},
+            }
+        )
+    )
     rewards = rewards or (lambda s, q: (q + s) / 10)
     for s in range(steps):
         base = s * seqs if run_unique else 0
@@ -43,22 +65,45 @@ def _run(root, name="r", steps=10, seqs=6, length=5, updates=(0, 1), run_unique=
         k = len(seq)
         for u in updates:
             clipped = np.array([u == 1 and clipped_seq is not None and sq - base == clipped_seq for sq in seq])
-            write_tokens(d, s, 0, u, {
-                "update": np.full(k, u, np.int16), "seq": np.array(seq, np.int32), "group": np.zeros(k, np.int32),
-                "pos": np.array(pos, np.int32), "token_id": np.array([p % 32 for p in pos], np.int32),
-                "logprob": np.full(k, -1.0, np.float32), "old_logprob": np.full(k, -1.0, np.float32),
-                "advantage": np.array(adv, np.float32), "quadrant": np.ones(k, np.int8),
-                "clip": np.where(clipped, 1, 0).astype(np.int8), "clipped": clipped,
-                "entropy": np.array(old_h, np.float32), "old_entropy": np.array(old_h, np.float32),
-                "grad_coef": np.full(k, -0.1, np.float32)})
+            write_tokens(
+                d,
+                s,
+                0,
+                u,
+                {
+                    "update": np.full(k, u, np.int16),
+                    "seq": np.array(seq, np.int32),
+                    "group": np.zeros(k, np.int32),
+                    "pos": np.array(pos, np.int32),
+                    "token_id": np.array([p % 32 for p in pos], np.int32),
+                    "logprob": np.full(k, -1.0, np.float32),
+                    "old_logprob": np.full(k, -1.0, np.float32),
+                    "advantage": np.array(adv, np.float32),
+                    "quadrant": np.ones(k, np.int8),
+                    "clip": np.where(clipped, 1, 0).astype(np.int8),
+                    "clipped": clipped,
+                    "entropy": np.array(old_h, np.float32),
+                    "old_entropy": np.array(old_h, np.float32),
+                    "grad_coef": np.full(k, -0.1, np.float32),
+                },
+            )
         write_steps(d, s, 0, [{"update": u, "n_tokens": k} for u in updates])
-        write_sequences(d, s, 0, 0, {
-                "seq": np.arange(seqs, dtype=np.int32) + base, "group": np.zeros(seqs, np.int32),
+        write_sequences(
+            d,
+            s,
+            0,
+            0,
+            {
+                "seq": np.arange(seqs, dtype=np.int32) + base,
+                "group": np.zeros(seqs, np.int32),
                 "reward": np.array([rewards(s, q) for q in range(seqs)], np.float32),
                 "advantage": np.array([1.0 if q % 2 else -1.0 for q in range(seqs)], np.float32),
-                "length": np.array([long_seq[1] if long_seq and q == long_seq[0] else length
-                                    for q in range(seqs)], np.int32),
-                "text": [f"step {s} seq {q}" for q in range(seqs)]})
+                "length": np.array(
+                    [long_seq[1] if long_seq and q == long_seq[0] else length for q in range(seqs)], np.int32
+                ),
+                "text": [f"step {s} seq {q}" for q in range(seqs)],
+            },
+        )
     return root
 
 
@@ -68,19 +113,41 @@ def test_later_steps_tokens_join_the_generation_step_as_trl_numbers_them(tmp_pat
     root = tmp_path / "runs"
     d = root / "t"
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"run": "t", "method": "grpo", "status": "finished", "tau": 0.5,
-                                            "schema_version": 3, "config": {}}))
-    tok = {"update": np.zeros(2, np.int16), "seq": np.array([7, 7], np.int32), "group": np.zeros(2, np.int32),
-           "pos": np.array([0, 1], np.int32), "token_id": np.array([1, 2], np.int32),
-           "logprob": np.zeros(2, np.float32), "old_logprob": np.zeros(2, np.float32),
-           "advantage": np.ones(2, np.float32), "quadrant": np.ones(2, np.int8), "clip": np.zeros(2, np.int8),
-           "clipped": np.zeros(2, bool), "entropy": np.ones(2, np.float32), "old_entropy": np.ones(2, np.float32)}
+    (d / "run.json").write_text(
+        json.dumps({"run": "t", "method": "grpo", "status": "finished", "tau": 0.5, "schema_version": 3, "config": {}})
+    )
+    tok = {
+        "update": np.zeros(2, np.int16),
+        "seq": np.array([7, 7], np.int32),
+        "group": np.zeros(2, np.int32),
+        "pos": np.array([0, 1], np.int32),
+        "token_id": np.array([1, 2], np.int32),
+        "logprob": np.zeros(2, np.float32),
+        "old_logprob": np.zeros(2, np.float32),
+        "advantage": np.ones(2, np.float32),
+        "quadrant": np.ones(2, np.int8),
+        "clip": np.zeros(2, np.int8),
+        "clipped": np.zeros(2, bool),
+        "entropy": np.ones(2, np.float32),
+        "old_entropy": np.ones(2, np.float32),
+    }
     for s in (0, 1):
         write_tokens(d, s, 0, 0, tok)
         write_steps(d, s, 0, [{"update": 0, "n_tokens": 2}])
-    write_sequences(d, 0, 0, 0, {"seq": np.array([7], np.int32), "group": np.zeros(1, np.int32),
-                                 "reward": np.array([0.5], np.float32), "advantage": np.ones(1, np.float32),
-                                 "length": np.array([2], np.int32), "text": ["hi"]})
+    write_sequences(
+        d,
+        0,
+        0,
+        0,
+        {
+            "seq": np.array([7], np.int32),
+            "group": np.zeros(1, np.int32),
+            "reward": np.array([0.5], np.float32),
+            "advantage": np.ones(1, np.float32),
+            "length": np.array([2], np.int32),
+            "text": ["hi"],
+        },
+    )
     df = run_analysis(connect(root), "responses")
     assert df[["step", "gen_step", "reward", "length"]].values.tolist() == [[0, 0, 0.5, 2], [1, 0, 0.5, 2]]
     texts = R.texts(connect(root), "t", df)
@@ -123,8 +190,13 @@ def test_where_keeps_responses_with_a_matching_token(tmp_path):
     sel = R.select(con, "r", n=40, where="clipped")
     assert set(sel.rows.seq) == {2} and len(sel.rows) == 10 and "matching --where clipped" in sel.text
     assert R.select(con, "r", n=40, where="reward > 5").text == "No response matches --where reward > 5."
-    for bad, says in (("1 = 1; DROP TABLE x", "without ';'"), ("clipped -- x", "without ';' or comments"),
-                      ("(clipped", "unbalanced"), ("nosuch > 1", "nosuch"), ("", "empty")):
+    for bad, says in (
+        ("1 = 1; DROP TABLE x", "without ';'"),
+        ("clipped -- x", "without ';' or comments"),
+        ("(clipped", "unbalanced"),
+        ("nosuch > 1", "nosuch"),
+        ("", "empty"),
+    ):
         with pytest.raises(QueryError, match=says):
             R.select(con, "r", where=bad)
 
@@ -165,8 +237,14 @@ def test_page_data_values_equal_the_rows_and_the_size_stays_bounded(tmp_path):
     resp = data["steps"][0]["responses"][0]
     cols = data["columns"]
     row = dict(zip(cols, resp["rows"]["1"][3]))
-    got = con.execute("SELECT * FROM tokens WHERE run = 'r' AND step = ? AND seq = ? AND update = 1 AND pos = 3",
-                      [data["steps"][0]["step"], resp["seq"]]).df().iloc[0]
+    got = (
+        con.execute(
+            "SELECT * FROM tokens WHERE run = 'r' AND step = ? AND seq = ? AND update = 1 AND pos = 3",
+            [data["steps"][0]["step"], resp["seq"]],
+        )
+        .df()
+        .iloc[0]
+    )
     for c in cols:
         want = got[c]
         if c == "quadrant":
@@ -178,8 +256,9 @@ def test_page_data_values_equal_the_rows_and_the_size_stays_bounded(tmp_path):
         else:
             assert np.float32(row[c]) == np.float32(want), c
     assert resp["tokens"][:3] == ["<0>", "<1>", "<2>"] and resp["text"].startswith("step ")
-    assert resp["forking"] == [p for p, f in zip(resp["pos"], R.forking([0.1 * (p % 7) + 0.01 * resp["seq"]
-                                                                         for p in resp["pos"]])) if f]
+    assert resp["forking"] == [
+        p for p, f in zip(resp["pos"], R.forking([0.1 * (p % 7) + 0.01 * resp["seq"] for p in resp["pos"]])) if f
+    ]
     assert "</" not in R.dumps({"t": "</script><b>"})
 
 

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import pytest
+from retau_runs import record
 
 from entropylens.read.query import connect
 from entropylens.report.checks import notes
-from entropylens.report.run_findings import ON_POLICY_BY_FRAMEWORK, ON_POLICY_TEXT, on_policy, suggest_tau, thin_quadrants
-from retau_runs import record
+from entropylens.report.run_findings import (
+    ON_POLICY_BY_FRAMEWORK,
+    ON_POLICY_TEXT,
+    on_policy,
+    suggest_tau,
+    thin_quadrants,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +52,17 @@ def test_thin_quadrant_names_the_quantiles_and_a_tau(runs):
     assert {f.signal.split(" ")[0] for f in found} == {"PA&LP", "NA&LP"}, found
     p50 = float(con.execute("SELECT quantile_cont(prob, 0.5) FROM tokens WHERE advantage <> 0").fetchone()[0])
     f = next(f for f in found if f.signal.startswith("PA&LP"))
-    assert f.value == pytest.approx(float(
-        con.execute("SELECT count(*) FILTER (WHERE quadrant = 'PA&LP') / count(*) FROM tokens WHERE advantage <> 0")
-        .fetchone()[0])) and f.value < 0.01
+    assert (
+        f.value
+        == pytest.approx(
+            float(
+                con.execute(
+                    "SELECT count(*) FILTER (WHERE quadrant = 'PA&LP') / count(*) FROM tokens WHERE advantage <> 0"
+                ).fetchone()[0]
+            )
+        )
+        and f.value < 0.01
+    )
     assert f"p50 {p50:.3g}" in f.signal and f"try --tau {suggest_tau(p50)}" in f.signal
     assert "exp(-H)" not in f.signal  # no entropy recorded in this loop: no exp(-H) claimed
     # at the suggested tau no quadrant is thin

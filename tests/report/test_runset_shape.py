@@ -19,11 +19,13 @@ def _run(root, run: str, method: str, steps: int, groups: int = 2, group_size: i
             adv = torch.tensor([0.5, -0.5] * (b // 2))  # [B]
             seq = torch.arange(b) + step * b
             grp = torch.arange(b) // group_size
-            rec.record_sequences(step, seq_ids=seq, rewards=adv, advantages=adv, lengths=torch.full((b,), t),
-                                 group_ids=grp)
+            rec.record_sequences(
+                step, seq_ids=seq, rewards=adv, advantages=adv, lengths=torch.full((b,), t), group_ids=grp
+            )
             out = policy_loss(old, old, adv, mask, method=method)
-            rec.record_update(step, 0, mask=mask, advantages=adv, logprobs=old, old_logprobs=old, seq_ids=seq,
-                              group_ids=grp, loss=out)
+            rec.record_update(
+                step, 0, mask=mask, advantages=adv, logprobs=old, old_logprobs=old, seq_ids=seq, group_ids=grp, loss=out
+            )
             rec.record_step(step, grad_norm=1.0)
 
 

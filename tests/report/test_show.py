@@ -6,21 +6,26 @@ import math
 
 import numpy as np
 import pytest
+from cli_calls import err, ok, runner
+from entropylens.cli.main import app
+from fixture_runs import build, step_row
 from rich.console import Console
 from rich.style import Style
 from rich.text import Text
 
-from cli_calls import err, ok, runner
+from entropylens.read.query import connect
+from entropylens.record.writer import write_sequences, write_steps, write_tokens
 from entropylens.report import responses as R
 from entropylens.report import show
-from entropylens.cli.main import app
-from entropylens.read.query import connect
 from entropylens.token_text import HOW_TO_GET_TEXT, make_decoder
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
-from fixture_runs import build, step_row
 
-COLOUR_ENV = {"FORCE_COLOR": "1", "COLORTERM": "truecolor", "TERM": "xterm-256color", "NO_COLOR": None,
-              "COLUMNS": "120"}
+COLOUR_ENV = {
+    "FORCE_COLOR": "1",
+    "COLORTERM": "truecolor",
+    "TERM": "xterm-256color",
+    "NO_COLOR": None,
+    "COLUMNS": "120",
+}
 # the longer run: one response of 10 recorded positions (5 and 6 not sampled) out of a length of 12
 LONG_POS = [0, 1, 2, 3, 4, 7, 8, 9, 10, 11]
 LONG_H_OLD = [0.1, 0.9, 0.2, 0.8, 0.8, 0.3, 0.4, 0.5, 0.6, 0.7]  # top 20%: k=2, the tie at 0.8 too
@@ -40,19 +45,34 @@ def long_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("long") / "long"
     d.mkdir()
     vocab = [f"w{i}" for i in range(30)]
-    (d / "run.json").write_text(json.dumps({"run": "long", "method": "grpo", "status": "finished", "eps_low": 0.2,
-                                            "eps_high": 0.2, "schema_version": 1,
-                                            "config": {"method": "grpo", "tokenizer": {"class": "vocabulary",
-                                                                                       "vocab": vocab}}}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run": "long",
+                "method": "grpo",
+                "status": "finished",
+                "eps_low": 0.2,
+                "eps_high": 0.2,
+                "schema_version": 1,
+                "config": {"method": "grpo", "tokenizer": {"class": "vocabulary", "vocab": vocab}},
+            }
+        )
+    )
     n = len(LONG_POS) + 2
     old = np.log(np.full(n, 0.5, np.float32))
     ratio = np.array([1.0, 1.1, 0.9, 1.3, 0.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], np.float32)
     arrs = {
-        "update": np.zeros(n, np.int16), "seq": np.array([7] * len(LONG_POS) + [8, 8], np.int32),
-        "group": np.zeros(n, np.int32), "pos": np.array(LONG_POS + [0, 1], np.int32),
-        "token_id": np.array(list(range(10, 20)) + [20, 21], np.int32), "old_logprob": old,
-        "logprob": old + np.log(ratio), "advantage": np.ones(n, np.float32), "quadrant": np.full(n, 1, np.int8),
-        "clip": np.zeros(n, np.int8), "clipped": np.zeros(n, bool),
+        "update": np.zeros(n, np.int16),
+        "seq": np.array([7] * len(LONG_POS) + [8, 8], np.int32),
+        "group": np.zeros(n, np.int32),
+        "pos": np.array(LONG_POS + [0, 1], np.int32),
+        "token_id": np.array(list(range(10, 20)) + [20, 21], np.int32),
+        "old_logprob": old,
+        "logprob": old + np.log(ratio),
+        "advantage": np.ones(n, np.float32),
+        "quadrant": np.full(n, 1, np.int8),
+        "clip": np.zeros(n, np.int8),
+        "clipped": np.zeros(n, bool),
         "entropy": np.array(LONG_H_OLD + [1.0, 1.0], np.float32) * 1.1,
         "old_entropy": np.array(LONG_H_OLD + [1.0, 1.0], np.float32),
         "erc_kept": np.array(LONG_ERC + [True, True]),
@@ -60,10 +80,20 @@ def long_run(tmp_path_factory):
     write_tokens(d, 3, 0, 0, arrs)
     write_tokens(d, 3, 0, 1, {k: v[-2:] for k, v in arrs.items()} | {"update": np.ones(2, np.int16)})  # seq 8 only
     write_steps(d, 3, 0, [step_row(0, n, 1.0, 1.0, 0.0), step_row(1, 2, 1.0, 1.0, 0.0)])
-    write_sequences(d, 3, 0, 0, {"seq": np.array([7, 8], np.int32), "group": np.zeros(2, np.int32),
-                                 "reward": np.array([1.0, 0.0], np.float32),
-                                 "advantage": np.array([1.0, 1.0], np.float32), "length": np.array([12, 2], np.int32),
-                                 "text": ["the recorded completion", None]})
+    write_sequences(
+        d,
+        3,
+        0,
+        0,
+        {
+            "seq": np.array([7, 8], np.int32),
+            "group": np.zeros(2, np.int32),
+            "reward": np.array([1.0, 0.0], np.float32),
+            "advantage": np.array([1.0, 1.0], np.float32),
+            "length": np.array([12, 2], np.int32),
+            "text": ["the recorded completion", None],
+        },
+    )
     return d
 
 
@@ -88,14 +118,19 @@ def flat(s: str) -> str:
 
 def table_rows(out: str, ncols: int) -> list[list[str]]:
     """The data lines of a rich table printed as text: ``ncols`` cells that are all numbers or '-'."""
+
     def number(c):
         try:
             float(c)
             return True
         except ValueError:
             return c == "-"
-    return [cells for cells in (line.split() for line in out.splitlines())
-            if len(cells) == ncols and all(number(c) for c in cells)]
+
+    return [
+        cells
+        for cells in (line.split() for line in out.splitlines())
+        if len(cells) == ncols and all(number(c) for c in cells)
+    ]
 
 
 def coloured(*args) -> Text:
@@ -137,8 +172,21 @@ def test_list_matches_the_responses_analysis(runs):
     # ERC-dropped "-": the fixture has no ERC (not applicable, as in the viewer), not 0
     assert rows[0] == ["0", "0", "0", "0.25", "1", "2", "2", "2", "0.75", "2", "-", "-0.2"]
     assert rows[1] == ["0", "1", "0", "0.75", "-1", "2", "2", "2", "1.5", "2", "-", "0.6"]
-    for header in ("rank", "seq", "group", "reward", "advantage", "length", "tokens", "updates", "entropy",
-                   "clipped", "ERC-", "dropped", "effect"):
+    for header in (
+        "rank",
+        "seq",
+        "group",
+        "reward",
+        "advantage",
+        "length",
+        "tokens",
+        "updates",
+        "entropy",
+        "clipped",
+        "ERC-",
+        "dropped",
+        "effect",
+    ):
         assert header in out
 
 
@@ -173,8 +221,10 @@ def test_response_without_text(runs):
     assert "forking: bold underlined: the top 20%" in flat(out) and "(1 of 2;" in out
     # the response across its step's updates: mean ratio (1 + 1.5) / 2, mean entropy ratio (1 + 1.2) / 2 and
     # (0.8 + 1.5) / 2, one clipped token (t1) at each update, no ERC, no sampler log-probs (mismatch '-')
-    assert table_rows(out.replace(" (shown)", ""), 7) == [["0", "2", "1.25", "1.1", "1", "0", "-"],
-                                                          ["1", "2", "1.25", "1.15", "1", "0", "-"]]
+    assert table_rows(out.replace(" (shown)", ""), 7) == [
+        ["0", "2", "1.25", "1.1", "1", "0", "-"],
+        ["1", "2", "1.25", "1.15", "1", "0", "-"],
+    ]
     out0 = ok("show", runs, "--run", "a", "--step", "0", "--seq", "0", "--update", "0")
     assert "update 0 (its updates: 0, 1)" in out0
     assert "0.5" in out0.split("colour:")[1].split("\n")[0]  # update 0: H 0.5 .. 1.2
@@ -189,8 +239,21 @@ def test_response_with_tokenizer(runs, tokenizer_dir):
 
 
 def test_tokenizer_that_cannot_load(runs, tmp_path):
-    res = runner.invoke(app, ["show", str(runs), "--run", "a", "--step", "0", "--seq", "0", "--tokenizer",
-                              str(tmp_path / "no-such-tokenizer")])
+    res = runner.invoke(
+        app,
+        [
+            "show",
+            str(runs),
+            "--run",
+            "a",
+            "--step",
+            "0",
+            "--seq",
+            "0",
+            "--tokenizer",
+            str(tmp_path / "no-such-tokenizer"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "⟨3⟩ ⟨4⟩" in res.stdout and flat(HOW_TO_GET_TEXT) in flat(res.stdout)
     lines = [x for x in res.stderr.splitlines() if x.strip()]
@@ -205,8 +268,9 @@ def test_response_text_from_run_json_and_gaps(long_run):
     assert "text: the run's vocabulary (run.json)" in out
     assert "update 0 (its updates: 0)" in out  # its last update, not the step's
     assert "update 1 (its updates: 0, 1)" in ok("show", long_run, "--seq", "8")
-    assert "seq 7 has no token rows at update 1 of step 3; its updates: 0" in err("show", long_run, "--seq", "7",
-                                                                                  "--update", "1")
+    assert "seq 7 has no token rows at update 1 of step 3; its updates: 0" in err(
+        "show", long_run, "--seq", "7", "--update", "1"
+    )
 
 
 def test_forking_marks_and_colours(runs):
@@ -258,8 +322,9 @@ def test_forking_on_a_recorded_console(long_run):
         assert {k for k, st in enumerate(styles) if st.bold and st.underline} == LONG_FORKS
         assert R.forking(LONG_H_OLD) == [k in LONG_FORKS for k in range(len(LONG_POS))]
         if color == "erc":
-            assert [bg(st) for st in styles] == [show.CATEGORY_COLOURS["erc"]["kept" if k else "dropped"]
-                                                 for k in LONG_ERC]
+            assert [bg(st) for st in styles] == [
+                show.CATEGORY_COLOURS["erc"]["kept" if k else "dropped"] for k in LONG_ERC
+            ]
             assert "dropped by ERC (2)" in flat(text.plain)
         else:  # sequential over 0.1 .. 0.9: the lowest at the bottom, the highest at the top
             assert bg(styles[0]) == show._hex(show.SEQUENTIAL[0]) and bg(styles[1]) == show._hex(show.SEQUENTIAL[-1])
@@ -279,21 +344,26 @@ def test_colour_scales():
 
 
 # --------------------------------------------------------------------------------------------- errors
-@pytest.mark.parametrize("args, says", [
-    (["--run", "zz"], "runs here: a, b"),
-    ([], "2 runs here (a, b): choose one with --run"),
-    (["--run", "a", "--step", "9"], "it has token rows at steps 0..1 (2 steps)"),
-    (["--run", "a", "--step", "0", "--seq", "8"], "the step has 2 responses"),
-    (["--run", "a", "--step", "0", "--seq", "0", "--color", "foo"], "metrics: entropy, old_entropy, prob"),
-    (["--run", "a", "--step", "0", "--seq", "0", "--update", "4"],
-     "update 4 is not at step 0 of run a; its updates: 0, 1"),
-    (["--run", "a", "--step", "1", "--seq", "2", "--rank", "3"], "not rank 3"),
-    (["--run", "a", "--step", "0", "--rank", "3"], "its ranks: 0"),
-    (["--run", "a", "--where", "nope = 1"], "--where 'nope = 1'"),
-    (["--run", "a", "--where", "1 = 1; SELECT 1"], "without ';'"),
-    (["--run", "a", "--color", "ratio"], "--color applies to one response: add --seq"),
-    (["--run", "a", "--seq", "2", "--where", "clipped"], "leave it out with --seq"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--run", "zz"], "runs here: a, b"),
+        ([], "2 runs here (a, b): choose one with --run"),
+        (["--run", "a", "--step", "9"], "it has token rows at steps 0..1 (2 steps)"),
+        (["--run", "a", "--step", "0", "--seq", "8"], "the step has 2 responses"),
+        (["--run", "a", "--step", "0", "--seq", "0", "--color", "foo"], "metrics: entropy, old_entropy, prob"),
+        (
+            ["--run", "a", "--step", "0", "--seq", "0", "--update", "4"],
+            "update 4 is not at step 0 of run a; its updates: 0, 1",
+        ),
+        (["--run", "a", "--step", "1", "--seq", "2", "--rank", "3"], "not rank 3"),
+        (["--run", "a", "--step", "0", "--rank", "3"], "its ranks: 0"),
+        (["--run", "a", "--where", "nope = 1"], "--where 'nope = 1'"),
+        (["--run", "a", "--where", "1 = 1; SELECT 1"], "without ';'"),
+        (["--run", "a", "--color", "ratio"], "--color applies to one response: add --seq"),
+        (["--run", "a", "--seq", "2", "--where", "clipped"], "leave it out with --seq"),
+    ],
+)
 def test_errors(runs, args, says):
     assert says in err("show", runs, *args)
 
@@ -319,8 +389,10 @@ def test_response_mismatch_column_and_colour(tmp_path):
 
     root = mismatch_runs.build(tmp_path / "runs")
     out = ok("show", root, "--run", "m", "--step", "0", "--seq", "1")
-    assert table_rows(out.replace(" (shown)", ""), 7) == [["0", "2", "0.75", "0.95", "1", "0", "0.175"],
-                                                          ["1", "2", "0.75", "0.95", "1", "0", "0.175"]]
+    assert table_rows(out.replace(" (shown)", ""), 7) == [
+        ["0", "2", "0.75", "0.95", "1", "0", "0.175"],
+        ["1", "2", "0.75", "0.95", "1", "0", "0.175"],
+    ]
     text = coloured("show", root, "--run", "m", "--step", "0", "--seq", "1", "--color", "sampler_log_ratio")
     assert "mismatch log pi_old - log pi_sampler" in text.plain
     assert bg(token_style(text, "⟨5⟩")) != bg(token_style(text, "⟨6⟩"))

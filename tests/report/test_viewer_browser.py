@@ -20,39 +20,96 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.report import responses
-from entropylens.rl.losses import policy_loss
 from entropylens.read.query import connect
+from entropylens.report import responses
 from entropylens.report.palette import QUADRANT_COLORS
 from entropylens.report.viewer import page_name, write_page
+from entropylens.rl.losses import policy_loss
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-pytestmark = pytest.mark.skipif(CHROMIUM is None and not os.environ.get("CI"),
-                                reason="chromium not installed (CI installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"), reason="chromium not installed (CI installs it)"
+)
 
 RUN = "viewer-run"
 STEPS, UPDATES, B, T, GROUP = 3, 2, 8, 40, 2
 HOLE = (5, 8)  # the odd responses of each step: positions 5..7 masked out (tool output): no token rows
-VOCAB = [" the", " cat", " sat", " on", " a", " mat", "\n", "\t", ".", ",", " 42", " =",
-         "</script><script>window.PWNED=1</script>", "<!--<script>", " é", "  ", "Hello", " world", " ü", "\n\n",
-         " x", " y", " +", " -", " (", ")", " if", " then", " else", " end", " ok", " no"]
-FLOAT_COLS = {"prob", "logprob", "old_logprob", "ratio", "advantage", "entropy", "old_entropy", "entropy_ratio",
-              "is_weight", "grad_coef", "logit_grad_norm", "entropy_effect", "entropy_effect_dropped",
-              "sampler_logprob", "sampler_log_ratio"}
-DERIVED = {"prob": "exp(old_logprob)", "ratio": "exp(logprob - old_logprob)",
-           "entropy_ratio": "(entropy + 1e-8) / (old_entropy + 1e-8)",
-           "sampler_log_ratio": "old_logprob - sampler_logprob"}  # entropylens/schema.py's view formulas
+VOCAB = [
+    " the",
+    " cat",
+    " sat",
+    " on",
+    " a",
+    " mat",
+    "\n",
+    "\t",
+    ".",
+    ",",
+    " 42",
+    " =",
+    "</script><script>window.PWNED=1</script>",
+    "<!--<script>",
+    " é",
+    "  ",
+    "Hello",
+    " world",
+    " ü",
+    "\n\n",
+    " x",
+    " y",
+    " +",
+    " -",
+    " (",
+    ")",
+    " if",
+    " then",
+    " else",
+    " end",
+    " ok",
+    " no",
+]
+FLOAT_COLS = {
+    "prob",
+    "logprob",
+    "old_logprob",
+    "ratio",
+    "advantage",
+    "entropy",
+    "old_entropy",
+    "entropy_ratio",
+    "is_weight",
+    "grad_coef",
+    "logit_grad_norm",
+    "entropy_effect",
+    "entropy_effect_dropped",
+    "sampler_logprob",
+    "sampler_log_ratio",
+}
+DERIVED = {
+    "prob": "exp(old_logprob)",
+    "ratio": "exp(logprob - old_logprob)",
+    "entropy_ratio": "(entropy + 1e-8) / (old_entropy + 1e-8)",
+    "sampler_log_ratio": "old_logprob - sampler_logprob",
+}  # entropylens/schema.py's view formulas
 
 
-def record(root: Path, run: str = RUN, *, b: int = B, t: int = T, steps: int = STEPS, min_len: int = 12,
-           hole: tuple | None = HOLE) -> Path:
+def record(
+    root: Path,
+    run: str = RUN,
+    *,
+    b: int = B,
+    t: int = T,
+    steps: int = STEPS,
+    min_len: int = 12,
+    hole: tuple | None = HOLE,
+) -> Path:
     gen = torch.Generator().manual_seed(7)
     with Recorder(root, run, config={"method": "dapo", "model": "plain-loop"}, tokenizer=VOCAB) as rec:
         for step in range(steps):
             lengths = torch.randint(min_len, t + 1, (b,), generator=gen)
             mask = torch.arange(t)[None, :] < lengths[:, None]  # [b, t]
             if hole:
-                mask[1::2, hole[0]:hole[1]] = False
+                mask[1::2, hole[0] : hole[1]] = False
             ids = torch.randint(0, len(VOCAB), (b, t), generator=gen)
             p = 0.05 + 0.9 * torch.rand(b, t, generator=gen)
             old_logp, old_h = p.log(), 0.3 + 2.0 * torch.rand(b, t, generator=gen)
@@ -62,18 +119,32 @@ def record(root: Path, run: str = RUN, *, b: int = B, t: int = T, steps: int = S
             seq_ids = torch.arange(b) + step * b
             groups = torch.arange(b) // GROUP + step * (b // GROUP)
             texts = ["".join(VOCAB[i] for i in ids[k, : int(lengths[k])].tolist()) for k in range(b)]
-            rec.record_sequences(step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=lengths,
-                                 group_ids=groups, texts=texts)
+            rec.record_sequences(
+                step, seq_ids=seq_ids, rewards=rewards, advantages=adv, lengths=lengths, group_ids=groups, texts=texts
+            )
             for u in range(UPDATES):
                 noise = torch.randn(b, t, generator=gen) if u else torch.zeros(b, t)
                 logp = (old_logp + 0.3 * noise).clamp(max=0.0)
                 h = old_h * torch.exp(0.04 * torch.randn(b, t, generator=gen)) if u else old_h
-                out = policy_loss(logp, old_logp, adv, mask, method="dapo", entropy=h, old_entropy=old_h,
-                                  erc=(0.97, 1.03))
+                out = policy_loss(
+                    logp, old_logp, adv, mask, method="dapo", entropy=h, old_entropy=old_h, erc=(0.97, 1.03)
+                )
                 sens = 0.1 * torch.randn(b, t, generator=gen)
-                rec.record_update(step, u, mask=mask, advantages=adv, logprobs=logp, old_logprobs=old_logp,
-                                  entropy=h, old_entropy=old_h, tokens=ids, seq_ids=seq_ids, group_ids=groups,
-                                  loss=out, entropy_sensitivity=sens)
+                rec.record_update(
+                    step,
+                    u,
+                    mask=mask,
+                    advantages=adv,
+                    logprobs=logp,
+                    old_logprobs=old_logp,
+                    entropy=h,
+                    old_entropy=old_h,
+                    tokens=ids,
+                    seq_ids=seq_ids,
+                    group_ids=groups,
+                    loss=out,
+                    entropy_sensitivity=sens,
+                )
                 rec.record_step(step, update=u, grad_norm=0.5, lr=1e-3)
     return root
 
@@ -94,10 +165,11 @@ def parquet_rows(root: Path, run: str, step: int, seq: int, update: int | None =
     import duckdb
 
     derived = "".join(f", CAST({e} AS FLOAT) AS {c}" for c, e in DERIVED.items())
-    cond = f"step = {step} AND seq = {seq}" + (f" AND \"update\" = {update}" if update is not None else "")
+    cond = f"step = {step} AND seq = {seq}" + (f' AND "update" = {update}' if update is not None else "")
     glob = str(root / run / "tokens" / "**" / "*.parquet")
-    df = duckdb.sql(f"SELECT *{derived} FROM read_parquet('{glob}', hive_partitioning = true) WHERE {cond} "
-                    "ORDER BY \"update\", pos").df()
+    df = duckdb.sql(
+        f"SELECT *{derived} FROM read_parquet('{glob}', hive_partitioning = true) WHERE {cond} ORDER BY \"update\", pos"
+    ).df()
     return df.to_dict("records")
 
 
@@ -138,13 +210,15 @@ def open_page(browser, path: Path, hash_: str = "", width: int = 1300):
 
 
 def details(pg) -> dict[str, str]:
-    return pg.eval_on_selector_all("#el-details tr[data-col]", "rs => Object.fromEntries(rs.map("
-                                   "r => [r.getAttribute('data-col'), r.querySelector('td.v').textContent]))")
+    return pg.eval_on_selector_all(
+        "#el-details tr[data-col]",
+        "rs => Object.fromEntries(rs.map(r => [r.getAttribute('data-col'), r.querySelector('td.v').textContent]))",
+    )
 
 
 def _rgb(hex_: str) -> str:
     """'#2e7d32' as the browser's computed style writes it: 'rgb(46, 125, 50)'."""
-    return "rgb({}, {}, {})".format(*(int(hex_[i:i + 2], 16) for i in (1, 3, 5)))
+    return "rgb({}, {}, {})".format(*(int(hex_[i : i + 2], 16) for i in (1, 3, 5)))
 
 
 def colours(pg) -> list[str]:
@@ -163,8 +237,10 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
     assert pg.get_attribute("#el-back", "href") == "index.html"
 
     # pick a step (one with a response with the masked-out stretch, then the most clipped such)
-    sd, resp = max(((s, r) for s in data["steps"] for r in s["responses"]),
-                   key=lambda sr: (sr[1]["seq"] % 2, sr[1]["summary"]["clipped"], -sr[0]["step"]))
+    sd, resp = max(
+        ((s, r) for s in data["steps"] for r in s["responses"]),
+        key=lambda sr: (sr[1]["seq"] % 2, sr[1]["summary"]["clipped"], -sr[0]["step"]),
+    )
     assert resp["seq"] % 2 == 1 and resp["summary"]["clipped"] > 0
     step = sd["step"]
     pg.select_option("#el-step", str(step))
@@ -176,12 +252,16 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
     # sort by reward (a click on its header): descending, then ascending
     pg.click('#el-list th[data-key="reward"]')
     by = {(r["seq"], r["rank"]): r["summary"]["reward"] for r in sd["responses"]}
-    shown = [by[tuple(x)] for x in pg.eval_on_selector_all(
-        "#el-list tbody tr", "rs => rs.map(r => [+r.dataset.seq, +r.dataset.rank])")]
+    shown = [
+        by[tuple(x)]
+        for x in pg.eval_on_selector_all("#el-list tbody tr", "rs => rs.map(r => [+r.dataset.seq, +r.dataset.rank])")
+    ]
     assert shown == sorted(shown, reverse=True)
     pg.click('#el-list th[data-key="reward"]')
-    shown = [by[tuple(x)] for x in pg.eval_on_selector_all(
-        "#el-list tbody tr", "rs => rs.map(r => [+r.dataset.seq, +r.dataset.rank])")]
+    shown = [
+        by[tuple(x)]
+        for x in pg.eval_on_selector_all("#el-list tbody tr", "rs => rs.map(r => [+r.dataset.seq, +r.dataset.rank])")
+    ]
     assert shown == sorted(shown)
 
     # click that response
@@ -206,8 +286,10 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
     # the decoded completion: the sequence's recorded text
     import duckdb
 
-    text = duckdb.sql(f"SELECT text FROM read_parquet('{root / RUN / 'sequences' / '**' / '*.parquet'}', "
-                      f"hive_partitioning = true) WHERE seq = {seq}").fetchall()[0][0]
+    text = duckdb.sql(
+        f"SELECT text FROM read_parquet('{root / RUN / 'sequences' / '**' / '*.parquet'}', "
+        f"hive_partitioning = true) WHERE seq = {seq}"
+    ).fetchall()[0][0]
     assert pg.text_content("#el-completion pre") == text == resp["text"]
 
     # the forking marks: responses.forking of the response's sampling entropy, from the Parquet rows
@@ -221,23 +303,28 @@ def test_click_switch_hover_values_equal_the_parquet_rows(page, browser, tmp_pat
     pg.select_option("#el-metric", "entropy")
     c_entropy = colours(pg)
     assert float(pg.text_content('#el-legend [data-role="min"]')) == float(
-        str(np.float32(min(r["entropy"] for r in rows_u1))))
+        str(np.float32(min(r["entropy"] for r in rows_u1)))
+    )
     assert float(pg.text_content('#el-legend [data-role="max"]')) == float(
-        str(np.float32(max(r["entropy"] for r in rows_u1))))
+        str(np.float32(max(r["entropy"] for r in rows_u1)))
+    )
     pg.select_option("#el-metric", "ratio")
     c_ratio = colours(pg)
     assert c_ratio != c_entropy and len(set(c_ratio)) > 3
     pg.select_option("#el-metric", "clip")
     by_cat: dict = {}
     for c, r in zip(colours(pg), rows_u1):
-        by_cat.setdefault(responses.category("clip", {k: (None if v is None or v != v else v) for k, v in r.items()}),
-                          set()).add(c)
+        by_cat.setdefault(
+            responses.category("clip", {k: (None if v is None or v != v else v) for k, v in r.items()}), set()
+        ).add(c)
     assert all(len(v) == 1 for v in by_cat.values()), by_cat
     assert len({next(iter(v)) for v in by_cat.values()}) == len(by_cat)
     for metric in ("clip", "erc", "quadrant"):  # the legend's counts: responses.category over the Parquet rows
         pg.select_option("#el-metric", metric)
-        counts = pg.eval_on_selector_all("#el-legend .lg-cat", "cs => Object.fromEntries(cs.map("
-                                         "c => [c.dataset.cat, +c.querySelector('b').textContent]))")
+        counts = pg.eval_on_selector_all(
+            "#el-legend .lg-cat",
+            "cs => Object.fromEntries(cs.map(c => [c.dataset.cat, +c.querySelector('b').textContent]))",
+        )
         want: dict = {}
         for r in rows_u1:
             c = responses.category(metric, {k: (None if v is None or v != v else v) for k, v in r.items()})

@@ -10,15 +10,13 @@ from html.parser import HTMLParser
 from importlib import resources
 
 import pytest
-
-from entropylens.report import responses
-from entropylens.read.query import connect
-from entropylens.report.palette import QUADRANT_COLORS, RUN_COLORS
-from entropylens.report.viewer import page_name, render_page, write_page
 from fixture_runs import build
-
 from viewer_data import HOSTILE, small_data  # noqa: E402,F401
 
+from entropylens.read.query import connect
+from entropylens.report import responses
+from entropylens.report.palette import QUADRANT_COLORS, RUN_COLORS
+from entropylens.report.viewer import page_name, render_page, write_page
 
 
 class Scripts(HTMLParser):
@@ -89,7 +87,7 @@ def test_hostile_texts_cannot_break_out(tmp_path):
         assert len(re.findall(r"</script", html, flags=re.I)) == 2, s
         assert "<!--" not in html, s
         start = html.index('id="el-data">')
-        assert "<" not in html[start + len('id="el-data">'):html.index("</script>", start)], s
+        assert "<" not in html[start + len('id="el-data">') : html.index("</script>", start)], s
         assert 'href="x&quot;&gt;&lt;script&gt;' in html  # the back link escaped
 
 
@@ -107,10 +105,49 @@ def test_a_real_runs_page_data_reads_back(tmp_path):
     assert path.stat().st_size < 200_000
 
 
-NAMES = ["grpo-s0", "a", "A", "a/b", "a\\b", "a b", "a_b", "a-b", "a--b", "a---b", "a-b-", "-a", "../etc/passwd", "..",
-         ".", "", " ", "ü", "u", "Ü", "run.1", "run.1.", "x" * 60, "x" * 61, "x" * 300, "con", "CON", "nul:", "a:b",
-         "a*b", "a?b", 'a"b', "a<b>", "a|b", "\x00", "\n", "日本語", "run 1", "run%201", "responses-a",
-         "a--0123456789"]
+NAMES = [
+    "grpo-s0",
+    "a",
+    "A",
+    "a/b",
+    "a\\b",
+    "a b",
+    "a_b",
+    "a-b",
+    "a--b",
+    "a---b",
+    "a-b-",
+    "-a",
+    "../etc/passwd",
+    "..",
+    ".",
+    "",
+    " ",
+    "ü",
+    "u",
+    "Ü",
+    "run.1",
+    "run.1.",
+    "x" * 60,
+    "x" * 61,
+    "x" * 300,
+    "con",
+    "CON",
+    "nul:",
+    "a:b",
+    "a*b",
+    "a?b",
+    'a"b',
+    "a<b>",
+    "a|b",
+    "\x00",
+    "\n",
+    "日本語",
+    "run 1",
+    "run%201",
+    "responses-a",
+    "a--0123456789",
+]
 
 
 def test_page_names_are_safe_stable_and_distinct():

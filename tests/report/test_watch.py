@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from rich.console import Console
-
 from alarm_runs import record_run
 from cli_calls import err, ok
+from rich.console import Console
+
 from entropylens.alarms import Finding
-from entropylens.report.checks import check
 from entropylens.read.query import connect
+from entropylens.report.checks import check
 from entropylens.report.watch import render, snapshot, sparkline, summary_line
 
 TMUX = shutil.which("tmux") or "/usr/bin/tmux"
@@ -36,48 +36,136 @@ def text_of(renderable, width: int = 160) -> str:
 
 
 def frame() -> pd.DataFrame:
-    base = dict(n_rows=2, n_tokens=400, n_steps=3, clipped_frac=0.1, kl_k3=0.001, grad_norm=1.0,
-                erc_low=0.95, erc_high=1.05)
+    base = dict(
+        n_rows=2, n_tokens=400, n_steps=3, clipped_frac=0.1, kl_k3=0.001, grad_norm=1.0, erc_low=0.95, erc_high=1.05
+    )
     rows = [
-        dict(base, run="erc-run", step=10, old_entropy_mean=1.2345, entropy_mean=1.2001, reward_mean=0.25,
-             clip_low_frac=0.011, clip_high_frac=0.022, clip_frac_pa_hp=0.001, clip_frac_pa_lp=0.301,
-             clip_frac_na_hp=0.002, clip_frac_na_lp=0.402, entropy_ratio_p05=0.931, entropy_ratio_p50=1.002,
-             entropy_ratio_p95=1.071, erc_drop_frac=0.083),
-        dict(base, run="erc-run", step=11, old_entropy_mean=1.1111, entropy_mean=1.0987, reward_mean=0.5,
-             clip_low_frac=0.033, clip_high_frac=0.044, clip_frac_pa_hp=0.003, clip_frac_pa_lp=0.312,
-             clip_frac_na_hp=0.004, clip_frac_na_lp=0.423, entropy_ratio_p05=0.942, entropy_ratio_p50=1.003,
-             entropy_ratio_p95=1.062, erc_drop_frac=0.071),
-        dict(base, run="erc-run", step=12, old_entropy_mean=0.9876, entropy_mean=0.9555, reward_mean=0.75,
-             clip_low_frac=0.055, clip_high_frac=0.066, clip_frac_pa_hp=0.005, clip_frac_pa_lp=0.323,
-             clip_frac_na_hp=0.006, clip_frac_na_lp=0.434, entropy_ratio_p05=0.953, entropy_ratio_p50=1.004,
-             entropy_ratio_p95=1.053, erc_drop_frac=0.064),
-        dict(base, run="plain", step=0, old_entropy_mean=2.5, entropy_mean=2.4, reward_mean=0.1, n_steps=1,
-             clip_low_frac=0.0, clip_high_frac=0.0, clip_frac_pa_hp=None, clip_frac_pa_lp=None,
-             clip_frac_na_hp=None, clip_frac_na_lp=None, entropy_ratio_p05=0.9, entropy_ratio_p50=1.0,
-             entropy_ratio_p95=1.1, erc_drop_frac=None, erc_low=None, erc_high=None),
+        dict(
+            base,
+            run="erc-run",
+            step=10,
+            old_entropy_mean=1.2345,
+            entropy_mean=1.2001,
+            reward_mean=0.25,
+            clip_low_frac=0.011,
+            clip_high_frac=0.022,
+            clip_frac_pa_hp=0.001,
+            clip_frac_pa_lp=0.301,
+            clip_frac_na_hp=0.002,
+            clip_frac_na_lp=0.402,
+            entropy_ratio_p05=0.931,
+            entropy_ratio_p50=1.002,
+            entropy_ratio_p95=1.071,
+            erc_drop_frac=0.083,
+        ),
+        dict(
+            base,
+            run="erc-run",
+            step=11,
+            old_entropy_mean=1.1111,
+            entropy_mean=1.0987,
+            reward_mean=0.5,
+            clip_low_frac=0.033,
+            clip_high_frac=0.044,
+            clip_frac_pa_hp=0.003,
+            clip_frac_pa_lp=0.312,
+            clip_frac_na_hp=0.004,
+            clip_frac_na_lp=0.423,
+            entropy_ratio_p05=0.942,
+            entropy_ratio_p50=1.003,
+            entropy_ratio_p95=1.062,
+            erc_drop_frac=0.071,
+        ),
+        dict(
+            base,
+            run="erc-run",
+            step=12,
+            old_entropy_mean=0.9876,
+            entropy_mean=0.9555,
+            reward_mean=0.75,
+            clip_low_frac=0.055,
+            clip_high_frac=0.066,
+            clip_frac_pa_hp=0.005,
+            clip_frac_pa_lp=0.323,
+            clip_frac_na_hp=0.006,
+            clip_frac_na_lp=0.434,
+            entropy_ratio_p05=0.953,
+            entropy_ratio_p50=1.004,
+            entropy_ratio_p95=1.053,
+            erc_drop_frac=0.064,
+        ),
+        dict(
+            base,
+            run="plain",
+            step=0,
+            old_entropy_mean=2.5,
+            entropy_mean=2.4,
+            reward_mean=0.1,
+            n_steps=1,
+            clip_low_frac=0.0,
+            clip_high_frac=0.0,
+            clip_frac_pa_hp=None,
+            clip_frac_pa_lp=None,
+            clip_frac_na_hp=None,
+            clip_frac_na_lp=None,
+            entropy_ratio_p05=0.9,
+            entropy_ratio_p50=1.0,
+            entropy_ratio_p95=1.1,
+            erc_drop_frac=None,
+            erc_low=None,
+            erc_high=None,
+        ),
     ]
     return pd.DataFrame(rows)
 
 
 def test_render_shows_the_latest_steps_values_and_alarms():
-    findings = [Finding("erc-run", 12, "collapse", 0.9876, 1.0), Finding("plain", 0, "nonfinite", float("nan"),
-                                                                          float("inf"), "grad_norm")]
+    findings = [
+        Finding("erc-run", 12, "collapse", 0.9876, 1.0),
+        Finding("plain", 0, "nonfinite", float("nan"), float("inf"), "grad_norm"),
+    ]
     out = text_of(render(frame(), findings, {"erc-run": ("ce_gppo", "running"), "plain": ("grpo", "finished")}))
     erc, plain = out.split("plain  grpo")
     assert "erc-run  ce_gppo  running" in erc and "finished" in plain
     assert "latest step 12" in erc and "steps 3" in erc and "H_old 0.9876" in erc and "reward 0.7500" in erc
     step12 = next(line for line in erc.splitlines() if re.match(r"^\W*12 ", line))
     # step, H_old, H, reward, clip low / high, the four quadrants, rho p05 / p50 / p95, out of band
-    assert step12.split()[2:-1] == ["0.9876", "0.9555", "0.750", "5.5%", "6.6%", "0.5%", "32.3%", "0.6%", "43.4%",
-                                    "0.953", "1.004", "1.053", "6.4%"]
+    assert step12.split()[2:-1] == [
+        "0.9876",
+        "0.9555",
+        "0.750",
+        "5.5%",
+        "6.6%",
+        "0.5%",
+        "32.3%",
+        "0.6%",
+        "43.4%",
+        "0.953",
+        "1.004",
+        "1.053",
+        "6.4%",
+    ]
     assert re.search(r"^\W*10 +1\.2345 +1\.2001", erc, re.M) and re.search(r"^\W*11 +1\.1111", erc, re.M)
     assert "ERC band [0.950, 1.050]" in erc and "no ERC band in this run" in plain
     assert "step 12 collapse value=0.9876 threshold=1" in erc and "alarms: none" not in erc
     assert "step 0 nonfinite value=nan threshold=inf signal=grad_norm" in plain
     assert sparkline(frame()["old_entropy_mean"][:3]) in erc  # entropy falls: █ then down to ▁
     step0 = next(line for line in plain.splitlines() if re.match(r"^\W*0 ", line))
-    assert step0.split()[2:-1] == ["2.5000", "2.4000", "0.100", "0.0%", "0.0%", "-", "-", "-", "-",
-                                   "0.900", "1.000", "1.100", "-"]
+    assert step0.split()[2:-1] == [
+        "2.5000",
+        "2.4000",
+        "0.100",
+        "0.0%",
+        "0.0%",
+        "-",
+        "-",
+        "-",
+        "-",
+        "0.900",
+        "1.000",
+        "1.100",
+        "-",
+    ]
 
 
 def test_render_narrow_moves_the_quadrants_below_and_shows_runs_without_steps():
@@ -122,7 +210,7 @@ def test_watch_cli_errors(tmp_path):
 
 # ------------------------------------------------------------------ live, in a real terminal (tmux)
 
-CHILD = r'''
+CHILD = r"""
 import os, sys, time
 import torch
 from entropylens import Recorder
@@ -168,7 +256,7 @@ with Recorder(root, run=run, config={"method": "grpo"}, fsync=False) as rec:
             time.sleep(0.5)
     wait_for(release)  # the test has looked at the running view: close (status finished)
 print("closed", flush=True)
-'''
+"""
 STEPS = 4
 
 
@@ -180,8 +268,9 @@ class Pane:
         self.cwd = cwd
 
     def tmux(self, *args, check=True) -> str:
-        return subprocess.run([TMUX, "-L", self.sock, "-f", "/dev/null", *args], capture_output=True, text=True,
-                              check=check, timeout=10).stdout
+        return subprocess.run(
+            [TMUX, "-L", self.sock, "-f", "/dev/null", *args], capture_output=True, text=True, check=check, timeout=10
+        ).stdout
 
     def start(self, command: str) -> None:
         self.tmux("new-session", "-d", "-x", "160", "-y", "50", "-c", str(self.cwd), command)
@@ -209,8 +298,12 @@ def start_child(tmp_path: Path, run: str):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     go, release = tmp_path / "go", tmp_path / "release"
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "runs"), run, str(STEPS), str(go),
-                             str(release)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "runs"), run, str(STEPS), str(go), str(release)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()  # step 0 is closed: the run directory exists
     assert line.strip() == "ended 0", proc.stderr.read()
     return proc, go, release
@@ -224,8 +317,9 @@ def watch_command(tmp_path: Path) -> str:
 
 def step_entropy(path: Path, step: int) -> float:
     con = connect(path)
-    return con.execute("SELECT sum(old_entropy_mean * n_tokens) / sum(n_tokens) FROM steps WHERE step = ?",
-                       [step]).fetchone()[0]
+    return con.execute(
+        "SELECT sum(old_entropy_mean * n_tokens) / sum(n_tokens) FROM steps WHERE step = ?", [step]
+    ).fetchone()[0]
 
 
 @pytest.mark.skipif(not Path(TMUX).exists(), reason="needs tmux")

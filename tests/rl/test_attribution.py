@@ -18,7 +18,7 @@ def _logits_with_pa(v: int, p_a: float, temperature: float, a: int, seed: int) -
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(v, generator=g, dtype=torch.float64) * 2.0
     u = z / temperature
-    rest = torch.cat([u[:a], u[a + 1:]])
+    rest = torch.cat([u[:a], u[a + 1 :]])
     z[a] = (math.log(p_a / (1 - p_a)) + torch.logsumexp(rest, 0).item()) * temperature
     return z
 
@@ -122,8 +122,9 @@ def test_neg_inf_logits_forward_against_finite_part(temperature):
     torch.testing.assert_close(h2.double(), ref_h, rtol=0, atol=1e-5)
     # sum p^2 and the logit-gradient norm too
     ref_sq = (la.exp() ** 2).sum(-1)
-    torch.testing.assert_close(stats.sum_p_squared(z.float(), temperature=temperature).double(), ref_sq,
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        stats.sum_p_squared(z.float(), temperature=temperature).double(), ref_sq, rtol=1e-5, atol=0
+    )
     lgn = stats.logit_grad_norm(z.float(), tok, torch.ones(4), temperature=temperature)
     assert torch.isfinite(lgn).all()
 
@@ -168,9 +169,18 @@ def _update(method="grpo", temperature=1.0, seed=0, **kw):
     x = z.float().clone().requires_grad_(True)
     lp, h, s = stats.logprobs_and_entropy(x, tok, temperature=temperature, sensitivity=True)
     out = policy_loss(lp, old_lp, adv, mask, method=method, entropy=h, old_entropy=old_h, **kw)
-    cols = token_columns.derive_columns(mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
-                                     old_entropy=old_h, loss_columns=out.columns, eps_low=0.2, eps_high=0.2,
-                                     tau=0.5)
+    cols = token_columns.derive_columns(
+        mask=mask,
+        advantages=adv,
+        logprobs=lp,
+        old_logprobs=old_lp,
+        entropy=h,
+        old_entropy=old_h,
+        loss_columns=out.columns,
+        eps_low=0.2,
+        eps_high=0.2,
+        tau=0.5,
+    )
     blocks.add_attribution(cols, s, temperature)
     return z.float().double(), tok, mask, out, cols, x
 
@@ -185,8 +195,15 @@ def _dh_along(z64, tok, grad_z, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
-@pytest.mark.parametrize("method,kw", [("grpo", {}), ("ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
-                                       ("dapo", {"erc": (0.95, 1.05)}), ("grpo", {"dual_clip": 3.0})])
+@pytest.mark.parametrize(
+    "method,kw",
+    [
+        ("grpo", {}),
+        ("ce_gppo", {"beta1": 0.5, "beta2": 1.0}),
+        ("dapo", {"erc": (0.95, 1.05)}),
+        ("grpo", {"dual_clip": 3.0}),
+    ],
+)
 def test_entropy_effect_columns_against_autograd_of_the_loss(method, kw, temperature):
     z64, tok, mask, out, cols, x = _update(method, temperature, **kw)
     # the real loss's gradient on the logits, per position (a token's loss reaches only its own row)
@@ -221,12 +238,10 @@ def test_entropy_budget_sums():
         sel = mask & (q == QUADRANT_CODES[name])
         slug = name.replace("&", "_").lower()
         assert budget[f"entropy_effect_{slug}"] == pytest.approx(eff[sel].sum().item(), rel=1e-9, abs=1e-15)
-        assert budget[f"entropy_effect_dropped_{slug}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9,
-                                                                         abs=1e-15)
+        assert budget[f"entropy_effect_dropped_{slug}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9, abs=1e-15)
     for side, code in (("low", CLIP_LOW), ("high", CLIP_HIGH)):
         sel = mask & (clip == code)
-        assert budget[f"entropy_effect_dropped_{side}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9,
-                                                                         abs=1e-15)
+        assert budget[f"entropy_effect_dropped_{side}"] == pytest.approx(drop0[sel].sum().item(), rel=1e-9, abs=1e-15)
     # by cause: ERC's own share (g_e - g) s / T^2 (the split itself: tests/rl/test_dropped_effect_split.py)
     z64, tok = _update("grpo", 1.0, seed=3, erc=(0.95, 1.05))[:2]
     s = stats.entropy_sensitivity(z64.float(), tok).double()  # T = 1
@@ -264,8 +279,7 @@ def test_one_hot_distance_against_float64_including_p_near_one():
     sums, float64 reference; p_a up to 1 - 1e-6 (where sqrt(1 - 2p + sum p^2) in float32 cancels to
     0 or noise), -inf logits, chunked, with and without grad."""
     v, a, t = 50, 7, 0.8
-    rows = [_logits_with_pa(v, p_a, t, a, seed) for seed, p_a in
-            enumerate([1e-6, 0.05, 0.5, 0.99, 0.9999, 1 - 1e-6])]
+    rows = [_logits_with_pa(v, p_a, t, a, seed) for seed, p_a in enumerate([1e-6, 0.05, 0.5, 0.99, 0.9999, 1 - 1e-6])]
     z = torch.stack(rows)  # [6, V] float64
     z[:, 3] = float("-inf")  # a banned token
     p = torch.softmax(z / t, -1)
@@ -275,14 +289,16 @@ def test_one_hot_distance_against_float64_including_p_near_one():
     tok = torch.full((6,), a)
     for grad in (False, True):
         zz = z.float().requires_grad_(grad)
-        lp, h, s, d = stats.logprobs_and_entropy(zz, tok, temperature=t, sensitivity=True, one_hot_distance=True,
-                                                 chunk_size=4)
+        lp, h, s, d = stats.logprobs_and_entropy(
+            zz, tok, temperature=t, sensitivity=True, one_hot_distance=True, chunk_size=4
+        )
         torch.testing.assert_close(d.double(), want, rtol=2e-5, atol=0)
         lp2, h2, s2 = stats.logprobs_and_entropy(zz, tok, temperature=t, sensitivity=True, chunk_size=4)
         assert torch.equal(lp, lp2) and torch.equal(h, h2) and torch.equal(s, s2)  # the same pass, bit for bit
     # hand-worked: z = (0, log 3), a = 1 -> p = (1/4, 3/4), e_a - p = (-1/4, 1/4), d = sqrt(2)/4
-    d = stats.logprobs_and_entropy(torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([1]), sensitivity=True,
-                                   one_hot_distance=True)[3]
+    d = stats.logprobs_and_entropy(
+        torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([1]), sensitivity=True, one_hot_distance=True
+    )[3]
     assert abs(d.item() - math.sqrt(2) / 4) < 1e-7
     with pytest.raises(ValueError, match="one_hot_distance"):
         stats.logprobs_and_entropy(z.float(), tok, one_hot_distance=True)
@@ -295,8 +311,8 @@ def test_policy_update_logit_grad_norm_is_the_gradients_norm(tmp_path, entropy_c
     a temperature, p_a near 1 and -inf logits."""
     from entropylens import Recorder
     from entropylens.integrations.torch import policy_update
-    from entropylens.rl.losses import policy_loss
     from entropylens.read.query import connect
+    from entropylens.rl.losses import policy_loss
 
     g = torch.Generator().manual_seed(11)
     b, t_len, v, temp = 4, 5, 30, 0.9
@@ -310,20 +326,48 @@ def test_policy_update_logit_grad_norm_is_the_gradients_norm(tmp_path, entropy_c
     mask = torch.ones(b, t_len, dtype=torch.bool)
     mask[3, 3:] = False
     with Recorder(tmp_path, run="pu", config={"method": "ce_gppo"}) as rec:
-        out = policy_update(rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, temperature=temp,
-                            method="ce_gppo", beta1=0.5, beta2=1.0, scale=0.25, entropy_coef=entropy_coef,
-                            seq_ids=torch.arange(b))
+        out = policy_update(
+            rec,
+            0,
+            0,
+            logits,
+            tok,
+            mask,
+            adv,
+            old_lp,
+            old_entropy=old_h,
+            temperature=temp,
+            method="ce_gppo",
+            beta1=0.5,
+            beta2=1.0,
+            scale=0.25,
+            entropy_coef=entropy_coef,
+            seq_ids=torch.arange(b),
+        )
         assert rec.has_hook == bool(entropy_coef)  # the hook only where H's gradient reaches the logits
         out.loss.backward()
-    got = torch.tensor(connect(tmp_path).execute(
-        "SELECT logit_grad_norm FROM tokens ORDER BY seq, pos").fetchnumpy()["logit_grad_norm"])
+    got = torch.tensor(
+        connect(tmp_path)
+        .execute("SELECT logit_grad_norm FROM tokens ORDER BY seq, pos")
+        .fetchnumpy()["logit_grad_norm"]
+    )
     # float64 autograd of the same loss (float32 autograd itself cancels at p_a ~ 1: g (1 - p_a) from g - g p_a)
     z64 = z.double().requires_grad_(True)
     lp64 = torch.log_softmax(z64 / temp, -1)
     h64 = -(lp64.exp() * lp64.clamp(min=-1e4)).sum(-1)
-    out64 = policy_loss(lp64.gather(-1, tok.unsqueeze(-1)).squeeze(-1), old_lp.double(), adv.double(), mask,
-                        entropy=h64 if entropy_coef else h64.detach(), old_entropy=old_h.double(), method="ce_gppo",
-                        beta1=0.5, beta2=1.0, scale=0.25, entropy_coef=entropy_coef)
+    out64 = policy_loss(
+        lp64.gather(-1, tok.unsqueeze(-1)).squeeze(-1),
+        old_lp.double(),
+        adv.double(),
+        mask,
+        entropy=h64 if entropy_coef else h64.detach(),
+        old_entropy=old_h.double(),
+        method="ce_gppo",
+        beta1=0.5,
+        beta2=1.0,
+        scale=0.25,
+        entropy_coef=entropy_coef,
+    )
     out64.loss.backward()
     want = z64.grad.norm(dim=-1)[mask]  # [n] row-major = (seq, pos) order
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=1e-12 if not entropy_coef else 1e-9)
@@ -335,23 +379,33 @@ def test_claims_8_and_9_rules_on_hand_made_runs():
     from entropylens.demo.toy import claims
 
     def run(cfg, eff, drop, probe=None):
-        m = {"config": cfg, "effect_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), eff)),
-             "dropped_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), drop))}
+        m = {
+            "config": cfg,
+            "effect_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), eff)),
+            "dropped_q": dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), drop)),
+        }
         if probe:
             m["probe_q"] = dict(zip(("PA&HP", "PA&LP", "NA&HP", "NA&LP"), probe))
         return m
 
     # every run has the law's signs (-, +, +, -): claim 8 reproduced; PA&LP's effect negative in every
     # run of the second set: that quadrant disagrees -> partly
-    good = {f"r{i}": run("grpo", (-1 - 0.1 * i, 1 + 0.1 * i, 0.5 + 0.1 * i, -2 - 0.1 * i),
-                         (0.01, 0.3 + 0.1 * i, 0.02, -0.5 - 0.1 * i))
-            for i in range(3)}
+    good = {
+        f"r{i}": run(
+            "grpo",
+            (-1 - 0.1 * i, 1 + 0.1 * i, 0.5 + 0.1 * i, -2 - 0.1 * i),
+            (0.01, 0.3 + 0.1 * i, 0.02, -0.5 - 0.1 * i),
+        )
+        for i in range(3)
+    }
     assert claims.claim_quadrant_signs_attributed(good).verdict == "reproduced"
     bad = {k: {**v, "effect_q": {**v["effect_q"], "PA&LP": -1.0 - i}} for i, (k, v) in enumerate(good.items())}
     assert claims.claim_quadrant_signs_attributed(bad).verdict == "partly reproduced"
     # with probes, a quadrant must agree in both measures
-    probed = {k: {**v, "probe_q": {"PA&HP": -0.1, "PA&LP": 0.1, "NA&HP": -0.1 - i, "NA&LP": -0.1}}
-              for i, (k, v) in enumerate(good.items())}
+    probed = {
+        k: {**v, "probe_q": {"PA&HP": -0.1, "PA&LP": 0.1, "NA&HP": -0.1 - i, "NA&LP": -0.1}}
+        for i, (k, v) in enumerate(good.items())
+    }
     c8 = claims.claim_quadrant_signs_attributed(probed)
     assert c8.verdict == "partly reproduced" and "NA&HP (law +)" in c8.evidence
     # claim 9: (|0.3..0.5| + |0.5..0.7|) / total > 0.5, PA&LP > 0, NA&LP < 0 in every run: reproduced
@@ -371,8 +425,9 @@ def test_head_stats_sensitivity_equals_the_logits_pass(temperature):
     bias[[0, 7]] = float("-inf")  # banned tokens through the bias
     tok = torch.randint(1, 7, (3, 5), generator=g)
     tok[0, 0] = 39
-    lp, h, sq, s = stats.head_stats(hidden, weight, tok, bias=bias, temperature=temperature, chunk_size=4,
-                                    sensitivity=True)
+    lp, h, sq, s = stats.head_stats(
+        hidden, weight, tok, bias=bias, temperature=temperature, chunk_size=4, sensitivity=True
+    )
     logits = hidden @ weight.T + bias
     ref = stats.entropy_sensitivity(logits, tok, temperature=temperature)
     assert torch.isfinite(s).all()
@@ -393,8 +448,19 @@ def test_policy_update_from_hidden_states_records_the_attribution(tmp_path):
     with torch.no_grad():
         old_lp, old_h = stats.logprobs_and_entropy(head(hidden) + 0.2, tok)
     with Recorder(tmp_path, run="h", config={"method": "grpo"}) as rec:
-        out = policy_update(rec, 0, 0, None, tok, torch.ones(2, 4, dtype=torch.bool), torch.tensor([1.0, -1.0]),
-                            old_lp, old_entropy=old_h, hidden=hidden, head=head)
+        out = policy_update(
+            rec,
+            0,
+            0,
+            None,
+            tok,
+            torch.ones(2, 4, dtype=torch.bool),
+            torch.tensor([1.0, -1.0]),
+            old_lp,
+            old_entropy=old_h,
+            hidden=hidden,
+            head=head,
+        )
         out.loss.backward()
     s = stats.entropy_sensitivity(head(hidden).detach(), tok)
     want = (out.columns["grad_coef"] * s).reshape(-1).sort().values
@@ -411,8 +477,11 @@ class _ExpArgs(torch.overrides.TorchFunctionMode):
         self.vocab, self.mins = vocab, []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.exp, torch.Tensor.exp, torch.Tensor.exp_) and args[0].dim() >= 2 \
-                and args[0].shape[-1] == self.vocab:
+        if (
+            func in (torch.exp, torch.Tensor.exp, torch.Tensor.exp_)
+            and args[0].dim() >= 2
+            and args[0].shape[-1] == self.vocab
+        ):
             self.mins.append(float(args[0].min()))
         return func(*args, **(kwargs or {}))
 
@@ -441,8 +510,9 @@ def test_far_tail_logits_against_float64(temperature, row_pass):
     zf = z.float()
     x = zf.clone().requires_grad_(True)
     with _ExpArgs(z.shape[-1]) as spy:
-        lp, h, s, d = stats.logprobs_and_entropy(x, tok, temperature=temperature, entropy_grad=True,
-                                                 sensitivity=True, one_hot_distance=True, chunk_size=3)
+        lp, h, s, d = stats.logprobs_and_entropy(
+            x, tok, temperature=temperature, entropy_grad=True, sensitivity=True, one_hot_distance=True, chunk_size=3
+        )
         (lp * torch.tensor([0.5, -1.0, 2.0, 0.25])).sum().add(h.sum() * 0.7).backward()
     if row_pass == "eager":
         assert spy.mins and min(spy.mins) >= -87.0  # forward, sensitivity and backward
@@ -459,16 +529,18 @@ def test_far_tail_logits_against_float64(temperature, row_pass):
     torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(h.double(), ref_h.detach(), rtol=0, atol=1e-5)
     for i in range(4):
-        ref_s = _autograd_dh_deta(zf[i].double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0,
-                                  temperature) * temperature**2  # -1e30: p = 0, log p finite
+        ref_s = (
+            _autograd_dh_deta(zf[i].double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0, temperature) * temperature**2
+        )  # -1e30: p = 0, log p finite
         assert s[i].item() == pytest.approx(ref_s, rel=1e-4, abs=1e-8)
     e_a = torch.nn.functional.one_hot(tok, z.shape[-1]).double()
     ref_d = (e_a - p.detach()).norm(dim=-1)
     torch.testing.assert_close(d.double(), ref_d, rtol=1e-5, atol=0)
     torch.testing.assert_close(x.grad[keep].double(), zd.grad[keep], rtol=1e-5, atol=1e-7)
     assert x.grad[~keep].abs().max() < 1e-35
-    torch.testing.assert_close(stats.sum_p_squared(zf, temperature=temperature).double(),
-                               (p.detach() ** 2).sum(-1), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        stats.sum_p_squared(zf, temperature=temperature).double(), (p.detach() ** 2).sum(-1), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
@@ -499,8 +571,10 @@ def test_far_tail_head_stats_against_float64(temperature):
     torch.testing.assert_close(sq.double(), (p.detach() ** 2).sum(-1), rtol=1e-5, atol=0)
     assert torch.isfinite(s).all()
     for i in range(4):
-        ref_s = _autograd_dh_deta(logits[i].float().double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0,
-                                  temperature) * temperature**2
+        ref_s = (
+            _autograd_dh_deta(logits[i].float().double().nan_to_num(neginf=-1e30), int(tok[i]), 1.0, temperature)
+            * temperature**2
+        )
         assert s[i].item() == pytest.approx(ref_s, rel=1e-4, abs=1e-8)
     torch.testing.assert_close(hh.grad.double(), hd.grad, rtol=1e-5, atol=1e-7)
 

@@ -52,8 +52,17 @@ def _grad(out, logp):
 
 def test_clip_cov_gradient_by_region_against_autograd():
     old, logp, adv, mask = _batch()
-    out = policy_loss(logp, old, adv, mask, method="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=1.0, clip_cov_ub=5.0,
-                      generator=torch.Generator().manual_seed(7))
+    out = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        method="clip_cov",
+        clip_cov_ratio=0.05,
+        clip_cov_lb=1.0,
+        clip_cov_ub=5.0,
+        generator=torch.Generator().manual_seed(7),
+    )
     g = _grad(out, logp)
     c = out.columns
     n = int(mask.sum())  # token-mean: w = 1 / n
@@ -83,8 +92,16 @@ def test_clip_cov_selection_is_seeded_and_the_global_generator_is_verls_default(
     a = policy_loss(logp, old, adv, mask, generator=torch.Generator().manual_seed(1), **kw).columns["cov_clipped"]
     b = policy_loss(logp, old, adv, mask, generator=torch.Generator().manual_seed(1), **kw).columns["cov_clipped"]
     assert torch.equal(a, b)
-    picks = {tuple(policy_loss(logp, old, adv, mask, generator=torch.Generator().manual_seed(s), **kw)
-                   .columns["cov_clipped"].nonzero().flatten().tolist()) for s in range(6)}
+    picks = {
+        tuple(
+            policy_loss(logp, old, adv, mask, generator=torch.Generator().manual_seed(s), **kw)
+            .columns["cov_clipped"]
+            .nonzero()
+            .flatten()
+            .tolist()
+        )
+        for s in range(6)
+    }
     assert len(picks) > 1  # the draw does depend on the seed
     torch.manual_seed(1)
     c = policy_loss(logp, old, adv, mask, **kw).columns["cov_clipped"]
@@ -94,7 +111,9 @@ def test_clip_cov_selection_is_seeded_and_the_global_generator_is_verls_default(
 def test_kl_cov_gradient_by_region_against_autograd():
     old, logp, adv, mask = _batch(seed=1)
     coef = 0.3
-    out = policy_loss(logp, old, adv, mask, method="kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=coef, agg="seq-mean-token-mean")
+    out = policy_loss(
+        logp, old, adv, mask, method="kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=coef, agg="seq-mean-token-mean"
+    )
     g = _grad(out, logp)
     c = out.columns
     n = int(mask.sum())
@@ -113,8 +132,9 @@ def test_kl_cov_gradient_by_region_against_autograd():
     torch.testing.assert_close(g[mask & ~pen], (w * -adv * r)[mask & ~pen], rtol=1e-13, atol=0)
     torch.testing.assert_close(c["grad_coef"], g, rtol=1e-13, atol=0)
     # value: -A r + coef |log r| on the penalised tokens
-    torch.testing.assert_close(out.loss, (w * (-adv * r + torch.where(pen, coef * lr.abs(), 0.0))).sum(), rtol=1e-13,
-                               atol=0)
+    torch.testing.assert_close(
+        out.loss, (w * (-adv * r + torch.where(pen, coef * lr.abs(), 0.0))).sum(), rtol=1e-13, atol=0
+    )
     assert torch.equal(c["grad_changed"], pen & (lr != 0))
     assert out.scalars()["kl_cov_frac"] == pytest.approx(k / n)
 
@@ -135,8 +155,16 @@ def test_clip_cov_with_dual_clip_never_selects_a_capped_token_and_the_drop_split
     old, logp, adv, mask = _batch(seed=2)
     with torch.no_grad():
         logp[1, :3] = old[1, :3] + 1.5  # A < 0, r = e^1.5 > 3: dual-clipped
-    out = policy_loss(logp, old, adv, mask, method="clip_cov", clip_cov_ratio=0.2, dual_clip=3.0,
-                      generator=torch.Generator().manual_seed(0))
+    out = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        method="clip_cov",
+        clip_cov_ratio=0.2,
+        dual_clip=3.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     c = out.columns
     assert c["dual_clipped"].any() and c["cov_clipped"].any()
     assert not (c["dual_clipped"] & c["cov_clipped"]).any()
@@ -177,7 +205,6 @@ def test_recorded_run_has_the_cov_columns(tmp_path):
     assert frac == pytest.approx(int(out.columns["kl_cov_penalised"].sum()) / int(mask.sum())) and cc is None
 
 
-
 def _logit_batch():
     """A seeded [6, 10, 11] logits batch for policy_update: (logits (grad), tokens, mask, adv [6], old logprobs)."""
     g = torch.Generator().manual_seed(5)
@@ -186,8 +213,11 @@ def _logit_batch():
     tokens = torch.randint(0, v, (b, t), generator=g)
     mask = torch.ones(b, t, dtype=torch.bool)
     adv = torch.tensor([3.0, -3.0, 2.0, -2.0, 4.0, -1.0])
-    old = torch.log_softmax(logits.detach() + 0.3 * torch.randn(b, t, v, generator=g), -1).gather(
-        -1, tokens.unsqueeze(-1)).squeeze(-1)
+    old = (
+        torch.log_softmax(logits.detach() + 0.3 * torch.randn(b, t, v, generator=g), -1)
+        .gather(-1, tokens.unsqueeze(-1))
+        .squeeze(-1)
+    )
     return logits, tokens, mask, adv, old
 
 
@@ -198,8 +228,20 @@ def test_plain_loop_policy_update_records_clip_cov(tmp_path):
 
     logits, tokens, mask, adv, old = _logit_batch()
     rec = Recorder(tmp_path, "loop", config={"method": "clip_cov"})
-    out = policy_update(rec, 0, 0, logits, tokens, mask, adv, old, method="clip_cov", clip_cov_ratio=0.1,
-                        clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0))
+    out = policy_update(
+        rec,
+        0,
+        0,
+        logits,
+        tokens,
+        mask,
+        adv,
+        old,
+        method="clip_cov",
+        clip_cov_ratio=0.1,
+        clip_cov_lb=0.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     out.loss.backward()
     rec.record_step(0)
     rec.close()
@@ -225,8 +267,11 @@ def test_entropy_budget_names_the_cov_cause_and_the_parts_add_up(tmp_path, metho
     from entropylens.report.runset import from_connection
 
     logits, tokens, mask, adv, old = _logit_batch()
-    kw = dict(clip_cov_ratio=0.1, clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0)) \
-        if method == "clip_cov" else dict(kl_cov_ratio=0.2)
+    kw = (
+        dict(clip_cov_ratio=0.1, clip_cov_lb=0.0, generator=torch.Generator().manual_seed(0))
+        if method == "clip_cov"
+        else dict(kl_cov_ratio=0.2)
+    )
     with Recorder(tmp_path, method, config={"method": method}) as rec:
         out = policy_update(rec, 0, 0, logits, tokens, mask, adv, old, method=method, **kw)
         out.loss.backward()
@@ -234,8 +279,18 @@ def test_entropy_budget_names_the_cov_cause_and_the_parts_add_up(tmp_path, metho
     con = query.connect(tmp_path)
     df = query.run_analysis(con, "entropy_budget_by_step")
     row = df.iloc[0]
-    parts = [c for c in ("dropped_clip_low", "dropped_clip_high", "dropped_dual_clip", "dropped_clip_cov",
-                         "dropped_kl_cov", "dropped_erc") if row[c] == row[c]]
+    parts = [
+        c
+        for c in (
+            "dropped_clip_low",
+            "dropped_clip_high",
+            "dropped_dual_clip",
+            "dropped_clip_cov",
+            "dropped_kl_cov",
+            "dropped_erc",
+        )
+        if row[c] == row[c]
+    ]
     assert cause in parts and row[cause] != 0
     assert sum(row[c] for c in parts) == pytest.approx(row["step_dropped"], rel=1e-5, abs=1e-9)
     note = _cause_note(df, from_connection(con))

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from entropylens import Recorder
+from entropylens.read.query import connect
 from entropylens.rl import stats
 from entropylens.rl.losses import policy_loss
-from entropylens.read.query import connect
 
 CAUSES = ("clip_low", "clip_high", "dual_clip", "erc")
 
@@ -28,7 +28,9 @@ class _Loss:
 
 def _steps(path, cols):
     con = connect(path)
-    return con.execute(f"SELECT {', '.join(cols)} FROM steps WHERE n_tokens IS NOT NULL ORDER BY step, update").fetchall()
+    return con.execute(
+        f"SELECT {', '.join(cols)} FROM steps WHERE n_tokens IS NOT NULL ORDER BY step, update"
+    ).fetchall()
 
 
 # ------------------------------------------------------------------ hand-built
@@ -53,17 +55,29 @@ DUAL = [False, False, False, True, False, False]
 ERC_KEPT = [True, True, False, True, False, True]
 CHANGED = [False, True, True, True, True, True]
 ADV = [1.0, -1.0, 1.0, -1.0, 1.0, 1.0]
-WANT = {"entropy_effect": -0.1, "entropy_effect_dropped": -1.4, "entropy_effect_dropped_low": -0.3,
-        "entropy_effect_dropped_high": -0.7, "entropy_effect_dropped_clip_low": -0.3,
-        "entropy_effect_dropped_clip_high": -0.2, "entropy_effect_dropped_dual_clip": 0.3,
-        "entropy_effect_dropped_erc": -1.2}
+WANT = {
+    "entropy_effect": -0.1,
+    "entropy_effect_dropped": -1.4,
+    "entropy_effect_dropped_low": -0.3,
+    "entropy_effect_dropped_high": -0.7,
+    "entropy_effect_dropped_clip_low": -0.3,
+    "entropy_effect_dropped_clip_high": -0.2,
+    "entropy_effect_dropped_dual_clip": 0.3,
+    "entropy_effect_dropped_erc": -1.2,
+}
 
 
 def _hand_columns(dual=True, before_erc=True):
     t = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt)  # noqa: E731  [1, 6]
-    cols = {"grad_coef": t(G), "grad_coef_unclipped": t(G_U), "clip": t(CLIP, torch.int8),
-            "clipped": t(CLIPPED, torch.bool), "erc_kept": t(ERC_KEPT, torch.bool),
-            "grad_changed": t(CHANGED, torch.bool), "quadrant": t([1, 4, 2, 4, 2, 1], torch.int8)}
+    cols = {
+        "grad_coef": t(G),
+        "grad_coef_unclipped": t(G_U),
+        "clip": t(CLIP, torch.int8),
+        "clipped": t(CLIPPED, torch.bool),
+        "erc_kept": t(ERC_KEPT, torch.bool),
+        "grad_changed": t(CHANGED, torch.bool),
+        "quadrant": t([1, 4, 2, 4, 2, 1], torch.int8),
+    }
     if before_erc:
         cols["grad_coef_before_erc"] = t(G_E)
     if dual:
@@ -75,9 +89,17 @@ def _record_hand(path, run, **kw):
     mask = torch.tensor([[True] * 5 + [False]])
     lp = torch.full((1, 6), -1.0)
     with Recorder(path, run=run, config={"method": "ce_gppo"}) as rec:
-        rec.record_update(0, 0, mask=mask, advantages=torch.tensor([ADV]), logprobs=lp, old_logprobs=lp,
-                          loss=_Loss(_hand_columns(**kw), torch.tensor(0.0)),
-                          entropy_sensitivity=torch.tensor([S]), seq_ids=torch.tensor([7]))
+        rec.record_update(
+            0,
+            0,
+            mask=mask,
+            advantages=torch.tensor([ADV]),
+            logprobs=lp,
+            old_logprobs=lp,
+            loss=_Loss(_hand_columns(**kw), torch.tensor(0.0)),
+            entropy_sensitivity=torch.tensor([S]),
+            seq_ids=torch.tensor([7]),
+        )
 
 
 def test_hand_built_split_through_recorder_parquet_duckdb(tmp_path):
@@ -100,9 +122,11 @@ def test_hand_built_split_without_dual_clip_and_without_pre_erc_grad(tmp_path):
     # ERC without grad_coef_before_erc: the split is unknown, every part null (the totals stay)
     _record_hand(tmp_path, "nosplit", before_erc=False)
     con = connect(tmp_path)
-    got = dict(con.execute("""SELECT run, [entropy_effect_dropped, entropy_effect_dropped_clip_low,
+    got = dict(
+        con.execute("""SELECT run, [entropy_effect_dropped, entropy_effect_dropped_clip_low,
                               entropy_effect_dropped_clip_high, entropy_effect_dropped_dual_clip,
-                              entropy_effect_dropped_erc] FROM steps""").fetchall())
+                              entropy_effect_dropped_erc] FROM steps""").fetchall()
+    )
     d, lo, hi, dual, erc = got["nodual"]
     assert (d, lo, hi, erc) == pytest.approx((-1.4, -0.3, 0.1, -1.2), rel=1e-6) and dual is None
     assert got["nosplit"][0] == pytest.approx(-1.4, rel=1e-6) and got["nosplit"][1:] == [None] * 4
@@ -131,17 +155,24 @@ def _hand_split(out, s, mask, temperature=1.0):
     pre = torch.where(changed, (g_u - g_e) * s * k, 0.0)
     erc = torch.where(changed, (g_e - g) * s * k, 0.0)
     dual = ~c["clipped"] & (c["dual_clipped"] | (c["clip"] == 0)) if "dual_clipped" in c else torch.zeros_like(mask)
-    return {"clip_low": pre[~dual & (c["clip"] < 0)].sum().item(), "clip_high": pre[~dual & (c["clip"] > 0)].sum().item(),
-            "dual_clip": pre[dual].sum().item(), "erc": erc.sum().item(),
-            "total": torch.where(changed, (g_u - g) * s * k, 0.0).sum().item()}
+    return {
+        "clip_low": pre[~dual & (c["clip"] < 0)].sum().item(),
+        "clip_high": pre[~dual & (c["clip"] > 0)].sum().item(),
+        "dual_clip": pre[dual].sum().item(),
+        "erc": erc.sum().item(),
+        "total": torch.where(changed, (g_u - g) * s * k, 0.0).sum().item(),
+    }
 
 
-@pytest.mark.parametrize("kw", [
-    dict(method="ce_gppo", beta1=0.5, beta2=1.0, erc=(0.95, 1.05), dual_clip=3.0),
-    dict(method="grpo", erc=(0.9, 1.1), dual_clip=3.0, ratio_level="sequence"),
-    dict(method="dapo", erc=(0.95, 1.05), delta=1.5),
-    dict(method="cispo", erc=(0.95, 1.05)),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(method="ce_gppo", beta1=0.5, beta2=1.0, erc=(0.95, 1.05), dual_clip=3.0),
+        dict(method="grpo", erc=(0.9, 1.1), dual_clip=3.0, ratio_level="sequence"),
+        dict(method="dapo", erc=(0.95, 1.05), delta=1.5),
+        dict(method="cispo", erc=(0.95, 1.05)),
+    ],
+)
 def test_real_losses_parts_add_up(tmp_path, kw):
     """policy_loss with clipping, ERC and dual-clip / delta through a Recorder: in every steps row the four
     parts add up to entropy_effect_dropped (1e-6 relative), each part as computed by hand from the loss's
@@ -154,9 +185,21 @@ def test_real_losses_parts_add_up(tmp_path, kw):
             x = z.clone().requires_grad_(True)
             lp, h, s = stats.logprobs_and_entropy(x, tok, temperature=temperature, sensitivity=True)
             out = policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h, **kw)
-            rec.record_update(0, u, mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
-                              old_entropy=old_h, tokens=tok, seq_ids=torch.arange(8) + 8 * u, loss=out,
-                              entropy_sensitivity=s, temperature=temperature)
+            rec.record_update(
+                0,
+                u,
+                mask=mask,
+                advantages=adv,
+                logprobs=lp,
+                old_logprobs=old_lp,
+                entropy=h,
+                old_entropy=old_h,
+                tokens=tok,
+                seq_ids=torch.arange(8) + 8 * u,
+                loss=out,
+                entropy_sensitivity=s,
+                temperature=temperature,
+            )
             want.append(_hand_split(out, s, mask, temperature))
     names = ["entropy_effect_dropped"] + [f"entropy_effect_dropped_{c}" for c in CAUSES]
     rows = _steps(tmp_path, names)
@@ -188,9 +231,22 @@ def test_policy_update_parts_add_up_and_step_totals(tmp_path):
             for u in range(2):
                 z, tok, old_lp, old_h, adv, mask = _batch(10 * step + u)
                 logits = z.clone().requires_grad_(True)
-                out = policy_update(rec, step, u, logits, tok, mask, adv, old_lp, old_entropy=old_h,
-                                    seq_ids=torch.arange(8) + 8 * (2 * step + u), method="ce_gppo", beta1=0.5,
-                                    erc=(0.95, 1.05), dual_clip=3.0)
+                out = policy_update(
+                    rec,
+                    step,
+                    u,
+                    logits,
+                    tok,
+                    mask,
+                    adv,
+                    old_lp,
+                    old_entropy=old_h,
+                    seq_ids=torch.arange(8) + 8 * (2 * step + u),
+                    method="ce_gppo",
+                    beta1=0.5,
+                    erc=(0.95, 1.05),
+                    dual_clip=3.0,
+                )
                 out.loss.backward()
     df = run_analysis(connect(tmp_path), "entropy_budget_by_step").drop_duplicates("step")
     assert len(df) == 2
@@ -208,10 +264,17 @@ def test_erc_part_of_older_runs_reads_null(tmp_path):
     old = tmp_path / "old"
     (old / "steps" / "step=0" / "rank=0").mkdir(parents=True)
     (old / "run.json").write_text(json.dumps({"run": "old", "method": "dapo", "schema_version": 2}))
-    pq.write_table(pa.table({"update": pa.array([0], pa.int16()), "n_tokens": pa.array([4], pa.int64()),
-                             "entropy_effect_dropped": pa.array([-1.0], pa.float32()),
-                             "entropy_effect_dropped_erc": pa.array([-0.9], pa.float32())}),
-                   old / "steps" / "step=0" / "rank=0" / "steps.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "update": pa.array([0], pa.int16()),
+                "n_tokens": pa.array([4], pa.int64()),
+                "entropy_effect_dropped": pa.array([-1.0], pa.float32()),
+                "entropy_effect_dropped_erc": pa.array([-0.9], pa.float32()),
+            }
+        ),
+        old / "steps" / "step=0" / "rank=0" / "steps.parquet",
+    )
     con = connect(old)  # every run lacks the version-3 columns
     assert con.execute("""SELECT entropy_effect_dropped, entropy_effect_dropped_erc, entropy_effect_dropped_clip_low,
                           dual_clip_frac, is_weight_mean FROM steps""").fetchall() == [(-1.0, None, None, None, None)]
@@ -225,14 +288,22 @@ def test_erc_part_of_older_runs_reads_null(tmp_path):
 def test_spark_reads_older_runs_as_duckdb(tmp_path):
     """Spark's views null the changed column in older runs and fill absent columns, as DuckDB's."""
     pytest.importorskip("pyspark")
-    from entropylens.read.spark import connect as spark_connect, session
+    from entropylens.read.spark import connect as spark_connect
+    from entropylens.read.spark import session
 
     old = tmp_path / "old"
     (old / "steps" / "step=0" / "rank=0").mkdir(parents=True)
     (old / "run.json").write_text(json.dumps({"run": "old", "method": "dapo", "schema_version": 2}))
-    pq.write_table(pa.table({"update": pa.array([0], pa.int16()), "n_tokens": pa.array([4], pa.int64()),
-                             "entropy_effect_dropped_erc": pa.array([-0.9], pa.float32())}),
-                   old / "steps" / "step=0" / "rank=0" / "steps.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "update": pa.array([0], pa.int16()),
+                "n_tokens": pa.array([4], pa.int64()),
+                "entropy_effect_dropped_erc": pa.array([-0.9], pa.float32()),
+            }
+        ),
+        old / "steps" / "step=0" / "rank=0" / "steps.parquet",
+    )
     _record_hand(tmp_path, "new")
     sql = "SELECT run, entropy_effect_dropped_erc, dual_clip_frac FROM steps ORDER BY run"
     s = session("local[1]", conf={"spark.sql.shuffle.partitions": "1"})
@@ -257,10 +328,22 @@ def test_a_run_resumed_by_a_newer_version_keeps_its_older_schema_version(tmp_pat
     mask = torch.tensor([[True] * 5 + [False]])
     lp = torch.full((1, 6), -1.0)
     with Recorder(tmp_path, run="r", resume=0) as rec:
-        rec.record_update(1, 0, mask=mask, advantages=torch.tensor([ADV]), logprobs=lp, old_logprobs=lp,
-                          loss=_Loss(_hand_columns(), torch.tensor(0.0)), entropy_sensitivity=torch.tensor([S]),
-                          seq_ids=torch.tensor([8]))
+        rec.record_update(
+            1,
+            0,
+            mask=mask,
+            advantages=torch.tensor([ADV]),
+            logprobs=lp,
+            old_logprobs=lp,
+            loss=_Loss(_hand_columns(), torch.tensor(0.0)),
+            entropy_sensitivity=torch.tensor([S]),
+            seq_ids=torch.tensor([8]),
+        )
     assert json.loads(info_path.read_text())["schema_version"] == 2
-    rows = connect(tmp_path).execute("""SELECT step, entropy_effect_dropped, entropy_effect_dropped_erc FROM steps
-                                        ORDER BY step""").fetchall()
+    rows = (
+        connect(tmp_path)
+        .execute("""SELECT step, entropy_effect_dropped, entropy_effect_dropped_erc FROM steps
+                                        ORDER BY step""")
+        .fetchall()
+    )
     assert [(s, e) for s, _, e in rows] == [(0, None), (1, None)] and rows[1][1] == pytest.approx(-1.4, rel=1e-6)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.rl import stats
 from entropylens.integrations.torch import entropy_gradient_sq, policy_update
-from entropylens.rl.losses import policy_loss
 from entropylens.read.query import connect
+from entropylens.rl import stats
+from entropylens.rl.losses import policy_loss
 
 KW = dict(method="ce_gppo", beta1=0.5, beta2=1.0, erc=(0.95, 1.05), scale=0.5)
 
@@ -45,8 +45,9 @@ def test_entropy_gradient_sq_hand_worked_and_autograd():
     la = torch.log_softmax(zz / 0.7, -1)
     (dh,) = torch.autograd.grad(-(la.exp() * la).sum(), zz)
     want = dh.square().sum(-1) * 0.7**2
-    torch.testing.assert_close(entropy_gradient_sq(zz.detach().float(), temperature=0.7, chunk_size=2).double(),
-                               want, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(
+        entropy_gradient_sq(zz.detach().float(), temperature=0.7, chunk_size=2).double(), want, rtol=1e-5, atol=1e-9
+    )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
@@ -55,8 +56,21 @@ def test_policy_update_effect_includes_the_bonus_term_exactly(tmp_path, temperat
     z, tok, old_lp, old_h, adv, mask = _batch()
     logits = z.clone().requires_grad_(True)
     with Recorder(tmp_path, run="b", config={"method": "ce_gppo"}) as rec:
-        out = policy_update(rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, temperature=temperature,
-                            seq_ids=torch.arange(4), entropy_coef=coef, **KW)
+        out = policy_update(
+            rec,
+            0,
+            0,
+            logits,
+            tok,
+            mask,
+            adv,
+            old_lp,
+            old_entropy=old_h,
+            temperature=temperature,
+            seq_ids=torch.arange(4),
+            entropy_coef=coef,
+            **KW,
+        )
         out.loss.backward()
     got = torch.tensor([r[0] for r in _tokens(tmp_path, ["entropy_effect"])], dtype=torch.float64)
     # float64 autograd: the real loss's logit gradient G_t and the position's entropy gradient dH_t/dz_t;
@@ -65,8 +79,9 @@ def test_policy_update_effect_includes_the_bonus_term_exactly(tmp_path, temperat
     la = torch.log_softmax(z64 / temperature, -1)
     h64 = -(la.exp() * la.clamp(min=-1e4)).sum(-1)
     lp64 = la.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    loss64 = policy_loss(lp64, old_lp.double(), adv.double(), mask, entropy=h64, old_entropy=old_h.double(),
-                         entropy_coef=coef, **KW).loss
+    loss64 = policy_loss(
+        lp64, old_lp.double(), adv.double(), mask, entropy=h64, old_entropy=old_h.double(), entropy_coef=coef, **KW
+    ).loss
     (gz,) = torch.autograd.grad(loss64, z64, retain_graph=True)
     (dh,) = torch.autograd.grad(h64.sum(), z64)
     want = -(dh * gz).sum(-1)[mask]
@@ -90,16 +105,41 @@ def test_where_the_bonus_term_is_not_measured_effect_is_null(tmp_path):
     head = torch.nn.Linear(8, 30, bias=False)
     hidden = torch.randn(4, 6, 8, generator=g, requires_grad=True)
     with Recorder(tmp_path, run="head", config={"method": "ce_gppo"}) as rec:
-        out = policy_update(rec, 0, 0, None, tok, mask, adv, old_lp, old_entropy=old_h, hidden=hidden, head=head,
-                            seq_ids=torch.arange(4), entropy_coef=coef, **KW)
+        out = policy_update(
+            rec,
+            0,
+            0,
+            None,
+            tok,
+            mask,
+            adv,
+            old_lp,
+            old_entropy=old_h,
+            hidden=hidden,
+            head=head,
+            seq_ids=torch.arange(4),
+            entropy_coef=coef,
+            **KW,
+        )
         out.loss.backward()
     # 2. by hand: policy_loss with the bonus, record_update with the sensitivity and without the term
     x = z.clone().requires_grad_(True)
     lp, h, s = stats.logprobs_and_entropy(x, tok, entropy_grad=True, sensitivity=True)
     out2 = policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h, entropy_coef=coef, **KW)
     with Recorder(tmp_path, run="hand", config={"method": "ce_gppo"}) as rec:
-        rec.record_update(0, 0, mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
-                          old_entropy=old_h, seq_ids=torch.arange(4), loss=out2, entropy_sensitivity=s)
+        rec.record_update(
+            0,
+            0,
+            mask=mask,
+            advantages=adv,
+            logprobs=lp,
+            old_logprobs=old_lp,
+            entropy=h,
+            old_entropy=old_h,
+            seq_ids=torch.arange(4),
+            loss=out2,
+            entropy_sensitivity=s,
+        )
     con = connect(tmp_path)
     for run in ("head", "hand"):
         n, eff, drop = con.execute(f"""SELECT count(*), count(entropy_effect), count(entropy_effect_dropped)
@@ -124,8 +164,19 @@ def test_a_given_bonus_column_is_added(tmp_path):
     bonus = torch.full(mask.shape, 0.125)
     out.columns["entropy_effect_bonus"] = bonus
     with Recorder(tmp_path, run="given") as rec:
-        rec.record_update(0, 0, mask=mask, advantages=adv, logprobs=lp, old_logprobs=old_lp, entropy=h,
-                          old_entropy=old_h, seq_ids=torch.arange(4), loss=out, entropy_sensitivity=s)
+        rec.record_update(
+            0,
+            0,
+            mask=mask,
+            advantages=adv,
+            logprobs=lp,
+            old_logprobs=old_lp,
+            entropy=h,
+            old_entropy=old_h,
+            seq_ids=torch.arange(4),
+            loss=out,
+            entropy_sensitivity=s,
+        )
     got = torch.tensor([r[0] for r in _tokens(tmp_path, ["entropy_effect"])])
     want = (out.columns["grad_coef"] * s + bonus)[mask]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)

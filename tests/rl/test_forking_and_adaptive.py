@@ -60,16 +60,31 @@ def test_mask_over_two_gloo_processes_equals_trls(tmp_path):
     # gathers the valid entropies (gather_valid); the threshold is global: each rank's mask equals TRL's,
     # and differs from the rank-local quantile's
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(HELPERS / "forking_two_ranks.py"), str(tmp_path)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(HELPERS / "forking_two_ranks.py"),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in (0, 1):
         res = torch.load(tmp_path / f"rank{rank}.pt")
         assert torch.equal(res["ours"], res["trl"]), rank
         assert res["ctrl"] == pytest.approx(res["ctrl_expected"], abs=0, rel=1e-6)
-    assert any(not torch.equal(torch.load(tmp_path / f"rank{r}.pt")["local"],
-                               torch.load(tmp_path / f"rank{r}.pt")["ours"]) for r in (0, 1))
+    assert any(
+        not torch.equal(torch.load(tmp_path / f"rank{r}.pt")["local"], torch.load(tmp_path / f"rank{r}.pt")["ours"])
+        for r in (0, 1)
+    )
 
 
 def test_gather_valid_without_process_group_is_identity():
@@ -138,8 +153,21 @@ def test_plain_loop_forking_and_bonus_gradient_by_region():
 
     logits, tokens, mask, adv, old = _batch()
     z = logits.clone().requires_grad_(True)
-    out = policy_update(None, 0, 0, z, tokens, mask, adv, old, method="grpo", agg="token-mean",
-                        top_entropy_quantile=0.2, entropy_coef=0.1, scale=0.5)
+    out = policy_update(
+        None,
+        0,
+        0,
+        z,
+        tokens,
+        mask,
+        adv,
+        old,
+        method="grpo",
+        agg="token-mean",
+        top_entropy_quantile=0.2,
+        entropy_coef=0.1,
+        scale=0.5,
+    )
     out.loss.backward()
     keep = out.columns["token_kept"]
     with torch.no_grad():
@@ -165,8 +193,19 @@ def test_plain_loop_forking_and_bonus_gradient_by_region():
     h64 = -(lp_all.exp() * lp_all).sum(-1)
     keep64 = top_entropy_mask(h64, mask, 0.2)
     assert torch.equal(keep64, keep)
-    out64 = policy_loss(lp, old, adv, mask, method="grpo", agg="token-mean", entropy=h64, token_mask=keep64,
-                        entropy_coef=0.1, scale=0.5, entropy_weights=bonus_weights(mask, keep64, 0.5, torch.float64))
+    out64 = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        method="grpo",
+        agg="token-mean",
+        entropy=h64,
+        token_mask=keep64,
+        entropy_coef=0.1,
+        scale=0.5,
+        entropy_weights=bonus_weights(mask, keep64, 0.5, torch.float64),
+    )
     out64.loss.backward()
     assert out64.loss.item() == pytest.approx(ref.item(), rel=1e-12)
     for name, region in (("kept", keep), ("dropped", mask & ~keep), ("padding", ~mask)):
@@ -184,8 +223,20 @@ def test_plain_loop_adaptive_coef_gates_and_steps():
     seen = []
     for step in range(3):
         z = logits.clone().requires_grad_(True)
-        out = policy_update(None, step, 0, z, tokens, mask, adv, old, method="grpo", agg="token-mean",
-                            top_entropy_quantile=0.5, entropy_coef=ctrl)
+        out = policy_update(
+            None,
+            step,
+            0,
+            z,
+            tokens,
+            mask,
+            adv,
+            old,
+            method="grpo",
+            agg="token-mean",
+            top_entropy_quantile=0.5,
+            entropy_coef=ctrl,
+        )
         seen.append((out.config["entropy_coef"], out.config["entropy_coef_adaptive"]))
         out.loss.backward()
         ctrl.step()
@@ -194,10 +245,12 @@ def test_plain_loop_adaptive_coef_gates_and_steps():
     # with the gate open the loss is the static bonus's at the same coefficient
     ctrl2 = AdaptiveEntropyCoef(target=10.0, coef=0.08)
     ctrl2.last_entropy = 1.0
-    a = policy_update(None, 0, 0, logits, tokens, mask, adv, old, method="grpo", top_entropy_quantile=0.5,
-                      entropy_coef=ctrl2)
-    b = policy_update(None, 0, 0, logits, tokens, mask, adv, old, method="grpo", top_entropy_quantile=0.5,
-                      entropy_coef=0.08)
+    a = policy_update(
+        None, 0, 0, logits, tokens, mask, adv, old, method="grpo", top_entropy_quantile=0.5, entropy_coef=ctrl2
+    )
+    b = policy_update(
+        None, 0, 0, logits, tokens, mask, adv, old, method="grpo", top_entropy_quantile=0.5, entropy_coef=0.08
+    )
     assert a.loss.item() == b.loss.item()
 
 
@@ -220,14 +273,27 @@ def test_plain_loop_records_forking_and_adaptive(tmp_path):
     with Recorder(str(tmp_path), run="r", config={"method": "grpo"}) as rec:
         for step in range(2):
             z = logits.clone().requires_grad_(True)
-            out = policy_update(rec, step, 0, z, tokens, mask, adv, old.float(), old_entropy=old_h,
-                                method="grpo", top_entropy_quantile=0.2, entropy_coef=ctrl)
+            out = policy_update(
+                rec,
+                step,
+                0,
+                z,
+                tokens,
+                mask,
+                adv,
+                old.float(),
+                old_entropy=old_h,
+                method="grpo",
+                top_entropy_quantile=0.2,
+                entropy_coef=ctrl,
+            )
             out.loss.backward()
             ctrl.step()
             rec.record_step(step)
     con = connect(tmp_path / "r")
-    rows = con.execute("SELECT step, entropy_coef, entropy_coef_adaptive, token_masked_frac FROM steps "
-                       "ORDER BY step").fetchall()
+    rows = con.execute(
+        "SELECT step, entropy_coef, entropy_coef_adaptive, token_masked_frac FROM steps ORDER BY step"
+    ).fetchall()
     assert [r[1] for r in rows] == pytest.approx([0.0, 0.07])
     assert [r[2] for r in rows] == pytest.approx([0.05, 0.07])
     n_valid = int(mask.sum())
@@ -248,16 +314,28 @@ def test_trl_adaptive_coef_sequence_equals_trls_own(tmp_path, loss, target):
 
     from entropylens.read.query import connect
 
-    tr = trl_tiny.trainer(tmp_path, "r", max_steps=3, use_adaptive_entropy=True, entropy_coef=0.02,
-                          entropy_coef_delta=0.01, entropy_coef_max=0.045, entropy_target=target,
-                          top_entropy_quantile=0.5, el=dict(loss=loss) if loss else None)
+    tr = trl_tiny.trainer(
+        tmp_path,
+        "r",
+        max_steps=3,
+        use_adaptive_entropy=True,
+        entropy_coef=0.02,
+        entropy_coef_delta=0.01,
+        entropy_coef_max=0.045,
+        entropy_target=target,
+        top_entropy_quantile=0.5,
+        el=dict(loss=loss) if loss else None,
+    )
     tr.train()
     logged = [h["entropy_coef"] for h in tr.state.log_history if "loss" in h and "entropy_coef" in h]
     con = connect(tmp_path / "r")
-    steps = con.execute("SELECT step, min(entropy_coef), max(entropy_coef), min(entropy_coef_adaptive), "
-                        "max(entropy_coef_adaptive), count(*) FROM steps GROUP BY step ORDER BY step").fetchall()
-    ent = con.execute("SELECT step, update, list(entropy), list(token_kept) FROM tokens GROUP BY step, update "
-                      "ORDER BY step, update").fetchall()
+    steps = con.execute(
+        "SELECT step, min(entropy_coef), max(entropy_coef), min(entropy_coef_adaptive), "
+        "max(entropy_coef_adaptive), count(*) FROM steps GROUP BY step ORDER BY step"
+    ).fetchall()
+    ent = con.execute(
+        "SELECT step, update, list(entropy), list(token_kept) FROM tokens GROUP BY step, update ORDER BY step, update"
+    ).fetchall()
     ctrl = AdaptiveEntropyCoef(target, coef=0.02, delta=0.01, coef_max=0.045)
     ours, applied, before = [], [], []
     for _step, update, h, kept in ent:  # each micro-batch's recorded entropies and forking mask
@@ -300,28 +378,49 @@ def test_plain_loop_equals_trls_own_loss_and_grad_on_one_batch(tmp_path):
             ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
             attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
             k = inputs["completion_ids"].size(1)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, -k - 1:-1] / self.temperature
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, -k - 1 : -1] / self.temperature
             mask = inputs["completion_mask"].bool()
             ga = self.current_gradient_accumulation_steps
-            lp = torch.log_softmax(logits.detach().float(), -1).gather(
-                -1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-            out = policy_update(None, 0, 0, logits, inputs["completion_ids"], mask, inputs["advantages"], lp,
-                                method="grpo", eps_low=0.2, eps_high=0.2, top_entropy_quantile=0.2,
-                                entropy_coef=0.05, scale=1.0 / ga, weights=trl_loss_weights("bnpo", mask, ga=1))
+            lp = (
+                torch.log_softmax(logits.detach().float(), -1)
+                .gather(-1, inputs["completion_ids"].unsqueeze(-1))
+                .squeeze(-1)
+            )
+            out = policy_update(
+                None,
+                0,
+                0,
+                logits,
+                inputs["completion_ids"],
+                mask,
+                inputs["advantages"],
+                lp,
+                method="grpo",
+                eps_low=0.2,
+                eps_high=0.2,
+                top_entropy_quantile=0.2,
+                entropy_coef=0.05,
+                scale=1.0 / ga,
+                weights=trl_loss_weights("bnpo", mask, ga=1),
+            )
             g_ours = torch.autograd.grad(out.loss, params)
             seen["loss"] = (out.loss.item(), theirs.item())
-            seen["rel"] = max(((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-                              for a, b in zip(g_ours, g_theirs) if b.norm() > 0)
+            seen["rel"] = max(
+                ((a - b).norm() / b.norm().clamp(min=1e-30)).item() for a, b in zip(g_ours, g_theirs) if b.norm() > 0
+            )
             seen["kept"] = out.columns["token_kept"].sum().item() / mask.sum().item()
             return theirs
 
     from datasets import Dataset  # TRL's own GRPOTrainer (no entropylens trainer): trl_tiny's pieces
 
     tok = trl_tiny.trl_grpo.build_tokenizer()
-    tr = Probe(model=trl_tiny.trl_grpo.build_model(tok, 0), reward_funcs=trl_tiny.trl_grpo.digit_reward,
-               args=trl_tiny.config(tmp_path, max_steps=1, loss_type="bnpo", top_entropy_quantile=0.2,
-                                    entropy_coef=0.05),
-               train_dataset=Dataset.from_dict({"prompt": trl_tiny.prompts()}), processing_class=tok)
+    tr = Probe(
+        model=trl_tiny.trl_grpo.build_model(tok, 0),
+        reward_funcs=trl_tiny.trl_grpo.digit_reward,
+        args=trl_tiny.config(tmp_path, max_steps=1, loss_type="bnpo", top_entropy_quantile=0.2, entropy_coef=0.05),
+        train_dataset=Dataset.from_dict({"prompt": trl_tiny.prompts()}),
+        processing_class=tok,
+    )
     tr.train()
     ours, theirs = seen["loss"]
     assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)

@@ -26,11 +26,31 @@ def grad(loss, x):
 # --- 1. TRL 1.16 ---------------------------------------------------------------------------------
 
 
-def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, loss_type, epsilon_low,
-                     epsilon_high, beta=0.0, ref_per_token_logps=None, use_bias_correction_kl=False,
-                     entropy_mask=None, off_policy_mask=None, importance_sampling_ratio=None, delta=None,
-                     importance_sampling_level="token", ga=1, num_items_in_batch=None, num_processes=1,
-                     steps_per_generation=1, max_completion_length=None, entropies=None, entropy_coef=0.0):
+def trl_compute_loss(
+    per_token_logps,
+    old_per_token_logps,
+    advantages,
+    mask,
+    *,
+    loss_type,
+    epsilon_low,
+    epsilon_high,
+    beta=0.0,
+    ref_per_token_logps=None,
+    use_bias_correction_kl=False,
+    entropy_mask=None,
+    off_policy_mask=None,
+    importance_sampling_ratio=None,
+    delta=None,
+    importance_sampling_level="token",
+    ga=1,
+    num_items_in_batch=None,
+    num_processes=1,
+    steps_per_generation=1,
+    max_completion_length=None,
+    entropies=None,
+    entropy_coef=0.0,
+):
     """TRL 1.16.x trl/trainer/grpo_trainer.py ``_compute_loss`` (training mode), its arithmetic only,
     transcribed line by line for the loss types grpo, bnpo, dr_grpo, dapo, luspo."""
     # l. 3058-3059: [B] advantages -> [B, 1]
@@ -46,9 +66,7 @@ def trl_compute_loss(per_token_logps, old_per_token_logps, advantages, mask, *, 
     coef_1 = torch.exp(log_importance_weights)  # l. 3093
     # l. 3096-3104: k3 KL, times coef_1 (with its gradient) under use_bias_correction_kl
     if beta != 0.0:
-        per_token_kl = (
-            torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
-        )
+        per_token_kl = torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
         if use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
     # l. 3111-3121: two-sided clipping (grpo, bnpo, dr_grpo, dapo, luspo), delta clamps coef_1 after coef_2
@@ -143,24 +161,61 @@ def test_matches_trl_compute_loss(loss_type, level):
     w, scale = trl_weights(loss_type, mask)
     n = 0
     for (beta, bias), tm, om, iw, delta in itertools.product(
-            [(0.0, False), (0.04, False), (0.04, True)], [False, True], [False, True], [None, "token", "seq"],
-            [None, 1.5, 1.1]):
+        [(0.0, False), (0.04, False), (0.04, True)],
+        [False, True],
+        [False, True],
+        [None, "token", "seq"],
+        [None, 1.5, 1.1],
+    ):
         is_w = {None: None, "token": is_tok, "seq": is_seq}[iw]
         ent_coef = 0.01 if om else 0.0  # the bonus in half the cases (TRL's mean over mask * entropy_mask)
         ref_loss = trl_compute_loss(
-            lp, old, adv, mask, loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, beta=beta,
-            ref_per_token_logps=ref, use_bias_correction_kl=bias, entropy_mask=ent_mask if tm else None,
-            off_policy_mask=opm if om else None, importance_sampling_ratio=is_w, delta=delta,
-            importance_sampling_level=level, ga=GA, num_items_in_batch=torch.tensor(N_ITEMS, dtype=F64),
-            num_processes=PROCS, steps_per_generation=SPG, max_completion_length=TMAX, entropies=h,
-            entropy_coef=ent_coef)
+            lp,
+            old,
+            adv,
+            mask,
+            loss_type=loss_type,
+            epsilon_low=eps_low,
+            epsilon_high=eps_high,
+            beta=beta,
+            ref_per_token_logps=ref,
+            use_bias_correction_kl=bias,
+            entropy_mask=ent_mask if tm else None,
+            off_policy_mask=opm if om else None,
+            importance_sampling_ratio=is_w,
+            delta=delta,
+            importance_sampling_level=level,
+            ga=GA,
+            num_items_in_batch=torch.tensor(N_ITEMS, dtype=F64),
+            num_processes=PROCS,
+            steps_per_generation=SPG,
+            max_completion_length=TMAX,
+            entropies=h,
+            entropy_coef=ent_coef,
+        )
         eff = mask * ent_mask if tm else mask
         out = policy_loss(
-            lp, old, adv, mask, method=method, eps_low=eps_low, eps_high=eps_high, weights=w, scale=scale,
-            ref_logprobs=ref if beta else None, kl_coef=beta, kl_bias_correction=bias,
-            token_mask=ent_mask if tm else None, seq_mask=opm if om else None, is_weight=is_w, delta=delta,
-            ratio_level=level, entropy=h, entropy_coef=ent_coef,
-            entropy_weights=eff / eff.sum().clamp(min=1.0) / GA)
+            lp,
+            old,
+            adv,
+            mask,
+            method=method,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            weights=w,
+            scale=scale,
+            ref_logprobs=ref if beta else None,
+            kl_coef=beta,
+            kl_bias_correction=bias,
+            token_mask=ent_mask if tm else None,
+            seq_mask=opm if om else None,
+            is_weight=is_w,
+            delta=delta,
+            ratio_level=level,
+            entropy=h,
+            entropy_coef=ent_coef,
+            entropy_weights=eff / eff.sum().clamp(min=1.0) / GA,
+        )
         case = (beta, bias, tm, om, iw, delta)
         torch.testing.assert_close(out.loss, ref_loss, **TIGHT, msg=lambda m: f"{case}: {m}")
         g_ref, g = grad(ref_loss, lp), grad(out.loss, lp)
@@ -180,13 +235,38 @@ def test_trl_builtin_aggregations_and_token_advantages():
     adv_t = adv.unsqueeze(1) + 0.1 * torch.arange(TMAX, dtype=F64)  # per-token advantages
     for loss_type, agg in (("bnpo", "token-mean"), ("luspo", "seq-mean-token-sum")):
         for level in ("token", "sequence"):
-            ref_loss = trl_compute_loss(lp, old, adv_t, mask, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.2,
-                                        beta=0.04, ref_per_token_logps=ref, use_bias_correction_kl=True,
-                                        entropy_mask=ent_mask, importance_sampling_ratio=is_tok, delta=1.5,
-                                        importance_sampling_level=level, ga=GA)
-            out = policy_loss(lp, old, adv_t, mask, agg=agg, scale=1 / GA, ref_logprobs=ref, kl_coef=0.04,
-                              kl_bias_correction=True, token_mask=ent_mask, is_weight=is_tok, delta=1.5,
-                              ratio_level=level)
+            ref_loss = trl_compute_loss(
+                lp,
+                old,
+                adv_t,
+                mask,
+                loss_type=loss_type,
+                epsilon_low=0.2,
+                epsilon_high=0.2,
+                beta=0.04,
+                ref_per_token_logps=ref,
+                use_bias_correction_kl=True,
+                entropy_mask=ent_mask,
+                importance_sampling_ratio=is_tok,
+                delta=1.5,
+                importance_sampling_level=level,
+                ga=GA,
+            )
+            out = policy_loss(
+                lp,
+                old,
+                adv_t,
+                mask,
+                agg=agg,
+                scale=1 / GA,
+                ref_logprobs=ref,
+                kl_coef=0.04,
+                kl_bias_correction=True,
+                token_mask=ent_mask,
+                is_weight=is_tok,
+                delta=1.5,
+                ratio_level=level,
+            )
             torch.testing.assert_close(out.loss, ref_loss, **TIGHT)
             g = grad(out.loss, lp)
             torch.testing.assert_close(g, grad(ref_loss, lp), **TIGHT)
@@ -212,8 +292,11 @@ A0 = [1.0, -1.0, 1.0, -1.0, 1.0, 1.0, 1.0, -1.0, 1.0]
 
 def region_batch():
     t = len(R0)
-    old = torch.log(torch.tensor([[0.3, 0.6, 0.2, 0.1, 0.4, 0.5, 0.45, 0.3, 0.7],
-                                  [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=F64))
+    old = torch.log(
+        torch.tensor(
+            [[0.3, 0.6, 0.2, 0.1, 0.4, 0.5, 0.45, 0.3, 0.7], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]], dtype=F64
+        )
+    )
     r = torch.tensor([R0, [1.0] * t], dtype=F64)
     lp = (old + torch.log(r)).requires_grad_(True)
     adv = torch.tensor([A0, [1.0, -1.0] + [0.0] * (t - 2)], dtype=F64)
@@ -227,25 +310,39 @@ def region_batch():
     token_mask[0, 4] = False
     is_w = torch.ones(2, t, dtype=F64)
     is_w[0, 6] = 0.5
-    kw = dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), token_mask=token_mask,
-              seq_mask=torch.tensor([True, False]), is_weight=is_w)
+    kw = dict(
+        entropy=h,
+        old_entropy=h_old,
+        erc=(0.95, 1.05),
+        token_mask=token_mask,
+        seq_mask=torch.tensor([True, False]),
+        is_weight=is_w,
+    )
     return lp, old, adv, mask, kw
 
 
-@pytest.mark.parametrize("method,extra,g_row0,v_row0", [
-    ("grpo", {"delta": 2.0}, [-1, 0, 0, 0, 0, 0, -0.5, 1.5, 0], [-1, 0.8, -1.2, 2, 0, -1, -0.5, 1.5, -1.2]),
-    ("dapo", {"delta": 2.0}, [-1, 0, 0, 0, 0, 0, -0.5, 1.5, -1.25], [-1, 0.8, -1.28, 2, 0, -1, -0.5, 1.5, -1.25]),
-    # gppo / ce_gppo: v = g = -A k (k the bounded slope on clipped tokens); capped t3: v = -A delta, g = 0
-    ("gppo", {"delta": 2.0}, [-1, 0.8, -1.2, 0, 0, 0, -0.5, 1.5, -1.2], [-1, 0.8, -1.2, 2, 0, -1, -0.5, 1.5, -1.2]),
-    ("ce_gppo", {"delta": 2.0, "beta1": 0.5, "beta2": 1.0},
-     [-1, 0.4, -1.2, 0, 0, 0, -0.5, 1.5, -1.2], [-1, 0.4, -1.2, 2, 0, -1, -0.5, 1.5, -1.2]),
-    # cispo (no delta): g = -clip(r, 0.8, 1.2) A: t3 1.2, t7 1.2; v = g logp
-    ("cispo", {}, [-1, 0.8, -1.2, 1.2, 0, 0, -0.5, 1.2, -1.2], None),
-])
+@pytest.mark.parametrize(
+    "method,extra,g_row0,v_row0",
+    [
+        ("grpo", {"delta": 2.0}, [-1, 0, 0, 0, 0, 0, -0.5, 1.5, 0], [-1, 0.8, -1.2, 2, 0, -1, -0.5, 1.5, -1.2]),
+        ("dapo", {"delta": 2.0}, [-1, 0, 0, 0, 0, 0, -0.5, 1.5, -1.25], [-1, 0.8, -1.28, 2, 0, -1, -0.5, 1.5, -1.25]),
+        # gppo / ce_gppo: v = g = -A k (k the bounded slope on clipped tokens); capped t3: v = -A delta, g = 0
+        ("gppo", {"delta": 2.0}, [-1, 0.8, -1.2, 0, 0, 0, -0.5, 1.5, -1.2], [-1, 0.8, -1.2, 2, 0, -1, -0.5, 1.5, -1.2]),
+        (
+            "ce_gppo",
+            {"delta": 2.0, "beta1": 0.5, "beta2": 1.0},
+            [-1, 0.4, -1.2, 0, 0, 0, -0.5, 1.5, -1.2],
+            [-1, 0.4, -1.2, 2, 0, -1, -0.5, 1.5, -1.2],
+        ),
+        # cispo (no delta): g = -clip(r, 0.8, 1.2) A: t3 1.2, t7 1.2; v = g logp
+        ("cispo", {}, [-1, 0.8, -1.2, 1.2, 0, 0, -0.5, 1.2, -1.2], None),
+    ],
+)
 def test_regions(method, extra, g_row0, v_row0):
     lp, old, adv, mask, kw = region_batch()
-    out = policy_loss(lp, old, adv, mask, method=method, eps_low=0.2, eps_high=0.28 if method == "dapo" else 0.2,
-                      **kw, **extra)
+    out = policy_loss(
+        lp, old, adv, mask, method=method, eps_low=0.2, eps_high=0.28 if method == "dapo" else 0.2, **kw, **extra
+    )
     exp = torch.zeros(2, 9, dtype=F64)
     exp[0] = torch.tensor(g_row0, dtype=F64) / 11
     g = grad(out.loss, lp)
@@ -310,7 +407,7 @@ def test_gspo_regions_and_sequence_level_grpo():
     #   row 5: log r [0, 0]      A = +1, token 1 outside token_mask      [-1, 0]
     #   row 6: log r [0, 0]      A = +1, outside seq_mask                [0, 0]
     #   row 7: log r [0, 0]      A = +1, is_weight [0.5, 2]              [-0.5, -2]
-    lr = torch.tensor([[0, 0], [-.1, -.1], [.1, .1], [1, 1], [.2, .4], [0, 0], [0, 0], [0, 0]], dtype=F64)
+    lr = torch.tensor([[0, 0], [-0.1, -0.1], [0.1, 0.1], [1, 1], [0.2, 0.4], [0, 0], [0, 0], [0, 0]], dtype=F64)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, 1.0], dtype=F64)
     old = torch.full_like(lr, math.log(0.4))
     lp = (old + lr).requires_grad_(True)
@@ -338,10 +435,22 @@ def test_gspo_regions_and_sequence_level_grpo():
     #   row 0: (-1/16 + 0) / 2 = -1/32 on both tokens (the ERC-dropped one too)
     #   row 5: (-1/16 + 0) / 2 = -1/32 on both (the token-masked one too)
     #   row 7: (-0.5/16 - 2/16) / 2 = -1.25/16 on both;  row 4: (s/16 + s/16) / 2 = s/16 as gspo
-    seq = policy_loss(lp, old, adv, mask, method="grpo", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean",
-                      ratio_level="sequence", **kw)
-    exp_seq = torch.tensor([[-.5, -.5], [0, 0], [0, 0], [0, 0], [s4, s4], [-.5, -.5], [0, 0], [-1.25, -1.25]],
-                           dtype=F64) / 16
+    seq = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        method="grpo",
+        eps_low=3e-4,
+        eps_high=4e-4,
+        agg="seq-mean-token-mean",
+        ratio_level="sequence",
+        **kw,
+    )
+    exp_seq = (
+        torch.tensor([[-0.5, -0.5], [0, 0], [0, 0], [0, 0], [s4, s4], [-0.5, -0.5], [0, 0], [-1.25, -1.25]], dtype=F64)
+        / 16
+    )
     g_seq = grad(seq.loss, lp)
     torch.testing.assert_close(g_seq, exp_seq, rtol=1e-14, atol=1e-16)
     torch.testing.assert_close(seq.columns["grad_coef"], g_seq, rtol=1e-14, atol=1e-16)
@@ -351,8 +460,18 @@ def test_gspo_regions_and_sequence_level_grpo():
     # where the per-token weights are uniform within each sequence (no token mask, ERC or IS), they agree
     plain = dict(delta=2.0, seq_mask=sm)
     a = policy_loss(lp, old, adv, mask, method="gspo", **plain)
-    b = policy_loss(lp, old, adv, mask, method="grpo", eps_low=3e-4, eps_high=4e-4, agg="seq-mean-token-mean",
-                    ratio_level="sequence", **plain)
+    b = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        method="grpo",
+        eps_low=3e-4,
+        eps_high=4e-4,
+        agg="seq-mean-token-mean",
+        ratio_level="sequence",
+        **plain,
+    )
     torch.testing.assert_close(b.loss, a.loss, **TIGHT)
     torch.testing.assert_close(grad(b.loss, lp), grad(a.loss, lp), **TIGHT)
     for name in ("grad_coef", "grad_coef_unclipped", "token_loss", "clip", "clipped", "dual_clipped", "grad_changed"):
@@ -386,8 +505,17 @@ def test_kl_bias_correction_by_hand():
         assert not out.columns["grad_changed"].any() and out.config["kl_bias_correction"] is bias
     # the KL term is not masked by token_mask / seq_mask / is_weight
     base = policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1)
-    masked = policy_loss(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1, token_mask=torch.zeros_like(mask),
-                         seq_mask=torch.zeros(1), is_weight=torch.full_like(lr, 3.0))
+    masked = policy_loss(
+        lp,
+        old,
+        adv,
+        mask,
+        ref_logprobs=ref,
+        kl_coef=0.1,
+        token_mask=torch.zeros_like(mask),
+        seq_mask=torch.zeros(1),
+        is_weight=torch.full_like(lr, 3.0),
+    )
     torch.testing.assert_close(masked.loss, base.loss, **TIGHT)
     torch.testing.assert_close(masked.columns["grad_coef"], base.columns["grad_coef"], **TIGHT)
 
@@ -400,8 +528,11 @@ def test_new_aggregations_mirror_verl():
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([-1.0, -1.0, 1.0], dtype=F64)  # r = 1: g = -A = 1 on rows 0, 1
     m = mask.double()
-    for agg, lsf, w in [("token-sum", None, m), ("seq-mean-token-sum-norm", None, m / 2 / 4),
-                        ("seq-mean-token-sum-norm", 10.0, m / 2 / 10)]:
+    for agg, lsf, w in [
+        ("token-sum", None, m),
+        ("seq-mean-token-sum-norm", None, m / 2 / 4),
+        ("seq-mean-token-sum-norm", 10.0, m / 2 / 10),
+    ]:
         out = policy_loss(lp, old, adv, mask, agg=agg, loss_scale_factor=lsf)
         torch.testing.assert_close(grad(out.loss, lp), w, **TIGHT)
         torch.testing.assert_close(out.columns["grad_coef"], w, **TIGHT)
@@ -452,8 +583,17 @@ def test_float64_band_edges():
     torch.testing.assert_close(grad(out.loss, lp), exp, rtol=1e-13, atol=0)
     assert all(c[k].dtype == F64 for k in ("ratio", "grad_coef", "grad_coef_unclipped", "token_loss", "entropy_ratio"))
     # float32 inputs keep today's float32 maths: 1e-12 is below float32 resolution, every edge is on it
-    out32 = policy_loss(lp.detach().float(), old.float(), adv.float(), mask, method="grpo", delta=1.5,
-                        entropy=h.float(), old_entropy=h_old.float(), erc=(0.95, 1.05))
+    out32 = policy_loss(
+        lp.detach().float(),
+        old.float(),
+        adv.float(),
+        mask,
+        method="grpo",
+        delta=1.5,
+        entropy=h.float(),
+        old_entropy=h_old.float(),
+        erc=(0.95, 1.05),
+    )
     assert out32.columns["grad_coef"].dtype == torch.float32 and out32.loss.dtype == torch.float32
     assert out32.columns["clip"].tolist() != c["clip"].tolist()
 
@@ -461,22 +601,42 @@ def test_float64_band_edges():
 # --- 4. the drop split ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method,level", [("grpo", "token"), ("dapo", "token"), ("gppo", "token"),
-                                          ("ce_gppo", "token"), ("cispo", "token"), ("gspo", "token"),
-                                          ("grpo", "sequence"), ("ce_gppo", "sequence")])
+@pytest.mark.parametrize(
+    "method,level",
+    [
+        ("grpo", "token"),
+        ("dapo", "token"),
+        ("gppo", "token"),
+        ("ce_gppo", "token"),
+        ("cispo", "token"),
+        ("gspo", "token"),
+        ("grpo", "sequence"),
+        ("ce_gppo", "sequence"),
+    ],
+)
 def test_drop_split_adds_up(method, level):
     g = torch.Generator().manual_seed(5)
     b, t = 6, 7
     old = -torch.rand(b, t, generator=g, dtype=F64) * 3 - 0.05
-    lr = 0.35 * torch.randn(b, t, generator=g, dtype=F64) + torch.tensor([-.4, -.3, 0, .45, .5, .7], dtype=F64)[:, None]
+    lr = (
+        0.35 * torch.randn(b, t, generator=g, dtype=F64)
+        + torch.tensor([-0.4, -0.3, 0, 0.45, 0.5, 0.7], dtype=F64)[:, None]
+    )
     lp = (old + lr).requires_grad_(True)
     adv = torch.tensor([-1.0, 1.0, 0.5, 1.0, -1.0, -0.7], dtype=F64)  # one per sequence
     mask = torch.rand(b, t, generator=g) > 0.15
     h_old = torch.rand(b, t, generator=g, dtype=F64) + 0.5
     h = h_old * (1 + 0.08 * torch.randn(b, t, generator=g, dtype=F64))
     eps = (3e-4, 4e-4) if method == "gspo" else (0.2, 0.2)
-    kw = dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), ref_logprobs=old + 0.1, kl_coef=0.05,
-              token_mask=torch.rand(b, t, generator=g) > 0.2, is_weight=0.5 + torch.rand(b, t, generator=g, dtype=F64))
+    kw = dict(
+        entropy=h,
+        old_entropy=h_old,
+        erc=(0.95, 1.05),
+        ref_logprobs=old + 0.1,
+        kl_coef=0.05,
+        token_mask=torch.rand(b, t, generator=g) > 0.2,
+        is_weight=0.5 + torch.rand(b, t, generator=g, dtype=F64),
+    )
     if method != "cispo":
         kw.update(delta=1.6, dual_clip=1.9)
     out = policy_loss(lp, old, adv, mask, method=method, eps_low=eps[0], eps_high=eps[1], ratio_level=level, **kw)
@@ -488,8 +648,12 @@ def test_drop_split_adds_up(method, level):
     dual = c.get("dual_clipped", torch.zeros_like(mask))
     low = (c["clip"] == -1) & ~dual
     high = (c["clip"] == 1) & ~dual
-    parts = {"clip_low": torch.where(low, rest, 0.0), "clip_high": torch.where(high, rest, 0.0),
-             "dual_clip": torch.where(dual, rest, 0.0), "erc": by_erc}
+    parts = {
+        "clip_low": torch.where(low, rest, 0.0),
+        "clip_high": torch.where(high, rest, 0.0),
+        "dual_clip": torch.where(dual, rest, 0.0),
+        "erc": by_erc,
+    }
     # every token's drop is the sum of its parts (nothing outside the three classes before ERC)
     assert (rest[~(low | high | dual)] == 0).all()
     torch.testing.assert_close(sum(parts.values()), total, **TIGHT)

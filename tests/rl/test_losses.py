@@ -289,8 +289,9 @@ def test_extreme_log_ratios_give_finite_exact_gradients(method):
     logp = (old + lr).requires_grad_(True)
     adv = torch.tensor([[(-1.0) ** (i + 1) for i in range(n)]], dtype=torch.float64)  # -1, +1, ...
     mask = torch.ones(1, n, dtype=torch.bool)
-    out = policy_loss(logp, old, adv, mask, method=method, beta1=0.5, beta2=1.0,
-                      agg="token-mean", eps_low=0.2, eps_high=0.2)
+    out = policy_loss(
+        logp, old, adv, mask, method=method, beta1=0.5, beta2=1.0, agg="token-mean", eps_low=0.2, eps_high=0.2
+    )
     (g,) = torch.autograd.grad(out.loss, logp)
     assert torch.isfinite(out.loss) and torch.isfinite(g).all()
     for name in ("grad_coef", "grad_coef_unclipped", "token_loss"):
@@ -414,9 +415,19 @@ def test_grad_coef_is_autograd_bit_for_bit_in_float32(method):
     mask = torch.rand(b, t, generator=g) > 0.2
     h_old = torch.rand(b, t, generator=g) + 0.5
     h = h_old * (1 + 0.05 * torch.randn(b, t, generator=g))
-    kws = [dict(), dict(entropy=h, old_entropy=h_old, erc=(0.95, 1.05), token_mask=torch.rand(b, t, generator=g) > 0.3,
-                        seq_mask=torch.tensor([1.0, 0.0, 1.0, 1.0]), is_weight=torch.rand(b, t, generator=g) + 0.5,
-                        weights=torch.rand(b, t, generator=g), scale=0.5)]
+    kws = [
+        dict(),
+        dict(
+            entropy=h,
+            old_entropy=h_old,
+            erc=(0.95, 1.05),
+            token_mask=torch.rand(b, t, generator=g) > 0.3,
+            seq_mask=torch.tensor([1.0, 0.0, 1.0, 1.0]),
+            is_weight=torch.rand(b, t, generator=g) + 0.5,
+            weights=torch.rand(b, t, generator=g),
+            scale=0.5,
+        ),
+    ]
     if method not in ("cispo", "sapo"):
         kws[1].update(delta=1.3, dual_clip=2.0)
     for kw in kws:

@@ -10,14 +10,16 @@ import torch
 
 from entropylens.rl import native, stats
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler on this machine: the native row pass cannot be built")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler on this machine: the native row pass cannot be built",
+)
+
 
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
     """The native row pass is opt-in (ENTROPYLENS_NATIVE=1): these tests test it, so they opt in."""
     monkeypatch.setenv("ENTROPYLENS_NATIVE", "1")
-
 
 
 def _sums(flat, tok, t, *, split, want_sens, eager, want_dot=True):
@@ -53,8 +55,9 @@ def test_native_sums_equal_eager_and_float64(v, dtype, t):
     n = 9
     flat = (torch.randn(n, v, generator=g) * 4).to(dtype)
     # sampled tokens at the 512-element block edges, the first and last entry, and random ones
-    tok = torch.tensor([0, v - 1, min(511, v - 1), min(512, v - 1), min(513, v - 1)]
-                       + torch.randint(0, v, (4,), generator=g).tolist())
+    tok = torch.tensor(
+        [0, v - 1, min(511, v - 1), min(512, v - 1), min(513, v - 1)] + torch.randint(0, v, (4,), generator=g).tolist()
+    )
     for split, sens in [(False, False), (True, False), (True, True)]:
         nat = _sums(flat, tok, t, split=split, want_sens=sens, eager=False)
         eag = _sums(flat, tok, t, split=split, want_sens=sens, eager=True)
@@ -191,10 +194,17 @@ def test_a_damaged_cached_library_is_built_anew(monkeypatch, tmp_path):
     (built,) = (tmp_path / "entropylens" / "native").glob("row_sums-*.so")
     built.unlink()  # (a new file: overwriting the loaded one in place would fault this process)
     built.write_bytes(b"\x7fELF truncated")
-    probe = ("import torch; from entropylens.rl import native, stats; z = torch.randn(2, 700); "
-             "print(native.status(), float((stats.logsumexp_f32(z) - torch.logsumexp(z, -1)).abs().max()))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}).stdout.split()
+    probe = (
+        "import torch; from entropylens.rl import native, stats; z = torch.randn(2, 700); "
+        "print(native.status(), float((stats.logsumexp_f32(z) - torch.logsumexp(z, -1)).abs().max()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    ).stdout.split()
     assert out[0] == "native" and float(out[1]) < 1e-5
     assert built.stat().st_size > 1000  # the rebuilt library
 

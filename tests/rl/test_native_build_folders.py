@@ -24,11 +24,11 @@ __attribute__((constructor)) static void planted(void) {
 int el_row_sums(void) { return 0; }
 """
 
+
 @pytest.fixture(autouse=True)
 def _native_on(monkeypatch):
     """The native row pass is opt-in (ENTROPYLENS_NATIVE=1): these tests test it, so they opt in."""
     monkeypatch.setenv("ENTROPYLENS_NATIVE", "1")
-
 
 
 @pytest.fixture()
@@ -61,8 +61,9 @@ def test_a_symlinked_temporary_folder_with_a_planted_library_is_not_loaded(monke
     # the library names anyone can predict (source, flags, machine, CPU): a planted copy under each
     source = native._SOURCE.read_bytes()
     for arch in (["-march=native"], []):
-        key = hashlib.sha256(source + repr((["cc"], native._FLAGS + arch, platform.machine(),
-                                            native._cpu_key())).encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            source + repr((["cc"], native._FLAGS + arch, platform.machine(), native._cpu_key())).encode()
+        ).hexdigest()[:16]
         shutil.copy(plant, evil / f"row_sums-{key}.so")
     uid = os.getuid()
     os.symlink(evil, tmp / f"entropylens-native-{uid}")
@@ -94,9 +95,14 @@ def test_a_library_that_is_not_the_one_built_is_not_loaded(monkeypatch, tmp_path
     src.write_text(PLANT)
     built.unlink()
     subprocess.run([CC, "-shared", "-fPIC", "-o", str(built), str(src)], check=True)
-    probe = ("from entropylens.rl import native; print(native.status())")
-    out = subprocess.run([os.sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}).stdout.split()
+    probe = "from entropylens.rl import native; print(native.status())"
+    out = subprocess.run(
+        [os.sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    ).stdout.split()
     assert out == ["native"] and not marker.exists()
 
 

@@ -34,8 +34,9 @@ def _setup(seed=0, b=8, t=6, d=12, v=17):
 def loss_fn(model, batch):
     logits = model(batch["x"])  # [B, T, V]
     lp, h = stats.logprobs_and_entropy(logits, batch["tok"], entropy_grad=torch.is_grad_enabled())
-    out = policy_loss(lp, batch["old_lp"], batch["adv"], batch["mask"], method="grpo", entropy=h.detach(),
-                      old_entropy=batch["old_h"])
+    out = policy_loss(
+        lp, batch["old_lp"], batch["adv"], batch["mask"], method="grpo", entropy=h.detach(), old_entropy=batch["old_h"]
+    )
     return ProbeForward(out.loss, lp, h, batch["mask"], out.columns)
 
 
@@ -120,12 +121,22 @@ def test_recorder_probe_writes_the_probes_table(tmp_path):
     model, batch = _setup(seed=2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     with Recorder(tmp_path, run="p", config={"method": "grpo"}) as rec:
+
         def recorded_loss_fn(m, b):
             f = loss_fn(m, b)
             if torch.is_grad_enabled():  # the probed update is also an ordinary recorded update
-                rec.record_update(0, 0, mask=b["mask"], advantages=b["adv"], logprobs=f.logprobs,
-                                  old_logprobs=b["old_lp"], entropy=f.entropy, old_entropy=b["old_h"],
-                                  tokens=b["tok"], loss=None)
+                rec.record_update(
+                    0,
+                    0,
+                    mask=b["mask"],
+                    advantages=b["adv"],
+                    logprobs=f.logprobs,
+                    old_logprobs=b["old_lp"],
+                    entropy=f.entropy,
+                    old_entropy=b["old_h"],
+                    tokens=b["tok"],
+                    loss=None,
+                )
             return f
 
         rows = rec.probe(0, model, opt, recorded_loss_fn, batch, max_grad_norm=1.0)

@@ -56,8 +56,7 @@ def test_gate_hand_worked():
 def _region_batch(dtype=torch.float64):
     """Two sequences covering every region: r = 1, r < 1 and r > 1 with A > 0, A < 0, A = 0, and
     |log r| > 20 (verl's clamp), with a masked tail."""
-    lr = torch.tensor([[0.0, -0.7, 0.6, 25.0, -25.0, 1.4, 0.0],
-                       [0.3, -0.3, 2.5, -22.0, 0.05, 0.0, 9.0]], dtype=dtype)
+    lr = torch.tensor([[0.0, -0.7, 0.6, 25.0, -25.0, 1.4, 0.0], [0.3, -0.3, 2.5, -22.0, 0.05, 0.0, 9.0]], dtype=dtype)
     old = -torch.linspace(0.1, 3.0, 14, dtype=dtype).reshape(2, 7)
     adv = torch.tensor([[1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5], [-0.8, -0.8, -0.8, -0.8, 0.0, 0.0, -0.8]], dtype=dtype)
     mask = torch.ones(2, 7, dtype=torch.bool)
@@ -82,19 +81,35 @@ def _reference(logp, old, adv, mask, tau_pos, tau_neg, clamp, level="token"):
     return loss, g
 
 
-@pytest.mark.parametrize("level, clamp, taus", [("token", 20.0, (1.0, 1.05)), ("token", None, (0.5, 2.0)),
-                                                ("sequence", None, (1.0, 1.05))])
+@pytest.mark.parametrize(
+    "level, clamp, taus", [("token", 20.0, (1.0, 1.05)), ("token", None, (0.5, 2.0)), ("sequence", None, (1.0, 1.05))]
+)
 def test_region_gradients_equal_float64_autograd(level, clamp, taus):
     logp, old, adv, mask = _region_batch()
-    out = policy_loss(logp, old, adv, mask, method="sapo", sapo_tau_pos=taus[0], sapo_tau_neg=taus[1],
-                      sapo_log_ratio_clamp=clamp, ratio_level=level)
+    out = policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        method="sapo",
+        sapo_tau_pos=taus[0],
+        sapo_tau_neg=taus[1],
+        sapo_log_ratio_clamp=clamp,
+        ratio_level=level,
+    )
     (g,) = torch.autograd.grad(out.loss, logp)
     ref_loss, g_ref = _reference(logp, old, adv, mask, *taus, clamp, level)
     torch.testing.assert_close(out.loss, ref_loss, rtol=1e-13, atol=0)
     lr = (logp - old).detach()
-    regions = {"r = 1": (lr == 0) & (adv != 0), "r < 1, A > 0": (lr < 0) & (lr > -20) & (adv > 0),
-               "r > 1, A > 0": (lr > 0) & (lr < 20) & (adv > 0), "r < 1, A < 0": (lr < 0) & (lr > -20) & (adv < 0),
-               "r > 1, A < 0": (lr > 0) & (lr < 20) & (adv < 0), "A = 0": adv == 0, "|log r| > 20": lr.abs() > 20}
+    regions = {
+        "r = 1": (lr == 0) & (adv != 0),
+        "r < 1, A > 0": (lr < 0) & (lr > -20) & (adv > 0),
+        "r > 1, A > 0": (lr > 0) & (lr < 20) & (adv > 0),
+        "r < 1, A < 0": (lr < 0) & (lr > -20) & (adv < 0),
+        "r > 1, A < 0": (lr > 0) & (lr < 20) & (adv < 0),
+        "A = 0": adv == 0,
+        "|log r| > 20": lr.abs() > 20,
+    }
     for name, region in regions.items():
         region = region & mask
         assert region.any(), name
@@ -139,8 +154,9 @@ def test_plain_loop_records_sapo_weight_and_the_dropped_effect_by_side(tmp_path)
         old_lp, old_h = old_policy_pass(z_old, tok)
     logits = (z_old + 0.8 * torch.randn(b, t, v, generator=g)).requires_grad_(True)
     with Recorder(tmp_path, run="sapo", config={"method": "sapo"}) as rec:
-        out = policy_update(rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, seq_ids=torch.arange(b),
-                            method="sapo")
+        out = policy_update(
+            rec, 0, 0, logits, tok, mask, adv, old_lp, old_entropy=old_h, seq_ids=torch.arange(b), method="sapo"
+        )
         out.loss.backward()
     con = connect(tmp_path)
     got = con.execute("select seq, pos, sapo_weight, clipped from tokens order by seq, pos").fetchall()
@@ -150,6 +166,7 @@ def test_plain_loop_records_sapo_weight_and_the_dropped_effect_by_side(tmp_path)
         assert wt == pytest.approx(float(w[seq, pos]), rel=1e-6) and clipped is False
     mean, clipped_frac, drop, low, high = con.execute(
         "select sapo_weight_mean, clipped_frac, entropy_effect_dropped, entropy_effect_dropped_clip_low, "
-        "entropy_effect_dropped_clip_high from steps where n_tokens is not null").fetchone()
+        "entropy_effect_dropped_clip_high from steps where n_tokens is not null"
+    ).fetchone()
     assert mean == pytest.approx(float(w[mask].mean()), rel=1e-6) and clipped_frac == 0.0
     assert 0.0 < mean < 1.0 and abs(drop) > 0 and low + high == pytest.approx(drop, rel=1e-5)

@@ -42,8 +42,15 @@ def test_erc_motivating_case():
     lp, h = stats.logprobs_and_entropy(new_lp, tok)
     assert old_h.item() == pytest.approx(0.4227, abs=1e-3)
     assert h.item() == pytest.approx(0.6692, abs=1e-3)
-    out = policy_loss(lp, old_lp, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
-                      entropy=h, old_entropy=old_h, erc=(0.95, 1.05))
+    out = policy_loss(
+        lp,
+        old_lp,
+        torch.tensor([1.0]),
+        torch.ones(1, 1, dtype=torch.bool),
+        entropy=h,
+        old_entropy=old_h,
+        erc=(0.95, 1.05),
+    )
     assert out.columns["ratio"].item() == pytest.approx(0.82 / 0.85, abs=1e-5)
     assert out.columns["clip"].item() == 0 and not out.columns["clipped"].item()
     assert out.columns["entropy_ratio"].item() == pytest.approx(1.583, abs=2e-3)

@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -37,9 +36,9 @@ import verl  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.core.global_hydra import GlobalHydra  # noqa: E402
 from verl.trainer.ppo.v1 import trainer_base, trainer_sync  # noqa: E402
+from verl_checks import TEMP, _micro_batches, model_output, rollout_batch, tiny_qwen2  # noqa: E402
 
 import entropylens.integrations.verl as el_verl  # noqa: E402
-from verl_checks import TEMP, _micro_batches, model_output, rollout_batch, tiny_qwen2  # noqa: E402
 
 WORKER: dict = {}  # the one actor worker's state (this process stands in for it)
 
@@ -85,10 +84,15 @@ def trainer(work: Path, run: str | None):
         "actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig",
         "actor_rollout_ref.actor.policy_loss.loss_mode=ce_gppo",
         f"+actor_rollout_ref.actor.policy_loss.record_dir={work / 'runs'}",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.actor.loss_agg_mode=token-mean",
-        "algorithm.adv_estimator=grpo", "trainer.use_v1=true", "trainer.v1.trainer_mode=entropylens", "trainer.save_freq=2",
-        f"trainer.default_local_dir={work / 'checkpoints'}", "trainer.resume_mode=auto",
+        "algorithm.adv_estimator=grpo",
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=entropylens",
+        "trainer.save_freq=2",
+        f"trainer.default_local_dir={work / 'checkpoints'}",
+        "trainer.resume_mode=auto",
     ]
     if run:
         overrides.append(f"+actor_rollout_ref.actor.policy_loss.run={run}")
@@ -123,8 +127,9 @@ def record_step(t, model, step: int, *, kill_midway: bool = False) -> None:
 
 
 def steps_on_disk(work: Path) -> list[int]:
-    return sorted(int(p.parent.parent.name.split("=")[1])
-                  for p in (work / "runs").glob("*/steps/step=*/rank=0/steps.parquet"))
+    return sorted(
+        int(p.parent.parent.name.split("=")[1]) for p in (work / "runs").glob("*/steps/step=*/rank=0/steps.parquet")
+    )
 
 
 def wait_on_disk(work: Path, step: int, timeout: float = 20.0) -> list[int]:
@@ -139,8 +144,17 @@ def main() -> None:
     work, phase = Path(sys.argv[1]), sys.argv[2]
     run = sys.argv[3] if len(sys.argv) > 3 else None
     t = trainer(work, run)
-    print(json.dumps({"run": t._el_loss.run, "resume": t._el_loss.resume, "global_steps": t.global_steps,
-                      "next_id": t._el_next_id}), flush=True)
+    print(
+        json.dumps(
+            {
+                "run": t._el_loss.run,
+                "resume": t._el_loss.resume,
+                "global_steps": t.global_steps,
+                "next_id": t._el_next_id,
+            }
+        ),
+        flush=True,
+    )
     model = tiny_qwen2()
     steps = range(1, 5) if phase == "first" else range(t.global_steps + 1, 6)
     status = "failed"

@@ -166,8 +166,11 @@ def _register_engine():
 
         def optimizer_step(self):
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads \
+            norm = (
+                torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+                if grads
                 else torch.zeros((), dtype=torch.float64)
+            )
             self.optimizer.step()
             self.grad_norms.append(float(norm))
             return float(norm)
@@ -299,9 +302,14 @@ def build_actor_worker(cfg):
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config
-    tw = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
-                              engine_config=actor_config.engine, optimizer_config=actor_config.optim,
-                              checkpoint_config=actor_config.checkpoint, profiler_config=None)
+    tw = TrainingWorkerConfig(
+        model_type="language_model",
+        model_config=model_config,
+        engine_config=actor_config.engine,
+        optimizer_config=actor_config.optim,
+        checkpoint_config=actor_config.checkpoint,
+        profiler_config=None,
+    )
     ec = tw.engine_config
     a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     ec.use_dynamic_bsz = a.use_dynamic_bsz
@@ -318,8 +326,7 @@ def build_actor_worker(cfg):
     return worker
 
 
-def trainer_overrides(model_dir: Path, *, loss_mode="ce_gppo", record_dir=None, mini=4, micro=2, epochs=1,
-                      extra=()):
+def trainer_overrides(model_dir: Path, *, loss_mode="ce_gppo", record_dir=None, mini=4, micro=2, epochs=1, extra=()):
     out = [
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.model.use_remove_padding=false",
@@ -332,11 +339,15 @@ def trainer_overrides(model_dir: Path, *, loss_mode="ce_gppo", record_dir=None, 
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.use_kl_loss=false",
         "actor_rollout_ref.rollout.temperature=0.7",
-        "algorithm.adv_estimator=grpo", "trainer.use_v1=true", "trainer.v1.trainer_mode=entropylens",
+        "algorithm.adv_estimator=grpo",
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=entropylens",
     ]
     if record_dir is not None:
-        out += [f"+actor_rollout_ref.actor.policy_loss.record_dir={record_dir}",
-                "+actor_rollout_ref.actor.policy_loss.run=trainer-test"]
+        out += [
+            f"+actor_rollout_ref.actor.policy_loss.record_dir={record_dir}",
+            "+actor_rollout_ref.actor.policy_loss.run=trainer-test",
+        ]
     return out + list(extra)
 
 
@@ -362,8 +373,9 @@ def build_trainer(cfg, wg, *, global_steps: int = 1, trainer_cls=None):
     return t
 
 
-def put_rollout(partition: str, *, seed: int = 0, b: int = 8, with_old: bool = True, vocab: int = 20,
-                zero_mask_tail: bool = True):
+def put_rollout(
+    partition: str, *, seed: int = 0, b: int = 8, with_old: bool = True, vocab: int = 20, zero_mask_tail: bool = True
+):
     """A rollout as v1's agent loop and _compute_old_log_prob / _compute_advantage leave it in
     TransferQueue: per-sample prompts, responses, response_mask (= loss_mask), input_ids, position_ids,
     then (``with_old``) old_log_probs, the old entropy (``entropy``) and advantages, all nested over
@@ -384,25 +396,45 @@ def put_rollout(partition: str, *, seed: int = 0, b: int = 8, with_old: bool = T
         if zero_mask_tail and i % 3 == 1:
             mask[-1] = 0  # e.g. a tool-output token: no loss
         input_ids = torch.cat([prompts, responses])
-        field = {"prompts": prompts, "responses": responses, "response_mask": mask, "loss_mask": mask,
-                 "input_ids": input_ids, "position_ids": torch.arange(p_len + r_len),
-                 "attention_mask": torch.ones(p_len + r_len, dtype=torch.int64)}
+        field = {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": mask,
+            "loss_mask": mask,
+            "input_ids": input_ids,
+            "position_ids": torch.arange(p_len + r_len),
+            "attention_mask": torch.ones(p_len + r_len, dtype=torch.int64),
+        }
         keys.append(f"{partition}_{seed}_{i}")
         fields.append(field)
-        tags.append({"status": "success", "prompt_len": p_len, "response_len": r_len, "seq_len": p_len + r_len,
-                     "global_steps": 1})
+        tags.append(
+            {
+                "status": "success",
+                "prompt_len": p_len,
+                "response_len": r_len,
+                "seq_len": p_len + r_len,
+                "global_steps": 1,
+            }
+        )
         adv = torch.full((r_len,), [1.5, -1.0, 0.7, -0.4, 0.0, 2.0, -2.0, 0.3][i % 8], dtype=torch.float64)
         old = -torch.rand(r_len, generator=g, dtype=torch.float64) * 6.0 - 0.3
         old_ent = torch.rand(r_len, generator=g, dtype=torch.float64) * 2.0 + 0.5
-        for k, v in (("adv", adv), ("old", old), ("old_ent", old_ent), ("mask", mask), ("responses", responses),
-                     ("prompts", prompts)):
+        for k, v in (
+            ("adv", adv),
+            ("old", old),
+            ("old_ent", old_ent),
+            ("mask", mask),
+            ("responses", responses),
+            ("prompts", prompts),
+        ):
             ref[k].append(v)
-    meta = tq.kv_batch_put(keys=keys, partition_id=partition, fields=tu.list_of_dict_to_tensordict(fields),
-                           tags=tags)
+    meta = tq.kv_batch_put(keys=keys, partition_id=partition, fields=tu.list_of_dict_to_tensordict(fields), tags=tags)
     if with_old:
         nested = lambda xs: torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)  # noqa: E731
-        td = TensorDict({"old_log_probs": nested(ref["old"]), "entropy": nested(ref["old_ent"]),
-                         "advantages": nested(ref["adv"])}, batch_size=b)
+        td = TensorDict(
+            {"old_log_probs": nested(ref["old"]), "entropy": nested(ref["old_ent"]), "advantages": nested(ref["adv"])},
+            batch_size=b,
+        )
         meta = tq.kv_batch_put(keys=keys, partition_id=partition, fields=td)
     return meta, ref
 
@@ -413,5 +445,17 @@ def fetch(meta, fields):
     return tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=list(fields))
 
 
-__all__ = ["start_ray_and_store", "stop_ray_and_store", "tiny_model_dir", "compose", "build_actor_worker",
-           "worker_group", "build_trainer", "put_rollout", "fetch", "trainer_overrides", "SETTINGS", "on_cpu"]
+__all__ = [
+    "start_ray_and_store",
+    "stop_ray_and_store",
+    "tiny_model_dir",
+    "compose",
+    "build_actor_worker",
+    "worker_group",
+    "build_trainer",
+    "put_rollout",
+    "fetch",
+    "trainer_overrides",
+    "SETTINGS",
+    "on_cpu",
+]

@@ -22,9 +22,9 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from verl_checks import TEMP, _micro_batches, actor_config, model_output, rollout_batch, tiny_qwen2  # noqa: E402
 
 import entropylens.integrations.verl as el_verl  # noqa: E402  (imports verl: before the stand-in exists)
-from verl_checks import TEMP, _micro_batches, actor_config, model_output, rollout_batch, tiny_qwen2  # noqa: E402
 
 PP, DP = 2, 2
 
@@ -66,8 +66,9 @@ def main(out: str) -> None:
         n_local = torch.tensor(float(ref["mask"].sum()))
         dist.all_reduce(n_local, group=dp_group)
         for mb in mbs:
-            tu.assign_non_tensor(mb, dp_size=DP, batch_num_tokens=int(n_local), global_batch_size=DP * len(td),
-                                 temperature=TEMP)
+            tu.assign_non_tensor(
+                mb, dp_size=DP, batch_num_tokens=int(n_local), global_batch_size=DP * len(td), temperature=TEMP
+            )
             out_, _, _ = model_output(model, mb)
             loss, _ = loss_fn(out_, mb, dp_group=dp_group)
             loss.backward()

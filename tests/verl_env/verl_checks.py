@@ -35,8 +35,17 @@ def actor_config(**policy_loss):
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     ]
     for k, v in policy_loss.items():
-        if k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "entropy_coeff",
-                 "use_kl_loss", "calculate_entropy", "tau_pos", "tau_neg"):
+        if k in (
+            "clip_ratio_low",
+            "clip_ratio_high",
+            "clip_ratio_c",
+            "loss_agg_mode",
+            "entropy_coeff",
+            "use_kl_loss",
+            "calculate_entropy",
+            "tau_pos",
+            "tau_neg",
+        ):
             overrides.append(f"actor_rollout_ref.actor.{k}={v}")
         elif k == "loss_mode":
             overrides.append(f"actor_rollout_ref.actor.policy_loss.loss_mode={v}")
@@ -134,20 +143,26 @@ def _composed(*overrides):
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    base = ["actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig",
-            "actor_rollout_ref.actor.policy_loss.loss_mode=ce_gppo", "trainer.use_v1=true",
-            "trainer.v1.trainer_mode=entropylens"]
+    base = [
+        "actor_rollout_ref.actor.policy_loss._target_=entropylens.integrations.verl.EntropyLensLossConfig",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=ce_gppo",
+        "trainer.use_v1=true",
+        "trainer.v1.trainer_mode=entropylens",
+    ]
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         return compose(config_name="ppo_trainer", overrides=base + list(overrides))
 
 
-@pytest.mark.parametrize("epochs, mini, train, bypass, warns", [
-    (1, 8, 8, False, True),      # one epoch over one mini-batch: the only update starts from the old log-probs
-    (2, 8, 8, False, False),     # a second epoch moves the policy away from them
-    (1, 4, 8, False, False),     # two mini-batches: the second starts after the first update
-    (1, 8, 8, True, False),      # bypass mode: the old log-probs are the rollout engine's, not the actor's
-    (1, 256, 1024, False, False),  # verl's defaults
-])
+@pytest.mark.parametrize(
+    "epochs, mini, train, bypass, warns",
+    [
+        (1, 8, 8, False, True),  # one epoch over one mini-batch: the only update starts from the old log-probs
+        (2, 8, 8, False, False),  # a second epoch moves the policy away from them
+        (1, 4, 8, False, False),  # two mini-batches: the second starts after the first update
+        (1, 8, 8, True, False),  # bypass mode: the old log-probs are the rollout engine's, not the actor's
+        (1, 256, 1024, False, False),  # verl's defaults
+    ],
+)
 def test_on_policy_warning_from_verls_config(epochs, mini, train, bypass, warns):
     """The trainer mode warns once (OnPolicyWarning, the TRL text with verl's settings) exactly when verl's
     composed config makes every ratio 1: actor.ppo_epochs 1 and ppo_mini_batch_size >= data.train_batch_size,
@@ -159,11 +174,15 @@ def test_on_policy_warning_from_verls_config(epochs, mini, train, bypass, warns)
     from entropylens.report import run_findings
 
     assert ON_POLICY_TEXT.split("; set ")[0] == run_findings.ON_POLICY_TEXT.split("; set ")[0]
-    assert ON_POLICY_TEXT.endswith("set actor_rollout_ref.actor.ppo_epochs > 1 or ppo_mini_batch_size < "
-                                   "data.train_batch_size")
-    cfg = _composed(f"actor_rollout_ref.actor.ppo_epochs={epochs}",
-                    f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", f"data.train_batch_size={train}",
-                    f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}")
+    assert ON_POLICY_TEXT.endswith(
+        "set actor_rollout_ref.actor.ppo_epochs > 1 or ppo_mini_batch_size < data.train_batch_size"
+    )
+    cfg = _composed(
+        f"actor_rollout_ref.actor.ppo_epochs={epochs}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+        f"data.train_batch_size={train}",
+        f"algorithm.rollout_correction.bypass_mode={str(bypass).lower()}",
+    )
     assert (on_policy(cfg) is not None) == warns
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -176,8 +195,9 @@ def test_on_policy_warning_from_verls_config(epochs, mini, train, bypass, warns)
 
 
 # ----------------------------------------------------------------------------------- the maths
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                                 "token-sum"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
 def test_registered_ce_gppo_equals_policy_loss_float64(agg):
     """get_policy_loss_fn('ce_gppo') == policy_loss(method='ce_gppo') in value and gradient, with verl's
     global normalisation (dp_size=2 and global counts) folded into ``scale``."""
@@ -185,24 +205,42 @@ def test_registered_ce_gppo_equals_policy_loss_float64(agg):
 
     from entropylens.rl.losses import policy_loss
 
-    cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=0.8, clip_ratio_low=0.2, clip_ratio_high=0.28,
-                       loss_agg_mode=agg)
+    cfg = actor_config(
+        loss_mode="ce_gppo", beta1=0.5, beta2=0.8, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg
+    )
     old, logp, adv, mask = region_batch()
     n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
     # global counts of a 2-rank batch in which the other rank holds 7 more tokens and 3 more sequences
-    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 7, global_batch_size=n_seq + 3,
-                                 loss_scale_factor=None)
+    cfg.global_batch_info.update(
+        dp_size=2, batch_num_tokens=n_tok + 7, global_batch_size=n_seq + 3, loss_scale_factor=None
+    )
     loss, metrics = get_policy_loss_fn("ce_gppo")(old, logp, adv, mask, agg, cfg, None)
     (g,) = torch.autograd.grad(loss, logp)
 
     # policy_loss has verl's five modes (seq-mean-token-sum-norm divides by the padded width T, as
     # agg_loss does without loss_scale_factor); the global counts are the scale
-    scale = {"token-mean": n_tok * 2 / (n_tok + 7), "token-sum": 2,
-             "seq-mean-token-mean": n_seq * 2 / (n_seq + 3), "seq-mean-token-sum": n_seq * 2 / (n_seq + 3),
-             "seq-mean-token-sum-norm": n_seq * 2 / (n_seq + 3)}[agg]
+    scale = {
+        "token-mean": n_tok * 2 / (n_tok + 7),
+        "token-sum": 2,
+        "seq-mean-token-mean": n_seq * 2 / (n_seq + 3),
+        "seq-mean-token-sum": n_seq * 2 / (n_seq + 3),
+        "seq-mean-token-sum-norm": n_seq * 2 / (n_seq + 3),
+    }[agg]
     logp2 = logp.detach().clone().requires_grad_(True)
-    ref = policy_loss(logp2, old, adv, mask, method="ce_gppo", eps_low=0.2, eps_high=0.28, beta1=0.5, beta2=0.8,
-                      dual_clip=3.0, agg=agg, scale=scale)
+    ref = policy_loss(
+        logp2,
+        old,
+        adv,
+        mask,
+        method="ce_gppo",
+        eps_low=0.2,
+        eps_high=0.28,
+        beta1=0.5,
+        beta2=0.8,
+        dual_clip=3.0,
+        agg=agg,
+        scale=scale,
+    )
     (g_ref,) = torch.autograd.grad(ref.loss, logp2)
     torch.testing.assert_close(loss.double(), ref.loss.double(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g, g_ref.to(g.dtype), rtol=1e-12, atol=1e-12)
@@ -215,8 +253,13 @@ def test_registered_ce_gppo_equals_policy_loss_float64(agg):
     low, high = r < 0.8, r > 1.28
     cl, ch, dual = low & (a < 0) & mask, high & (a > 0) & mask, (a < 0) & (r > 3.0) & mask
     inside = mask & ~cl & ~ch & ~dual
-    for name, region in (("low-clipped", cl), ("high-clipped", ch), ("dual", dual), ("inside", inside),
-                         ("zero-adv", (a == 0) & mask)):
+    for name, region in (
+        ("low-clipped", cl),
+        ("high-clipped", ch),
+        ("dual", dual),
+        ("inside", inside),
+        ("zero-adv", (a == 0) & mask),
+    ):
         assert region.any(), f"the batch misses region {name}"
     if agg == "token-mean":
         w = scale / n_tok  # g = dLoss/dlogp = w * dl/dlogp
@@ -227,8 +270,9 @@ def test_registered_ce_gppo_equals_policy_loss_float64(agg):
         torch.testing.assert_close(g[~mask], torch.zeros_like(g[~mask]))
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm",
-                                 "token-sum"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"]
+)
 def test_entropylens_grpo_equals_verl_vanilla(agg):
     """An independent check of the aggregation mapping: our PPO-clip (+ verl's dual-clip) registered as
     entropylens_grpo equals verl's own compute_policy_loss_vanilla (value and gradient) for every mode."""
@@ -237,8 +281,9 @@ def test_entropylens_grpo_equals_verl_vanilla(agg):
     cfg = actor_config(loss_mode="entropylens_grpo", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg)
     old, logp, adv, mask = region_batch(seed=1)
     n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
-    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 1,
-                                 loss_scale_factor=None)
+    cfg.global_batch_info.update(
+        dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 1, loss_scale_factor=None
+    )
     ours, _ = get_policy_loss_fn("entropylens_grpo")(old, logp, adv, mask, agg, cfg, None)
     (g_ours,) = torch.autograd.grad(ours, logp)
     theirs, _ = get_policy_loss_fn("vanilla")(old, logp, adv, mask, agg, cfg, None)
@@ -288,10 +333,14 @@ def test_cov_losses_equal_verls(mode, agg):
 
     from entropylens.integrations.verl.registered import compute_loss
 
-    settings = ({"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0} if mode == "clip_cov"
-                else {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3})
-    cfg = actor_config(loss_mode=f"entropylens_{mode}", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg,
-                       **settings)
+    settings = (
+        {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0}
+        if mode == "clip_cov"
+        else {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3}
+    )
+    cfg = actor_config(
+        loss_mode=f"entropylens_{mode}", clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg, **settings
+    )
     old, logp, adv, mask = _cov_batch()
     cfg.global_batch_info.update(dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None)
     torch.manual_seed(11)
@@ -309,7 +358,7 @@ def test_cov_losses_equal_verls(mode, agg):
         band = (out.columns["cov"] > 1) & (out.columns["cov"] < 5) & mask & ~out.columns["clipped"]
         assert int(band.sum()) > int(col.sum()), "every band token drawn: the seed would not matter"
     rel_loss = float((ours.double() - theirs.double()).abs() / theirs.double().abs())
-    rel_grad = float(((g_ours - g_theirs).abs().max() / g_theirs.abs().max()))
+    rel_grad = float((g_ours - g_theirs).abs().max() / g_theirs.abs().max())
     print(f"{mode} {agg}: max rel diff loss {rel_loss:.2e} grad {rel_grad:.2e}")
     torch.testing.assert_close(ours.double(), theirs.double(), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(g_ours.double(), g_theirs.double(), rtol=1e-12, atol=1e-14)
@@ -343,12 +392,13 @@ def _rollout_is_weights(old, mask, kind: str):
     g = torch.Generator().manual_seed(21)
     rollout = old + torch.randn(old.shape, generator=g, dtype=old.dtype) * 0.3
     level, threshold = {"tis": ("token", 2.0), "icepop": ("token", "0.8_1.25"), "seq": ("sequence", 2.0)}[kind]
-    w, _ = compute_rollout_correction_weights(log_ratio=old - rollout, response_mask=mask.to(old.dtype),
-                                              rollout_is=level, rollout_is_threshold=threshold)
+    w, _ = compute_rollout_correction_weights(
+        log_ratio=old - rollout, response_mask=mask.to(old.dtype), rollout_is=level, rollout_is_threshold=threshold
+    )
     w = w.detach()
     m = mask.bool()
     assert (w[m] != 1).any() and (w[~m] == 0).all()
-    assert ((w[m] == 0).any() if kind == "icepop" else (w[m] > 0).all()), kind
+    assert (w[m] == 0).any() if kind == "icepop" else (w[m] > 0).all(), kind
     return w
 
 
@@ -363,15 +413,18 @@ def test_rollout_correction_weights_equal_verls_own(mode, kind):
     from verl.trainer.ppo.core_algos import get_policy_loss_fn
 
     ours_name = "entropylens_grpo" if mode == "vanilla" else f"entropylens_{mode}"
-    settings = {"clip_cov": {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
-                "kl_cov": {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3}}.get(mode, {})
+    settings = {
+        "clip_cov": {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+        "kl_cov": {"kl_cov_ratio": 0.05, "ppo_kl_coef": 0.3},
+    }.get(mode, {})
     agg = "token-mean" if mode in ("clip_cov", "kl_cov") else "seq-mean-token-sum"
     cfg = actor_config(loss_mode=ours_name, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=agg, **settings)
     old, logp, adv, mask = _cov_batch(seed=3) if mode in ("clip_cov", "kl_cov") else region_batch(seed=6)
     w = _rollout_is_weights(old, mask, kind)
     n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
-    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2,
-                                 loss_scale_factor=None)
+    cfg.global_batch_info.update(
+        dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2, loss_scale_factor=None
+    )
     res = {}
     for name, fn in (("ours", get_policy_loss_fn(ours_name)), ("theirs", get_policy_loss_fn(mode))):
         for weights in (w, None):
@@ -381,8 +434,10 @@ def test_rollout_correction_weights_equal_verls_own(mode, kind):
             res[name, weights is None] = (loss.detach(), g, metrics)
     (ours, g_ours, m_ours), (theirs, g_theirs, m_theirs) = res["ours", False], res["theirs", False]
     rel_loss, rel_grad = _max_rel(ours, theirs), _max_rel(g_ours, g_theirs)
-    print(f"rollout_is_weights {kind}: {ours_name} vs verl {mode}: max rel diff loss {rel_loss:.3g}, "
-          f"gradient {rel_grad:.3g}")
+    print(
+        f"rollout_is_weights {kind}: {ours_name} vs verl {mode}: max rel diff loss {rel_loss:.3g}, "
+        f"gradient {rel_grad:.3g}"
+    )
     assert rel_loss < 1e-8 and rel_grad < 1e-8  # verl's seq-mean-token-mean divides by (L + 1e-8): ~1e-9
     for key, want in m_theirs.items():  # verl's metrics of the method, with the weights as without
         assert m_ours[key] == pytest.approx(want, rel=1e-6, abs=1e-12), key
@@ -416,8 +471,9 @@ def test_entropylens_sapo_equals_verl_sapo(agg, taus):
         logp[0, 2] = old[0, 2] + 24.0  # beyond verl's clamp: r = e^20 there, no gradient
         logp[2, 5] = old[2, 5] - 23.0
     n_tok, n_seq = int(mask.sum()), int((mask.sum(-1) > 0).sum())
-    cfg.global_batch_info.update(dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2,
-                                 loss_scale_factor=None)
+    cfg.global_batch_info.update(
+        dp_size=2, batch_num_tokens=n_tok + 5, global_batch_size=n_seq + 2, loss_scale_factor=None
+    )
     ours, m_ours = get_policy_loss_fn("entropylens_sapo")(old, logp, adv, mask, agg, cfg, None)
     (g_ours,) = torch.autograd.grad(ours, logp)
     theirs, m_theirs = get_policy_loss_fn("sapo")(old, logp, adv, mask, agg, cfg, None)
@@ -464,12 +520,22 @@ def test_verls_own_gpg_and_dro_record_through_the_recorder(tmp_path):
 
         Own.loss = loss.detach()
         with Recorder(tmp_path, run=mode, config={"method": mode}) as rec:
-            rec.record_update(0, 0, mask=mask, advantages=adv, logprobs=logp.detach(), old_logprobs=old, loss=Own,
-                              seq_ids=torch.arange(mask.shape[0]))
+            rec.record_update(
+                0,
+                0,
+                mask=mask,
+                advantages=adv,
+                logprobs=logp.detach(),
+                old_logprobs=old,
+                loss=Own,
+                seq_ids=torch.arange(mask.shape[0]),
+            )
         con = query.connect(tmp_path / mode)
         n, n_g, max_err, dropped, sapo = con.execute(
             "select count(*), count(grad_coef), max(abs(grad_coef - ?)), count(entropy_effect_dropped), "
-            "count(sapo_weight) from tokens", [0.0]).fetchone()
+            "count(sapo_weight) from tokens",
+            [0.0],
+        ).fetchone()
         assert (n, n_g, dropped, sapo) == (n_tok, n_tok, 0, 0)
         rows = con.execute("select seq, pos, grad_coef from tokens").fetchall()
         assert max(abs(v - float(g[s, p])) for s, p, v in rows) < 1e-7 * float(g.abs().max())
@@ -483,8 +549,16 @@ def tiny_qwen2(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg).double().eval()  # float64: autograd references at 1e-10
 
 
@@ -503,9 +577,9 @@ def rollout_batch(seed=0, b=6, p_max=5, r_max=7):
     responses = torch.zeros(b, r_max, dtype=torch.long)
     attn = torch.zeros(b, p_max + r_max, dtype=torch.long)
     for i in range(b):
-        prompts[i, p_max - p_len[i]:] = torch.randint(1, 97, (int(p_len[i]),), generator=g)
+        prompts[i, p_max - p_len[i] :] = torch.randint(1, 97, (int(p_len[i]),), generator=g)
         responses[i, : r_len[i]] = torch.randint(1, 97, (int(r_len[i]),), generator=g)
-        attn[i, p_max - p_len[i]: p_max + r_len[i]] = 1
+        attn[i, p_max - p_len[i] : p_max + r_len[i]] = 1
     resp_mask = attn[:, p_max:].clone()
     input_ids = torch.cat([prompts, responses], dim=1)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -513,17 +587,35 @@ def rollout_batch(seed=0, b=6, p_max=5, r_max=7):
     old_lp = (-torch.rand(b, r_max, generator=g, dtype=torch.float64) * 3.0 - 0.05) * resp_mask
     old_ent = (torch.rand(b, r_max, generator=g, dtype=torch.float64) * 2.0 + 1.0) * resp_mask
     sample_id = torch.arange(100, 100 + b, dtype=torch.int64)  # run-unique ids, not row positions
-    td = TensorDict({
-        "input_ids": input_ids, "attention_mask": attn, "position_ids": position_ids, "prompts": prompts,
-        "responses": responses, "response_mask": resp_mask, "old_log_probs": old_lp, "advantages": adv,
-        "entropylens_sample_id": sample_id, "entropylens_step": torch.full((b,), 3, dtype=torch.int64),
-    }, batch_size=b)
+    td = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "position_ids": position_ids,
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": resp_mask,
+            "old_log_probs": old_lp,
+            "advantages": adv,
+            "entropylens_sample_id": sample_id,
+            "entropylens_step": torch.full((b,), 3, dtype=torch.int64),
+        },
+        batch_size=b,
+    )
     td = left_right_2_no_padding(td)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), r_len.cumsum(0)])
     td["entropy"] = torch.nested.nested_tensor_from_jagged(
-        torch.cat([old_ent[i, : r_len[i]] for i in range(b)]), offsets)
-    return td, dict(old_lp=old_lp, old_ent=old_ent, adv=adv, mask=resp_mask.bool(), responses=responses,
-                    sample_id=sample_id, r_len=r_len)
+        torch.cat([old_ent[i, : r_len[i]] for i in range(b)]), offsets
+    )
+    return td, dict(
+        old_lp=old_lp,
+        old_ent=old_ent,
+        adv=adv,
+        mask=resp_mask.bool(),
+        responses=responses,
+        sample_id=sample_id,
+        r_len=r_len,
+    )
 
 
 def model_output(model, micro_batch):
@@ -560,8 +652,7 @@ def _micro_batches(td, *, dynamic: bool, seed: int):
 
     it = tu.make_iterator(td, mini_batch_size=len(td), epochs=1, seed=seed, dataloader_kwargs={"shuffle": True})
     (mini,) = list(it)
-    tu.assign_non_tensor(mini, use_dynamic_bsz=dynamic, max_token_len_per_gpu=24, micro_batch_size_per_gpu=2,
-                         sp_size=1)
+    tu.assign_non_tensor(mini, use_dynamic_bsz=dynamic, max_token_len_per_gpu=24, micro_batch_size_per_gpu=2, sp_size=1)
     # dp_group=None: one rank, nothing to sync (with a group verl all-reduces the count on its device,
     # which verl's platform resolves to cuda on a CPU-only machine)
     mbs, _ = prepare_micro_batches(mini, dp_group=None)
@@ -588,12 +679,21 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     re-ordering), grad_coef == autograd dLoss/dlogp, logit_grad_norm == ||dLoss/dz|| from autograd."""
     from verl.utils import tensordict_utils as tu
 
-    from entropylens.read import query
     from entropylens.integrations.verl import EntropyLensLoss, close_recorders
+    from entropylens.read import query
 
-    cfg = actor_config(loss_mode="ce_gppo", beta1=0.5, beta2=1.0, erc_low=0.8, erc_high=1.25,
-                       record_dir=str(tmp_path), run="verl-test", clip_ratio_low=0.2, clip_ratio_high=0.28,
-                       loss_agg_mode="token-mean")
+    cfg = actor_config(
+        loss_mode="ce_gppo",
+        beta1=0.5,
+        beta2=1.0,
+        erc_low=0.8,
+        erc_high=1.25,
+        record_dir=str(tmp_path),
+        run="verl-test",
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        loss_agg_mode="token-mean",
+    )
     loss_fn = EntropyLensLoss(cfg)
     model = tiny_qwen2()
     td, ref = rollout_batch(seed=1)
@@ -621,7 +721,8 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
                 p = torch.softmax(z, -1)
                 expect[(sid, pos)] = dict(
                     token_id=int(ref["responses"][row, pos]),
-                    old_logprob=float(ref["old_lp"][row, pos]), advantage=float(ref["adv"][row, pos]),
+                    old_logprob=float(ref["old_lp"][row, pos]),
+                    advantage=float(ref["adv"][row, pos]),
                     old_entropy=float(ref["old_ent"][row, pos]),
                     logprob=float(out["log_probs"].values()[k]),
                     entropy=float(-(p * torch.log(p)).sum()),
@@ -638,8 +739,10 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     assert '"status": "finished"' in run_json and '"framework": "verl"' in run_json
 
     con = query.connect(tmp_path / "verl-test")
-    rows = con.execute("select seq, pos, token_id, logprob, old_logprob, advantage, entropy, old_entropy, "
-                       "grad_coef, logit_grad_norm, step, rank from tokens").fetchall()
+    rows = con.execute(
+        "select seq, pos, token_id, logprob, old_logprob, advantage, entropy, old_entropy, "
+        "grad_coef, logit_grad_norm, step, rank from tokens"
+    ).fetchall()
     assert len(rows) == n_total == len(expect)
     for seq, pos, tok, lp, olp, adv, ent, oent, gc, lgn, step, rank in rows:
         e = expect[(seq, pos)]
@@ -656,15 +759,19 @@ def test_loss_function_records_every_token_of_shuffled_micro_batches(tmp_path, g
     assert steps[0][0] == 3 and steps[0][1] == n_total and steps[0][2] is not None
 
 
-
 # ----------------------------------------------------------------------------------- checkpoints
 def _job(work, phase, *run):
     """checkpoint_job.py in a process of its own: (return code, its JSON lines)."""
     import json
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([sys.executable, str(HERE / "checkpoint_job.py"), str(work), phase, *run],
-                       capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(
+        [sys.executable, str(HERE / "checkpoint_job.py"), str(work), phase, *run],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     lines = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
     return p.returncode, lines, p.stderr
 
@@ -760,14 +867,29 @@ def _tiny_overrides() -> list[str]:
     import subprocess
 
     script = HERE.parents[1] / "examples" / "verl" / "tiny_overrides.sh"
-    out = subprocess.run(["bash", "-c", f'source "{script}"; verl_tiny_overrides /w /runs gpu-check; '
-                                        'printf "%s\\n" "${VERL_TINY[@]}"'],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f'source "{script}"; verl_tiny_overrides /w /runs gpu-check; printf "%s\\n" "${{VERL_TINY[@]}}"',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.splitlines()
 
 
-@pytest.mark.parametrize("source", ["README.md", "docs/verl.md", "examples/verl/run_ce_gppo_erc.sh", "examples/verl/gpu_check.sh",
-                                    "examples/gpu_check_verl.sh"])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "README.md",
+        "docs/verl.md",
+        "examples/verl/run_ce_gppo_erc.sh",
+        "examples/verl/gpu_check.sh",
+        "examples/gpu_check_verl.sh",
+    ],
+)
 def test_documented_command_lines_compose_in_verl(source):
     """The overrides users copy (README, docs/verl.md, examples) compose with verl's own hydra config and build the
     ActorConfig (with our EntropyLensLossConfig) the way the worker does; the trainer mode exists."""
@@ -845,8 +967,13 @@ def _trainer(ca, work, *, record=True, fused=False, lr=0.0, loss_mode="ce_gppo",
     extra = list(kw.pop("extra", ()))
     if fused:
         extra.append("actor_rollout_ref.model.use_fused_kernels=true")
-    overrides = ca.trainer_overrides(ca.tiny_model_dir(work.parent / "tiny"), loss_mode=loss_mode,
-                                     record_dir=work / "runs" if record else None, extra=extra, **kw)
+    overrides = ca.trainer_overrides(
+        ca.tiny_model_dir(work.parent / "tiny"),
+        loss_mode=loss_mode,
+        record_dir=work / "runs" if record else None,
+        extra=extra,
+        **kw,
+    )
     cfg = ca.compose(overrides)
     worker = ca.build_actor_worker(cfg)
     wg = ca.worker_group(worker)
@@ -855,8 +982,10 @@ def _trainer(ca, work, *, record=True, fused=False, lr=0.0, loss_mode="ce_gppo",
 
 def _padded_rows(con, where="true"):
     """The recorded token rows as [U*B, T] tensors, one row per (update, seq)."""
-    rows = con.execute(f"select update, seq, pos, logprob, old_logprob, advantage, entropy, old_entropy "
-                       f"from tokens where {where} order by update, seq, pos").fetchall()
+    rows = con.execute(
+        f"select update, seq, pos, logprob, old_logprob, advantage, entropy, old_entropy "
+        f"from tokens where {where} order by update, seq, pos"
+    ).fetchall()
     keys = sorted({(u, s) for u, s, *_ in rows})
     index = {k: i for i, k in enumerate(keys)}
     width = max(r[2] for r in rows) + 1
@@ -882,16 +1011,27 @@ def test_trainer_update_actor_records_the_step(tmp_path, store):
     ca = store
     work = tmp_path / "w"
     with ca.on_cpu():
-        t, wg, _ = _trainer(ca, work, extra=["+actor_rollout_ref.actor.policy_loss.erc_low=0.9",
-                                             "+actor_rollout_ref.actor.policy_loss.erc_high=1.1"])
+        t, wg, _ = _trainer(
+            ca,
+            work,
+            extra=[
+                "+actor_rollout_ref.actor.policy_loss.erc_low=0.9",
+                "+actor_rollout_ref.actor.policy_loss.erc_high=1.1",
+            ],
+        )
         meta, ref = ca.put_rollout("train", seed=3, with_old=False)
         from tensordict import TensorDict
 
         nested = lambda xs: torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)  # noqa: E731
         import transfer_queue as tq
 
-        meta = tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
-            {"old_log_probs": nested(ref["old"]), "advantages": nested(ref["adv"])}, batch_size=len(meta.keys)))
+        meta = tq.kv_batch_put(
+            keys=meta.keys,
+            partition_id=meta.partition_id,
+            fields=TensorDict(
+                {"old_log_probs": nested(ref["old"]), "advantages": nested(ref["adv"])}, batch_size=len(meta.keys)
+            ),
+        )
         assert "entropy" not in meta.fields
         t.global_steps = 5
         metrics = {}
@@ -908,7 +1048,8 @@ def test_trainer_update_actor_records_the_step(tmp_path, store):
     con = query.connect(work / "runs" / "trainer-test")
     n, seqs, steps, lgn, h, oh, rho = con.execute(
         "select count(*), count(distinct seq), min(step) * 100 + max(step), count(logit_grad_norm), "
-        "max(abs(entropy - old_entropy)), count(old_entropy), max(abs(entropy_ratio - 1)) from tokens").fetchone()
+        "max(abs(entropy - old_entropy)), count(old_entropy), max(abs(entropy_ratio - 1)) from tokens"
+    ).fetchone()
     assert (n, seqs, steps, lgn, oh) == (n_tok, 8, 505, n_tok, n_tok)
     assert h < 1e-5 and rho < 1e-5
     for i in range(8):  # joined by the sample id the trainer wrote: the row's token is that sample's
@@ -931,14 +1072,17 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.utils.losses import ppo_loss
 
-    from entropylens.read import query
     from entropylens.integrations.verl import metric_rule
+    from entropylens.read import query
     from entropylens.rl.losses import policy_loss
 
     ca = store
     work = tmp_path / "m"
-    common = ["actor_rollout_ref.actor.entropy_coeff=0.01", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-              "actor_rollout_ref.actor.clip_ratio_c=3.0"]
+    common = [
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.clip_ratio_c=3.0",
+    ]
     with ca.on_cpu():
         t, wg, cfg = _trainer(ca, work, loss_mode="entropylens_grpo", epochs=2, extra=common)
         meta, ref = ca.put_rollout("train", seed=11)
@@ -948,8 +1092,11 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
         assert wg.calls.count("update_actor") == 1
         # verl's own loss on the same batch and worker: ppo_loss with loss_mode=vanilla
-        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
-            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", epochs=2, extra=common)).actor_rollout_ref.actor)
+        vcfg = omega_conf_to_dataclass(
+            ca.compose(
+                ca.trainer_overrides(ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", epochs=2, extra=common)
+            ).actor_rollout_ref.actor
+        )
         wg.set_loss_fn(partial(ppo_loss, config=vcfg))
         theirs = {}
         PPOTrainer._update_actor(t, meta, theirs)
@@ -964,10 +1111,22 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
     x, mask = _padded_rows(con)
     n_tok = int(sum(int(m.sum()) for m in ref["mask"]))
     assert int(mask.sum()) == 2 * n_tok
-    whole = policy_loss(x["lp"], x["old"], x["adv"], mask, method="grpo", eps_low=0.2, eps_high=0.28, dual_clip=3.0,
-                        agg="token-mean", entropy=x["h"], old_entropy=x["oh"]).scalars()
-    logged = {k[len("entropylens/"):]: v for k, v in ours.items()
-              if k.startswith("entropylens/") and k != "entropylens/loss"}
+    whole = policy_loss(
+        x["lp"],
+        x["old"],
+        x["adv"],
+        mask,
+        method="grpo",
+        eps_low=0.2,
+        eps_high=0.28,
+        dual_clip=3.0,
+        agg="token-mean",
+        entropy=x["h"],
+        old_entropy=x["oh"],
+    ).scalars()
+    logged = {
+        k[len("entropylens/") :]: v for k, v in ours.items() if k.startswith("entropylens/") and k != "entropylens/loss"
+    }
     assert set(logged) == {k for k in whole if metric_rule(k) is not None}, (sorted(logged), sorted(whole))
     for k, v in logged.items():  # (a quadrant without tokens: NaN in both, its clip fraction over no tokens)
         assert v == pytest.approx(whole[k], rel=1e-6, abs=1e-9, nan_ok=True), k
@@ -977,8 +1136,9 @@ def test_trainer_metrics_are_step_values_and_verls_keys_match_ppo_loss(tmp_path,
 
     # one micro-batch per step: verl's pg_clipfrac_lower IS the step's dual_clip_frac, pg_clipfrac its clipped_frac
     with ca.on_cpu():
-        t1, _, _ = _trainer(ca, tmp_path / "one", record=False, loss_mode="entropylens_grpo", mini=8, micro=8,
-                            extra=common)
+        t1, _, _ = _trainer(
+            ca, tmp_path / "one", record=False, loss_mode="entropylens_grpo", mini=8, micro=8, extra=common
+        )
         meta1, _ = ca.put_rollout("train1", seed=11)
         one = {}
         t1._update_actor(meta1, one)
@@ -1006,7 +1166,7 @@ def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
 
     ca = store
     work = tmp_path / mode
-    keys = (["clip_cov_ratio=0.2", "clip_cov_lb=0.0"] if mode == "clip_cov" else ["kl_cov_ratio=0.2", "ppo_kl_coef=0.5"])
+    keys = ["clip_cov_ratio=0.2", "clip_cov_lb=0.0"] if mode == "clip_cov" else ["kl_cov_ratio=0.2", "ppo_kl_coef=0.5"]
     extra = [f"actor_rollout_ref.actor.policy_loss.{k}" for k in keys]
     with ca.on_cpu():
         t, wg, _ = _trainer(ca, work, loss_mode=f"entropylens_{mode}", extra=extra)
@@ -1016,8 +1176,11 @@ def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
         torch.manual_seed(7)
         t._update_actor(meta, ours)
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
-        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
-            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode=mode, extra=extra)).actor_rollout_ref.actor)
+        vcfg = omega_conf_to_dataclass(
+            ca.compose(
+                ca.trainer_overrides(ca.tiny_model_dir(tmp_path / "tiny"), loss_mode=mode, extra=extra)
+            ).actor_rollout_ref.actor
+        )
         wg.set_loss_fn(partial(ppo_loss, config=vcfg))
         theirs: dict = {}
         torch.manual_seed(7)
@@ -1034,15 +1197,22 @@ def test_trainer_records_clip_cov_and_kl_cov(tmp_path, store, mode):
     col, frac = ("cov_clipped", "cov_clipped_frac") if mode == "clip_cov" else ("kl_cov_penalised", "kl_cov_frac")
     other = "kl_cov_penalised" if mode == "clip_cov" else "cov_clipped"
     n, n_cov, n_col, n_sel, n_other = con.execute(
-        f"select count(*), count(cov), count({col}), count(*) filter (where {col}), count({other}) from tokens").fetchone()
+        f"select count(*), count(cov), count({col}), count(*) filter (where {col}), count({other}) from tokens"
+    ).fetchone()
     assert n > 0 and n_cov == n and n_col == n and n_sel > 0 and n_other == 0
-    rows = con.execute(f"select update, advantage, logprob, cov, {col}, grad_coef from tokens order by update").fetchall()
+    rows = con.execute(
+        f"select update, advantage, logprob, cov, {col}, grad_coef from tokens order by update"
+    ).fetchall()
     for u in sorted({r[0] for r in rows}):
         g = [r for r in rows if r[0] == u]
         a = torch.tensor([r[1] for r in g], dtype=torch.float64)
         lp = torch.tensor([r[2] for r in g], dtype=torch.float64)
-        torch.testing.assert_close(torch.tensor([r[3] for r in g], dtype=torch.float64),
-                                   (a - a.mean()) * (lp - lp.mean()), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor([r[3] for r in g], dtype=torch.float64),
+            (a - a.mean()) * (lp - lp.mean()),
+            rtol=1e-4,
+            atol=1e-5,
+        )
         share = sum(bool(r[4]) for r in g) / len(g)
         got = con.execute(f"select {frac} from steps where update = {u}").fetchone()[0]
         assert got == pytest.approx(share, rel=1e-6)
@@ -1063,8 +1233,16 @@ def test_trainer_warns_once_at_one_epoch_over_one_mini_batch(tmp_path, store, ep
     with ca.on_cpu():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            t, _, _ = _trainer(ca, tmp_path / f"e{epochs}", record=False, loss_mode="entropylens_grpo", mini=8,
-                               micro=4, epochs=epochs, extra=["data.train_batch_size=8"])
+            t, _, _ = _trainer(
+                ca,
+                tmp_path / f"e{epochs}",
+                record=False,
+                loss_mode="entropylens_grpo",
+                mini=8,
+                micro=4,
+                epochs=epochs,
+                extra=["data.train_batch_size=8"],
+            )
             meta, _ = ca.put_rollout("train", seed=2)
             t._update_actor(meta, {})
     said = [str(w.message) for w in caught if issubclass(w.category, OnPolicyWarning)]
@@ -1097,8 +1275,9 @@ def test_trainer_with_fused_kernels_asks_no_sum_pi_squared(tmp_path, store):
         assert not [w for w in again if "use_fused_kernels" in str(w.message)]  # once
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
     con = query.connect(work / "runs" / "trainer-test")
-    n, lgn, h, steps = con.execute("select count(*), count(logit_grad_norm), count(entropy), count(distinct step) "
-                                   "from tokens").fetchone()
+    n, lgn, h, steps = con.execute(
+        "select count(*), count(logit_grad_norm), count(entropy), count(distinct step) from tokens"
+    ).fetchone()
     assert n > 0 and lgn == 0 and h == n and steps == 2
 
 
@@ -1201,13 +1380,26 @@ def test_dapo_eps_high_is_dapos_or_refused(tmp_path):
     assert (info.get("loss") or {}).get("eps_high", 0.28) == pytest.approx(0.28)
 
 
-@pytest.mark.parametrize("layout, want", [
-    # (pp_rank, pp_size, tp_rank, cp_rank, dp_rank) -> recorder rank (None: does not record)
-    ((0, 1, 0, 0, 0), 0), ((0, 1, 0, 0, 3), 3), ((0, 1, 1, 0, 0), None), ((0, 1, 0, 1, 2), None),
-    ((1, 2, 0, 0, 0), 0), ((1, 2, 0, 0, 1), 1), ((0, 2, 0, 0, 0), None), ((0, 2, 0, 0, 1), None),
-    ((3, 4, 0, 0, 5), 5), ((2, 4, 0, 0, 5), None), ((3, 4, 1, 0, 5), None), ((3, 4, 0, 1, 5), None),
-    ((1, 2, 1, 1, 0), None), ((0, 1, 0, 0, 7), 7),
-])
+@pytest.mark.parametrize(
+    "layout, want",
+    [
+        # (pp_rank, pp_size, tp_rank, cp_rank, dp_rank) -> recorder rank (None: does not record)
+        ((0, 1, 0, 0, 0), 0),
+        ((0, 1, 0, 0, 3), 3),
+        ((0, 1, 1, 0, 0), None),
+        ((0, 1, 0, 1, 2), None),
+        ((1, 2, 0, 0, 0), 0),
+        ((1, 2, 0, 0, 1), 1),
+        ((0, 2, 0, 0, 0), None),
+        ((0, 2, 0, 0, 1), None),
+        ((3, 4, 0, 0, 5), 5),
+        ((2, 4, 0, 0, 5), None),
+        ((3, 4, 1, 0, 5), None),
+        ((3, 4, 0, 1, 5), None),
+        ((1, 2, 1, 1, 0), None),
+        ((0, 1, 0, 0, 7), 7),
+    ],
+)
 def test_megatron_recording_rank_table(layout, want):
     """One recorder per data-parallel rank, at the last pipeline stage, tensor and context rank 0
     (where verl's Megatron engine collects its outputs). Dynamic context parallelism: dp rank 0 only."""
@@ -1234,8 +1426,16 @@ def test_megatron_pipeline_ranks_record_once_per_dp_rank(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           str(HERE / "megatron_ranks.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        str(HERE / "megatron_ranks.py"),
+        str(tmp_path),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run = tmp_path / "megatron-pp2"
@@ -1251,13 +1451,21 @@ def test_every_step_metric_has_an_aggregation_rule():
     do not (quantiles, per-quadrant mean logit-gradient norms over finite values, the loss, which is
     verl's pg_loss aggregation) are the steps table's only."""
     from entropylens.integrations.verl import metric_rule
-    from entropylens.schema import STEP_METRICS
     from entropylens.rl.aggregates import BUDGET_NAMES, SAMPLER_METRICS
+    from entropylens.schema import STEP_METRICS
 
     left_out = {n for n in (*STEP_METRICS, *BUDGET_NAMES) if metric_rule(n) is None}
-    assert left_out == {"entropy_ratio_p05", "entropy_ratio_p50", "entropy_ratio_p95", "loss",
-                        "lgn_mean_pa_hp", "lgn_mean_pa_lp", "lgn_mean_na_hp", "lgn_mean_na_lp",
-                        *SAMPLER_METRICS}
+    assert left_out == {
+        "entropy_ratio_p05",
+        "entropy_ratio_p50",
+        "entropy_ratio_p95",
+        "loss",
+        "lgn_mean_pa_hp",
+        "lgn_mean_pa_lp",
+        "lgn_mean_na_hp",
+        "lgn_mean_na_lp",
+        *SAMPLER_METRICS,
+    }
 
 
 def test_trainer_forking_mask_and_adaptive_coef(tmp_path, store):
@@ -1272,27 +1480,39 @@ def test_trainer_forking_mask_and_adaptive_coef(tmp_path, store):
     work = tmp_path / "f"
     pl = "+actor_rollout_ref.actor.policy_loss."
     with ca.on_cpu():
-        t, _, _ = _trainer(ca, work, extra=["actor_rollout_ref.actor.entropy_coeff=0.01",
-                                            pl + "top_entropy_quantile=0.2", pl + "adaptive_entropy=true",
-                                            pl + "entropy_target=100.0", pl + "entropy_coef_delta=0.02"])
+        t, _, _ = _trainer(
+            ca,
+            work,
+            extra=[
+                "actor_rollout_ref.actor.entropy_coeff=0.01",
+                pl + "top_entropy_quantile=0.2",
+                pl + "adaptive_entropy=true",
+                pl + "entropy_target=100.0",
+                pl + "entropy_coef_delta=0.02",
+            ],
+        )
         for step in (1, 2):
             meta, _ = ca.put_rollout("train", seed=8 + step)
             t.global_steps = step
             t._update_actor(meta, {})
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
     con = query.connect(work / "runs" / "trainer-test")
-    rows = con.execute("select step, min(entropy_coef), max(entropy_coef), min(entropy_coef_adaptive), "
-                       "max(entropy_coef_adaptive), avg(token_masked_frac) from steps group by step "
-                       "order by step").fetchall()
+    rows = con.execute(
+        "select step, min(entropy_coef), max(entropy_coef), min(entropy_coef_adaptive), "
+        "max(entropy_coef_adaptive), avg(token_masked_frac) from steps group by step "
+        "order by step"
+    ).fetchall()
     assert len(rows) == 2
     (s1, a1, b1, c1, d1, f1), (s2, a2, b2, c2, d2, f2) = rows
     assert (a1, b1) == (0.0, 0.0) and (c1, d1) == (pytest.approx(0.01), pytest.approx(0.01))
     assert (a2, b2) == (pytest.approx(0.03), pytest.approx(0.03)) and (c2, d2) == (a2, b2)
     assert 0.6 < f1 < 0.9 and 0.6 < f2 < 0.9
     n = 0
-    for step, update, h, kept in con.execute("select step, update, list(entropy order by seq, pos), "
-                                             "list(token_kept order by seq, pos) from tokens group by step, "
-                                             "update").fetchall():
+    for step, update, h, kept in con.execute(
+        "select step, update, list(entropy order by seq, pos), "
+        "list(token_kept order by seq, pos) from tokens group by step, "
+        "update"
+    ).fetchall():
         ht = torch.tensor(h).reshape(1, -1)
         want = top_entropy_mask(ht, torch.ones_like(ht, dtype=torch.bool), 0.2).reshape(-1).tolist()
         assert kept == want, (step, update)
@@ -1300,32 +1520,41 @@ def test_trainer_forking_mask_and_adaptive_coef(tmp_path, store):
     assert n >= 2
 
 
-
-
 def test_rollout_log_probs_recorded_and_equal_verls_rollout_corr_metrics(tmp_path):
     """A batch with rollout_log_probs: the recorded sampler_logprob is verl's, and the steps' sampler_kl_k1 /
     sampler_kl_k3 / sampler_abs_log_ratio_* equal verl's rollout correction metrics (rollout_corr/kl, k3_kl;
     log_ratio = old - rollout) on the same batch, and TIS's weights' statistics match ours over the tokens."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
     from entropylens.integrations.verl.batch import read_micro_batch
     from entropylens.rl.aggregates import mismatch_aggregates
-    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
     td, ref = rollout_batch(seed=4)
     g = torch.Generator().manual_seed(9)
     rollout = (ref["old_lp"] + 0.4 * torch.randn(ref["old_lp"].shape, generator=g, dtype=torch.float64)) * ref["mask"]
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), ref["r_len"].cumsum(0)])
     td["rollout_log_probs"] = torch.nested.nested_tensor_from_jagged(
-        torch.cat([rollout[i, : ref["r_len"][i]] for i in range(len(ref["r_len"]))]), offsets)
+        torch.cat([rollout[i, : ref["r_len"][i]] for i in range(len(ref["r_len"]))]), offsets
+    )
     out, _, _ = model_output(tiny_qwen2(), td)
     b = read_micro_batch(out, td)
     assert torch.allclose(b.rollout_log_prob.double() * ref["mask"], rollout.float().double())
     _, _, metrics = compute_rollout_correction_and_rejection_mask(
-        ref["old_lp"], rollout, ref["mask"].double(), rollout_is="token", rollout_is_threshold=2.0)
-    cols = {"old_logprob": ref["old_lp"].float(), "sampler_logprob": b.rollout_log_prob,
-            "clipped": torch.zeros_like(ref["mask"]), "quadrant": torch.ones_like(ref["old_lp"], dtype=torch.long)}
+        ref["old_lp"], rollout, ref["mask"].double(), rollout_is="token", rollout_is_threshold=2.0
+    )
+    cols = {
+        "old_logprob": ref["old_lp"].float(),
+        "sampler_logprob": b.rollout_log_prob,
+        "clipped": torch.zeros_like(ref["mask"]),
+        "quadrant": torch.ones_like(ref["old_lp"], dtype=torch.long),
+    }
     m = ref["mask"].reshape(1, -1)
-    ours = {k: float(v) for k, v in mismatch_aggregates({k: v.unsqueeze(0) for k, v in cols.items()}, m,
-                                                        cols["quadrant"].reshape(1, -1)).items()}
+    ours = {
+        k: float(v)
+        for k, v in mismatch_aggregates(
+            {k: v.unsqueeze(0) for k, v in cols.items()}, m, cols["quadrant"].reshape(1, -1)
+        ).items()
+    }
     worst = 0.0
     for mine, theirs in (("sampler_kl_k1", "rollout_corr/kl"), ("sampler_kl_k3", "rollout_corr/k3_kl")):
         worst = max(worst, abs(ours[mine] - metrics[theirs]) / abs(metrics[theirs]))
@@ -1369,20 +1598,29 @@ def test_rollout_log_probs_recorded_end_to_end_on_verls_update_path(tmp_path, st
         pad = lambda xs: torch.stack([torch.nn.functional.pad(x.double(), (0, width - len(x))) for x in xs])  # noqa: E731
         old_p, roll_p, mask_p = pad(ref["old"]), pad(rollout), pad(ref["mask"])
         w_proto, new_mask, verl_metrics = compute_rollout_correction_and_rejection_mask(
-            old_p, roll_p, mask_p, rollout_is="token", rollout_is_threshold=1.5)
+            old_p, roll_p, mask_p, rollout_is="token", rollout_is_threshold=1.5
+        )
         assert torch.equal(new_mask, mask_p)  # no rejection sampling: response_mask unchanged
         w = w_proto.batch["rollout_is_weights"]
         assert (w[mask_p.bool()] < 1.5).any() and (w[mask_p.bool()] == 1.5).any()  # some truncated
         lens = [len(o) for o in ref["old"]]
-        meta = tq.kv_batch_put(keys=meta.keys, partition_id=meta.partition_id, fields=TensorDict(
-            {"rollout_log_probs": nested(rollout), "rollout_is_weights": nested(w[i, :lens[i]] for i in range(n))},
-            batch_size=n))
+        meta = tq.kv_batch_put(
+            keys=meta.keys,
+            partition_id=meta.partition_id,
+            fields=TensorDict(
+                {"rollout_log_probs": nested(rollout), "rollout_is_weights": nested(w[i, : lens[i]] for i in range(n))},
+                batch_size=n,
+            ),
+        )
         t.global_steps = 2
         ours: dict = {}
         t._update_actor(meta, ours)
         t.actor_rollout_wg.set_loss_fn(t._el_loss.shipped(closing=True))
-        vcfg = omega_conf_to_dataclass(ca.compose(ca.trainer_overrides(
-            ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", extra=common)).actor_rollout_ref.actor)
+        vcfg = omega_conf_to_dataclass(
+            ca.compose(
+                ca.trainer_overrides(ca.tiny_model_dir(tmp_path / "tiny"), loss_mode="vanilla", extra=common)
+            ).actor_rollout_ref.actor
+        )
         wg.set_loss_fn(partial(ppo_loss, config=vcfg))
         theirs: dict = {}
         PPOTrainer._update_actor(t, meta, theirs)
@@ -1403,7 +1641,8 @@ def test_rollout_log_probs_recorded_end_to_end_on_verls_update_path(tmp_path, st
     assert worst_lp < 1e-5 and worst_w < 1e-6  # float32 columns against the float64 batch
     k1, k3, n_sampled, n_rows = con.execute(
         "select sum(sampler_kl_k1 * n_sampled) / sum(n_sampled), sum(sampler_kl_k3 * n_sampled) / sum(n_sampled), "
-        "sum(n_sampled), count(*) from steps where step = 2").fetchone()
+        "sum(n_sampled), count(*) from steps where step = 2"
+    ).fetchone()
     assert n_sampled == n_tok and n_rows == 4  # a row per recorded micro-batch (2 x 2), each token once
     worst = 0.0
     for mine, key in ((k1, "rollout_corr/kl"), (k3, "rollout_corr/k3_kl")):

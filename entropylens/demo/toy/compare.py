@@ -41,8 +41,11 @@ def _stable(d: dict, key: str) -> list[float]:
 
 
 def _ratios(d: dict) -> list[float]:
-    return [hf / h0 for hf, h0, bad in zip(d.get("h_final", []), d.get("h0", []), d.get("destabilised", []))
-            if not bad and h0]
+    return [
+        hf / h0
+        for hf, h0, bad in zip(d.get("h_final", []), d.get("h0", []), d.get("destabilised", []))
+        if not bad and h0
+    ]
 
 
 def _settings_of(d: dict) -> tuple[dict, bool]:
@@ -85,15 +88,28 @@ def method_rows(agg: dict[str, dict[str, list]], baseline: str = BASELINE, order
         mine, same = _settings_of(d)
         loss = methods.loss_part(mine)
         flags = d.get("destabilised", [])
-        row = dict(method=name, description=desc, paper=paper, toy=toy,
-                   settings=", ".join(f"{k} {v}" for k, v in loss.items()),
-                   training=", ".join(f"{k} {v}" for k, v in mine.items() if k not in loss),
-                   differs=("baseline" if name == baseline else
-                            methods.differs_text(mine, base_settings, baseline) if base_settings else
-                            f"no {baseline} runs to compare with"),
-                   same_settings=same, seeds=len(flags), stable=len(flags) - sum(bool(x) for x in flags),
-                   h_final=_fmt(_stable(d, "h_final")), h_ratio=_fmt(_ratios(d), 2), r_final=_fmt(d.get("r_final", [])),
-                   destabilised=f"{sum(bool(x) for x in flags)}/{len(flags)}")
+        row = dict(
+            method=name,
+            description=desc,
+            paper=paper,
+            toy=toy,
+            settings=", ".join(f"{k} {v}" for k, v in loss.items()),
+            training=", ".join(f"{k} {v}" for k, v in mine.items() if k not in loss),
+            differs=(
+                "baseline"
+                if name == baseline
+                else methods.differs_text(mine, base_settings, baseline)
+                if base_settings
+                else f"no {baseline} runs to compare with"
+            ),
+            same_settings=same,
+            seeds=len(flags),
+            stable=len(flags) - sum(bool(x) for x in flags),
+            h_final=_fmt(_stable(d, "h_final")),
+            h_ratio=_fmt(_ratios(d), 2),
+            r_final=_fmt(d.get("r_final", [])),
+            destabilised=f"{sum(bool(x) for x in flags)}/{len(flags)}",
+        )
         if name != baseline:
             row["entropy_test"] = rules.welch_two_sided(_stable(d, "h_final"), _stable(base, "h_final"))
             row["reward_test"] = rules.welch_two_sided(d.get("r_final", []), base.get("r_final", []))
@@ -108,8 +124,7 @@ def method_rows(agg: dict[str, dict[str, list]], baseline: str = BASELINE, order
 
 def n_tests(rows: list[dict]) -> int:
     """The table's tests that had two seeds or more on each side (the m of Holm's correction)."""
-    return sum(1 for r in rows for k in ("entropy_test", "reward_test")
-               if k in r and r[k].n_a >= 2 and r[k].n_b >= 2)
+    return sum(1 for r in rows for k in ("entropy_test", "reward_test") if k in r and r[k].n_a >= 2 and r[k].n_b >= 2)
 
 
 def as_json(rows: list[dict]) -> list[dict]:
@@ -137,21 +152,30 @@ def _cell(r: dict, k: str) -> str:
 
 def markdown(rows: list[dict], baseline: str = BASELINE) -> list[str]:
     """The table's lines (rows as :func:`as_json` gives them)."""
-    lines = [f"| method | loss settings | what differs from {baseline} | final entropy (stable seeds) | "
-             f"final / initial entropy | final reward (all seeds) | destabilised | final entropy vs {baseline} | "
-             f"final reward vs {baseline} |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| method | loss settings | what differs from {baseline} | final entropy (stable seeds) | "
+        f"final / initial entropy | final reward (all seeds) | destabilised | final entropy vs {baseline} | "
+        f"final reward vs {baseline} |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         warn = "" if r["same_settings"] else " **(seeds used different settings)**"
-        lines.append(f"| {r['method']} | {r['settings']}{warn} | {r['differs']} | {r['h_final']} (n = {r['stable']}) | "
-                     f"{r['h_ratio']} | {r['r_final']} (n = {r['seeds']}) | {r['destabilised']} | "
-                     f"{_cell(r, 'entropy_test')} | {_cell(r, 'reward_test')} |")
+        lines.append(
+            f"| {r['method']} | {r['settings']}{warn} | {r['differs']} | {r['h_final']} (n = {r['stable']}) | "
+            f"{r['h_ratio']} | {r['r_final']} (n = {r['seeds']}) | {r['destabilised']} | "
+            f"{_cell(r, 'entropy_test')} | {_cell(r, 'reward_test')} |"
+        )
     return lines
 
 
 def legend(rows: list[dict]) -> list[str]:
     """'- **name**: what it does. Paper. Toy: where it differs.' per method."""
-    return [f"- **{r['method']}**: {r['description']}." + (f" {r['paper']}." if r["paper"] else "")
-            + (f" Toy: {r['toy']}." if r["toy"] else "") for r in rows]
+    return [
+        f"- **{r['method']}**: {r['description']}."
+        + (f" {r['paper']}." if r["paper"] else "")
+        + (f" Toy: {r['toy']}." if r["toy"] else "")
+        for r in rows
+    ]
 
 
 __all__ = ["BASELINE", "method_rows", "n_tests", "as_json", "markdown", "legend"]

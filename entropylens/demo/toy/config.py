@@ -8,8 +8,25 @@ from ...rl.losses import AGGS, METHODS
 from . import methods as _methods
 
 # policy_loss arguments a ToyConfig field (or the training loop) already sets: not a loss option
-_SET_BY_CONFIG = ("logprobs", "old_logprobs", "advantages", "mask", "method", "eps_low", "eps_high", "beta1", "beta2",
-                  "dual_clip", "entropy", "old_entropy", "erc", "agg", "entropy_coef", "tau", "generator")
+_SET_BY_CONFIG = (
+    "logprobs",
+    "old_logprobs",
+    "advantages",
+    "mask",
+    "method",
+    "eps_low",
+    "eps_high",
+    "beta1",
+    "beta2",
+    "dual_clip",
+    "entropy",
+    "old_entropy",
+    "erc",
+    "agg",
+    "entropy_coef",
+    "tau",
+    "generator",
+)
 
 
 @dataclass(frozen=True)
@@ -100,8 +117,10 @@ class ToyConfig:
             if not (self.entropy_coef_delta >= 0 and 0 <= self.entropy_coef_min <= self.entropy_coef_max):
                 raise ValueError("entropy_coef_delta must be >= 0 and 0 <= entropy_coef_min <= entropy_coef_max")
         if self.probe_every and (self.top_entropy_quantile < 1.0 or self.entropy_target is not None):
-            raise ValueError("probe_every: the probe's update does not apply top_entropy_quantile or the adaptive "
-                             "entropy coefficient; run these methods without the probe")
+            raise ValueError(
+                "probe_every: the probe's update does not apply top_entropy_quantile or the adaptive "
+                "entropy coefficient; run these methods without the probe"
+            )
 
     @property
     def updates(self) -> int:
@@ -155,8 +174,11 @@ def _check_loss_options(options) -> None:
 
     from ...rl.losses import policy_loss
 
-    valid = [n for n, p in inspect.signature(policy_loss).parameters.items()
-             if n not in _SET_BY_CONFIG and "Tensor" not in str(p.annotation)]
+    valid = [
+        n
+        for n, p in inspect.signature(policy_loss).parameters.items()
+        if n not in _SET_BY_CONFIG and "Tensor" not in str(p.annotation)
+    ]
     for item in options:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(f"loss_options: each item must be a (name, value) pair, got {item!r}")

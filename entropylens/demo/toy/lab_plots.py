@@ -29,8 +29,9 @@ def method_paths(df, y: str, *, baseline: str = "grpo", ylabel: str = "", order=
         return fig
     cols = min(cols, len(names))
     rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.0 * cols, 2.2 * rows + 0.3), sharex=True, sharey=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.0 * cols, 2.2 * rows + 0.3), sharex=True, sharey=True, squeeze=False
+    )
     per_run = d.groupby(["method", "run", "step"])[y].mean().reset_index()
     stats = per_run.groupby(["method", "step"])[y].agg(["mean", "min", "max"]).reset_index()
     n_runs = per_run.groupby("method")["run"].nunique().to_dict()

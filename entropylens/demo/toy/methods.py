@@ -14,8 +14,8 @@ what applies), and :func:`differs` says which of them differ from a baseline's: 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -52,78 +52,161 @@ SAPO = "Qwen team 2025, SAPO: Soft Adaptive Policy Optimization (arXiv 2511.2034
 _ONLY_CLIP = "clip-higher only: DAPO's dynamic sampling and overlong shaping are not in the toy"
 
 _ENTRIES: tuple[Method, ...] = (
-    Method("grpo", dict(method="grpo"), "PPO-clip on group-normalised advantages, eps 0.2 / 0.2", GRPO,
-           "no KL to a reference (as the CE-GPPO / ERC papers)"),
+    Method(
+        "grpo",
+        dict(method="grpo"),
+        "PPO-clip on group-normalised advantages, eps 0.2 / 0.2",
+        GRPO,
+        "no KL to a reference (as the CE-GPPO / ERC papers)",
+    ),
     Method("dapo", dict(method="dapo"), "clip-higher: eps 0.2 / 0.28", DAPO, _ONLY_CLIP),
     Method("gppo", dict(method="gppo"), "gradient-preserving clip: clipped tokens keep a bounded gradient", GPPO),
-    Method("ce_gppo", dict(method="ce_gppo", beta1=0.5, beta2=1.0),
-           "GPPO with the low side scaled by beta1 = 0.5, the high side by beta2 = 1 (the paper's 1.5B setting)",
-           CE_GPPO),
-    Method("ce_gppo_b0", dict(method="ce_gppo", beta1=0.0, beta2=1.0),
-           "CE-GPPO with beta1 = 0: no gradient for low-side clipped tokens", CE_GPPO),
-    Method("ce_gppo_switch", dict(method="ce_gppo", beta1=0.0, beta2=1.0, beta1_schedule=((-1, 0.0), (60, 0.5))),
-           "CE-GPPO, beta1 switched from 0 to 0.5 at step 60", CE_GPPO, "the paper switches at step 585"),
-    Method("cispo", dict(method="cispo"), "clipped, detached importance weight times log pi: never a zero gradient",
-           CISPO),
+    Method(
+        "ce_gppo",
+        dict(method="ce_gppo", beta1=0.5, beta2=1.0),
+        "GPPO with the low side scaled by beta1 = 0.5, the high side by beta2 = 1 (the paper's 1.5B setting)",
+        CE_GPPO,
+    ),
+    Method(
+        "ce_gppo_b0",
+        dict(method="ce_gppo", beta1=0.0, beta2=1.0),
+        "CE-GPPO with beta1 = 0: no gradient for low-side clipped tokens",
+        CE_GPPO,
+    ),
+    Method(
+        "ce_gppo_switch",
+        dict(method="ce_gppo", beta1=0.0, beta2=1.0, beta1_schedule=((-1, 0.0), (60, 0.5))),
+        "CE-GPPO, beta1 switched from 0 to 0.5 at step 60",
+        CE_GPPO,
+        "the paper switches at step 585",
+    ),
+    Method(
+        "cispo", dict(method="cispo"), "clipped, detached importance weight times log pi: never a zero gradient", CISPO
+    ),
     Method("gspo", dict(method="gspo"), "sequence-level ratio clipped at 3e-4 / 4e-4, seq-mean-token-mean", GSPO),
-    Method("sapo", dict(method="sapo"),
-           "a soft sigmoid gate on the ratio in place of the hard clip (tau 1.0 for A > 0, 1.05 otherwise), "
-           "seq-mean-token-mean", SAPO, "verl 0.9.1's defaults (tau_pos 1.0, tau_neg 1.05, log-ratio clamp 20)"),
-    Method("clip_cov", dict(method="clip_cov"),
-           "Clip-Cov: PPO-clip, and no gradient for a random 2e-4 of the tokens whose covariance "
-           "(A - mean A)(log pi - mean log pi) lies in (1, 5)", CUI,
-           "verl 0.9.1's defaults; an update of the toy holds 512 tokens, so the share selects max(int(0.1), 1) = 1 "
-           "token (0.2%, 10x the ratio): clip_cov_<ratio> scales it"),
-    Method("kl_cov", dict(method="kl_cov"),
-           "KL-Cov: the unclipped surrogate plus 0.1 |log r| on the top 2e-4 of the tokens by covariance", CUI,
-           "verl 0.9.1's defaults (kl_cov_ratio 2e-4, ppo_kl_coef 0.1); on the toy's 512 tokens an update penalises "
-           "max(int(0.1), 1) = 1 token: kl_cov_<ratio> scales it"),
-    Method("forking", dict(method="dapo", top_entropy_quantile=0.2),
-           "the 80/20 rule on DAPO: the policy gradient only on the top 20% of each update's tokens by entropy",
-           FORKING, "the top 20% of one update's 512 tokens (the paper: of a batch of long reasoning traces)"),
-    Method("adaptive_entropy", dict(method="grpo", entropy_target=0.2, entropy_coef=0.0, entropy_coef_delta=0.005,
-                                    entropy_coef_min=0.0, entropy_coef_max=1.0),
-           "GRPO with an entropy bonus whose coefficient steps by 0.005 towards keeping entropy above 0.2 nats",
-           SKYWORK, "TRL's defaults (target 0.2, delta 0.005, coefficient from 0 in [0, 1]); the toy starts near "
-                    "1.1 nats, so the coefficient only moves once entropy has fallen below 0.2"),
-    Method("grpo_mismatch", dict(method="grpo", mismatch="temp:1.5"),
-           "GRPO trained on samples from a mismatched sampler (temperature 1.5 x the trainer's), no IS correction",
-           "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
-           "a controlled mismatch (sampler.py: temp:1.5) in place of vLLM's bf16 / kernel differences"),
-    Method("grpo_mismatch_tis", dict(method="grpo", mismatch="temp:1.5", tis=2.0),
-           "grpo_mismatch with TIS: each token's policy term times min(pi_old / pi_sampler, 2)",
-           "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
-           "a controlled mismatch (sampler.py: temp:1.5); TIS cap 2 (verl's rollout_is_threshold default)"),
-    Method("erc_dapo", dict(method="dapo", erc=(0.95, 1.05)),
-           "DAPO plus Entropy Ratio Clipping: no gradient where H / H_old leaves (0.95, 1.05)", ERC),
-    Method("erc_gppo", dict(method="gppo", erc=(0.95, 1.05)), "GPPO plus Entropy Ratio Clipping, band (0.95, 1.05)",
-           ERC),
+    Method(
+        "sapo",
+        dict(method="sapo"),
+        "a soft sigmoid gate on the ratio in place of the hard clip (tau 1.0 for A > 0, 1.05 otherwise), "
+        "seq-mean-token-mean",
+        SAPO,
+        "verl 0.9.1's defaults (tau_pos 1.0, tau_neg 1.05, log-ratio clamp 20)",
+    ),
+    Method(
+        "clip_cov",
+        dict(method="clip_cov"),
+        "Clip-Cov: PPO-clip, and no gradient for a random 2e-4 of the tokens whose covariance "
+        "(A - mean A)(log pi - mean log pi) lies in (1, 5)",
+        CUI,
+        "verl 0.9.1's defaults; an update of the toy holds 512 tokens, so the share selects max(int(0.1), 1) = 1 "
+        "token (0.2%, 10x the ratio): clip_cov_<ratio> scales it",
+    ),
+    Method(
+        "kl_cov",
+        dict(method="kl_cov"),
+        "KL-Cov: the unclipped surrogate plus 0.1 |log r| on the top 2e-4 of the tokens by covariance",
+        CUI,
+        "verl 0.9.1's defaults (kl_cov_ratio 2e-4, ppo_kl_coef 0.1); on the toy's 512 tokens an update penalises "
+        "max(int(0.1), 1) = 1 token: kl_cov_<ratio> scales it",
+    ),
+    Method(
+        "forking",
+        dict(method="dapo", top_entropy_quantile=0.2),
+        "the 80/20 rule on DAPO: the policy gradient only on the top 20% of each update's tokens by entropy",
+        FORKING,
+        "the top 20% of one update's 512 tokens (the paper: of a batch of long reasoning traces)",
+    ),
+    Method(
+        "adaptive_entropy",
+        dict(
+            method="grpo",
+            entropy_target=0.2,
+            entropy_coef=0.0,
+            entropy_coef_delta=0.005,
+            entropy_coef_min=0.0,
+            entropy_coef_max=1.0,
+        ),
+        "GRPO with an entropy bonus whose coefficient steps by 0.005 towards keeping entropy above 0.2 nats",
+        SKYWORK,
+        "TRL's defaults (target 0.2, delta 0.005, coefficient from 0 in [0, 1]); the toy starts near "
+        "1.1 nats, so the coefficient only moves once entropy has fallen below 0.2",
+    ),
+    Method(
+        "grpo_mismatch",
+        dict(method="grpo", mismatch="temp:1.5"),
+        "GRPO trained on samples from a mismatched sampler (temperature 1.5 x the trainer's), no IS correction",
+        "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
+        "a controlled mismatch (sampler.py: temp:1.5) in place of vLLM's bf16 / kernel differences",
+    ),
+    Method(
+        "grpo_mismatch_tis",
+        dict(method="grpo", mismatch="temp:1.5", tis=2.0),
+        "grpo_mismatch with TIS: each token's policy term times min(pi_old / pi_sampler, 2)",
+        "Yao et al. 2025, Your Efficient RL Framework Secretly Brings You Off-Policy RL Training (the TIS blog)",
+        "a controlled mismatch (sampler.py: temp:1.5); TIS cap 2 (verl's rollout_is_threshold default)",
+    ),
+    Method(
+        "erc_dapo",
+        dict(method="dapo", erc=(0.95, 1.05)),
+        "DAPO plus Entropy Ratio Clipping: no gradient where H / H_old leaves (0.95, 1.05)",
+        ERC,
+    ),
+    Method(
+        "erc_gppo", dict(method="gppo", erc=(0.95, 1.05)), "GPPO plus Entropy Ratio Clipping, band (0.95, 1.05)", ERC
+    ),
 )
 
 FAMILIES: tuple[Family, ...] = (
-    Family("entropy_bonus_<coef>", re.compile(r"entropy_bonus_([0-9.]+)"),
-           lambda m: dict(method="grpo", entropy_coef=float(m.group(1))),
-           "GRPO minus coef x mean token entropy (the bonus's gradient reaches the logits through H)",
-           "the CE-GPPO / ERC papers' baseline (0.001, 0.003)"),
-    Family("ce_gppo_<beta1>_<beta2>", re.compile(r"ce_gppo_([0-9.]+)_([0-9.]+)"),
-           lambda m: dict(method="ce_gppo", beta1=float(m.group(1)), beta2=float(m.group(2))),
-           "CE-GPPO at the given (beta1, beta2)", CE_GPPO),
-    Family("forking_<quantile>", re.compile(r"forking_([0-9.]+)"),
-           lambda m: dict(method="dapo", top_entropy_quantile=float(m.group(1))),
-           "the forking rule on DAPO keeping the given top share of tokens by entropy", FORKING),
-    Family("adaptive_entropy_<target>", re.compile(r"adaptive_entropy_([0-9.]+)"),
-           lambda m: dict(method="grpo", entropy_target=float(m.group(1))),
-           "GRPO with the adaptive entropy coefficient steering towards the given target entropy", SKYWORK),
-    Family("clip_cov_<ratio>", re.compile(r"clip_cov_([0-9.]+)"),
-           lambda m: dict(method="clip_cov", loss_options=dict(clip_cov_ratio=float(m.group(1)))),
-           "Clip-Cov with the given share of tokens selected", CUI),
-    Family("kl_cov_<ratio>", re.compile(r"kl_cov_([0-9.]+)"),
-           lambda m: dict(method="kl_cov", loss_options=dict(kl_cov_ratio=float(m.group(1)))),
-           "KL-Cov with the given share of tokens penalised", CUI),
-    Family("dual_clip_<c>", re.compile(r"dual_clip_([0-9.]+)"),
-           lambda m: dict(method="grpo", dual_clip=float(m.group(1))),
-           "GRPO with dual-clip c: A < 0 tokens capped at -c A", "Ye et al. 2020, dual-clip PPO (arXiv 1912.09729)",
-           "verl's default c is 3, the CE-GPPO scripts' 10"),
+    Family(
+        "entropy_bonus_<coef>",
+        re.compile(r"entropy_bonus_([0-9.]+)"),
+        lambda m: dict(method="grpo", entropy_coef=float(m.group(1))),
+        "GRPO minus coef x mean token entropy (the bonus's gradient reaches the logits through H)",
+        "the CE-GPPO / ERC papers' baseline (0.001, 0.003)",
+    ),
+    Family(
+        "ce_gppo_<beta1>_<beta2>",
+        re.compile(r"ce_gppo_([0-9.]+)_([0-9.]+)"),
+        lambda m: dict(method="ce_gppo", beta1=float(m.group(1)), beta2=float(m.group(2))),
+        "CE-GPPO at the given (beta1, beta2)",
+        CE_GPPO,
+    ),
+    Family(
+        "forking_<quantile>",
+        re.compile(r"forking_([0-9.]+)"),
+        lambda m: dict(method="dapo", top_entropy_quantile=float(m.group(1))),
+        "the forking rule on DAPO keeping the given top share of tokens by entropy",
+        FORKING,
+    ),
+    Family(
+        "adaptive_entropy_<target>",
+        re.compile(r"adaptive_entropy_([0-9.]+)"),
+        lambda m: dict(method="grpo", entropy_target=float(m.group(1))),
+        "GRPO with the adaptive entropy coefficient steering towards the given target entropy",
+        SKYWORK,
+    ),
+    Family(
+        "clip_cov_<ratio>",
+        re.compile(r"clip_cov_([0-9.]+)"),
+        lambda m: dict(method="clip_cov", loss_options=dict(clip_cov_ratio=float(m.group(1)))),
+        "Clip-Cov with the given share of tokens selected",
+        CUI,
+    ),
+    Family(
+        "kl_cov_<ratio>",
+        re.compile(r"kl_cov_([0-9.]+)"),
+        lambda m: dict(method="kl_cov", loss_options=dict(kl_cov_ratio=float(m.group(1)))),
+        "KL-Cov with the given share of tokens penalised",
+        CUI,
+    ),
+    Family(
+        "dual_clip_<c>",
+        re.compile(r"dual_clip_([0-9.]+)"),
+        lambda m: dict(method="grpo", dual_clip=float(m.group(1))),
+        "GRPO with dual-clip c: A < 0 tokens capped at -c A",
+        "Ye et al. 2020, dual-clip PPO (arXiv 1912.09729)",
+        "verl's default c is 3, the CE-GPPO scripts' 10",
+    ),
 )
 
 REGISTRY: dict[str, Method] = {m.name: m for m in _ENTRIES}
@@ -157,8 +240,7 @@ def lookup(name: str) -> Method:
 # ------------------------------------------------------------------ settings of a recorded run
 # The training settings every run of a regime shares (shown once per regime; a run that changed one
 # shows it under "what differs").
-TRAINING = ("lr", "steps", "prompts", "group", "minibatches", "epochs", "grad_clip", "temperature", "sft_steps",
-            "tau")
+TRAINING = ("lr", "steps", "prompts", "group", "minibatches", "epochs", "grad_clip", "temperature", "sft_steps", "tau")
 
 
 def _fmt(v) -> str:
@@ -192,8 +274,11 @@ def loss_settings(cfg: dict) -> dict[str, str]:
     if method in ("clip_cov", "kl_cov"):  # the covariance controls' settings, verl's defaults resolved
         from ...rl import cov
 
-        keys = (dict(clip_cov_ratio=cov.CLIP_COV_RATIO, clip_cov_lb=cov.CLIP_COV_LB, clip_cov_ub=cov.CLIP_COV_UB)
-                if method == "clip_cov" else dict(kl_cov_ratio=cov.KL_COV_RATIO, ppo_kl_coef=cov.PPO_KL_COEF))
+        keys = (
+            dict(clip_cov_ratio=cov.CLIP_COV_RATIO, clip_cov_lb=cov.CLIP_COV_LB, clip_cov_ub=cov.CLIP_COV_UB)
+            if method == "clip_cov"
+            else dict(kl_cov_ratio=cov.KL_COV_RATIO, ppo_kl_coef=cov.PPO_KL_COEF)
+        )
         for k, default in keys.items():
             v = options.pop(k, None)
             out[k] = _fmt(float(default if v is None else v))
@@ -214,9 +299,11 @@ def loss_settings(cfg: dict) -> dict[str, str]:
     if cfg.get("erc") is not None:
         out["erc"] = _fmt(tuple(cfg["erc"]))
     if cfg.get("entropy_target") is not None:  # the adaptive coefficient (rl.forking.AdaptiveEntropyCoef)
-        out["entropy_coef"] = (f"adaptive: target {_fmt(cfg['entropy_target'])}, step "
-                               f"{_fmt(cfg.get('entropy_coef_delta', 0.005))} in [{_fmt(cfg.get('entropy_coef_min', 0.0))}, "
-                               f"{_fmt(cfg.get('entropy_coef_max', 1.0))}], from {_fmt(cfg.get('entropy_coef', 0.0))}")
+        out["entropy_coef"] = (
+            f"adaptive: target {_fmt(cfg['entropy_target'])}, step "
+            f"{_fmt(cfg.get('entropy_coef_delta', 0.005))} in [{_fmt(cfg.get('entropy_coef_min', 0.0))}, "
+            f"{_fmt(cfg.get('entropy_coef_max', 1.0))}], from {_fmt(cfg.get('entropy_coef', 0.0))}"
+        )
     elif cfg.get("entropy_coef"):
         out["entropy_coef"] = _fmt(cfg["entropy_coef"])
     if cfg.get("mismatch"):  # the toy's mismatched sampler (sampler.py) and its IS correction
@@ -266,11 +353,27 @@ class Listed:
 
 def listing() -> list[Listed]:
     """Every method and family, with the options it sets."""
-    rows = [Listed(m.name, ", ".join(f"{k}={_fmt(v)}" for k, v in m.options.items()), m.description, m.paper, m.toy)
-            for m in REGISTRY.values()]
+    rows = [
+        Listed(m.name, ", ".join(f"{k}={_fmt(v)}" for k, v in m.options.items()), m.description, m.paper, m.toy)
+        for m in REGISTRY.values()
+    ]
     rows += [Listed(f.template, "(from the name)", f.description, f.paper, f.toy) for f in FAMILIES]
     return rows
 
 
-__all__ = ["Method", "Family", "REGISTRY", "FAMILIES", "TRAINING", "register", "names", "lookup", "loss_settings",
-           "settings", "loss_part", "differs", "differs_text", "listing"]
+__all__ = [
+    "Method",
+    "Family",
+    "REGISTRY",
+    "FAMILIES",
+    "TRAINING",
+    "register",
+    "names",
+    "lookup",
+    "loss_settings",
+    "settings",
+    "loss_part",
+    "differs",
+    "differs_text",
+    "listing",
+]

@@ -43,8 +43,9 @@ def _cache_kw(model) -> str:
 
 
 @torch.no_grad()
-def sample(model, prompts: torch.Tensor, length: int, gen: torch.Generator, temperature: float = 1.0,
-           transform=None) -> torch.Tensor:
+def sample(
+    model, prompts: torch.Tensor, length: int, gen: torch.Generator, temperature: float = 1.0, transform=None
+) -> torch.Tensor:
     """Autoregressive sampling with a KV cache at ``temperature``: [n, length] token ids. ``transform``:
     the sampler's own logits from the model's (sampler.sampler_logits: a mismatched sampler), or None."""
     kw = _cache_kw(model)

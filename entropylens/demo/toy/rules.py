@@ -220,5 +220,20 @@ def stability(steps, grad_norm, kl) -> Stability:
     return Stability(g, k)
 
 
-__all__ = ["ALPHA", "GRAD_SPIKE", "KL_SPIKE", "SPIKE_WINDOW", "Stability", "Welch", "betainc", "holm", "one_sample",
-           "spikes", "stability", "t_ppf", "t_sf", "welch", "welch_two_sided"]
+__all__ = [
+    "ALPHA",
+    "GRAD_SPIKE",
+    "KL_SPIKE",
+    "SPIKE_WINDOW",
+    "Stability",
+    "Welch",
+    "betainc",
+    "holm",
+    "one_sample",
+    "spikes",
+    "stability",
+    "t_ppf",
+    "t_sf",
+    "welch",
+    "welch_two_sided",
+]

@@ -39,7 +39,7 @@ def sampler_logits(z: torch.Tensor, mismatch: str) -> torch.Tensor:
     if mismatch == "bf16":
         return z.to(torch.bfloat16).float()
     if mismatch.startswith("temp:"):
-        return z / float(mismatch[len("temp:"):])
+        return z / float(mismatch[len("temp:") :])
     return z
 
 

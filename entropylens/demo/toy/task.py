@@ -29,8 +29,9 @@ PROMPT_LEN = 8
 RESPONSE_LEN = 16
 # each token id's text (what run.json's vocabulary and a token viewer show): symbols A..T, SEP '|', BOS '<s>',
 # the fillers f22..f31
-TOKEN_NAMES: tuple[str, ...] = (tuple(chr(ord("A") + s) for s in range(N_SYMBOLS)) + ("|", "<s>")
-                                + tuple(f"f{i}" for i in range(BOS + 1, VOCAB)))
+TOKEN_NAMES: tuple[str, ...] = (
+    tuple(chr(ord("A") + s) for s in range(N_SYMBOLS)) + ("|", "<s>") + tuple(f"f{i}" for i in range(BOS + 1, VOCAB))
+)
 
 
 def decode(ids) -> str:
@@ -58,8 +59,9 @@ def reward(prompts: torch.Tensor, responses: torch.Tensor) -> torch.Tensor:
     return (responses == targets(prompts)).float().mean(dim=1)
 
 
-def noisy_targets(prompts: torch.Tensor, gen: torch.Generator, confuse_odd: float = 0.7,
-                  confuse_even: float = 0.2, noise: float = 0.1) -> torch.Tensor:
+def noisy_targets(
+    prompts: torch.Tensor, gen: torch.Generator, confuse_odd: float = 0.7, confuse_even: float = 0.2, noise: float = 0.1
+) -> torch.Tensor:
     """Warm-start labels: the correct token, its confuser (s + 1) mod 20, or a random symbol."""
     y = targets(prompts)
     u = torch.rand(y.shape, generator=gen)

@@ -14,9 +14,9 @@ import contextlib
 import copy
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -118,9 +118,18 @@ class ToyTrainer:
         self.model.train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.loss_kw = dict(method=cfg.method, eps_low=cfg.eps_low, eps_high=cfg.eps_high, beta2=cfg.beta2,
-                            dual_clip=cfg.dual_clip, erc=cfg.erc, agg=cfg.agg, entropy_coef=cfg.entropy_coef,
-                            tau=cfg.tau, **dict(cfg.loss_options))  # the method's further policy_loss kwargs
+        self.loss_kw = dict(
+            method=cfg.method,
+            eps_low=cfg.eps_low,
+            eps_high=cfg.eps_high,
+            beta2=cfg.beta2,
+            dual_clip=cfg.dual_clip,
+            erc=cfg.erc,
+            agg=cfg.agg,
+            entropy_coef=cfg.entropy_coef,
+            tau=cfg.tau,
+            **dict(cfg.loss_options),
+        )  # the method's further policy_loss kwargs
         if cfg.top_entropy_quantile < 1.0:  # the 80/20 forking rule (policy_update's option)
             self.loss_kw["top_entropy_quantile"] = cfg.top_entropy_quantile
         if cfg.method == "clip_cov":  # Clip-Cov's random selection: its own run-seeded generator
@@ -129,9 +138,13 @@ class ToyTrainer:
         if cfg.entropy_target is not None:
             from ...rl.forking import AdaptiveEntropyCoef
 
-            self.entropy_ctrl = AdaptiveEntropyCoef(cfg.entropy_target, coef=cfg.entropy_coef,
-                                                    delta=cfg.entropy_coef_delta, coef_min=cfg.entropy_coef_min,
-                                                    coef_max=cfg.entropy_coef_max)
+            self.entropy_ctrl = AdaptiveEntropyCoef(
+                cfg.entropy_target,
+                coef=cfg.entropy_coef,
+                delta=cfg.entropy_coef_delta,
+                coef_min=cfg.entropy_coef_min,
+                coef_max=cfg.entropy_coef_max,
+            )
             self.loss_kw["entropy_coef"] = self.entropy_ctrl
         self.loss_hook = None  # an integrations.loss_hook.LossHook: updates recorded through it (benchmarks)
 
@@ -140,8 +153,13 @@ class ToyTrainer:
         generator (:meth:`load_state` puts it back: the next step is then the same, bit for bit)."""
         ctrl = self.entropy_ctrl.state_dict() if self.entropy_ctrl is not None else None
         cov = self.loss_kw["generator"].get_state() if "generator" in self.loss_kw else None
-        return ({k: v.clone() for k, v in self.model.state_dict().items()}, copy.deepcopy(self.opt.state_dict()),
-                self.gen.get_state(), ctrl, cov)
+        return (
+            {k: v.clone() for k, v in self.model.state_dict().items()},
+            copy.deepcopy(self.opt.state_dict()),
+            self.gen.get_state(),
+            ctrl,
+            cov,
+        )
 
     def load_state(self, state: tuple) -> None:
         weights, opt, gen, ctrl, cov = state
@@ -167,9 +185,20 @@ class ToyTrainer:
         from ...rl.stats import logprobs_and_entropy
 
         lp, h = logprobs_and_entropy(logits, tokens, temperature=self.cfg.temperature)  # [mb, T] each
-        self.loss_hook.watch(step, u, logprobs=lp, old_logprobs=old_lp, advantages=adv, mask=mask, entropy=h,
-                             old_entropy=old_h, logits=logits, tokens=tokens, seq_ids=idx,
-                             group_ids=idx // self.cfg.group)
+        self.loss_hook.watch(
+            step,
+            u,
+            logprobs=lp,
+            old_logprobs=old_lp,
+            advantages=adv,
+            mask=mask,
+            entropy=h,
+            old_entropy=old_h,
+            logits=logits,
+            tokens=tokens,
+            seq_ids=idx,
+            group_ids=idx // self.cfg.group,
+        )
         return policy_loss(lp, old_lp, adv, mask, entropy=h, old_entropy=old_h, beta1=beta1, **self.loss_kw)
 
     def rl_step(self, step: int, rec: Recorder | None) -> tuple[float, float]:
@@ -212,12 +241,27 @@ class ToyTrainer:
                 if cfg.tis:
                     extra["is_weight"] = tis_weight(old_lp[idx], samp_lp[idx], cfg.tis)
             if rec and self.loss_hook is not None:  # benchmarks: the loss hook beside policy_loss instead
-                out = self._hooked_update(step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx], old_h[idx],
-                                          idx, beta1)
+                out = self._hooked_update(
+                    step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx], old_h[idx], idx, beta1
+                )
             else:
-                out = policy_update(rec, step, u, logits, resp[idx], mask[idx], adv[idx], old_lp[idx],
-                                    old_entropy=old_h[idx], temperature=cfg.temperature, seq_ids=idx,
-                                    group_ids=idx // cfg.group, beta1=beta1, **self.loss_kw, **extra)
+                out = policy_update(
+                    rec,
+                    step,
+                    u,
+                    logits,
+                    resp[idx],
+                    mask[idx],
+                    adv[idx],
+                    old_lp[idx],
+                    old_entropy=old_h[idx],
+                    temperature=cfg.temperature,
+                    seq_ids=idx,
+                    group_ids=idx // cfg.group,
+                    beta1=beta1,
+                    **self.loss_kw,
+                    **extra,
+                )
             self.opt.zero_grad(set_to_none=True)
             out.loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -229,9 +273,15 @@ class ToyTrainer:
         # 4. the step's sequences and scalars
         r_mean, h_mean = float(rewards.mean()), float(old_h.mean())
         if rec:
-            rec.record_sequences(step, seq_ids=torch.arange(n), rewards=rewards, advantages=adv,
-                                 lengths=mask.sum(dim=1), group_ids=torch.arange(n) // cfg.group,
-                                 texts=[task.decode(r) for r in resp.tolist()])  # each response's text
+            rec.record_sequences(
+                step,
+                seq_ids=torch.arange(n),
+                rewards=rewards,
+                advantages=adv,
+                lengths=mask.sum(dim=1),
+                group_ids=torch.arange(n) // cfg.group,
+                texts=[task.decode(r) for r in resp.tolist()],
+            )  # each response's text
             rec.record_step(step, accuracy=float((rewards == 1).float().mean()), policy_entropy=h_mean)
         return r_mean, h_mean
 
@@ -251,27 +301,48 @@ def _probe_update_fn(trainer, rec, step, u, idx, seqs, resp, mask, adv, old_lp, 
         if cov_gen is not None:
             cov_gen.set_state(cov_state)
         logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
-        lp, h, s = logprobs_and_entropy(logits, resp[idx], temperature=cfg.temperature, entropy_grad=True,
-                                        sensitivity=True)
-        out = policy_loss(lp, old_lp[idx], adv[idx], mask[idx], entropy=h, old_entropy=old_h[idx], beta1=beta1,
-                          **trainer.loss_kw)
+        lp, h, s = logprobs_and_entropy(
+            logits, resp[idx], temperature=cfg.temperature, entropy_grad=True, sensitivity=True
+        )
+        out = policy_loss(
+            lp, old_lp[idx], adv[idx], mask[idx], entropy=h, old_entropy=old_h[idx], beta1=beta1, **trainer.loss_kw
+        )
         if torch.is_grad_enabled():
             if trainer.loss_kw.get("entropy_coef"):  # the bonus's own term of entropy_effect (policy_update's)
                 bonus = entropy_bonus_effect(out.loss, h, logits, mask[idx], temperature=cfg.temperature)
                 if bonus is not None:
                     out.columns["entropy_effect_bonus"] = bonus
-            rec.record_update(step, u, mask=mask[idx], advantages=adv[idx], logprobs=lp, old_logprobs=old_lp[idx],
-                              entropy=h, old_entropy=old_h[idx], tokens=resp[idx], seq_ids=idx,
-                              group_ids=idx // cfg.group, loss=out, entropy_sensitivity=s,
-                              temperature=cfg.temperature)
+            rec.record_update(
+                step,
+                u,
+                mask=mask[idx],
+                advantages=adv[idx],
+                logprobs=lp,
+                old_logprobs=old_lp[idx],
+                entropy=h,
+                old_entropy=old_h[idx],
+                tokens=resp[idx],
+                seq_ids=idx,
+                group_ids=idx // cfg.group,
+                loss=out,
+                entropy_sensitivity=s,
+                temperature=cfg.temperature,
+            )
         return ProbeForward(out.loss, lp, h, mask[idx], out.columns)
 
     return loss_fn
 
 
-def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
-          on_step: Callable[[int, float, float], None] | None = None, record: bool = True,
-          overwrite: bool = False, fsync: bool = True) -> RunResult:
+def train(
+    cfg: ToyConfig,
+    out_dir: str | Path,
+    *,
+    run: str | None = None,
+    on_step: Callable[[int, float, float], None] | None = None,
+    record: bool = True,
+    overwrite: bool = False,
+    fsync: bool = True,
+) -> RunResult:
     """Train the toy policy with ``cfg`` and record the run under ``out_dir/<run>`` (an existing run of
     that id is refused unless ``overwrite``; ``fsync``: the Recorder's, see :class:`Recorder`)."""
     cfg.validate()
@@ -279,11 +350,28 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
     t0 = time.perf_counter()
     trainer = ToyTrainer(cfg)
     # `method` names the training recipe (e.g. erc_dapo); the loss itself is in run.json's `loss`
-    config = {**cfg.to_dict(), "method": cfg.name or cfg.method, "loss_method": cfg.method,
-              "model": "toy-qwen2", "task": "shifted-lookup"}
+    config = {
+        **cfg.to_dict(),
+        "method": cfg.name or cfg.method,
+        "loss_method": cfg.method,
+        "model": "toy-qwen2",
+        "task": "shifted-lookup",
+    }
     rewards_hist, ent_hist = [], []
-    rec = (Recorder(out_dir, run=run, config=config, tau=cfg.tau, sample=cfg.sample, overwrite=overwrite,
-                    fsync=fsync, tokenizer=list(task.TOKEN_NAMES)) if record else None)  # token texts: run.json
+    rec = (
+        Recorder(
+            out_dir,
+            run=run,
+            config=config,
+            tau=cfg.tau,
+            sample=cfg.sample,
+            overwrite=overwrite,
+            fsync=fsync,
+            tokenizer=list(task.TOKEN_NAMES),
+        )
+        if record
+        else None
+    )  # token texts: run.json
     try:
         for step in range(cfg.steps):
             r_mean, h_mean = trainer.rl_step(step, rec)
@@ -299,5 +387,6 @@ def train(cfg: ToyConfig, out_dir: str | Path, *, run: str | None = None,
         raise
     if rec:
         rec.close()
-    return RunResult(run, Path(out_dir) / run, rewards_hist, ent_hist, time.perf_counter() - t0,
-                     threads=torch.get_num_threads())
+    return RunResult(
+        run, Path(out_dir) / run, rewards_hist, ent_hist, time.perf_counter() - t0, threads=torch.get_num_threads()
+    )

@@ -49,15 +49,20 @@ def read_micro_batch(model_output, data) -> MicroBatch:
     width = mask.shape[-1]
     entropy = model_output.get("entropy", None)
     spp = model_output.get("sum_pi_squared", None)
-    return MicroBatch(data=data, keys=keys, td=td, mask=mask,
-                      log_prob=padded(model_output["log_probs"], data, width),
-                      entropy=padded(entropy, data, width) if entropy is not None else None,
-                      sum_pi_squared=padded(spp, data, width) if spp is not None else None,
-                      old_log_prob=fit(td["old_log_probs"], width), advantages=fit(td["advantages"], width),
-                      old_entropy=fit(td[old_key], width).float() if old_key is not None else None,
-                      rollout_log_prob=fit(td["rollout_log_probs"], width).float()
-                      if "rollout_log_probs" in keys else None,
-                      is_weight=fit(td["rollout_is_weights"], width) if "rollout_is_weights" in keys else None)
+    return MicroBatch(
+        data=data,
+        keys=keys,
+        td=td,
+        mask=mask,
+        log_prob=padded(model_output["log_probs"], data, width),
+        entropy=padded(entropy, data, width) if entropy is not None else None,
+        sum_pi_squared=padded(spp, data, width) if spp is not None else None,
+        old_log_prob=fit(td["old_log_probs"], width),
+        advantages=fit(td["advantages"], width),
+        old_entropy=fit(td[old_key], width).float() if old_key is not None else None,
+        rollout_log_prob=fit(td["rollout_log_probs"], width).float() if "rollout_log_probs" in keys else None,
+        is_weight=fit(td["rollout_is_weights"], width) if "rollout_is_weights" in keys else None,
+    )
 
 
 def non_tensor(data, key: str, default=None):

@@ -19,8 +19,9 @@ def write_checkpoint_record(folder, *, record_dir: str, run: str, step: int, nex
     path = os.path.join(folder, CHECKPOINT_RECORD)
     tmp = os.path.join(folder, f".{CHECKPOINT_RECORD}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump({"record_dir": str(record_dir), "run": run, "step": int(step),
-                   "next_sample_id": int(next_sample_id)}, f)
+        json.dump(
+            {"record_dir": str(record_dir), "run": run, "step": int(step), "next_sample_id": int(next_sample_id)}, f
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -76,14 +77,29 @@ def resume_plan(folder: str | None, global_steps: int, run_given: str | None, ne
     rec = read_checkpoint_record(folder)
     if rec is None:
         run = run_given or new_run
-        return ResumePlan(run, None, 0, f"checkpoint {folder} carries no entropylens record (saved without "
-                                        f"recording): run {run!r} starts new at step {int(global_steps) + 1}")
+        return ResumePlan(
+            run,
+            None,
+            0,
+            f"checkpoint {folder} carries no entropylens record (saved without "
+            f"recording): run {run!r} starts new at step {int(global_steps) + 1}",
+        )
     if int(rec["step"]) != int(global_steps):
-        raise ValueError(f"{os.path.join(folder, CHECKPOINT_RECORD)} says step {rec['step']}, verl resumed from "
-                         f"global step {global_steps}: the record does not belong to this checkpoint")
+        raise ValueError(
+            f"{os.path.join(folder, CHECKPOINT_RECORD)} says step {rec['step']}, verl resumed from "
+            f"global step {global_steps}: the record does not belong to this checkpoint"
+        )
     if run_given and run_given != rec["run"]:
-        return ResumePlan(run_given, None, int(rec["next_sample_id"]),
-                          f"checkpoint {folder} belongs to run {rec['run']!r}; policy_loss.run={run_given!r} "
-                          f"starts that run new at step {int(global_steps) + 1}")
-    return ResumePlan(rec["run"], int(global_steps), int(rec["next_sample_id"]),
-                      f"run {rec['run']!r} continues after step {int(global_steps)} (checkpoint {folder})")
+        return ResumePlan(
+            run_given,
+            None,
+            int(rec["next_sample_id"]),
+            f"checkpoint {folder} belongs to run {rec['run']!r}; policy_loss.run={run_given!r} "
+            f"starts that run new at step {int(global_steps) + 1}",
+        )
+    return ResumePlan(
+        rec["run"],
+        int(global_steps),
+        int(rec["next_sample_id"]),
+        f"run {rec['run']!r} continues after step {int(global_steps)} (checkpoint {folder})",
+    )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from verl.workers.config import ActorConfig, PolicyLossConfig
@@ -17,8 +16,10 @@ from .names import check_registered, method_of, registered_names
 
 DAPO_EPS_HIGH = 0.28  # DAPO's clip-higher (Yu et al. 2025): eps_low 0.2, eps_high 0.28
 # report.run_findings.ON_POLICY_TEXT with verl's settings in place of TRL's
-ON_POLICY_TEXT = ("every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
-                  "or ppo_mini_batch_size < data.train_batch_size")
+ON_POLICY_TEXT = (
+    "every ratio is 1: clipping, CE-GPPO and ERC cannot act; set actor_rollout_ref.actor.ppo_epochs > 1 "
+    "or ppo_mini_batch_size < data.train_batch_size"
+)
 
 
 @dataclass
@@ -45,14 +46,14 @@ class EntropyLensLossConfig(PolicyLossConfig):
 
     beta1: float = 0.5
     beta2: float = 1.0
-    erc_low: Optional[float] = None
-    erc_high: Optional[float] = None
-    record_dir: Optional[str] = None
-    run: Optional[str] = None
+    erc_low: float | None = None
+    erc_high: float | None = None
+    record_dir: str | None = None
+    run: str | None = None
     sample: float = 1.0
     tau: float = 0.5
     exact_logit_grad_norm: bool = True
-    tokenizer: Optional[str] = None
+    tokenizer: str | None = None
     top_entropy_quantile: float = 1.0
     adaptive_entropy: bool = False
     entropy_target: float = 0.2
@@ -82,8 +83,9 @@ class EntropyLensLossConfig(PolicyLossConfig):
         if not 0.0 <= float(self.top_entropy_quantile) <= 1.0:
             raise ValueError(f"policy_loss.top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
         if self.adaptive_entropy and not self.entropy_coef_min <= self.entropy_coef_max:
-            raise ValueError(f"policy_loss.entropy_coef_min {self.entropy_coef_min} > entropy_coef_max "
-                             f"{self.entropy_coef_max}")
+            raise ValueError(
+                f"policy_loss.entropy_coef_min {self.entropy_coef_min} > entropy_coef_max {self.entropy_coef_max}"
+            )
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"policy_loss.tau must be in (0, 1], got {self.tau}")
 
@@ -120,7 +122,8 @@ def eps_from(config, method: str | None = None) -> tuple[float, float]:
         raise ValueError(
             f"entropylens_dapo: actor.clip_ratio_high is {high:g}, verl's default, which makes DAPO plain GRPO (verl's "
             f"config cannot tell its default from a setting): set actor_rollout_ref.actor.clip_ratio_high="
-            f"{DAPO_EPS_HIGH} (DAPO's clip-higher), or use loss_mode=entropylens_grpo for a symmetric clip")
+            f"{DAPO_EPS_HIGH} (DAPO's clip-higher), or use loss_mode=entropylens_grpo for a symmetric clip"
+        )
     return low, high
 
 
@@ -168,5 +171,7 @@ def on_policy(config) -> str | None:
         return None
     if int(epochs) != 1 or int(mini) < int(train):
         return None
-    return (f"verl recomputes the old log-probs before the actor update, and actor.ppo_epochs 1 over one mini-batch "
-            f"(ppo_mini_batch_size {int(mini)} >= data.train_batch_size {int(train)}) is one update per step")
+    return (
+        f"verl recomputes the old log-probs before the actor update, and actor.ppo_epochs 1 over one mini-batch "
+        f"(ppo_mini_batch_size {int(mini)} >= data.train_batch_size {int(train)}) is one update per step"
+    )

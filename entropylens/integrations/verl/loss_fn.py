@@ -22,10 +22,15 @@ from .config import pl_get
 from .metrics import METRIC_PREFIX, SUM_PREFIX, metric_shares
 from .names import OLD_ENTROPY_KEYS, SAMPLE_ID, STEP, method_of, new_run_id, registered_names
 from .ranks import dp_rank
-from .recorders import (add_sequences, close_recorders, commit_recorders, end_step_recorders,
-                        flush_earlier_sequences, open_recorder)
+from .recorders import (
+    add_sequences,
+    close_recorders,
+    commit_recorders,
+    end_step_recorders,
+    flush_earlier_sequences,
+    open_recorder,
+)
 from .registered import compute_loss, verl_clip_metrics, verl_metric_keys
-
 
 # the adaptive entropy controllers of this worker, by (record_dir, run): [controller, its last step]
 _CONTROLLERS: dict[tuple[str, str | None], list] = {}
@@ -49,14 +54,25 @@ class EntropyLensLoss:
     responses' texts (sequences.text).
     """
 
-    def __init__(self, config, *, run: str | None = None, closing: bool = False, resume: int | None = None,
-                 committing: bool = False, ending: bool = False, tokenizer: str | None = None):
+    def __init__(
+        self,
+        config,
+        *,
+        run: str | None = None,
+        closing: bool = False,
+        resume: int | None = None,
+        committing: bool = False,
+        ending: bool = False,
+        tokenizer: str | None = None,
+    ):
         self.config = config
         pl = config.policy_loss
         self.method = method_of(pl.loss_mode)
         if self.method is None:
-            raise ValueError(f"EntropyLensLoss: policy_loss.loss_mode={pl.loss_mode!r} is not an entropylens loss; "
-                             f"use one of {', '.join(registered_names())}")
+            raise ValueError(
+                f"EntropyLensLoss: policy_loss.loss_mode={pl.loss_mode!r} is not an entropylens loss; "
+                f"use one of {', '.join(registered_names())}"
+            )
         lo, hi = pl_get(config, "erc_low"), pl_get(config, "erc_high")
         self.erc = None if lo is None else (float(lo), float(hi))
         self.record_dir = pl_get(config, "record_dir")
@@ -78,7 +94,8 @@ class EntropyLensLoss:
                 coef=float(getattr(config, "entropy_coeff", 0.0) or 0.0),
                 delta=float(pl_get(config, "entropy_coef_delta", 0.005)),
                 coef_min=float(pl_get(config, "entropy_coef_min", 0.0)),
-                coef_max=float(pl_get(config, "entropy_coef_max", 1.0)))
+                coef_max=float(pl_get(config, "entropy_coef_max", 1.0)),
+            )
 
     # pickling: the trainer ships this object to every worker with set_loss_fn
     def __getstate__(self):
@@ -94,8 +111,9 @@ class EntropyLensLoss:
             end_step_recorders()
         self.committing = self.ending = False
 
-    def shipped(self, *, committing: bool = False, ending: bool = False, closing: bool = False,
-                status: str = "finished") -> "EntropyLensLoss":
+    def shipped(
+        self, *, committing: bool = False, ending: bool = False, closing: bool = False, status: str = "finished"
+    ) -> EntropyLensLoss:
         """A copy of this loss function for ``set_loss_fn`` that commits (``committing``), ends the step
         in (``ending``) or closes (``closing``, with the run's final ``status``) the recorders of every
         worker it reaches."""
@@ -113,19 +131,41 @@ class EntropyLensLoss:
         keep, ctrl = self._forking_and_adaptive(b, dp_group)
         if ctrl is not None:
             entropy_coef = ctrl.applied
-        out = compute_loss(self.method, b.old_log_prob, b.log_prob, b.advantages, b.mask, config.loss_agg_mode,
-                           config, entropy=b.entropy, old_entropy=b.old_entropy if b.entropy is not None else None,
-                           erc=self.erc, entropy_coef=entropy_coef, token_mask=keep, is_weight=b.is_weight)
+        out = compute_loss(
+            self.method,
+            b.old_log_prob,
+            b.log_prob,
+            b.advantages,
+            b.mask,
+            config.loss_agg_mode,
+            config,
+            entropy=b.entropy,
+            old_entropy=b.old_entropy if b.entropy is not None else None,
+            erc=self.erc,
+            entropy_coef=entropy_coef,
+            token_mask=keep,
+            is_weight=b.is_weight,
+        )
         if ctrl is not None:
             out.config["entropy_coef_adaptive"] = ctrl.coef
             out.config.update(ctrl.settings())
         if keep is not None:
             out.config["top_entropy_quantile"] = self.top_entropy_quantile
         loss, metrics, ent_loss = _verl_terms(config, b, out.loss, aggregation)
-        clip = verl_clip_metrics(b.log_prob, b.old_log_prob, b.advantages, b.mask, config, self.method,
-                                 cov_clipped=out.columns.get("cov_clipped"))
-        metrics.update(_loss_metrics(out, verl_metric_keys(self.method), clip, ent_loss, entropy_coef, aggregation,
-                                     int(data["dp_size"] or 1)))
+        clip = verl_clip_metrics(
+            b.log_prob,
+            b.old_log_prob,
+            b.advantages,
+            b.mask,
+            config,
+            self.method,
+            cov_clipped=out.columns.get("cov_clipped"),
+        )
+        metrics.update(
+            _loss_metrics(
+                out, verl_metric_keys(self.method), clip, ent_loss, entropy_coef, aggregation, int(data["dp_size"] or 1)
+            )
+        )
         rec = self._recorder(dp_group, dynamic_cp=non_tensor(data, "local_cp_size") is not None)
         if rec is not None:
             self._record(rec, out, b, exact=entropy_coef == 0.0 and not config.use_kl_loss)
@@ -143,18 +183,23 @@ class EntropyLensLoss:
         if q >= 1.0 and adaptive is None:
             return None, None
         if b.entropy is None:
-            raise RuntimeError("entropylens: policy_loss.top_entropy_quantile / adaptive_entropy need the entropy "
-                               "(actor.calculate_entropy=True; trainer.v1.trainer_mode=entropylens provides it)")
+            raise RuntimeError(
+                "entropylens: policy_loss.top_entropy_quantile / adaptive_entropy need the entropy "
+                "(actor.calculate_entropy=True; trainer.v1.trainer_mode=entropylens provides it)"
+            )
         group = dp_group if dp_group is not None and torch.distributed.is_initialized() else None
         keep = None
         if q < 1.0:
-            keep = top_entropy_mask(b.entropy, b.mask, q,
-                                    all_gather=None if group is None else (lambda t: gather_valid(t, group)))
+            keep = top_entropy_mask(
+                b.entropy, b.mask, q, all_gather=None if group is None else (lambda t: gather_valid(t, group))
+            )
         if adaptive is None:
             return keep, None
         if STEP not in b.keys:
-            raise RuntimeError(f"entropylens: policy_loss.adaptive_entropy needs {STEP} in the batch "
-                               "(trainer.v1.trainer_mode=entropylens puts it there)")
+            raise RuntimeError(
+                f"entropylens: policy_loss.adaptive_entropy needs {STEP} in the batch "
+                "(trainer.v1.trainer_mode=entropylens puts it there)"
+            )
         step = int(b.td[STEP].reshape(-1).long().max())
         key = (str(self.record_dir), str(pl_get(self.config, "run")))
         if key not in _CONTROLLERS:
@@ -174,7 +219,8 @@ class EntropyLensLoss:
                 "entropylens ERC needs the current entropy (actor.calculate_entropy=True) and the old policy's "
                 f"entropy in the batch (one of {', '.join(OLD_ENTROPY_KEYS)}); got entropy="
                 f"{'yes' if b.entropy is not None else 'no'}, batch keys={sorted(b.keys)}. "
-                "trainer.v1.trainer_mode=entropylens provides both.")
+                "trainer.v1.trainer_mode=entropylens provides both."
+            )
 
     def _recorder(self, dp_group, *, dynamic_cp: bool = False):
         """This process's recorder; None without recording, in a closing copy, or on a rank that does not
@@ -199,21 +245,34 @@ class EntropyLensLoss:
             raise RuntimeError(
                 f"entropylens recording needs {SAMPLE_ID} and {STEP} (int64 per sample) in the batch: rows are "
                 "joined by id, never by position (mini-batches are shuffled). trainer.v1.trainer_mode=entropylens "
-                "puts them there.")
+                "puts them there."
+            )
         sid = b.td[SAMPLE_ID].reshape(-1).long()  # [B]
         step = int(b.td[STEP].reshape(-1).long().max())  # one host sync
         if b.old_entropy is None:
-            self._warn_once("old_entropy", "entropylens: no old-policy entropy in the batch; entropy_ratio is not recorded")
+            self._warn_once(
+                "old_entropy", "entropylens: no old-policy entropy in the batch; entropy_ratio is not recorded"
+            )
         columns = _token_columns(out, b, exact)
         update = self._update.get(step, 0)
         self._update = {step: update + 1}
         key = (str(self.record_dir), self.run)
         flush_earlier_sequences(key, rec, step)  # before this update closes the earlier step
         responses = fit(b.td["responses"], b.width)  # [B, T]
-        rec.record_update(step, update, mask=b.mask, advantages=b.advantages, logprobs=b.log_prob.detach(),
-                          old_logprobs=b.old_log_prob, entropy=b.entropy.detach() if b.entropy is not None else None,
-                          old_entropy=b.old_entropy, tokens=responses, seq_ids=sid, loss=_Columns(out, columns),
-                          sampler_logprobs=b.rollout_log_prob)
+        rec.record_update(
+            step,
+            update,
+            mask=b.mask,
+            advantages=b.advantages,
+            logprobs=b.log_prob.detach(),
+            old_logprobs=b.old_log_prob,
+            entropy=b.entropy.detach() if b.entropy is not None else None,
+            old_entropy=b.old_entropy,
+            tokens=responses,
+            seq_ids=sid,
+            loss=_Columns(out, columns),
+            sampler_logprobs=b.rollout_log_prob,
+        )
         add_sequences(key, step, b, sid, responses, tokenizer=self.tokenizer, warned=self._warned)
 
 
@@ -225,8 +284,12 @@ def _global_batch_info(config, data) -> AggregationType:
     config.global_batch_info["batch_num_tokens"] = data["batch_num_tokens"]
     config.global_batch_info["global_batch_size"] = data["global_batch_size"]
     config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
-    global_norm = (data["dp_size"] > 1 or data["batch_num_tokens"] is not None
-                   or data["global_batch_size"] is not None or config.loss_scale_factor is not None)
+    global_norm = (
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    )
     return AggregationType.SUM if global_norm else AggregationType.MEAN
 
 
@@ -236,14 +299,20 @@ def _verl_terms(config, b: MicroBatch, loss, aggregation):
     metrics: dict[str, Any] = {}
     ent_loss = None
     if b.entropy is not None:  # as ppo_loss reports it
-        ent_loss = agg_loss(loss_mat=b.entropy.detach(), loss_mask=b.mask, loss_agg_mode=config.loss_agg_mode,
-                            **config.global_batch_info)
+        ent_loss = agg_loss(
+            loss_mat=b.entropy.detach(),
+            loss_mask=b.mask,
+            loss_agg_mode=config.loss_agg_mode,
+            **config.global_batch_info,
+        )
         metrics["actor/entropy_loss"] = Metric(value=ent_loss, aggregation=aggregation)
     if config.use_kl_loss:
-        kld = kl_penalty(logprob=b.log_prob, ref_logprob=fit(b.td["ref_log_prob"], b.width),
-                         kl_penalty=config.kl_loss_type)
-        kl_loss = agg_loss(loss_mat=kld, loss_mask=b.mask, loss_agg_mode=config.loss_agg_mode,
-                           **config.global_batch_info)
+        kld = kl_penalty(
+            logprob=b.log_prob, ref_logprob=fit(b.td["ref_log_prob"], b.width), kl_penalty=config.kl_loss_type
+        )
+        kl_loss = agg_loss(
+            loss_mat=kld, loss_mask=b.mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info
+        )
         loss = loss + kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=aggregation)
         metrics["kl_coef"] = config.kl_loss_coef
@@ -256,8 +325,14 @@ def _loss_metrics(out, clip_keys, clip, ent_loss, entropy_coef: float, aggregati
     registered.verl_metric_keys) averaged over micro-batches (Metric MEAN, as ppo_loss wraps a policy loss's
     metrics); ours: the back-propagated policy loss (bonus included) with pg_loss's aggregation, and the
     step metrics as additive shares (Metric SUM), which EntropyLensTrainer turns into step values."""
-    host = torch.cat([clip, ent_loss.detach().double().reshape(1) if ent_loss is not None
-                      else torch.zeros(1, dtype=torch.float64, device=clip.device)]).tolist()  # one host copy
+    host = torch.cat(
+        [
+            clip,
+            ent_loss.detach().double().reshape(1)
+            if ent_loss is not None
+            else torch.zeros(1, dtype=torch.float64, device=clip.device),
+        ]
+    ).tolist()  # one host copy
     scal = out.scalars()  # one host copy
     total = scal.get("loss", float("nan"))
     n_clip = len(clip_keys)

@@ -25,7 +25,7 @@ def metric_rule(name: str) -> tuple[str, str | None] | None:
     if name in ("ratio_mean", "kl_k3"):
         return ("mean", "n_finite_ratio")
     if name.startswith("clip_frac_"):
-        return ("mean", "n_" + name[len("clip_frac_"):])
+        return ("mean", "n_" + name[len("clip_frac_") :])
     if name in BUDGET_NAMES:
         return ("sum", None)
     if name.startswith("entropy_ratio_p") or name.startswith("lgn_mean_") or name == "loss":
@@ -103,7 +103,7 @@ class MetricShares:
         out = self._wg.update_actor(*args, **kwargs)
         metrics = dict(out["metrics"])
         for k in [k for k in metrics if k.startswith(SUM_PREFIX)]:
-            name = k[len(SUM_PREFIX):]
+            name = k[len(SUM_PREFIX) :]
             self.sums[name] = self.sums.get(name, 0.0) + _total(metrics.pop(k))
         tu.assign_non_tensor(out, metrics=metrics)
         return out

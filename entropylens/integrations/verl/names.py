@@ -10,7 +10,14 @@ from datetime import datetime
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
 METHODS = ("gppo", "ce_gppo")  # registered under their own names
-PREFIXED = ("grpo", "dapo", "cispo", "sapo", "clip_cov", "kl_cov")  # registered as entropylens_<name> (verl has its own)
+PREFIXED = (
+    "grpo",
+    "dapo",
+    "cispo",
+    "sapo",
+    "clip_cov",
+    "kl_cov",
+)  # registered as entropylens_<name> (verl has its own)
 SAMPLE_ID = "entropylens_sample_id"  # int64 [B] in the batch: run-unique id of the sample
 STEP = "entropylens_step"  # int64 [B] in the batch: the trainer step the update belongs to
 OLD_ENTROPY_KEYS = ("entropylens_old_entropy", "entropy", "old_entropys", "entropys")  # first found wins
@@ -23,8 +30,8 @@ def method_of(loss_mode: str) -> str | None:
     """entropylens method behind a verl loss_mode (None: verl's own loss)."""
     if loss_mode in METHODS:
         return loss_mode
-    if loss_mode.startswith("entropylens_") and loss_mode[len("entropylens_"):] in (*METHODS, *PREFIXED):
-        return loss_mode[len("entropylens_"):]
+    if loss_mode.startswith("entropylens_") and loss_mode[len("entropylens_") :] in (*METHODS, *PREFIXED):
+        return loss_mode[len("entropylens_") :]
     return None
 
 
@@ -34,10 +41,14 @@ def registered_names() -> tuple[str, ...]:
 
 def check_registered() -> None:
     """Loud check: verl logs plug-in load errors only at DEBUG, so the losses are verified here."""
-    missing = [n for n in registered_names() if getattr(POLICY_LOSS_REGISTRY.get(n), "entropylens_method", None) is None]
+    missing = [
+        n for n in registered_names() if getattr(POLICY_LOSS_REGISTRY.get(n), "entropylens_method", None) is None
+    ]
     if missing:
-        raise RuntimeError(f"entropylens losses are not registered in verl: {', '.join(missing)} "
-                           "(import entropylens.integrations.verl, or check VERL_USE_EXTERNAL_PLUGINS)")
+        raise RuntimeError(
+            f"entropylens losses are not registered in verl: {', '.join(missing)} "
+            "(import entropylens.integrations.verl, or check VERL_USE_EXTERNAL_PLUGINS)"
+        )
 
 
 def new_run_id(method: str) -> str:

@@ -9,8 +9,9 @@ import sys
 import torch
 
 
-def recording_rank(pp_rank: int, pp_size: int, tp_rank: int, cp_rank: int, dp_rank: int, *,
-                   dynamic_cp: bool = False) -> int | None:
+def recording_rank(
+    pp_rank: int, pp_size: int, tp_rank: int, cp_rank: int, dp_rank: int, *, dynamic_cp: bool = False
+) -> int | None:
     """The recorder rank of a Megatron process (its data-parallel rank), or None when it does not record.
 
     The loss runs on the last pipeline stage only, and every tensor / context-parallel peer of a
@@ -20,8 +21,10 @@ def recording_rank(pp_rank: int, pp_size: int, tp_rank: int, cp_rank: int, dp_ra
     pp_size > 1). With verl's dynamic context parallelism every data-parallel rank holds the whole
     batch (verl makes dp 1): only data-parallel rank 0 records."""
     if not (0 <= pp_rank < pp_size) or min(tp_rank, cp_rank, dp_rank) < 0:
-        raise ValueError(f"not a parallel layout: pp_rank={pp_rank}, pp_size={pp_size}, tp_rank={tp_rank}, "
-                         f"cp_rank={cp_rank}, dp_rank={dp_rank}")
+        raise ValueError(
+            f"not a parallel layout: pp_rank={pp_rank}, pp_size={pp_size}, tp_rank={tp_rank}, "
+            f"cp_rank={cp_rank}, dp_rank={dp_rank}"
+        )
     if pp_rank != pp_size - 1 or tp_rank != 0 or cp_rank != 0:
         return None
     if dynamic_cp:
@@ -36,9 +39,14 @@ def megatron_layout() -> tuple[int, int, int, int, int, int] | None:
     mpu = sys.modules.get("megatron.core.parallel_state")
     if mpu is None or not mpu.model_parallel_is_initialized():
         return None
-    return (mpu.get_pipeline_model_parallel_rank(), mpu.get_pipeline_model_parallel_world_size(),
-            mpu.get_tensor_model_parallel_rank(), mpu.get_context_parallel_rank(), mpu.get_data_parallel_rank(),
-            mpu.get_data_parallel_world_size())
+    return (
+        mpu.get_pipeline_model_parallel_rank(),
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_tensor_model_parallel_rank(),
+        mpu.get_context_parallel_rank(),
+        mpu.get_data_parallel_rank(),
+        mpu.get_data_parallel_world_size(),
+    )
 
 
 def dp_rank(dp_group, *, dynamic_cp: bool = False) -> tuple[int, int, bool]:

@@ -30,9 +30,17 @@ def open_recorder(loss, rank: int, world_size: int):
     if rec is None:
         from ...record.recorder import Recorder
 
-        rec = Recorder(loss.record_dir, loss.run, config=run_config(loss.config, loss.method, loss.erc),
-                       tau=loss.tau, sample=loss.sample, rank=rank, world_size=world_size, resume=loss.resume,
-                       tokenizer=loss.tokenizer or None)
+        rec = Recorder(
+            loss.record_dir,
+            loss.run,
+            config=run_config(loss.config, loss.method, loss.erc),
+            tau=loss.tau,
+            sample=loss.sample,
+            rank=rank,
+            world_size=world_size,
+            resume=loss.resume,
+            tokenizer=loss.tokenizer or None,
+        )
         _RECORDERS[key] = rec
     return rec
 
@@ -41,14 +49,19 @@ def run_config(config, method: str, erc) -> dict:
     """run.json's ``config`` of a verl run: the method, its eps, betas, ERC band, dual-clip and verl's
     aggregation, entropy coefficient and epochs (``config``: the actor's ActorConfig)."""
     eps_low, eps_high = eps_from(config, method)
-    return {"method": method, "framework": "verl", "eps_low": eps_low, "eps_high": eps_high,
-            "beta1": pl_get(config, "beta1") if method == "ce_gppo" else None,
-            "beta2": pl_get(config, "beta2") if method == "ce_gppo" else None,
-            "erc": list(erc) if erc else None,
-            "dual_clip": None if method == "cispo" else getattr(config, "clip_ratio_c", 3.0),
-            "loss_agg_mode": getattr(config, "loss_agg_mode", None),
-            "entropy_coeff": getattr(config, "entropy_coeff", None),
-            "ppo_epochs": getattr(config, "ppo_epochs", None)}
+    return {
+        "method": method,
+        "framework": "verl",
+        "eps_low": eps_low,
+        "eps_high": eps_high,
+        "beta1": pl_get(config, "beta1") if method == "ce_gppo" else None,
+        "beta2": pl_get(config, "beta2") if method == "ce_gppo" else None,
+        "erc": list(erc) if erc else None,
+        "dual_clip": None if method == "cispo" else getattr(config, "clip_ratio_c", 3.0),
+        "loss_agg_mode": getattr(config, "loss_agg_mode", None),
+        "entropy_coeff": getattr(config, "entropy_coeff", None),
+        "ppo_epochs": getattr(config, "ppo_epochs", None),
+    }
 
 
 def close_recorders(status: str = "finished") -> None:
@@ -97,8 +110,11 @@ def flush_sequences(key, rec) -> None:
         return
     parts = pending.parts
     texts = None if any(p["texts"] is None for p in parts) else [t for p in parts for t in p["texts"]]
-    rec.record_sequences(pending.step, **{k: torch.cat([p[k] for p in parts]) for k in
-                                          ("seq_ids", "rewards", "advantages", "lengths")}, texts=texts)
+    rec.record_sequences(
+        pending.step,
+        **{k: torch.cat([p[k] for p in parts]) for k in ("seq_ids", "rewards", "advantages", "lengths")},
+        texts=texts,
+    )
 
 
 def flush_earlier_sequences(key, rec, step: int) -> None:
@@ -107,8 +123,9 @@ def flush_earlier_sequences(key, rec, step: int) -> None:
         flush_sequences(key, rec)
 
 
-def add_sequences(key, step: int, b: MicroBatch, sid: torch.Tensor, responses: torch.Tensor, *,
-                  tokenizer: str | None, warned: set) -> None:
+def add_sequences(
+    key, step: int, b: MicroBatch, sid: torch.Tensor, responses: torch.Tensor, *, tokenizer: str | None, warned: set
+) -> None:
     """Buffer the sequences rows of micro-batch ``b``'s samples not yet seen in ``step`` (one sequences file
     per step and rank, :func:`flush_sequences`): the score summed over the response, the advantage's mean
     over its tokens, the response's length and text. Without a score in the batch: none (said once, ``warned``)."""
@@ -131,8 +148,15 @@ def add_sequences(key, step: int, b: MicroBatch, sid: torch.Tensor, responses: t
     score = fit(b.td[score_key], b.width).index_select(0, pick).double().sum(dim=1)  # [b]
     adv_seq = (adv.index_select(0, pick).double() * mask.index_select(0, pick)).sum(dim=1) / n_tok[pick]  # [b]
     texts = _response_texts(tokenizer, responses.index_select(0, pick).cpu(), lengths)
-    pending.parts.append({"seq_ids": sid.index_select(0, pick).cpu(), "rewards": score.cpu(),
-                          "advantages": adv_seq.cpu(), "lengths": lengths, "texts": texts})
+    pending.parts.append(
+        {
+            "seq_ids": sid.index_select(0, pick).cpu(),
+            "rewards": score.cpu(),
+            "advantages": adv_seq.cpu(),
+            "lengths": lengths,
+            "texts": texts,
+        }
+    )
 
 
 _TOKENIZERS: dict[str, Any] = {}  # tokenizer name -> the tokenizer (None: it could not be loaded), per worker
@@ -151,9 +175,12 @@ def _response_texts(name: str | None, responses: torch.Tensor, lengths: torch.Te
             _TOKENIZERS[name] = load_tokenizer(name)
         except Exception as e:  # noqa: BLE001 - texts are optional: say why, record the rest
             _TOKENIZERS[name] = None
-            warnings.warn(f"entropylens: tokenizer {name} could not be loaded on this worker ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); sequences are recorded without texts",
-                          TokenTextWarning, stacklevel=2)
+            warnings.warn(
+                f"entropylens: tokenizer {name} could not be loaded on this worker ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); sequences are recorded without texts",
+                TokenTextWarning,
+                stacklevel=2,
+            )
     tok = _TOKENIZERS[name]
     if tok is None:
         return None

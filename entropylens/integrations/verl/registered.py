@@ -23,9 +23,23 @@ VERL_CLIP_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"
 logger = logging.getLogger(__name__)
 
 
-def compute_loss(method: str, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, *,
-                 entropy=None, old_entropy=None, erc=None, entropy_coef: float = 0.0, token_mask=None,
-                 entropy_weights=None, is_weight=None):
+def compute_loss(
+    method: str,
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode,
+    config,
+    *,
+    entropy=None,
+    old_entropy=None,
+    erc=None,
+    entropy_coef: float = 0.0,
+    token_mask=None,
+    entropy_weights=None,
+    is_weight=None,
+):
     """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high (:func:`eps_from`),
     dual-clip from clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the
     policy_loss config, aggregation with verl's global counts via ``scale``, ``entropy_coef`` (verl's
@@ -44,17 +58,35 @@ def compute_loss(method: str, old_log_prob, log_prob, advantages, response_mask,
     # verl's clip_cov / kl_cov have no dual-clip (nor cispo, nor sapo)
     dual = None if method in ("cispo", "sapo", *COV_METHODS) else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
     lsf = info.get("loss_scale_factor") if agg == "seq-mean-token-sum-norm" else None
-    kw = dict(method=method, eps_low=eps_low, eps_high=eps_high, dual_clip=dual, agg=agg,
-              beta1=float(pl_get(config, "beta1", 0.5)), beta2=float(pl_get(config, "beta2", 1.0)),
-              tau=float(pl_get(config, "tau", 0.5)), entropy=entropy, old_entropy=old_entropy, erc=erc,
-              entropy_coef=entropy_coef, loss_scale_factor=None if lsf is None else float(lsf),
-              token_mask=token_mask, entropy_weights=entropy_weights, is_weight=is_weight)
+    kw = dict(
+        method=method,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        dual_clip=dual,
+        agg=agg,
+        beta1=float(pl_get(config, "beta1", 0.5)),
+        beta2=float(pl_get(config, "beta2", 1.0)),
+        tau=float(pl_get(config, "tau", 0.5)),
+        entropy=entropy,
+        old_entropy=old_entropy,
+        erc=erc,
+        entropy_coef=entropy_coef,
+        loss_scale_factor=None if lsf is None else float(lsf),
+        token_mask=token_mask,
+        entropy_weights=entropy_weights,
+        is_weight=is_weight,
+    )
     kw.update(cov_config(config, method))
     if method == "sapo":  # verl's ActorConfig tau_pos / tau_neg (1.0 / 1.05) and its clamp of log r to [-20, 20]
-        kw.update(sapo_tau_pos=float(getattr(config, "tau_pos", 1.0)),
-                  sapo_tau_neg=float(getattr(config, "tau_neg", 1.05)), sapo_log_ratio_clamp=20.0)
+        kw.update(
+            sapo_tau_pos=float(getattr(config, "tau_pos", 1.0)),
+            sapo_tau_neg=float(getattr(config, "tau_neg", 1.05)),
+            sapo_log_ratio_clamp=20.0,
+        )
     if token_mask is not None and entropy_coef and entropy_weights is None:  # verl's bonus weights, kept tokens only
-        w = aggregation_weights(response_mask.bool(), agg, kw["loss_scale_factor"], compute_dtype(log_prob, old_log_prob))
+        w = aggregation_weights(
+            response_mask.bool(), agg, kw["loss_scale_factor"], compute_dtype(log_prob, old_log_prob)
+        )
         kw["entropy_weights"] = w * scale * token_mask.to(w.dtype)
     return policy_loss(log_prob, old_log_prob, advantages, response_mask, scale=scale, **kw)
 
@@ -81,8 +113,9 @@ def verl_metric_keys(method: str) -> tuple[str, ...]:
     return VERL_CLIP_KEYS
 
 
-def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: str, *,
-                      cov_clipped=None) -> torch.Tensor:
+def verl_clip_metrics(
+    log_prob, old_log_prob, advantages, mask, config, method: str, *, cov_clipped=None
+) -> torch.Tensor:
     """verl's own diagnostics of one micro-batch, float64 [k] on the device, in the order of
     :func:`verl_metric_keys` (``method``), each with the meaning verl's own loss of that method gives it.
 
@@ -121,18 +154,42 @@ def verl_clip_metrics(log_prob, old_log_prob, advantages, mask, config, method: 
 
 
 def _make_registered(method: str):
-    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                rollout_is_weights=None):
+    def loss_fn(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
         if config is None:
             raise ValueError(f"entropylens {method}: verl passed no actor config")
         if method == "ce_gppo" and pl_get(config, "beta1") is None and not loss_fn.warned:
             loss_fn.warned = True
-            logger.warning("entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
-                           "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0")
-        out = compute_loss(method, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
-                           is_weight=rollout_is_weights)
-        clip = verl_clip_metrics(log_prob, old_log_prob, advantages, response_mask, config, method,
-                                 cov_clipped=out.columns.get("cov_clipped"))
+            logger.warning(
+                "entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
+                "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0"
+            )
+        out = compute_loss(
+            method,
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            is_weight=rollout_is_weights,
+        )
+        clip = verl_clip_metrics(
+            log_prob,
+            old_log_prob,
+            advantages,
+            response_mask,
+            config,
+            method,
+            cov_clipped=out.columns.get("cov_clipped"),
+        )
         scal = out.scalars()
         # verl's ppo_loss averages these over micro-batches (Metric MEAN): only intensive values are
         # returned (a count or the loss would come out divided by the number of micro-batches); exact step

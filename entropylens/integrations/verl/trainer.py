@@ -62,8 +62,9 @@ class EntropyLensTrainer(PPOTrainerSync):
         super().init()  # verl's _load_checkpoint ran: global_steps is the resumed checkpoint's step (0: none)
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)  # as the worker builds it
         run, resume = self._el_resume(actor_cfg)
-        self._el_loss = EntropyLensLoss(actor_cfg, run=run, resume=resume,
-                                        tokenizer=pl_get(actor_cfg, "tokenizer") or self._el_tokenizer_name())
+        self._el_loss = EntropyLensLoss(
+            actor_cfg, run=run, resume=resume, tokenizer=pl_get(actor_cfg, "tokenizer") or self._el_tokenizer_name()
+        )
         self.actor_rollout_wg.set_loss_fn(self._el_loss)
         self._el_exact = bool(pl_get(actor_cfg, "exact_logit_grad_norm", True))
         self._el_fused_warned = False
@@ -73,8 +74,12 @@ class EntropyLensTrainer(PPOTrainerSync):
         it continues after as :func:`~.checkpoint.resume_plan` finds them (the next sample id too)."""
         if not pl_get(actor_cfg, "record_dir"):
             return None, None
-        plan = resume_plan(resumed_checkpoint_folder(self.config.trainer, self.global_steps),
-                           self.global_steps, self._el_run_given, self._el_new_run)
+        plan = resume_plan(
+            resumed_checkpoint_folder(self.config.trainer, self.global_steps),
+            self.global_steps,
+            self._el_run_given,
+            self._el_new_run,
+        )
         self._el_next_id = plan.next_sample_id
         if self.global_steps:  # a restarted job: say which run it records into, and why
             logger.warning("entropylens: %s", plan.note)
@@ -96,8 +101,13 @@ class EntropyLensTrainer(PPOTrainerSync):
         if loss.record_dir:
             self.actor_rollout_wg.set_loss_fn(loss.shipped(committing=True))
             folder = os.path.join(str(self.config.trainer.default_local_dir), f"global_step_{self.global_steps}")
-            write_checkpoint_record(folder, record_dir=loss.record_dir, run=loss.run, step=self.global_steps,
-                                    next_sample_id=self._el_next_id)
+            write_checkpoint_record(
+                folder,
+                record_dir=loss.record_dir,
+                run=loss.run,
+                step=self.global_steps,
+                next_sample_id=self._el_next_id,
+            )
         return super()._save_checkpoint()
 
     def _el_ensure_old_entropy(self, batch):
@@ -106,8 +116,13 @@ class EntropyLensTrainer(PPOTrainerSync):
         this step, computes it here (it is the old policy)."""
         if _has_old_entropy(batch):
             return batch
-        batch.extra_info.update({"calculate_entropy": True, "compute_loss": False,
-                                 "temperature": self.config.actor_rollout_ref.rollout.temperature})
+        batch.extra_info.update(
+            {
+                "calculate_entropy": True,
+                "compute_loss": False,
+                "temperature": self.config.actor_rollout_ref.rollout.temperature,
+            }
+        )
         self.actor_rollout_wg.compute_log_prob(batch)
         return _put_old_entropy(batch)
 
@@ -131,8 +146,11 @@ class EntropyLensTrainer(PPOTrainerSync):
         ids, steps = self._el_take_ids(n)
         batch = self._el_ensure_old_entropy(batch)
         extra = dict(batch.extra_info)
-        batch = tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id,
-                                fields=TensorDict({SAMPLE_ID: ids, STEP: steps}, batch_size=n))
+        batch = tq.kv_batch_put(
+            keys=batch.keys,
+            partition_id=batch.partition_id,
+            fields=TensorDict({SAMPLE_ID: ids, STEP: steps}, batch_size=n),
+        )
         batch.extra_info.update(extra)
         batch.extra_info["calculate_sum_pi_squared"] = self._el_sum_pi_squared()
         own: dict = {}
@@ -155,9 +173,12 @@ class EntropyLensTrainer(PPOTrainerSync):
         if bool(self.config.actor_rollout_ref.model.get("use_fused_kernels", False)):
             if not self._el_fused_warned:
                 self._el_fused_warned = True
-                warnings.warn("entropylens: actor_rollout_ref.model.use_fused_kernels=True: verl's fused kernels "
-                              "do not give sum_j pi_j^2 (the logits are never materialised), so logit_grad_norm "
-                              "is not recorded (null); set use_fused_kernels=False to record it", stacklevel=2)
+                warnings.warn(
+                    "entropylens: actor_rollout_ref.model.use_fused_kernels=True: verl's fused kernels "
+                    "do not give sum_j pi_j^2 (the logits are never materialised), so logit_grad_norm "
+                    "is not recorded (null); set use_fused_kernels=False to record it",
+                    stacklevel=2,
+                )
             return False
         return True
 
@@ -177,8 +198,10 @@ def _loss_method(config) -> str:
     pl = config.actor_rollout_ref.actor.policy_loss
     method = method_of(str(pl.loss_mode))
     if method is None:
-        raise ValueError(f"trainer_mode=entropylens needs an entropylens loss_mode ({', '.join(registered_names())}), "
-                         f"got {pl.loss_mode!r}")
+        raise ValueError(
+            f"trainer_mode=entropylens needs an entropylens loss_mode ({', '.join(registered_names())}), "
+            f"got {pl.loss_mode!r}"
+        )
     eps_from(config.actor_rollout_ref.actor, method)
     return method
 
@@ -202,8 +225,9 @@ def _put_old_entropy(batch):
     response) in the store; returns the batch's new meta."""
     from verl.workers.utils.padding import response_from_nested
 
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id,
-                           select_fields=["entropy", "response_mask"])
-    fields = TensorDict({"entropylens_old_entropy": response_from_nested(data["entropy"], data["response_mask"])},
-                        batch_size=len(batch.keys))
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=["entropy", "response_mask"])
+    fields = TensorDict(
+        {"entropylens_old_entropy": response_from_nested(data["entropy"], data["response_mask"])},
+        batch_size=len(batch.keys),
+    )
     return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)

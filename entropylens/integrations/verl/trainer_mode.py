@@ -12,7 +12,8 @@ def register_trainer() -> bool:
     """Register ``trainer.v1.trainer_mode=entropylens``; False (logged) when verl's v1 trainer cannot be
     imported here (e.g. TransferQueue missing)."""
     try:
-        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer as _reg
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+        from verl.trainer.ppo.v1.trainer_base import register_trainer as _reg
     except ImportError as e:
         logger.info("entropylens: verl's v1 trainer is not importable (%s); trainer_mode=entropylens unavailable", e)
         return False

@@ -18,6 +18,11 @@ def check_verl_version(version: str | None = None) -> str:
         import verl
 
         version = verl.__version__
-    return require_tested("verl", version, VERL_TESTED, "ENTROPYLENS_VERL_UNSAFE",
-                          "It plugs into verl's policy-loss registry, actor loss function and v1 trainer, whose "
-                          "interfaces move between releases.")
+    return require_tested(
+        "verl",
+        version,
+        VERL_TESTED,
+        "ENTROPYLENS_VERL_UNSAFE",
+        "It plugs into verl's policy-loss registry, actor loss function and v1 trainer, whose "
+        "interfaces move between releases.",
+    )
