@@ -22,7 +22,9 @@ Anything else is NULL. The update is recorded when the backward reaches the log-
 backward, at the next call / :meth:`LossHook.flush`, with grad_coef NULL).
 
 A recording failure never stops the trainer with ``on_error="warn"`` (the default): one warning, and
-recording stops; only the recorder's ``stop_on`` (read by the loop) stops a run.
+recording stops; only the recorder's ``stop_on`` (read by the loop) stops a run. An update whose inputs
+hold NaN or Inf at masked-in positions is the exception: that update alone is not recorded (the first one
+warns; :attr:`LossHook.skipped` lists them all) and recording goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import warnings
 
 import torch
 
+from ..record.inputs import NonFiniteInput
 from ..rl.stats import clip_region, clipped_mask, logit_grad_norm_from_sum_p2
 from .trl_loss import LossColumns
 
@@ -248,6 +251,8 @@ class LossHook:
         self.temperature, self.on_error = float(temperature), on_error
         self.config = dict(config or {})
         self.failed: str | None = None  # the first recording error (on_error="warn"), then recording stops
+        # updates not recorded because an input held NaN / Inf (on_error="warn"): (step, update, role)
+        self.skipped: list[tuple[int, int, str]] = []
         self._pending: dict | None = None
         self._sampler_arg = (
             recorder is not None and "sampler_logprobs" in inspect.signature(recorder.record_update).parameters
@@ -340,12 +345,21 @@ class LossHook:
             self._record(pending, None)
 
     def _record(self, pending: dict, grad: torch.Tensor | None) -> None:
-        if self.failed is not None:
-            return
-        try:
-            self._record_update(pending, grad)
-        except Exception as err:  # noqa: BLE001
-            self._fail(err, pending["theirs"])
+        for _ in range(2):  # a second try when the NaN was an earlier update's, raised at this call
+            if self.failed is not None:
+                return
+            try:
+                self._record_update(pending, grad)
+                return
+            except NonFiniteInput as err:  # that update is dropped; the recorder goes on
+                if self.on_error == "raise":
+                    self._fail(err, pending["theirs"])
+                self._skip(err, pending["theirs"])
+                if (err.step, err.update) == (pending["step"], pending["update"]):
+                    return
+            except Exception as err:  # noqa: BLE001
+                self._fail(err, pending["theirs"])
+                return
 
     def _record_update(self, pending: dict, grad: torch.Tensor | None) -> None:
         t = pending["t"]
@@ -397,12 +411,27 @@ class LossHook:
             **extra,
         )
 
-    def _fail(self, err: Exception, theirs: dict | None = None) -> None:
+    @staticmethod
+    def _named(err: Exception, theirs: dict | None) -> str:
+        """The recorder's message, with the trainer's own name beside the role it starts with."""
         msg = str(err)
-        for role, name in (theirs or {}).items():  # the recorder names roles: add the trainer's name
+        for role, name in (theirs or {}).items():
             if msg.startswith(f"{role} ") and name != role:
-                msg = f"{role} (the trainer's {name!r}) {msg[len(role) + 1 :]}"
-                break
+                return f"{role} (the trainer's {name!r}) {msg[len(role) + 1 :]}"
+        return msg
+
+    def _skip(self, err: NonFiniteInput, theirs: dict | None) -> None:
+        """One update with NaN / Inf inputs is not recorded: warn at the first, count all in ``skipped``."""
+        self.skipped.append((err.step, err.update, err.name))
+        if len(self.skipped) == 1:
+            warnings.warn(
+                f"entropylens loss hook: {self._named(err, theirs)}: that update is not recorded, recording "
+                "goes on (LossHook.skipped lists every update skipped this way)",
+                stacklevel=3,
+            )
+
+    def _fail(self, err: Exception, theirs: dict | None = None) -> None:
+        msg = self._named(err, theirs)
         if self.on_error == "raise":
             raise ValueError(msg) from err
         self.failed = msg

@@ -12,7 +12,7 @@ from pathlib import Path
 from . import packed_block
 from . import writer as parquet
 from .host_copy import DeferredBlock
-from .inputs import duplicate_rows, duplicates_error
+from .inputs import NonFiniteInput, duplicate_rows, duplicates_error
 from .messages import Close, Probes, Rewards, Scalars, Sequences, Summary, Update
 from .step_table import StepTable
 from .token_buffer import TokenBuffer
@@ -61,9 +61,7 @@ class FileWork:
         host = packed_block.unpack(block, m.copy.layout)
         bad = [name for name, ok in host.finite.items() if not ok]
         if bad:  # the update is dropped; the caller raises this at its next call
-            self.rejected.append(
-                ValueError(f"{bad[0]} contains NaN or Inf at masked-in positions (step {m.step}, update {m.update})")
-            )
+            self.rejected.append(NonFiniteInput(bad[0], m.step, m.update))
             return
         has_tokens = host.masked.reshape(host.layout.batch, host.layout.length).any(axis=1)  # [B]
         if not isinstance(m.copy, DeferredBlock):  # a device update's seq ids reach the host only here

@@ -18,6 +18,17 @@ import torch
 
 from ..rl.aggregates import AGG_NAMES
 
+
+class NonFiniteInput(ValueError):
+    """An update's masked-in input holds NaN or Inf: that update is dropped, the recorder stays usable.
+    ``step`` and ``update`` name the dropped update (on a device, or a CPU update packed on the writer
+    thread, it is raised at the next call, so they may be the previous update's)."""
+
+    def __init__(self, name: str, step: int, update: int):
+        super().__init__(f"{name} contains NaN or Inf at masked-in positions (step {step}, update {update})")
+        self.name, self.step, self.update = name, int(step), int(update)
+
+
 _PLAIN_NAMES = frozenset(("grad_norm", "lr"))
 # steps columns the recorder fills from the updates (or keys rows by): a metric of that name would
 # overwrite or be dropped, so record_step refuses it (grad_norm, lr, reward_mean and the loss

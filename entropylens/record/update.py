@@ -19,6 +19,7 @@ from ..caller import caller_stacklevel
 from ..rl.losses import RUN_SETTINGS, update_settings
 from . import blocks, packed_block, token_columns
 from .host_copy import DeferredBlock, HostCopy
+from .inputs import NonFiniteInput
 from .loss_output import LossOutput
 
 
@@ -311,8 +312,5 @@ class UpdateRecording:
             if bad:
                 if pending.step == self._steps.last:
                     self._steps.updates.pop(pending.update, None)
-                raise ValueError(
-                    f"{bad[0]} contains NaN or Inf at masked-in positions "
-                    f"(step {pending.step}, update {pending.update})"
-                )
+                raise NonFiniteInput(bad[0], pending.step, pending.update)
         self._writer.update(pending.step, pending.update, copy)

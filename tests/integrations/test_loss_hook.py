@@ -223,6 +223,47 @@ def test_recorder_failure_never_stops_the_trainer(tmp_path):
     rec2.close()
 
 
+def test_an_update_with_nan_is_skipped_and_recording_goes_on(tmp_path):
+    """A NaN in one update's log-probs (a trainer's bf16 overflow) drops that update only: one warning naming
+    the trainer's argument, LossHook.skipped lists it, and the updates before and after are recorded."""
+    logits, tokens, mask, adv, old_lp, _ = _batch(5)
+    rec = Recorder(tmp_path, run="nan")
+    hook = LossHook(rec, names="openrlhf", eps_low=0.2, eps_high=0.2)  # on_error="warn"
+    fn = hook.wrap(_openrlhf_like_loss)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(4):  # one update a step
+            z = logits.clone().requires_grad_(True)
+            lp, _ = logprobs_and_entropy(z, tokens)
+            if step in (1, 2):  # masked-in NaN: the loss is NaN too, the trainer goes on
+                lp = torch.where(mask & (torch.arange(mask.shape[1]) == step), torch.nan, lp)
+            fn(
+                log_probs=lp,
+                old_log_probs=old_lp,
+                advantages=adv.unsqueeze(1),
+                action_mask=mask.float(),
+                step=step,
+                update=0,
+            ).backward()
+    hook.flush()
+    rec.close()
+    said = [str(x.message) for x in w if "loss hook" in str(x.message)]
+    assert len(said) == 1 and "logprobs (the trainer's 'log_probs') contains NaN" in said[0], said
+    assert hook.failed is None and hook.skipped == [(1, 0, "logprobs"), (2, 0, "logprobs")]
+    got = connect(tmp_path / "nan").execute("SELECT DISTINCT step FROM tokens ORDER BY step").fetchall()
+    assert got == [(0,), (3,)]
+    # on_error="raise": the same update raises, naming the trainer's argument
+    rec2 = Recorder(tmp_path, run="nan-raise")
+    hook2 = LossHook(rec2, names="openrlhf", eps_low=0.2, eps_high=0.2, on_error="raise")
+    z = logits.clone().requires_grad_(True)
+    lp, _ = logprobs_and_entropy(z, tokens)
+    lp = torch.where(mask, torch.nan, lp)
+    hook2.watch(0, 0, log_probs=lp, old_log_probs=old_lp, advantages=adv.unsqueeze(1), action_mask=mask.float())
+    with pytest.raises(ValueError, match="^logprobs \\(the trainer's 'log_probs'\\) contains NaN"):
+        _openrlhf_like_loss(lp, old_lp, adv.unsqueeze(1), mask.float()).backward()
+    rec2.close()
+
+
 def test_packed_one_dimensional_tensors_are_one_row(tmp_path):
     """slime concatenates a micro-batch's responses: [N] tensors, recorded as one row [1, N]."""
     logits, tokens, mask, adv, old_lp, _ = _batch(5)
