@@ -76,8 +76,10 @@ def _memory_settings(size: str) -> dict:
     """``{"memory_limit": size}`` once DuckDB accepts ``size`` (a one-line error names a bad one)."""
     import duckdb
 
+    from entropylens.read.memory import memory_limit
+
     try:
-        duckdb.connect().execute("SET memory_limit = ?", [size])
+        duckdb.connect().execute("SET memory_limit = ?", [memory_limit(size)])
     except duckdb.Error as e:
         fail(f"--memory-limit {size!r}: not a size DuckDB takes (e.g. 4GB, 512MB, 50%): {str(e).splitlines()[0]}")
     return {"memory_limit": size}

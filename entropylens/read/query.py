@@ -19,6 +19,7 @@ from importlib import resources
 
 from . import catalog as cat
 from .catalog import QueryError
+from .memory import memory_limit
 from .params import check as check_params
 from .sql_guard import NotReadOnly, ReadOnlyConnection, unguarded
 from .sql_hints import hint as sql_hint
@@ -104,7 +105,7 @@ def connect(
         for key, value in settings.items():
             if not str(key).replace("_", "").isalnum():
                 raise QueryError(f"settings: {key!r} is not a DuckDB setting name")
-            con.execute(f"SET {key} = ?", [value])
+            con.execute(f"SET {key} = ?", [memory_limit(value) if key == "memory_limit" else value])
         if lock:
             lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
     except duckdb.OutOfMemoryException as e:

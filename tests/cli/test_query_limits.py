@@ -57,3 +57,27 @@ def test_help_states_the_defaults():
     for command in ("query", "analyze"):
         text = " ".join(runner.invoke(app, [command, "--help"]).stdout.split())
         assert "--timeout" in text and "--memory-limit" in text and "default 300" in text and "50% of RAM" in text
+
+
+def test_a_percentage_means_the_same_on_a_duckdb_that_takes_none(runs, monkeypatch):
+    """DuckDB 1.x (Python 3.10's last) refuses '50%'; entropylens then sets that share of the machine's memory
+    in MiB, which this DuckDB 2 reads as it reads '50%' itself (within a MiB of rounding)."""
+    import duckdb
+
+    from entropylens.read import memory
+
+    con = duckdb.connect()
+
+    def read(size):
+        con.execute("SET memory_limit = ?", [size])
+        return con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+
+    assert memory.takes_percent()  # this DuckDB reads percentages: sizes pass through unchanged
+    assert memory.memory_limit("50%") == "50%" and memory.memory_limit("4GB") == "4GB"
+    monkeypatch.setattr(memory, "takes_percent", lambda: False)  # as DuckDB 1.x answers
+    mib = memory.memory_limit("50%")
+    assert mib.endswith("MiB") and memory.memory_limit(" 12.5 % ").endswith("MiB")
+    assert read(mib) == read("50%")  # e.g. '11.7 GiB' both
+    assert memory.memory_limit("4GB") == "4GB" and memory.memory_limit("lots") == "lots"
+    out = ok("query", runs, "SELECT current_setting('memory_limit') AS m", "--memory-limit", "50%")
+    assert read("50%") in out
