@@ -141,9 +141,8 @@ def policy_update(
     is_masked: torch.Tensor | None = None,
     **loss_kwargs,
 ) -> PolicyLossOutput:
-    """One policy update: log-probs and entropies, the loss (``policy_loss(**loss_kwargs)``: method,
-    eps, beta1, beta2, erc, dual_clip, entropy_coef, agg, scale, ...) and the recorded update. Call
-    ``out.loss.backward()`` afterwards.
+    """One policy update: log-probs and entropies, the loss (:func:`~entropylens.rl.losses.policy_loss`) and
+    the recorded update. Call ``out.loss.backward()`` afterwards.
 
     ``logit_grad_norm`` (||dLoss/dz_t||_2 of this loss) is the exact closed form |grad_coef| / T * d_t:
     from ``logits`` [B, T, V], d_t = ||e_a - p_t|| comes from the sensitivity pass's own sums (no
@@ -158,20 +157,56 @@ def policy_update(
     ``entropy_effect_bonus``; from ``hidden`` + ``head`` it is not measured and entropy_effect is null
     (the recorder's rule, token_columns.entropy_bonus_rule).
 
-    Masked-out positions of ``tokens`` may hold any id (HF's -100 included; :func:`masked_tokens`): only
-    masked-in ids are checked against the vocabulary. An empty batch (B = 0 or T = 0: all of a step's
-    samples filtered out) is an update like any other: a steps row with n_tokens 0, its means null.
+    An empty batch (B = 0 or T = 0: all of a step's samples filtered out) is an update like any other: a
+    steps row with n_tokens 0, its means null.
 
-    The 80/20 forking-token rule: ``top_entropy_quantile`` q < 1 keeps the policy term on the valid tokens
-    at or above the (1 - q) entropy quantile (``entropylens.rl.forking.top_entropy_mask``, TRL's rule;
-    ``entropy_gather`` pools the quantile over processes, e.g. ``forking.gather_valid``), recorded as
-    tokens.token_kept; an entropy bonus then acts on the kept tokens as their mean entropy times ``scale``
-    (TRL's rule). ``entropy_coef`` may be an ``AdaptiveEntropyCoef``: its applied coefficient is used, each
-    update's entropies over the bonus's tokens are added to its window, and the caller calls its
-    ``step()`` once per optimizer step (steps.entropy_coef / entropy_coef_adaptive record it).
+    Args:
+        recorder: the :class:`~entropylens.record.recorder.Recorder` that records the update, or None: the loss
+            alone (no entropy sensitivity, no logit_grad_norm from logits).
+        step: the step, as ``Recorder.record_update``.
+        update: the update's index within the step, as ``Recorder.record_update``.
+        logits: [B, T, V] the training forward pass's logits (before the temperature), or None with ``hidden``
+            and ``head``.
+        tokens: [B, T] the sampled token ids. Masked-out positions may hold any id (HF's -100 included;
+            :func:`masked_tokens`): only masked-in ids are checked against the vocabulary.
+        mask: [B, T] the response tokens.
+        advantages: [B] (one per sequence) or [B, T].
+        old_logprobs: [B, T] the old policy's log-probs (:func:`old_policy_pass`).
+        old_entropy: [B, T] the old policy's entropies (:func:`old_policy_pass`), or None (no entropy ratio,
+            no ERC).
+        temperature: the sampling temperature T: log-probs and entropies are softmax(z / T)'s. Default 1.0.
+        seq_ids: [B] sequence ids, as ``Recorder.record_update``, or None.
+        group_ids: [B] group ids, as ``Recorder.record_update``, or None.
+        hidden: [B, T, H] the hidden states before the LM head, used (with ``head``) when ``logits`` is None:
+            ``head_stats`` projects them in tiles, so no [B, T, V] tensor exists.
+        head: the LM head (an ``nn.Linear`` with a [V, H] weight, or that weight tensor), with ``hidden``.
+        chunk_size: positions per chunk of the chunked passes over the vocabulary (>= 1). None (default): as
+            many as a fixed memory budget holds.
+        top_entropy_quantile: the 80/20 forking-token rule, in [0, 1]: q < 1 keeps the policy term on the
+            valid tokens at or above the (1 - q) entropy quantile (``entropylens.rl.forking.top_entropy_mask``,
+            TRL's rule), recorded as tokens.token_kept; an entropy bonus then acts on the kept tokens as their
+            mean entropy times ``scale`` (TRL's rule). 1.0 (default): off.
+        entropy_gather: pools the quantile's entropies over processes (e.g. ``forking.gather_valid``); None
+            (default): this process alone.
+        sampler_logprobs: [B, T] the sampling engine's log-probs, recorded as given (tokens.sampler_logprob),
+            or None.
+        is_masked: [B, T] or [B, 1] bool, the tokens your IS correction masked, recorded as given
+            (tokens.is_masked), or None.
+        **loss_kwargs: ``policy_loss``'s keyword arguments (method, eps_low, eps_high, beta1, beta2, erc,
+            dual_clip, entropy_coef, agg, scale, ...; entropy and old_entropy come from this call).
+            ``entropy_coef`` may be an ``AdaptiveEntropyCoef``: its applied coefficient is used, each update's
+            entropies over the bonus's tokens are added to its window, and the caller calls its ``step()``
+            once per optimizer step (steps.entropy_coef / entropy_coef_adaptive record it).
 
-    ``sampler_logprobs`` [B, T] (the sampling engine's log-probs) and ``is_masked`` [B, T] or [B, 1]
-    (tokens your IS correction masked) are recorded as given (``Recorder.record_update``)."""
+    Returns:
+        The ``policy_loss`` output (a :class:`~entropylens.rl.losses.PolicyLossOutput`), with the
+        ``logit_grad_norm`` and ``entropy_effect_bonus`` columns where measured here.
+
+    Raises:
+        ValueError: when neither logits nor hidden and head are given, head has no [V, H] weight, token_mask
+            comes with top_entropy_quantile < 1, top_entropy_quantile is outside [0, 1], mask and tokens
+            differ in shape, or ``policy_loss`` or ``Recorder.record_update`` refuses its inputs.
+    """
     tokens = masked_tokens(tokens, mask)
     ctrl = loss_kwargs.get("entropy_coef")
     if isinstance(ctrl, AdaptiveEntropyCoef):

@@ -691,7 +691,60 @@ class _Logging:
 
 class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
     """GRPOTrainer + entropylens recording (+ optionally entropylens' losses). See
-    :mod:`entropylens.integrations.trl`."""
+    :mod:`entropylens.integrations.trl`. Its arguments are GRPOTrainer's plus the ones below (``loss`` and
+    ``erc`` are checked before TRL builds anything). ``train`` closes the recorder (status "failed" when it
+    raised).
+
+    Args:
+        *args: GRPOTrainer's positional arguments (model, reward_funcs, args, ...), passed on.
+        entropylens_root: the directory (or object-store URL) the run is recorded under (the Recorder's
+            ``root``). Default "entropylens-runs".
+        run: the run id; None (default): a new one.
+        loss: None (default): TRL's own loss, recorded (the run's method is ``trl-<loss_type>``). A method of
+            ``entropylens.rl.losses`` (grpo, dapo, gppo, ce_gppo, cispo, gspo, sapo, clip_cov, kl_cov): trains
+            with ``policy_loss`` instead, every GRPOConfig option composed as TRL applies it, normalised as the
+            configured ``loss_type`` (eps from GRPOConfig's epsilon / epsilon_high; sapo takes TRL's
+            sapo_temperature_pos / _neg and no clamp of log r).
+        beta1: CE-GPPO's low-side scale (``policy_loss``'s beta1) with ``loss=...``; written to run.json for
+            loss="ce_gppo". Default 0.5.
+        beta2: CE-GPPO's high-side scale (``policy_loss``'s beta2) with ``loss=...``; written to run.json for
+            loss="ce_gppo". Default 1.0.
+        erc: (low, high): the ERC band (``policy_loss``'s erc). Needs ``loss=...``. None (default): off.
+        dual_clip: ``policy_loss``'s dual_clip with ``loss=...``; with ``loss=None`` TRL's loss does not apply
+            it (it is only written to run.json's config). None (default): off.
+        tau: the HP / LP threshold of the quadrants (the Recorder's and ``policy_loss``'s tau). Default 0.5.
+        sample: the share of sequences whose token rows are kept (the Recorder's ``sample``). Default 1.0.
+        record_texts: each sequence's decoded completion goes to ``sequences.text`` (TRL's decoding, special
+            tokens skipped). Default True.
+        attribution: also record the entropy attribution (``entropy_effect``, and with ``loss=...``
+            ``entropy_effect_dropped``): every pass then runs through entropylens' tiled ``head_stats`` in
+            place of TRL's fused head. Default False.
+        resume: continue a killed job's run (the same ``run``): a TRL checkpoint directory (its
+            trainer_state.json's global_step N: the run continues after step N - 1), or that step as an int
+            (checked against the checkpoints in ``output_dir``). ``train`` refuses, before training, a
+            ``resume_from_checkpoint`` that is not that checkpoint. None (default): a new run.
+        save_tokenizer: True: always keep a copy of the tokenizer in ``<run>/tokenizer/``; False: never; None
+            (default): only a tokenizer that has no name to load (built in memory).
+        alarms: the Recorder's ``alarms`` (True, or an ``alarms.Thresholds``): live alarm rules on each step;
+            with trackers each finding is also their alert. None (default): off.
+        stop_on: the rules (names, or "all") whose finding stops training, through the trainer's callback, on
+            every process. Needs ``alarms``. Default: none.
+        log_histograms: each step's histograms to the TensorBoard, W&B and Trackio trackers of ``report_to``
+            (rank 0; none without such a tracker). Default True.
+        log_table_every: every N steps a token table to the trackers that have tables (W&B, Trackio); 0 or
+            None: never. Default 50.
+        cov: with loss="clip_cov" / "kl_cov": a dict of clip_cov_ratio, clip_cov_lb, clip_cov_ub / kl_cov_ratio,
+            ppo_kl_coef (missing: verl's defaults); Clip-Cov draws on a CPU generator seeded with
+            ``args.seed``. None (default): verl's defaults.
+        **kwargs: GRPOTrainer's keyword arguments (model, reward_funcs, args, train_dataset,
+            processing_class, ...), passed on.
+
+    Raises:
+        ValueError: when loss is not a method, erc comes without loss, loss comes with a GRPOConfig
+            loss_type whose normalisation entropylens does not know, cov names keys of another method or
+            comes with another loss, resume is not a TRL checkpoint (or an int that ends none of
+            ``output_dir``'s checkpoints), or the Recorder refuses its arguments.
+    """
 
     def __init__(
         self,

@@ -51,31 +51,53 @@ def connect(
     tau: float | None = None,
 ):
     """A read-only DuckDB connection with views runs / steps / sequences / tokens over the runs under
-    ``path`` (a directory or an object-store URL such as ``s3://bucket/runs``).
+    ``path``.
 
     The connection is a :class:`~entropylens.read.sql_guard.ReadOnlyConnection`: each statement given
     to ``execute`` / ``sql`` / ``query`` (and so to :func:`run_sql`, :func:`run_analysis`) is checked
     first, as ``entropylens query`` checks its SQL: one statement that reads; COPY, CREATE, INSERT,
-    ATTACH, SET, INSTALL, a writing CTE, ... are a one-line QueryError and never run. ``raw=True`` (or
-    ``.raw`` on the connection) is DuckDB's own connection, unchecked: the escape hatch for code that
-    writes (docs/security.md); on a locked raw connection a statement can still overwrite the runs'
-    own files, which the lockdown allows for reading.
+    ATTACH, SET, INSTALL, a writing CTE, ... are a one-line QueryError and never run. ``.raw`` on the
+    connection is DuckDB's own connection, unchecked.
 
     The views are a snapshot of the files present at connect time (catalog.py): reconnect to see
     later steps. ``steps`` and ``probes`` (a row per update and rank) are read once, at connect, into
-    temporary tables; ``sequences`` and ``tokens`` stay views over the files. Unreadable files are skipped with one UnreadableFileWarning each.
+    temporary tables; ``sequences`` and ``tokens`` stay views over the files. Unreadable files are skipped
+    with one UnreadableFileWarning each. A query through :func:`run_sql` / :func:`run_analysis` whose files
+    a compaction removed is re-planned once onto the compacted files (lockdown.replan). Every connection has
+    the SQL macro ``quadrant(advantage, prob, tau)`` (retau.py): a token's quadrant at any tau.
 
-    ``lock`` (default): once the views exist the connection is locked down (entropylens/read/lockdown.py:
-    no file access beyond the runs' own files, no network, no extensions, configuration locked).
-    ``lock=False`` reads other files too (to join your own CSV or Parquet); the statement check stays.
-    A query through :func:`run_sql` / :func:`run_analysis` whose files a compaction removed is
-    re-planned once onto the compacted files (lockdown.replan). ``settings``: DuckDB settings to apply
-    before the lock (e.g. ``{"memory_limit": "4GB", "threads": 2, "temp_directory": DIR}``; a
-    temp_directory given here is where a locked connection spills, in place of a private one).
+    Args:
+        path: a run directory, a directory of runs, or any directory above them, locally or an object-store
+            URL such as ``s3://bucket/runs``: runs are found by their run.json.
+        runs: only these runs (run ids, or run directory names); None (default): every run found.
+        database: the DuckDB database to connect to (``duckdb.connect``'s); default ":memory:".
+        storage_options: options of an object-store path's filesystem (fsspec: endpoint, keys); None: the
+            environment's.
+        lock: True (default): once the views exist the connection is locked down
+            (entropylens/read/lockdown.py: no file access beyond the runs' own files, no network, no
+            extensions, configuration locked). False reads other files too (to join your own CSV or
+            Parquet); the statement check stays.
+        settings: DuckDB settings to apply before the lock (e.g. ``{"memory_limit": "4GB", "threads": 2,
+            "temp_directory": DIR}``; a memory_limit in percent is converted where this DuckDB does not read
+            percentages; a temp_directory given here is where a locked connection spills, in place of a
+            private one). None: DuckDB's defaults.
+        raw: True returns DuckDB's own connection, unchecked: the escape hatch for code that writes
+            (docs/security.md); on a locked raw connection a statement can still overwrite the runs' own
+            files, which the lockdown allows for reading. Default False.
+        tau: the views split at this tau, in (0, 1], in place of each run's own (tokens.quadrant, the steps'
+            per-quadrant columns recomputed from the token rows, runs.tau; retau.apply_tau). None (default):
+            each run's own.
 
-    Every connection has the SQL macro ``quadrant(advantage, prob, tau)`` (retau.py): a token's quadrant
-    at any tau. ``tau``: the views split at this tau in place of each run's own (tokens.quadrant, the
-    steps' per-quadrant columns recomputed from the token rows, runs.tau; retau.apply_tau)."""
+    Returns:
+        The read-only connection (a ``ReadOnlyConnection``), or with ``raw=True`` DuckDB's own.
+
+    Raises:
+        QueryError: when path does not exist, is not a directory, cannot be reached or holds no run, runs
+            names an unknown run, tau is not in (0, 1], or a settings key is not a name (letters, digits,
+            '_'); :class:`QueryLimitError` (a QueryError) when the memory_limit is too small for the views.
+        duckdb.Error: when DuckDB refuses a setting or its value, or files keep vanishing while the views
+            are made (three listings in a row).
+    """
     import duckdb
 
     from . import lockdown, retau
@@ -339,8 +361,24 @@ def _frame(cursor):
 
 
 def run_analysis(con, name: str, *, timeout: float | None = None, **params):
-    """Run analyses/<name>.sql on ``con`` (from :func:`connect`) and return a pandas DataFrame;
-    ``timeout``: seconds before it is stopped (:func:`limits`; None: no limit)."""
+    """Run ``analyses/<name>.sql`` on ``con`` (from :func:`connect`) and return a pandas DataFrame.
+
+    Args:
+        con: a connection from :func:`connect`.
+        name: the analysis, a file name in ``analyses/`` without ``.sql`` (:func:`list_analyses`).
+        timeout: seconds before it is stopped (:func:`limits`); None (default) or 0: no limit.
+        **params: the analysis's parameters (its header's ``params``), numbers or lists of numbers; those not
+            given take the header's defaults.
+
+    Returns:
+        The result as a pandas DataFrame (DuckDB's integer sums as integers).
+
+    Raises:
+        QueryError: when the analysis is unknown, a parameter is not one of its own, a value is not a number
+            or a list of numbers or out of its range, the timeout is negative or not a number, or the
+            query fails; :class:`QueryLimitError` (a QueryError) when it is stopped by the timeout or the
+            memory limit.
+    """
     import duckdb
 
     from .lockdown import run_replanning
@@ -471,5 +509,20 @@ def _result(con, sql: str, polars: bool, as_pandas, what: str = "SQL", timeout: 
 
 
 def open(path, *, runs: list[str] | None = None, **connect_kwargs) -> Runs:  # noqa: A001 - entropylens.open
-    """The runs under ``path`` (see :class:`Runs`): ``.sql(...)`` and ``.analysis(...)`` as pandas or polars."""
+    """The runs under ``path`` (see :class:`Runs`): ``.sql(...)`` and ``.analysis(...)`` as pandas or polars.
+
+    Args:
+        path: a run directory, a directory of runs, or any directory above them, locally or an object-store
+            URL (as :func:`connect`).
+        runs: only these runs (run ids, or run directory names); None (default): every run found.
+        **connect_kwargs: ``timeout`` (seconds a query may run; default None: no limit; each call may pass its
+            own), ``memory_limit`` (DuckDB's, e.g. ``"4GB"`` or ``"50%"``, set at connect), and the other
+            keyword arguments of :func:`connect` (database, storage_options, lock, settings, raw, tau).
+
+    Returns:
+        A :class:`Runs`: ``.sql(query)``, ``.analysis(name, **params)``, ``.con`` (the connection).
+
+    Raises:
+        QueryError: as :func:`connect`, and when timeout is negative or not a number.
+    """
     return Runs(path, runs=runs, **connect_kwargs)

@@ -247,7 +247,24 @@ class RunLifecycle:
         self.close(status="failed" if exc_type is not None else "finished", _raise=exc_type is None)
 
     def close(self, status: str = "finished", _raise: bool = True) -> None:
-        """Flush, wait for the writer, write the final status."""
+        """Flush, wait for the writer, write the final status. A second call does nothing.
+
+        Any pending update is finalised, the live alarms observe the last step, every step is written and the
+        trackers (``log_to``) get the remaining summaries; then the writer thread stops and run.json gets the
+        final status. A finished run with sequences that no update trained warns once (their seq ids).
+
+        Args:
+            status: the run's final status in run.json, "finished" (default) or "failed"; "failed" whatever
+                is given when finalising the pending update raised or the writer failed.
+            _raise: False leaves a writer failure and a rejected input unraised (the context manager's exit
+                passes False when its block raised; the atexit hook too). Default True.
+
+        Raises:
+            RecorderError: when the writer thread failed (``on_error="raise"``).
+            ValueError: when the writer thread rejected an update (:class:`NonFiniteInput`: NaN or Inf at
+                masked-in positions; or seq ids shared by rows of one update), or finalising the pending
+                update found such an input.
+        """
         if self._closed:
             return
         self._closed = True

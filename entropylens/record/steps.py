@@ -92,14 +92,33 @@ class StepRecording:
     """record_step, record_sequences, probe, end_step, commit; closing the steps (module docstring)."""
 
     def record_step(self, step: int, *, update: int | None = None, grad_norm=None, lr=None, **metrics) -> None:
-        """Scalars of a step (update=None: the whole step, e.g. reward mean) or of one update
-        (its own optimizer step: grad norm before clipping, lr). Values may be tensors (CUDA tensors
-        are not read here, which would synchronise: one non-blocking copy, read by the writer thread).
-        NaN and +-inf are stored as they are (a NaN grad norm is a blow-up, never a missing value: the
-        alarm rule ``nonfinite``); the first one of a run warns (``alarms.NonFiniteWarning``, naming the
-        step and the value; a CUDA value once its copy has landed, at a later record_step). ``lr`` must
-        be a finite number >= 0 (NaN, inf or a negative lr is refused: a broken schedule, not a
-        measurement); a CUDA tensor lr is not read here and is only warned about when not finite."""
+        """Scalars of a step (update=None: the whole step, e.g. reward mean) or of one update (its own
+        optimizer step: grad norm before clipping, lr). Values may be tensors (CUDA tensors are not read
+        here, which would synchronise: one non-blocking copy, read by the writer thread). NaN and +-inf are
+        stored as they are (a NaN grad norm is a blow-up, never a missing value: the alarm rule
+        ``nonfinite``); the first one of a run warns (``alarms.NonFiniteWarning``, naming the step and the
+        value; a CUDA value once its copy has landed, at a later record_step). A whole-step value given twice
+        for one step replaces the earlier one (one warning per run).
+
+        Args:
+            step: the step; a step already written (closed) is refused.
+            update: None (default): the values are the whole step's. An int: they go to that update's steps
+                row, and the update must have been recorded in this step already.
+            grad_norm: the grad norm before clipping (a number or a one-element tensor), or None.
+            lr: the learning rate, a finite number >= 0 (NaN, inf or a negative lr is refused: a broken
+                schedule, not a measurement); a CUDA tensor lr is not read here and is only warned about
+                when not finite. Or None.
+            **metrics: more scalars by name (letters, digits and '_', '/', '.', '-'; '/', '.' and '-' become
+                '_' in the steps column), each one number; none may be a column of the recorder's own (the
+                aggregates, step, update, rank, run, loss). None values are left out.
+
+        Raises:
+            ValueError: when the step is closed, ``update`` names an update not recorded in this step, a
+                metric's name is not allowed, two names make one column, a value is not one number, or lr
+                is not a finite number >= 0; also an earlier update's bad input found since, as at every
+                call.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         self._check_alive()
         step = int(step)
         self._finalize_pending()
@@ -151,12 +170,28 @@ class StepRecording:
             )
 
     def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
-        """One row per sequence: reward, advantage, response length (all [B]); optional group ids and texts
-        (``texts``: [B] strings or None, each response's decoded text; never decoded here, even with a tokenizer:
-        the token ids are in the tokens table and ``token_text`` decodes them). Refused at the call: seq ids
-        given twice, a text that is not a str or None; lone surrogates in a text are written as U+FFFD (one
-        warning). A sequence that no update at this step or a later one trains (its tokens join nothing)
-        is counted and named in one warning at close."""
+        """One row per sequence (the sequences table). Lone surrogates in a text are written as U+FFFD (one
+        warning). A sequence that no update at this step or a later one trains (its tokens join nothing) is
+        counted and named in one warning at close. Several calls for one step write several part files.
+
+        Args:
+            step: the step; a step already written (closed) is refused.
+            seq_ids: [B] the sequences' ids, each once: the ids record_update gives their tokens.
+            rewards: [B] rewards, finite.
+            advantages: [B] advantages.
+            lengths: [B] response lengths (tokens).
+            group_ids: [B] group ids (the prompt's group), or None (-1).
+            texts: [B] strings or None, each response's decoded text; never decoded here, even with a
+                tokenizer: the token ids are in the tokens table and ``token_text`` decodes them. None: no
+                texts.
+
+        Raises:
+            ValueError: when the step is closed, an array is not 1-D numbers of the one length B, a reward
+                is NaN or Inf, texts does not have B entries, or a seq id is given twice; also an earlier
+                update's bad input found since, as at every call.
+            TypeError: when a text is not a str or None.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         self._check_alive()
         step = int(step)
         self._finalize_pending()
@@ -205,9 +240,33 @@ class StepRecording:
         of one update's backward + optimizer step): runs that ONE real update on ``batch`` and records,
         per gradient part (each quadrant's kept and dropped gradient, momentum, the real step), the
         entropy change grad(H) . step(part) the optimizer's own step direction predicts, beside the
-        measured change, in the ``probes`` table. ``loss_fn(model, batch)`` returns a
-        :class:`entropylens.rl.probe.ProbeForward` (it may record the update itself while grad is
-        enabled). Also records the update's grad_norm (before clipping) and lr. Returns the rows."""
+        measured change, in the ``probes`` table. Also records the update's grad_norm (before clipping)
+        and lr (:meth:`record_step` with ``update``). The caller does not step the optimizer again for this
+        batch.
+
+        Args:
+            step: the step; a step already written (closed) is refused.
+            model: the policy (a torch.nn.Module), passed to ``loss_fn``.
+            optimizer: its optimizer (torch.optim.Optimizer), stepped once here; its parameters that require
+                grad are the ones probed.
+            loss_fn: ``loss_fn(model, batch)`` returns a :class:`entropylens.rl.probe.ProbeForward` (logprobs
+                and entropy with grad, the mask, a policy_loss output's columns); it may record the update
+                itself while grad is enabled. It is called twice: for the update and, without grad, for the
+                entropy after it.
+            batch: the update's batch, passed to ``loss_fn`` as it is.
+            update: the update's index within the step (default 0).
+            max_grad_norm: clip the gradient to this norm before the step (``clip_grad_norm_``); None
+                (default): no clipping.
+
+        Returns:
+            The probe's rows (the probes table's), one dict per gradient part: part, tokens, grad_norm,
+            predicted_dh, measured_dh (the 'step' row only), entropy_before, optimizer, lr, update.
+
+        Raises:
+            ValueError: when the step is closed, the optimizer holds no parameter that requires grad, or
+                loss_fn's logprobs or entropy carry no grad.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         from ..rl.probe import probe_update
 
         self._check_alive()
@@ -230,24 +289,48 @@ class StepRecording:
         return rows
 
     def end_step(self, step: int | None = None) -> int:
-        """The step is over: hand every step up to ``step`` (default: every step recorded so far) to
-        the writer thread to write now, without waiting (:meth:`commit` waits). Otherwise a step's files
-        are written when a later step begins, so a job killed in between (during the next rollout)
-        lost the step it had finished. Those steps are closed: recording into them again raises.
-        Live alarms (``alarms=``) ask for the step's summary without waiting and warn once the writer
-        has answered (seen at the next recorder call, at the latest at close). Returns the last closed
-        step (-1 when nothing was recorded)."""
+        """The step is over: hand every step up to ``step`` to the writer thread to write now, without
+        waiting (:meth:`commit` waits). Otherwise a step's files are written when a later step begins, so a
+        job killed in between (during the next rollout) lost the step it had finished. Those steps are
+        closed: recording into them again raises. Live alarms (``alarms=``) ask for the step's summary
+        without waiting and warn once the writer has answered (seen at the next recorder call, at the
+        latest at close).
+
+        Args:
+            step: the last step to close, <= the last recorded step; None (default): every step recorded so
+                far.
+
+        Returns:
+            The last closed step (-1 when nothing was recorded).
+
+        Raises:
+            ValueError: when step is < 0 or has not been recorded yet; also an earlier update's bad input
+                found since, as at every call.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         return self._close_through(step, "end_step", wait=False)
 
     def commit(self, step: int | None = None) -> int:
-        """Write every step up to ``step`` now (default: every step recorded so far, the one in
-        progress included) and wait until their files are renamed into place (and on disk, with
-        ``fsync=True``): from then on a kill loses nothing of them. Those steps are closed:
-        recording into them again raises, later steps record as usual. Returns the last committed
-        step (-1 when nothing was recorded). For checkpoints: record the step, save the model, then
-        ``commit()``: a job killed after it has lost none of the steps before the checkpoint. Costs a
-        wait for the writer thread (its backlog, then the step's files), so call it at checkpoints,
-        not every step (:meth:`end_step` closes a step without the wait)."""
+        """Write every step up to ``step`` now and wait until their files are renamed into place (and on
+        disk, with ``fsync=True``): from then on a kill loses nothing of them. Those steps are closed:
+        recording into them again raises, later steps record as usual. For checkpoints: record the step,
+        save the model, then ``commit()``: a job killed after it has lost none of the steps before the
+        checkpoint. Costs a wait for the writer thread (its backlog, then the step's files), so call it at
+        checkpoints, not every step (:meth:`end_step` closes a step without the wait).
+
+        Args:
+            step: the last step to commit, <= the last recorded step; None (default): every step recorded so
+                far, the one in progress included.
+
+        Returns:
+            The last committed step (-1 when nothing was recorded).
+
+        Raises:
+            ValueError: when step is < 0 or has not been recorded yet; also an earlier update's bad input
+                found since, as at every call.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``), a write
+                failing meanwhile included.
+        """
         return self._close_through(step, "commit", wait=True)
 
     def _close_through(self, step: int | None, what: str, wait: bool) -> int:

@@ -73,8 +73,19 @@ class StepReports:
     # ---------------------------------------------------------------- public API
     def step_summary(self, step: int) -> dict[str, float]:
         """Token-weighted means of the exact aggregates over the updates of ``step`` recorded so far
-        (n_* counts summed); empty once the step has been written. For trainer logs (waits for the
-        writer thread to take in the queued updates)."""
+        (n_* counts summed). For trainer logs (waits for the writer thread to take in the queued updates;
+        :meth:`step_summary_later` does not wait).
+
+        Args:
+            step: the step to summarise.
+
+        Returns:
+            {aggregate name: value}; empty once the step has been written (or when the writer thread died).
+
+        Raises:
+            ValueError: when the pending update, finalised first, holds NaN or Inf at masked-in positions
+                (``NonFiniteInput``).
+        """
         return self.step_summary_later(step).result()
 
     def step_summary_later(self, step: int, names: tuple[str, ...] | None = None) -> PendingSummary:
@@ -87,18 +98,28 @@ class StepReports:
 
     @property
     def should_stop(self) -> bool:
-        """True once a live alarm whose rule is in ``stop_on`` has fired (``stop_reason`` says which): a
-        training loop reads it after each step and stops. The rules see a step once the writer thread has
-        its summary (no wait at the step's end), so the stop can come a step or two after the finding's
-        step; the finding names its step."""
+        """Whether a live alarm whose rule is in ``stop_on`` has fired: a training loop reads it after each
+        step and stops. The rules see a step once the writer thread has its summary (no wait at the step's
+        end), so the stop can come a step or two after the finding's step; the finding names its step.
+
+        Returns:
+            True once such an alarm has fired (:attr:`stop_reason` says which), else False (always False
+            without ``alarms=``).
+        """
         if self._alarm_replies:
             self._observe_answered()
         return self._alarms is not None and self._alarms.stop is not None
 
     def on_alarm(self, listener) -> None:
-        """Call ``listener(finding)`` (an ``alarms.Finding``) at each live alarm finding, on the training
-        thread, as the rules see the step (one call per finding; a listener that raises warns). Needs
-        ``alarms=``."""
+        """Call ``listener(finding)`` at each live alarm finding, on the training thread, as the rules see
+        the step (one call per finding; a listener that raises warns). Needs ``alarms=``.
+
+        Args:
+            listener: a callable taking one ``alarms.Finding``.
+
+        Raises:
+            ValueError: when the recorder was made without ``alarms=``.
+        """
         if self._alarm_thresholds is None:
             raise ValueError("on_alarm needs alarms= (True or an alarms.Thresholds): the live rules that fire")
         self._live_alarms().listeners.append(listener)
@@ -111,7 +132,11 @@ class StepReports:
 
     @property
     def stop_reason(self) -> str | None:
-        """The finding that set :attr:`should_stop` (``run=... step=... rule=...``), or None."""
+        """The finding that set :attr:`should_stop`.
+
+        Returns:
+            The finding's line (``run=... step=... rule=...``), or None while :attr:`should_stop` is False.
+        """
         return self._alarms.stop.line() if self._alarms is not None and self._alarms.stop is not None else None
 
     # ---------------------------------------------------------------- internals

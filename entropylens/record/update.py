@@ -82,9 +82,24 @@ class UpdateRecording:
     """watch_logits, record_update, the pending update (module docstring)."""
 
     def watch_logits(self, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> LogitWatch:
-        """Hook ``logits`` [B, T, V] so that its backward computes ||dLoss/dz_t||_2 per token for the
-        next recorded update. Use as ``with rec.watch_logits(logits): ...`` (the exit removes an
-        unfired hook) or as a plain call (an unfired hook is removed when the update is finalised)."""
+        """Hook ``logits`` so that its backward computes ||dLoss/dz_t||_2 per token for the next recorded
+        update. Use as ``with rec.watch_logits(logits): ...`` (the exit removes an unfired hook) or as a
+        plain call (an unfired hook is removed when the update is finalised). The previous update is
+        finalised first (its backward is done), and an earlier unfired hook is removed.
+
+        Args:
+            logits: the training forward pass's logits [B, T, V], requiring grad; the update recorded next
+                must have the same [B, T].
+            tokens: optional [B, T] token ids; only their shape is checked against the logits.
+
+        Returns:
+            The :class:`LogitWatch` (a context manager; ``.norms`` [B, T] float32 once the backward ran).
+
+        Raises:
+            ValueError: when logits is not a 3-d tensor, does not require grad, or tokens is not [B, T];
+                also an earlier update's bad input (NaN or Inf, shared seq ids) found since, as at every call.
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         self._check_alive()
         self._finalize_pending()  # the previous update's backward is done: its hook has fired
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
@@ -123,25 +138,55 @@ class UpdateRecording:
         sampler_logprobs: torch.Tensor | None = None,
         is_masked: torch.Tensor | None = None,
     ) -> None:
-        """One policy update (a mini-batch). Tensors are [B, T] (advantages [B] or [B, T]; seq_ids,
-        group_ids [B]). Only masked-in tokens become rows. ``loss``: a ``policy_loss`` output whose
-        columns are stored as they are. ``entropy_sensitivity`` [B, T] (stats.entropy_sensitivity, or
-        ``logprobs_and_entropy(..., sensitivity=True)``) with the sampling ``temperature`` adds the
-        entropy attribution: tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums (a loss
-        with an entropy bonus, ``loss.config['entropy_coef']`` != 0, needs the bonus's own term as the loss column
-        ``entropy_effect_bonus`` [B, T], as ``policy_update`` measures it: without it entropy_effect is null,
-        token_columns.entropy_bonus_rule). ``seq_ids`` (unique within the step, the same id for the
-        same sequence in every update) may be left out only when the step has one update with tokens:
-        then the sequences are 0..B-1. A mask that selects no token is a legitimate update (TRL and verl hand
-        over such micro-batches: all completions truncated or tool output): it makes no token rows,
-        only a steps row with n_tokens 0, and needs no seq_ids. No host sync happens here (on CUDA,
-        NaN/Inf in the inputs is reported at the next call; only a step of several updates, some
-        without seq_ids, reads their "any token?" flags).
+        """One policy update (a mini-batch). Only masked-in tokens become rows. A mask that selects no token
+        is a legitimate update (TRL and verl hand over such micro-batches: all completions truncated or tool
+        output): it makes no token rows, only a steps row with n_tokens 0, and needs no seq_ids. No host sync
+        happens here (on CUDA, NaN/Inf in the inputs is reported at the next call; only a step of several
+        updates, some without seq_ids, reads their "any token?" flags). With a hook from
+        :meth:`watch_logits` the update waits for its backward (or the next recorder call).
 
-        ``sampler_logprobs`` [B, T]: the sampling engine's log-prob of each token (vLLM, SGLang: the
-        training-inference mismatch, tokens.sampler_logprob; NaN where it did not score a token, stored as
-        null); ``is_masked`` [B, T] or [B, 1] bool: the tokens the IS correction masked (tokens.is_masked).
-        Left out: both columns null, never 0."""
+        Args:
+            step: the step (>= 0); steps never go back, and a closed step (by a later step, :meth:`end_step`,
+                :meth:`commit` or ``resume=``) takes no more updates.
+            update: the update's index within the step (>= 0), each recorded once.
+            mask: [B, T], true (nonzero) on the response tokens the update trains on.
+            advantages: [B] (one per sequence) or [B, T].
+            logprobs: [B, T] the current policy's log-probs of the tokens.
+            old_logprobs: [B, T] the old (sampling) policy's log-probs.
+            entropy: [B, T] the current policy's entropies, or None.
+            old_entropy: [B, T] the old policy's entropies, or None (then no entropy ratio).
+            tokens: [B, T] token ids (the tokens table's token_id), or None.
+            seq_ids: [B] sequence ids, unique within the step, the same id for the same sequence in every
+                update (they join the sequences rows). May be left out only when the step has one update with
+                tokens: then the sequences are 0..B-1.
+            group_ids: [B] group ids (the prompt's group), or None (-1).
+            loss: a ``policy_loss`` output (any ``LossOutput``) whose columns are stored as they are, and whose
+                config (method, eps, ...) goes into run.json (the first one given) and the steps rows. None: the
+                recorder derives ratio, clip region and quadrant from the run's settings.
+            entropy_sensitivity: [B, T] (stats.entropy_sensitivity, or ``logprobs_and_entropy(...,
+                sensitivity=True)``); with the sampling ``temperature`` adds the entropy attribution:
+                tokens.entropy_effect / entropy_effect_dropped and the steps' budget sums (a loss with an
+                entropy bonus, ``loss.config['entropy_coef']`` != 0, needs the bonus's own term as the loss
+                column ``entropy_effect_bonus`` [B, T], as ``policy_update`` measures it: without it
+                entropy_effect is null, token_columns.entropy_bonus_rule).
+            temperature: the sampling temperature (> 0, default 1.0), for the entropy attribution.
+            sampler_logprobs: [B, T] the sampling engine's log-prob of each token (vLLM, SGLang: the
+                training-inference mismatch, tokens.sampler_logprob; NaN where it did not score a token,
+                stored as null). Left out: the column is null, never 0.
+            is_masked: [B, T] or [B, 1] bool: the tokens the IS correction masked (tokens.is_masked). Left out:
+                the column is null, never 0.
+
+        Raises:
+            ValueError: when step or update is < 0, the step went back or is closed, the update was
+                recorded already, a tensor's shape does not match the mask's (advantages [B] or [B, T];
+                seq_ids, group_ids [B]), a step's second update with tokens lacks seq_ids, seq ids repeat
+                across rows with tokens (checked here on CPU, at the next call on a device), the logits hook
+                has another [B, T], or temperature <= 0; :class:`NonFiniteInput` (a ValueError) for NaN or
+                Inf at masked-in positions of an input (at this call, or at a later one where it is found
+                later: on a device, after a pending backward, or on the writer thread; that update is dropped,
+                the recorder stays usable).
+            RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
+        """
         self._check_alive()
         step, update = int(step), int(update)
         self._finalize_pending()

@@ -202,27 +202,49 @@ def write_report(
     tau: float | None = None,
 ) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
-    one PNG per figure into ``out_dir``. Returns the path of index.html.
+    one PNG per figure into ``out_dir``, and (unless ``responses=0``) a token viewer page per run
+    (``responses-<run>.html``, entropylens/report/viewer.py) whose steps the entropy, clip and
+    entropy-budget figures link to.
 
-    Figures, legends and captions are per run; ``group_by`` ("method", "config": seeds of one config,
-    or a config key such as "lr" or "seed") draws the runs that share its value as one series: their
-    mean, with a ``band`` over the runs ("minmax" or "sd": +-1 sd). Every threshold a figure or caption
-    uses is each run's own (runset.py). ``elsewhere``: names of figures drawn into ``out_dir`` by
-    another process (:func:`render_figures`, with the same group_by / band); ``done`` gives their
-    {name: (png or None, caption)}: a dict, or a callable called once the others are drawn here.
-    ``on_summary``: called with the run table (:func:`summary_table`), e.g. to print it too.
+    Figures, legends and captions are per run unless ``group_by`` groups them. Every threshold a figure or
+    caption uses is each run's own (runset.py). A measured caption that raises (here or in the process that
+    drew its figure) is replaced by a row count that says so, with a
+    :class:`~entropylens.report.figures.CaptionWarning` (an error in the tests).
 
-    Token viewer: one page per run (``responses-<run>.html``, entropylens/report/viewer.py) with ``responses``
-    of its responses token by token (0: no pages), chosen by responses.select (``where``: only responses
-    with a token row where this SQL condition holds), each page's data under ``max_page_bytes``;
-    ``tokenizer`` (an object or a local path) decodes the tokens, in place of the one a run names. The entropy,
-    clip and entropy-budget figures link to the steps the pages hold.
+    Args:
+        path: the runs, as :func:`~entropylens.read.query.connect` takes them (a run directory, a directory
+            of runs or above, or an object-store URL).
+        out_dir: the report's folder, made if missing.
+        runs: only these runs (run ids, or run directory names); None (default): every run found.
+        engine: "duckdb" (default) or "spark" (the same analyses on pyspark, entropylens.read.spark).
+        group_by: "method", "config" (seeds of one config), or a config key such as "lr" or "seed": the runs
+            that share its value are drawn as one series, their mean with a ``band`` over the runs. None
+            (default): one series per run.
+        band: the band over a group's runs: "minmax" (default) or "sd" (+-1 sd).
+        elsewhere: names of figures drawn into ``out_dir`` by another process (:func:`render_figures`, with
+            the same group_by / band), not drawn here. Default: none.
+        done: those figures' {name: (png or None, caption)}: a dict, or a callable called once the others
+            are drawn here. Needed with ``elsewhere``.
+        on_summary: called with the run table (:func:`summary_table`), e.g. to print it too; None: not called.
+        responses: how many responses per run its token viewer page shows, token by token, chosen by
+            responses.select (0: no pages). Default 40.
+        where: only responses with a token row where this SQL condition holds; None (default): any.
+        tokenizer: a tokenizer object or a local path that decodes the tokens, in place of the one a run
+            names; None (default): the run's own.
+        max_page_bytes: the bound on each page's embedded data, in bytes (default 4,000,000).
+        tau: every quadrant split at this tau in place of each run's recorded one, recomputed from the
+            token rows (read/retau.py; the duckdb engine only); the report says so. None (default): each
+            run's own.
 
-    A measured caption that raises (here or in the process that drew its figure) is replaced by a row
-    count that says so, with a :class:`~entropylens.report.figures.CaptionWarning` (an error in the tests).
+    Returns:
+        The path of index.html.
 
-    ``tau``: every quadrant split at this tau in place of each run's recorded one, recomputed from the
-    token rows (read/retau.py); the report says so."""
+    Raises:
+        ValueError: when engine is neither "duckdb" nor "spark", tau comes with the spark engine, band is
+            neither "minmax" nor "sd", or group_by is a config key that no run records.
+        QueryError: when ``path`` holds no readable runs (as :func:`~entropylens.read.query.connect`), or
+            ``where`` is not one valid condition.
+    """
     con = _connect(path, runs, engine, tau)
     rs = runset.from_connection(con, group_by=group_by, band=band)
     if responses and where is not None and rs.method:  # a bad --where fails now, before any figure is drawn

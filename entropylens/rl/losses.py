@@ -755,32 +755,101 @@ def policy_loss(
     ppo_kl_coef: float | None = None,
     generator: torch.Generator | None = None,
 ) -> PolicyLossOutput:
-    """Policy loss of ``method`` over response tokens. Shapes: logprobs, old_logprobs, mask [B, T];
-    advantages [B] (one per sequence) or [B, T]; entropy / old_entropy / ref_logprobs [B, T].
-    eps_low / eps_high / agg default per method (see :data:`DEFAULT_EPS`, :data:`DEFAULT_AGG`).
-    ``scale``: the returned loss is scale * loss (e.g. 1 / gradient_accumulation_steps).
+    """Policy loss of ``method`` over response tokens, with its per-token columns and step metrics.
 
-    TRL 1.16 GRPOConfig options, as modifiers (module docstring for the formulas):
-    ``weights`` [B, T]: explicit aggregation weights (scale not included; override ``agg``);
-    ``loss_scale_factor``: verl's divisor of agg='seq-mean-token-sum-norm' (default T);
-    ``token_mask`` [B, T] bool (top-entropy quantile), ``seq_mask`` [B] / [B, 1] (off-policy mask):
-    the policy term is multiplied by 0 outside them (nonzero = kept), the KL term and the weights are not;
-    ``is_weight`` [B, T] (or [B, 1]): detached multiplier of the policy term (vLLM IS correction);
-    ``delta`` > 1: TRL's upper clamp of the unclipped ratio (PPO-clip methods);
-    ``ratio_level`` "token" | "sequence": TRL's importance_sampling_level (sequence: s_i with the
-    gradient through the sequence mean; not gspo, which is sequence-level in its token form);
-    ``kl_bias_correction``: k3 times the ratio with its gradient (use_bias_correction_kl);
-    ``entropy_weights`` [B, T]: weights of the entropy bonus, scale included (default scale * w).
-    ``sapo_tau_pos`` / ``sapo_tau_neg`` / ``sapo_log_ratio_clamp``: method="sapo"'s gate temperatures
-    (A > 0 / A <= 0) and verl's clamp of log q (20; None: none, as TRL).
+    TRL 1.16 GRPOConfig options act as modifiers (``weights``, ``token_mask``, ``seq_mask``, ``is_weight``,
+    ``delta``, ``ratio_level``, ``kl_bias_correction``, ``entropy_weights``), and Cui et al.'s covariance
+    controls (verl's clip_cov / kl_cov, :mod:`.cov`; defaults verl's) are method="clip_cov" and
+    method="kl_cov" with their settings; the module docstring has the formulas. The ``cov`` column comes
+    with these two methods only (the analyses derive it from the rows). float64 logprobs / old_logprobs are
+    computed in float64, else float32. ``columns['grad_coef']`` == autograd.grad(loss, logprobs) in every
+    combination (closed form).
 
-    Cui et al.'s covariance controls (verl's clip_cov / kl_cov, :mod:`.cov`; defaults verl's):
-    method="clip_cov" with ``clip_cov_ratio`` / ``clip_cov_lb`` / ``clip_cov_ub`` and ``generator`` (the
-    random selection's torch.Generator; None: the global CPU generator, as verl), method="kl_cov" with
-    ``kl_cov_ratio`` / ``ppo_kl_coef``. Every method gets the ``cov`` column.
+    Args:
+        logprobs: [B, T] the current policy's log-probs of the tokens, carrying the gradient.
+        old_logprobs: [B, T] the old (sampling) policy's log-probs (detached).
+        advantages: [B] (one per sequence) or [B, T] (detached).
+        mask: [B, T] the response tokens (bool, or nonzero = in); masked-out positions add nothing to the
+            loss.
+        method: one of :data:`METHODS`: grpo, dapo, gppo, ce_gppo, cispo, gspo, sapo, clip_cov, kl_cov.
+            Default "grpo".
+        eps_low: the clip range's low side, in [0, 1). None (default): the method's (:data:`DEFAULT_EPS`: 0.2,
+            gspo 3e-4).
+        eps_high: the clip range's high side, >= 0. None (default): eps_low when only eps_low is given (except
+            dapo and gspo, which keep their own high side), else the method's (0.2, dapo 0.28, gspo 4e-4).
+            sapo does not use eps; kl_cov clips nothing.
+        beta1: CE-GPPO's scale of the gradient of the low-side clipped tokens (A < 0, q < 1-eps_low):
+            g = -beta1 (1-eps_low) A. method="ce_gppo" only; finite, >= 0. Default 0.5.
+        beta2: CE-GPPO's scale of the high-side clipped tokens (A > 0, q > 1+eps_high): g = -beta2
+            (1+eps_high) A. method="ce_gppo" only; finite, >= 0. Default 1.0.
+        dual_clip: c > 1: a token with A < 0 and q > c that PPO-clip has not clipped keeps the value -c A and
+            loses its gradient (column ``dual_clipped``). Not for cispo, sapo or kl_cov. None (default): off.
+        entropy: [B, T] the current policy's entropies (column ``entropy``), or None. ERC and an entropy bonus
+            need it (the bonus with grad: ``logprobs_and_entropy(..., entropy_grad=True)``).
+        old_entropy: [B, T] the old policy's entropies, or None. With ``entropy``: the ``entropy_ratio`` column
+            rho = (H + 1e-8) / (H_old + 1e-8).
+        erc: (low, high) with 0 <= low < 1 < high: ERC keeps a token's gradient only where low < rho < high
+            (its value stays; columns ``erc_kept``, ``grad_coef_before_erc``). Needs entropy and old_entropy.
+            None (default): off.
+        agg: the aggregation, one of :data:`AGGS` (module docstring). None (default): the method's
+            (:data:`DEFAULT_AGG`: seq-mean-token-mean for gspo and sapo, token-mean otherwise).
+        entropy_coef: the entropy bonus: loss -= entropy_coef * sum_t e_t H_t (gradient through H, not through
+            logp; e = ``entropy_weights``, or scale * w). Needs entropy. Default 0.0 (off).
+        ref_logprobs: [B, T] the reference policy's log-probs for the KL term, or None.
+        kl_coef: + kl_coef * k3(ref || theta) per token, weighted by the aggregation weights (not by
+            token_mask, seq_mask or is_weight); applied when ref_logprobs is given and kl_coef != 0. Default
+            0.0.
+        tau: the HP / LP threshold of the ``quadrant`` column (HP: the old policy's probability >= tau), in
+            (0, 1]. Default 0.5.
+        scale: c, a finite number > 0: the returned loss is scale * loss (e.g. 1 / gradient_accumulation_steps),
+            folded into the weights (grad_coef includes it). Default 1.0.
+        weights: [B, T] explicit aggregation weights (scale not included); they override ``agg`` (config agg
+            = "weights") and ``loss_scale_factor``. None (default): from ``agg``.
+        loss_scale_factor: verl's divisor of agg='seq-mean-token-sum-norm' (only with that agg), > 0. None
+            (default): T, the mask's width.
+        token_mask: [B, T] (nonzero = kept): TRL's top-entropy-quantile mask: the policy term is multiplied by
+            0 outside it, the KL term and the weights are not (column ``token_kept``). None: off.
+        seq_mask: [B] or [B, 1] (nonzero = kept): TRL's off-policy sequence mask, acting the same way on whole
+            sequences (column ``seq_kept``). None: off.
+        is_weight: [B, T], [B] or [B, 1]: a detached multiplier of the policy term, not of the KL term (TRL's
+            vLLM importance-sampling correction; column ``is_weight``). None: off.
+        delta: > 1: TRL's upper clamp of the unclipped ratio (module docstring; column ``dual_clipped``), for
+            the PPO-clip methods only (grpo, dapo, gppo, ce_gppo, gspo, clip_cov). None (default): off.
+        ratio_level: "token" (default) or "sequence": TRL's importance_sampling_level (sequence: q = s_i with
+            the gradient through the sequence mean). Not "sequence" for gspo (sequence-level in its token
+            form) nor for clip_cov / kl_cov (token-level).
+        kl_bias_correction: k3 times the ratio q with its gradient (TRL's use_bias_correction_kl). Default
+            False.
+        entropy_weights: [B, T] the entropy bonus's weights, scale included. None (default): scale * w.
+        sapo_tau_pos: method="sapo"'s gate temperature where A > 0, > 0. Default 1.0 (verl's tau_pos).
+        sapo_tau_neg: method="sapo"'s gate temperature where A <= 0, > 0. Default 1.05 (verl's tau_neg).
+        sapo_log_ratio_clamp: method="sapo": log q is clamped to [-c, c] first (verl's), > 0. Default 20.0;
+            None: no clamp (as TRL).
+        clip_cov_ratio: method="clip_cov": max(int(ratio * n_valid), 1) tokens drawn at random among the
+            candidates (not clipped, lb < cov < ub) lose value and gradient; in (0, 1]. None (default): verl's
+            0.0002.
+        clip_cov_lb: method="clip_cov": the candidates' lower bound on a token's cov, < clip_cov_ub. None
+            (default): verl's 1.0.
+        clip_cov_ub: method="clip_cov": the candidates' upper bound on cov. None (default): verl's 5.0.
+        kl_cov_ratio: method="kl_cov": the max(1, int(ratio * n_valid)) masked-in tokens of largest cov get
+            the penalty; in (0, 1]. None (default): verl's 0.0002.
+        ppo_kl_coef: method="kl_cov": the penalty's coefficient (ppo_kl_coef |log r|), finite, >= 0. None
+            (default): verl's 0.1.
+        generator: the torch.Generator of Clip-Cov's random selection. None (default): the global CPU
+            generator, as verl.
 
-    float64 logprobs / old_logprobs are computed in float64, else float32.
-    ``columns['grad_coef']`` == autograd.grad(loss, logprobs) in every combination (closed form)."""
+    Returns:
+        A :class:`PolicyLossOutput`: ``loss`` (a scalar, scale included), ``columns`` (per-token [B, T]
+        detached tensors named as the schema's token columns), ``metrics`` (the step metrics) and ``config``
+        (the resolved hyperparameters: method, eps_low, eps_high, agg, ...).
+
+    Raises:
+        ValueError: when method, agg or ratio_level is unknown; a setting is out of its range above (eps,
+            beta1 / beta2, dual_clip, delta, erc, tau, scale, loss_scale_factor, the sapo and cov settings); a
+            modifier is given to a method it does not apply to (dual_clip, delta, loss_scale_factor without
+            its agg, ratio_level="sequence"); erc or entropy_coef lacks the entropies it needs; a tensor's
+            shape does not match; or an input holds NaN or Inf at a masked-in position.
+    """
     agg = DEFAULT_AGG.get(method, "token-mean") if agg is None else agg
     if weights is not None:
         agg, loss_scale_factor = "weights", None

@@ -26,22 +26,46 @@ ON_POLICY_TEXT = (
 class EntropyLensLossConfig(PolicyLossConfig):
     """verl's PolicyLossConfig plus entropylens' settings (``policy_loss._target_`` points here).
 
-    loss_mode: a verl loss name; ``gppo`` / ``ce_gppo`` / ``entropylens_grpo`` ... are ours.
-    beta1, beta2: CE-GPPO's scales of the low-side (A<0, r<1-eps_low) and high-side (A>0, r>1+eps_high)
-        clipped tokens' gradient (paper: 0.5 / 1.0 at 1.5B, 0.75 / 1.0 at 7B).
-    erc_low, erc_high: ERC band on rho = H / H_old (both set = ERC on; paper 0.95 / 1.05). Needs the
-        entropylens loss function (trainer_mode=entropylens), which sees the entropies.
-    record_dir: where runs are recorded (a path every actor worker can write; None = no recording).
-    run: run id (None: the trainer picks one, once, on the driver). sample: token-row keep fraction.
-    tau: HP/LP threshold. exact_logit_grad_norm: ask the engine for sum_pi^2 (an extra [N, V] pass).
-    tokenizer: the tokenizer (a local path or cached hub name) that decodes the responses' texts and that
-        run.json names for a token viewer; None: the one verl's trainer loaded (trainer_mode=entropylens).
-    top_entropy_quantile: the 80/20 forking-token rule (TRL's option of that name): the policy term on the
-        top q of valid tokens by entropy, the quantile over the data-parallel group's micro-batch
-        (``entropylens.rl.forking``); 1 = off. Needs actor.calculate_entropy (trainer_mode=entropylens).
-    adaptive_entropy: TRL's use_adaptive_entropy: actor.entropy_coeff is the start of a coefficient moved
-        by entropy_coef_delta towards entropy_target (clamped to [entropy_coef_min, entropy_coef_max]) once
-        per training step, applied only while the previous step's entropy is at or below the target.
+    Its fields are verl's PolicyLossConfig's, then the ones below (hydra sets them from
+    ``actor_rollout_ref.actor.policy_loss.<field>``, each with a leading ``+``). verl's ``loss_mode``: a verl
+    loss name; ``gppo`` / ``ce_gppo`` / ``entropylens_grpo`` ... are ours.
+
+    Args:
+        beta1: CE-GPPO's scale of the low-side (A<0, r<1-eps_low) clipped tokens' gradient (paper: 0.5 at
+            1.5B, 0.75 at 7B). Default 0.5.
+        beta2: CE-GPPO's scale of the high-side (A>0, r>1+eps_high) clipped tokens' gradient (paper: 1.0).
+            Default 1.0.
+        erc_low: the ERC band's low end on rho = H / H_old, set together with erc_high (both set = ERC on;
+            paper 0.95). Needs the entropylens loss function (trainer_mode=entropylens), which sees the
+            entropies. Default None.
+        erc_high: the ERC band's high end (paper 1.05). Default None.
+        record_dir: where runs are recorded (a path every actor worker can write; None = no recording).
+        run: run id (None: the trainer picks one, once, on the driver).
+        sample: token-row keep fraction, in (0, 1] (the Recorder's ``sample``). Default 1.0.
+        tau: HP/LP threshold, in (0, 1]. Default 0.5.
+        exact_logit_grad_norm: ask the engine for sum_pi^2 (an extra [N, V] pass) for the exact
+            logit_grad_norm. Default True.
+        tokenizer: the tokenizer (a local path or cached hub name) that decodes the responses' texts and that
+            run.json names for a token viewer; None: the one verl's trainer loaded (trainer_mode=entropylens).
+        top_entropy_quantile: the 80/20 forking-token rule (TRL's option of that name): the policy term on the
+            top q of valid tokens by entropy, the quantile over the data-parallel group's micro-batch
+            (``entropylens.rl.forking``); in [0, 1], 1 = off (default). Needs actor.calculate_entropy
+            (trainer_mode=entropylens).
+        adaptive_entropy: TRL's use_adaptive_entropy: actor.entropy_coeff is the start of a coefficient moved
+            by entropy_coef_delta towards entropy_target (clamped to [entropy_coef_min, entropy_coef_max]) once
+            per training step, applied only while the previous step's entropy is at or below the target.
+            Default False.
+        entropy_target: the adaptive coefficient's target entropy. Default 0.2.
+        entropy_coef_delta: how far the adaptive coefficient moves per training step. Default 0.005.
+        entropy_coef_min: the adaptive coefficient's lower clamp. Default 0.0.
+        entropy_coef_max: the adaptive coefficient's upper clamp (>= entropy_coef_min). Default 1.0.
+
+    Raises:
+        ValueError: when only one of erc_low / erc_high is set or the band is not 0 <= erc_low < 1 <
+            erc_high, ERC or record_dir comes with one of verl's own losses, beta1 or beta2 is < 0, sample or
+            tau is not in (0, 1], top_entropy_quantile is not in [0, 1], or with adaptive_entropy
+            entropy_coef_min > entropy_coef_max.
+        RuntimeError: when entropylens' losses are not registered in verl.
     """
 
     beta1: float = 0.5

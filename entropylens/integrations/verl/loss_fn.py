@@ -40,18 +40,30 @@ class EntropyLensLoss:
     """verl actor loss function ``(model_output, data, dp_group) -> (loss, metrics)``: verl's ``ppo_loss``
     with entropylens' policy loss (ERC included: this function sees H and H_old) and recording.
 
-    config: the ActorConfig as verl's worker builds it (``omega_conf_to_dataclass(actor)``); its
-    ``policy_loss`` is an :class:`EntropyLensLossConfig` (or carries the same fields).
-    run: the run id agreed once (the trainer picks it on the driver); None with recording: rank 0 of
-    the recording dp group broadcasts one. resume: the step a resumed job continues after (the verl
-    checkpoint's global step; ``Recorder(resume=...)``: the run's steps after it are removed and
-    recorded again). ``closing=True``: unpickling this object on a worker closes that worker's
-    recorders (how the trainer flushes the last step on every rank); ``committing=True``: unpickling it
-    commits them (how the trainer commits every rank's steps at a checkpoint), ``ending=True`` ends
-    their step (how the trainer has every rank write a step as soon as its actor update is done); the
-    object is then the worker's loss function as before. tokenizer: the tokenizer's name or local path
-    (``policy_loss.tokenizer`` when None): run.json names it and each worker loads it once to decode the
-    responses' texts (sequences.text).
+    The trainer mode (trainer_mode=entropylens) builds it and installs it on every actor worker
+    (``set_loss_fn``); each call computes a micro-batch's loss and, on the recording ranks, records it.
+
+    Args:
+        config: the ActorConfig as verl's worker builds it (``omega_conf_to_dataclass(actor)``); its
+            ``policy_loss`` is an :class:`EntropyLensLossConfig` (or carries the same fields), whose
+            loss_mode must be one of entropylens' losses.
+        run: the run id agreed once (the trainer picks it on the driver); None: ``policy_loss.run``, and
+            without one, with recording, rank 0 of the recording dp group broadcasts one.
+        closing: True: unpickling this object on a worker closes that worker's recorders (how the trainer
+            flushes the last step on every rank). Default False.
+        resume: the step a resumed job continues after (the verl checkpoint's global step;
+            ``Recorder(resume=...)``: the run's steps after it are removed and recorded again). None: a new
+            run.
+        committing: True: unpickling it commits the worker's recorders (how the trainer commits every rank's
+            steps at a checkpoint); the object is then the worker's loss function as before. Default False.
+        ending: True: unpickling it ends their step (how the trainer has every rank write a step as soon as
+            its actor update is done); the object is then the worker's loss function as before. Default
+            False.
+        tokenizer: the tokenizer's name or local path (``policy_loss.tokenizer`` when None): run.json names
+            it and each worker loads it once to decode the responses' texts (sequences.text).
+
+    Raises:
+        ValueError: when ``policy_loss.loss_mode`` is not an entropylens loss.
     """
 
     def __init__(

@@ -31,7 +31,20 @@ logger = logging.getLogger(__name__)
 class EntropyLensTrainer(PPOTrainerSync):
     """verl's sync v1 trainer + entropylens (``trainer.v1.trainer_mode=entropylens``). Runs as verl's
     ``sync`` mode (the mode's config section, replay buffer and weight sync are sync's); only the actor
-    update path is extended."""
+    update path is extended. verl builds it for that trainer mode (``register_trainer``); it warns once
+    (``OnPolicyWarning``) where every ratio of the run will be 1.
+
+    Args:
+        config: the trainer's whole config (main_ppo's composed DictConfig). Its
+            ``actor_rollout_ref.actor.policy_loss`` holds the entropylens settings (:class:`EntropyLensLossConfig`);
+            the trainer sets ``calculate_entropy`` on and, with ``record_dir`` and no ``run``, a new run id.
+
+    Raises:
+        ValueError: when the actor's loss_mode is not an entropylens loss, or is entropylens_dapo with verl's
+            default clip_ratio_high.
+        RuntimeError: when the verl release is not one this plug-in was tested with (without
+            ``ENTROPYLENS_VERL_UNSAFE=1``), or entropylens' losses are not registered in verl.
+    """
 
     def __init__(self, config):
         check_verl_version()
