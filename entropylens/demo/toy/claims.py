@@ -1150,6 +1150,7 @@ def main(argv=None) -> None:
     if a.baseline not in configs:
         ap.error(f"--baseline {a.baseline!r} is not among --methods")
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     root = Path(a.runs) if a.runs else out / "paper-claims-runs"
     dirs = {r: root / r for r in regimes}
     for d in dirs.values():
