@@ -31,7 +31,7 @@ from overhead import median_ci  # noqa: E402
 
 from entropylens.demo.toy import config_for  # noqa: E402
 from entropylens.demo.toy.train import ToyTrainer  # noqa: E402
-from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE, lower_priority  # noqa: E402
+from entropylens.record.writing.scheduling import WRITER_IDLE, WRITER_NICE, lower_priority  # noqa: E402
 
 _BUFFER = os.urandom(1 << 20)
 

@@ -42,8 +42,8 @@ from entropylens import Recorder
 from entropylens.demo.toy import config_for
 from entropylens.demo.toy.train import ToyTrainer
 from entropylens.integrations.loss_hook import LossHook
-from entropylens.record.scheduling import WRITER_IDLE, WRITER_NICE
-from entropylens.record.writer import write_tokens
+from entropylens.record.writing.parquet import write_tokens
+from entropylens.record.writing.scheduling import WRITER_IDLE, WRITER_NICE
 from entropylens.rl.losses import resolve_eps
 
 LOSS_MODES = ("clip_cov", "kl_cov")  # modes that train the step with another loss (full recording)

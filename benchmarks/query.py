@@ -24,7 +24,7 @@ from writer import toy_like_rows  # noqa: E402
 
 from entropylens.read.compact import compact  # noqa: E402
 from entropylens.read.query import connect, list_analyses, run_analysis  # noqa: E402
-from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens  # noqa: E402
 from entropylens.report.build import write_report  # noqa: E402
 from entropylens.rl.aggregates import AGG_NAMES  # noqa: E402
 

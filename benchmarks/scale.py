@@ -6,7 +6,7 @@ and after compaction, and the arithmetic for a 7B DAPO run.
   python benchmarks/scale.py --data DIR --phase before|compact|after   (reuse a --keep'd DIR)
         [--memory-limit 4GB] [--threads N] [--before-cap-cpu SECONDS] [--before-json PATH]
 
-Token rows are written by entropylens.record.writer (write_tokens / write_steps / write_sequences: the
+Token rows are written by entropylens.record.writing.parquet (write_tokens / write_steps / write_sequences: the
 recorder's Hive layout, encodings and atomic writes), one file per (step, rank) holding all the
 step's updates (``updates-0-U.parquet``, as the recorder coalesces small updates), with values shaped
 like a toy GRPO run (benchmarks/writer.py's ``toy_like_rows``; a 2M-row pool generated once per
@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from writer import toy_like_rows  # noqa: E402
 
-from entropylens.record.writer import write_sequences, write_steps, write_tokens  # noqa: E402
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens  # noqa: E402
 from entropylens.schema import STEPS  # noqa: E402
 
 POOL_ROWS = 1 << 21

@@ -47,8 +47,8 @@ def _direct_cost(logdir: Path, n: int = 400) -> float:
     every bin filled), to a real TensorBoard writer."""
     import numpy as np
 
-    from entropylens.record.step_table import HISTOGRAMS, HISTOGRAMS_KEY, StepHistogram
     from entropylens.record.trackers import SUMMARY_NAMES, StepLog, TensorBoard
+    from entropylens.record.writing.step_table import HISTOGRAMS, HISTOGRAMS_KEY, StepHistogram
 
     hists = {k: StepHistogram(np.arange(1, 35, dtype=np.int64), 2048.0, 4096.0) for k in HISTOGRAMS}
     summary = {"n_tokens": 2048.0, **{k: 0.25 for k in SUMMARY_NAMES}, HISTOGRAMS_KEY: hists}

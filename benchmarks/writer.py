@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from entropylens.record.writer import (
+from entropylens.record.writing.parquet import (
     TOKEN_DICT_COLUMNS,
     TOKEN_FLOAT_COLUMNS,
     steps_table_by_values,
@@ -159,7 +159,7 @@ def claim_checks(n: int, tmp: Path) -> tuple[float, float]:
     ~200-byte claim file, done before every file the writer writes), against a steps file written the
     same way (write_steps), alternating."""
     from entropylens import storage
-    from entropylens.record.run_claim import Claim, claim
+    from entropylens.record.run_dir.run_claim import Claim, claim
 
     run_dir = storage.location(tmp / "claimed")
     mine = Claim.new(run_dir, 0, 1)

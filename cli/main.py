@@ -796,7 +796,7 @@ def demo(
         ids = [f"{r}-s{k}" for r, _, _ in mismatch_runs(names, mismatch, tis) for k in range(max(1, seeds))]
         taken = [i for i in ids if (out / "runs" / i).exists()]
         if taken:
-            from entropylens.record.run_claim import runs_exist_message
+            from entropylens.record.run_dir.run_claim import runs_exist_message
 
             fail(runs_exist_message(out / "runs", taken))
     from entropylens.demo.workers import start_fork_server

@@ -131,7 +131,7 @@ def train(a):
 
 if __name__ == "__main__":
     from entropylens.record.recorder import RecorderError
-    from entropylens.record.run_claim import RunExistsError
+    from entropylens.record.run_dir.run_claim import RunExistsError
 
     try:
         main()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens
 
 P = [0.95, 0.15, 0.12, 0.85]  # bin centres away from float32 bin edges
 R = [1.0, 1.5, 0.5, 1.0]

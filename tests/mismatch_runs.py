@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from fixture_runs import step_row, token_arrays
 
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens
 
 DELTA = [0.0, 0.2, -0.05, 0.3]
 MASKED = [False, False, False, True]

@@ -146,7 +146,7 @@ def _hand_run(root, run="g", entropies=(1.2, 1.1, 1.0, 0.9, 0.5, 0.2, 0.1), erc=
     """A recorded run written with the project's own writer: one steps row per step."""
     import json
 
-    from entropylens.record.writer import write_steps
+    from entropylens.record.writing.parquet import write_steps
 
     d = root / run
     d.mkdir(parents=True)
@@ -301,7 +301,7 @@ def test_mismatch_against_the_runs_own_start():
 def test_mismatch_offline_from_the_steps_table(tmp_path):
     import json
 
-    from entropylens.record.writer import write_steps
+    from entropylens.record.writing.parquet import write_steps
 
     d = tmp_path / "mm"
     d.mkdir()

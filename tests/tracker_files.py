@@ -16,7 +16,7 @@ from entropylens import Recorder
 from entropylens.alarms import Thresholds
 from entropylens.read.query import connect
 from entropylens.record import trackers
-from entropylens.record.step_table import TABLE_COLUMNS
+from entropylens.record.writing.step_table import TABLE_COLUMNS
 
 N_STEPS = 4
 # the logged metric -> the steps table's value of the step: token-weighted over the step's updates

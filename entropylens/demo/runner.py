@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..record.run_claim import RunExistsError, runs_exist_message
+from ..record.run_dir.run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
 from .workers import available_cores, quiet_resource_tracker
 from .workers import one_thread_env as _one_thread_env

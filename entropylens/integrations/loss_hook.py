@@ -35,7 +35,7 @@ import warnings
 
 import torch
 
-from ..record.inputs import NonFiniteInput
+from ..record.training.inputs import NonFiniteInput
 from ..rl.stats import clip_region, clipped_mask, logit_grad_norm_from_sum_p2
 from .trl_loss import LossColumns
 

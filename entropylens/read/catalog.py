@@ -50,7 +50,7 @@ COMPACTED = "compacted"
 RUN_DIRS = frozenset({*TABLE_DIRS, COMPACTED, "ranks", "tokenizer"})  # every folder the recorder makes in a run
 _HIVE = re.compile(r"/step=(-?\d+)/rank=(-?\d+)/[^/]+\.parquet$")
 _COMPACT_NAME = re.compile(r"steps-(\d+)-(\d+)(?:\.part-(\d+))?\.parquet$")
-# the file names record/writer.py gives each table, below TABLE/step=S/rank=R/
+# the file names record/writing/parquet.py gives each table, below TABLE/step=S/rank=R/
 RECORDER_NAMES = {
     "tokens": re.compile(r"update-\d+\.parquet|updates-\d+-\d+\.parquet"),
     "sequences": re.compile(r"part-\d+\.parquet"),

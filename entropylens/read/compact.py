@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..record.writer import FILE_META, TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, parquet_options
+from ..record.writing.parquet import FILE_META, TOKEN_DICT_COLUMNS, TOKEN_FLOAT_COLUMNS, parquet_options
 from ..storage import Location, location
 from . import catalog as cat
 from .query import UnreadableFileWarning, run_status

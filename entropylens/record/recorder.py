@@ -19,33 +19,33 @@ written under a hidden ``.*.tmp`` name and renamed into place when complete. The
 step is written after all its token files, so a present ``steps`` row implies all its token rows.
 
 This module is the public API: :class:`Recorder`, put together from one part per job (each a mixin
-in its own module, whose docstring says its job and the state it owns):
-  lifecycle.py      the run: arguments, claim or resume, the writer thread, close (RecorderError)
-  inputs.py         the checks of an update's tensors, a step's scalars and sequences
-  update.py         watch_logits, record_update, the pending update (LogitWatch); the hot path
-  steps.py          the step state (StepState), record_step, record_sequences, probe, end_step, commit
-  summaries.py      step_summary(_later) (PendingSummary), live alarms (alarms=, stop_on), log_to
-  loss_output.py    what record_update(loss=...) reads (LossOutput: a Protocol)
+in its own module under training/, whose docstring says its job and the state it owns):
+  training/lifecycle.py    the run: arguments, claim or resume, the writer thread, close (RecorderError)
+  training/inputs.py       the checks of an update's tensors, a step's scalars and sequences
+  training/update.py       watch_logits, record_update, the pending update (LogitWatch); the hot path
+  training/steps.py        the step state (StepState), record_step, record_sequences, probe, end_step, commit
+  training/summaries.py    step_summary(_later) (PendingSummary), live alarms (alarms=, stop_on), log_to
+  training/loss_output.py  what record_update(loss=...) reads (LossOutput: a Protocol)
 Below them, one way down, each stage handing the next what it needs:
-  token_columns.py  an update's token columns on its device (ratio, quadrant, clip, entropy ratio)
-  blocks.py         the update's block: attribution, sample, exact aggregates, packed (on the device, or from a snapshot)
-  packed_block.py   the packed block's format: one int32 tensor per update, split back on the host
-  host_copy.py      the one device -> host copy of that block, without a sync on this thread
-  writer_thread.py  the queue, back-pressure, error surfacing, heartbeat and run.json; row selection
-  step_table.py     steps rows (aggregates + scalars), closing steps, summaries
-  token_buffer.py   token rows waiting for their file
+  device/       an update's token columns (token_columns.py), its block of attribution, sample and exact
+                aggregates (blocks.py), packed in one int32 tensor (packed_block.py), copied to the host once
+                without a sync on this thread (host_copy.py)
+  writing/      the writer thread (thread.py: queue, back-pressure, errors, heartbeat), what each message does
+                (file_work.py), steps rows (step_table.py), token rows waiting for their file
+                (token_buffer.py), Parquet (parquet.py), the thread's CPU place (scheduling.py, openmp.py)
+  run_dir/      run.json and status files (run_info.py), one run per directory (run_claim.py)
 """
 
 from __future__ import annotations
 
 from types import FunctionType
 
-from .inputs import InputChecks
-from .lifecycle import RecorderError, RunLifecycle
-from .loss_output import CheckedLossOutput, LossOutput
-from .steps import StepRecording, StepState
-from .summaries import PendingSummary, StepReports
-from .update import LogitWatch, UpdateRecording
+from .training.inputs import InputChecks
+from .training.lifecycle import RecorderError, RunLifecycle
+from .training.loss_output import CheckedLossOutput, LossOutput
+from .training.steps import StepRecording, StepState
+from .training.summaries import PendingSummary, StepReports
+from .training.update import LogitWatch, UpdateRecording
 
 __all__ = ["Recorder", "RecorderError", "LogitWatch", "PendingSummary", "StepState", "LossOutput", "CheckedLossOutput"]
 

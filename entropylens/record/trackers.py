@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..schema import QUADRANTS, quadrant_slug
-from .step_table import HISTOGRAMS_KEY, TABLE_KEY, StepHistogram, TokenTable
+from .writing.step_table import HISTOGRAMS_KEY, TABLE_KEY, StepHistogram, TokenTable
 
 # the step aggregates logged as entropylens/<name> (TRL's report_to and Recorder(log_to=...))
 LOG_KEYS = (

@@ -3,7 +3,7 @@ tensor's device: counts and fractions by quadrant and clip region, means, the en
 loss modifiers' fractions and the entropy budget. Named as the schema's steps columns (schema.STEP_METRICS,
 then BUDGET_NAMES): :func:`step_aggregates` builds each by name and stacks them in that order.
 
-Below both the losses (``policy_loss(...).metrics``) and the recorder's device work (record/blocks.py):
+Below both the losses (``policy_loss(...).metrics``) and the recorder's device work (record/device/blocks.py):
 neither reaches into the other for them.
 """
 

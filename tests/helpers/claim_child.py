@@ -29,7 +29,7 @@ def start(root, run, i, barrier, results, env, steps=2) -> None:
         import torch
 
         from entropylens import Recorder
-        from entropylens.record.run_claim import RunExistsError
+        from entropylens.record.run_dir.run_claim import RunExistsError
 
         barrier.wait(timeout=300)
         try:

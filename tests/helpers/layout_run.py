@@ -1,4 +1,4 @@
-"""Runs in the recorder's real file layout, written with entropylens.record.writer (no training): for the
+"""Runs in the recorder's real file layout, written with entropylens.record.writing.parquet (no training): for the
 reading-layer, storage and compaction tests. ``rows`` token rows per (step, rank), one file each."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens
 from entropylens.storage import location
 
 

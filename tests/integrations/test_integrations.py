@@ -64,7 +64,7 @@ def test_torch_loop_example_run_ids(tmp_path):
     import pytest
     import torch_loop
 
-    from entropylens.record.run_claim import RunExistsError
+    from entropylens.record.run_dir.run_claim import RunExistsError
 
     a = torch_loop.main(["--out", str(tmp_path), "--steps", "1"])
     b = torch_loop.main(["--out", str(tmp_path), "--steps", "1"])

@@ -267,7 +267,7 @@ def test_entropy_budget_by_prob_bin(con):
 
 def test_probe_vs_measured(con, tmp_path):
     # the fixture has no probes: an empty result with the header's columns; with a probes file, its rows
-    from entropylens.record.writer import write_probes
+    from entropylens.record.writing.parquet import write_probes
 
     df = run_analysis(con, "probe_vs_measured")
     assert df.empty and "predicted_dh" in df.columns
@@ -361,7 +361,7 @@ def cov_con(tmp_path_factory):
 
     import numpy as np
 
-    from entropylens.record.writer import write_steps, write_tokens
+    from entropylens.record.writing.parquet import write_steps, write_tokens
 
     root = tmp_path_factory.mktemp("cov")
     d = root / "cov"
@@ -614,7 +614,7 @@ def _pool_runs(root):
     hand without n_sampled / n_sampled_clipped."""
     import json
 
-    from entropylens.record.writer import write_steps
+    from entropylens.record.writing.parquet import write_steps
 
     for run, drop in (("w", ()), ("h", ("n_sampled", "n_sampled_clipped"))):
         d = root / run

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from entropylens.read.query import connect, run_analysis, run_sql
-from entropylens.record.writer import write_steps, write_tokens
+from entropylens.record.writing.parquet import write_steps, write_tokens
 
 HASH = (
     "((((((((CAST(t.step AS BIGINT) * 742938285 + t.update) % 2147483647) * 742938285 + t.rank)"

@@ -1,5 +1,5 @@
 """The reading layer: bad files skipped with one warning, `verify`, the step
-commit rule in the views, stale heartbeats. Runs are written with entropylens.record.writer in the
+commit rule in the views, stale heartbeats. Runs are written with entropylens.record.writing.parquet in the
 recorder's layout (tests/helpers/layout_run.py)."""
 
 import json
@@ -120,7 +120,7 @@ def test_token_rows_show_only_once_their_step_is_committed(tmp_path):
     summary = run_analysis(con, "run_summary")
     assert int(summary["tokens"][0]) == 128
     # once the steps file lands the step appears whole
-    from entropylens.record.writer import write_steps
+    from entropylens.record.writing.parquet import write_steps
 
     write_steps(d, 2, 0, [{"update": 0, "n_tokens": 64}])
     assert connect(tmp_path).execute("SELECT count(*) FROM tokens").fetchall() == [(192,)]
@@ -178,7 +178,7 @@ def test_steps_read_in_parts_equal_one_read(tmp_path, monkeypatch):
     extra metric column included (NULL in the files without it), in the same column order."""
     import entropylens.read.query as q
     import entropylens.read.views as views
-    from entropylens.record.writer import write_steps
+    from entropylens.record.writing.parquet import write_steps
 
     d = make_run(tmp_path, "r", steps=5, rows=16)
     write_steps(d, 5, 0, [{"update": 0, "n_tokens": 16, "my_metric": 2.5}])  # a column only this file has

@@ -24,7 +24,7 @@ from fixture_runs import build as build_hand_runs
 from typer.testing import CliRunner
 
 from entropylens.read import query
-from entropylens.record.writer import write_probes, write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_probes, write_sequences, write_steps, write_tokens
 from entropylens.schema import STEPS, stored_columns
 
 pytestmark = pytest.mark.slow

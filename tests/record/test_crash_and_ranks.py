@@ -127,7 +127,7 @@ def test_a_killed_run_resumes_after_its_checkpoint(tmp_path):
     import json
 
     from entropylens import Recorder
-    from entropylens.record.run_claim import RunExistsError
+    from entropylens.record.run_dir.run_claim import RunExistsError
 
     p = _child_until("committed 2", "commit", str(tmp_path), "k")
     time.sleep(0.3)  # the child goes on: later steps committed, one in progress (files of it maybe on disk)

@@ -14,8 +14,8 @@ import torch
 import entropylens
 from entropylens import Recorder
 from entropylens.integrations.torch import old_policy_pass, policy_update
-from entropylens.record import inputs, update
-from entropylens.record.host_copy import HostCopy
+from entropylens.record.device.host_copy import HostCopy
+from entropylens.record.training import inputs, update
 from entropylens.report.checks import check
 
 V = 7
@@ -221,7 +221,7 @@ def test_sequences_no_update_trains_are_named_once_at_close(tmp_path):
 
 def test_untrained_sequences_past_the_cap_are_counted(tmp_path, monkeypatch):
     # the writer keeps UNTRAINED_CAP of them by id (bounded memory in a run whose ids never match), counts the rest
-    from entropylens.record import step_table
+    from entropylens.record.writing import step_table
 
     monkeypatch.setattr(step_table, "UNTRAINED_CAP", 2)
     with warnings.catch_warnings(record=True) as caught:

@@ -10,7 +10,7 @@ import torch
 from entropylens import Recorder
 from entropylens.integrations.torch import policy_update
 from entropylens.read.query import connect
-from entropylens.record import blocks, packed_block
+from entropylens.record.device import blocks, packed_block
 
 STEP_COLS = (
     "sampler_abs_log_ratio_mean",

@@ -8,7 +8,7 @@ import torch
 
 from entropylens import Recorder
 from entropylens.read.query import connect
-from entropylens.record import blocks, packed_block
+from entropylens.record.device import blocks, packed_block
 from entropylens.rl.losses import policy_loss
 
 FRACTIONS = ("dual_clip_frac", "token_masked_frac", "seq_masked_frac", "is_weight_mean")

@@ -12,7 +12,7 @@ import torch
 from entropylens import Recorder
 from entropylens.alarms import NonFiniteWarning
 from entropylens.read.query import connect, list_analyses, run_analysis, run_sql
-from entropylens.record.writer import nan_is_null, steps_table, steps_table_by_values
+from entropylens.record.writing.parquet import nan_is_null, steps_table, steps_table_by_values
 from entropylens.rl.aggregates import AGG_NAMES
 
 NAN, INF = float("nan"), float("inf")
@@ -109,7 +109,7 @@ def test_one_warning_per_run_naming_the_step_and_the_value(tmp_path):
 
 def test_a_device_scalar_is_checked_once_its_copy_lands(tmp_path, monkeypatch):
     # CPU tensors take the CUDA path (a non-blocking HostCopy the writer thread reads): stored NaN, warned
-    import entropylens.record.steps as recorder  # where record_step reads it
+    import entropylens.record.training.steps as recorder  # where record_step reads it
 
     monkeypatch.setattr(recorder, "_DEFERRED_DEVICES", ("cuda", "cpu"))
     with warnings.catch_warnings(record=True) as caught:

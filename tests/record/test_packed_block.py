@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens.record import blocks, packed_block, token_columns
+from entropylens.record.device import blocks, packed_block, token_columns
 from entropylens.rl import aggregates
 from entropylens.schema import CLIP_HIGH, CLIP_LOW, CLIP_NONE
 
@@ -223,7 +223,7 @@ def test_build_blocks_groups_same_shaped_updates_and_leaves_each_block_as_alone(
     # A hand-over with two shapes (B = 6 and B = 4), ERC and no-ERC updates, and a lone update:
     # build_blocks builds each group at once; every DeferredBlock then returns exactly the block
     # it builds alone.
-    from entropylens.record.host_copy import DeferredBlock, build_blocks
+    from entropylens.record.device.host_copy import DeferredBlock, build_blocks
 
     specs = [dict(seed=0), dict(seed=1), dict(seed=2, b=4), dict(seed=3, b=4), dict(seed=4, erc=False), dict(seed=5)]
     snaps = [blocks.snapshot(*a[:7], a[7], 1.0) for a in (_update_inputs(**s) for s in specs)]

@@ -442,7 +442,7 @@ def test_device_scalars_of_record_step_arrive_through_the_writer_thread(tmp_path
     # on CUDA a tensor grad norm is not read on the caller's thread (that would synchronise): it goes
     # by a non-blocking copy the writer thread waits for. Take that path with CPU tensors and check
     # the stored values: float32(v) for every tensor, floats as they are, per update and per step.
-    from entropylens.record import steps as recorder_module  # where record_step reads it
+    from entropylens.record.training import steps as recorder_module  # where record_step reads it
 
     monkeypatch.setattr(recorder_module, "_DEFERRED_DEVICES", ("cpu",))
     norms = [torch.tensor(1.2345678, dtype=torch.float64), torch.tensor(0.1, dtype=torch.float32)]
@@ -536,7 +536,7 @@ def test_files_reach_the_disk_before_the_steps_file_commits_them(tmp_path, monke
 def test_nan_found_on_the_writer_thread_is_raised_at_the_next_call(tmp_path, monkeypatch):
     # on CUDA the caller never waits for the copy: the writer thread reads the NaN flags. Take that
     # path on the CPU too (as if the block were still on its way) and check the error and the drop.
-    from entropylens.record.host_copy import DeferredBlock, HostCopy
+    from entropylens.record.device.host_copy import DeferredBlock, HostCopy
 
     monkeypatch.setattr(HostCopy, "on_host", property(lambda self: False))
     monkeypatch.setattr(DeferredBlock, "on_host", False)
@@ -560,7 +560,7 @@ def test_inputs_checked_by_the_loss_are_not_checked_again_but_others_are(tmp_pat
     # policy_loss checks its inputs (one sync); the recorder skips the very tensors it checked (same
     # objects, same mask) and still checks the rest: a float64 input whose finite values overflow
     # float32 (the loss checked it as float64; its stored float32 column is +inf)
-    from entropylens.record import blocks
+    from entropylens.record.device import blocks
     from entropylens.rl.losses import policy_loss
 
     names = []

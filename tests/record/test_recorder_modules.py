@@ -8,12 +8,20 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.record.loss_output import CheckedLossOutput, LossOutput
 from entropylens.record.recorder import RecorderError, StepState
+from entropylens.record.training.loss_output import CheckedLossOutput, LossOutput
 from entropylens.rl.losses import policy_loss
 
 PACKAGE = Path(__file__).resolve().parents[2] / "entropylens" / "record"
-PARTS = ("recorder.py", "lifecycle.py", "inputs.py", "update.py", "steps.py", "summaries.py", "loss_output.py")
+PARTS = (
+    "recorder.py",
+    "training/lifecycle.py",
+    "training/inputs.py",
+    "training/update.py",
+    "training/steps.py",
+    "training/summaries.py",
+    "training/loss_output.py",
+)
 
 
 @pytest.mark.parametrize("name", PARTS)

@@ -19,7 +19,7 @@ import torch
 from entropylens import Recorder, storage
 from entropylens.read.query import connect
 from entropylens.record.recorder import RecorderError
-from entropylens.record.run_claim import Claim, RunExistsError, claim, claim_path
+from entropylens.record.run_dir.run_claim import Claim, RunExistsError, claim, claim_path
 
 HELPERS = Path(__file__).parent.parent / "helpers"
 sys.path.insert(0, str(HELPERS))  # claim_child, record_child: here and in the processes started below
@@ -83,7 +83,7 @@ def test_two_writers_that_list_the_run_at_the_same_moment_get_one_run(tmp_path, 
     create accepts one."""
     import threading
 
-    from entropylens.record import run_claim
+    from entropylens.record.run_dir import run_claim
 
     real, both, first = run_claim.old_files, threading.Barrier(2, timeout=60), threading.local()
 
@@ -252,7 +252,7 @@ def test_ranks_of_two_jobs_never_share_a_run(tmp_path):
 def test_of_two_jobs_taking_one_claim_over_at_once_one_is_refused(tmp_path):
     """A takeover is an exclusive create keyed by the claim it replaces: a job that finds that
     takeover made already (by a job that read the same claim an instant earlier) is refused."""
-    from entropylens.record.run_claim import _read_claim, _takeover_path
+    from entropylens.record.run_dir.run_claim import _read_claim, _takeover_path
 
     loc = storage.location(tmp_path / "t")
     first = Claim.new(loc, 0, 1)

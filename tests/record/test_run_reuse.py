@@ -8,7 +8,7 @@ import pytest
 from entropylens import storage
 from entropylens.demo.toy import config_for, train
 from entropylens.read.query import connect
-from entropylens.record.run_claim import RunExistsError, claim, old_files
+from entropylens.record.run_dir.run_claim import RunExistsError, claim, old_files
 
 TINY = dict(prompts=2, group=2, minibatches=1, epochs=1, sft_steps=2)
 

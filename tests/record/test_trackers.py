@@ -18,7 +18,7 @@ import pytest
 from entropylens import Recorder
 from entropylens.read.query import connect
 from entropylens.record import trackers
-from entropylens.record.step_table import HIST_EDGES, TABLE_COLUMNS, StepTable
+from entropylens.record.writing.step_table import HIST_EDGES, TABLE_COLUMNS, StepTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from recorded_batches import record_one  # noqa: E402
@@ -175,7 +175,7 @@ def test_payload_bytes(tmp_path):
     """The per-step payload trackers.PAYLOAD_BYTES states, measured: the 5 histograms with every bin
     filled, as TensorBoard's HistogramProto values, W&B's and Trackio's JSON; a 64-row table's JSON."""
     pytest.importorskip("tensorboard")
-    from entropylens.record.step_table import StepHistogram
+    from entropylens.record.writing.step_table import StepHistogram
 
     hists = {
         f"entropylens/hist/{k}": StepHistogram(np.full(34, 123456, np.int64), 1.2345678e5, 2.3456789e5)

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from entropylens import Recorder
-from entropylens.record import file_work, scheduling, writer_thread
+from entropylens.record.writing import file_work, scheduling
+from entropylens.record.writing import thread as writer_thread
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 

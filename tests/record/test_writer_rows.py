@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from entropylens.record import packed_block
-from entropylens.record.token_buffer import TokenBuffer
+from entropylens.record.device import packed_block
+from entropylens.record.writing.token_buffer import TokenBuffer
 from entropylens.rl import aggregates
 
 

@@ -12,7 +12,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
-from entropylens.record.writer import steps_table, write_steps
+from entropylens.record.writing.parquet import steps_table, write_steps
 from entropylens.schema import STEP_METRICS, STEPS, arrow_type
 
 # the recorder's own aggregates: NaN there means "not measured" (null); the caller's scalars keep NaN
@@ -134,7 +134,7 @@ def test_small_files_skip_compression_and_statistics_tokens_files_keep_them(tmp_
     import numpy as np
     import pyarrow.parquet as pq
 
-    from entropylens.record.writer import SMALL_BYTES, write_sequences, write_tokens
+    from entropylens.record.writing.parquet import SMALL_BYTES, write_sequences, write_tokens
 
     def meta(path):
         col = pq.ParquetFile(path).metadata.row_group(0).column(0)

@@ -1,4 +1,4 @@
-"""The writer thread never starts an OpenMP team of its own (entropylens/record/threads.py)."""
+"""The writer thread never starts an OpenMP team of its own (entropylens/record/writing/openmp.py)."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from entropylens import Recorder
-from entropylens.record.threads import serial_torch_ops
+from entropylens.record.writing.openmp import serial_torch_ops
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread OpenMP counts: Linux")
 

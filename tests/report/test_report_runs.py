@@ -149,7 +149,7 @@ def test_group_by_config_pools_the_seeds_of_one_config(tmp_path):
 def _long_run(root, steps: int = 5000):
     """One run of ``steps`` steps, its steps table written as one compacted file (as `entropylens compact`
     leaves a long run): entropy 2 exp(-s / 2000) + 0.1 plus N(0, 0.05) noise."""
-    from entropylens.record.writer import steps_table
+    from entropylens.record.writing.parquet import steps_table
 
     d = root / "long"
     (d / "compacted" / "steps").mkdir(parents=True)

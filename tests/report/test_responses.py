@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from entropylens.read.query import QueryError, connect, run_analysis
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens
 from entropylens.report import responses as R
 
 

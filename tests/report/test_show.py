@@ -14,7 +14,7 @@ from rich.style import Style
 from rich.text import Text
 
 from entropylens.read.query import connect
-from entropylens.record.writer import write_sequences, write_steps, write_tokens
+from entropylens.record.writing.parquet import write_sequences, write_steps, write_tokens
 from entropylens.report import responses as R
 from entropylens.report import show
 from entropylens.token_text import HOW_TO_GET_TEXT, make_decoder

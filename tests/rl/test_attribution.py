@@ -154,7 +154,7 @@ def test_neg_inf_logits_backward_against_finite_part(g_ent):
 # ------------------------------------------------------------------ token columns and the budget
 def _update(method="grpo", temperature=1.0, seed=0, **kw):
     """A real update: logits [B, T, V] -> policy_loss -> derive_columns -> the attribution columns."""
-    from entropylens.record import blocks, token_columns
+    from entropylens.record.device import blocks, token_columns
     from entropylens.rl.losses import policy_loss
 
     g = torch.Generator().manual_seed(seed)

@@ -171,7 +171,7 @@ def test_clip_cov_with_dual_clip_never_selects_a_capped_token_and_the_drop_split
     # the dropped entropy effect, with a made-up sensitivity s: the six causes add up to the total
     cols = {k: v.float() if v.is_floating_point() else v for k, v in c.items()}
     s = torch.linspace(-1, 1, mask.numel()).reshape(mask.shape)
-    from entropylens.record.blocks import add_attribution
+    from entropylens.record.device.blocks import add_attribution
 
     add_attribution(cols, s, 1.0)
     m = {k: float(v) for k, v in step_metrics(cols, mask).items()}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .host_copy import DeferredBlock, HostCopy
+    from ..device.host_copy import DeferredBlock, HostCopy
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from ..rl.aggregates import AGG_NAMES, SAMPLER_COUNTS
-from ..schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
+from ...rl.aggregates import AGG_NAMES, SAMPLER_COUNTS
+from ...schema import QUADRANT_NAMES, QUADRANTS, quadrant_slug
 
 QUANTILES = {"entropy_ratio_p05": 0.05, "entropy_ratio_p50": 0.5, "entropy_ratio_p95": 0.95}
 # summary's weight of a mismatch mean that is not over all the update's tokens: the count it is a mean over

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..rl import stats
-from ..rl.aggregates import step_aggregates
+from ...rl import stats
+from ...rl.aggregates import step_aggregates
 from .packed_block import BOOL_SHIFTS, FLOAT_COLS, FiniteFlags, Layout, pack
 from .token_columns import log_zero_as_inf
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rl import stats
+from ...rl import stats
 
 
 def derive_columns(

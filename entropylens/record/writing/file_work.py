@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import packed_block
-from . import writer as parquet
-from .host_copy import DeferredBlock
-from .inputs import NonFiniteInput, duplicate_rows, duplicates_error
+from ..device import packed_block
+from ..device.host_copy import DeferredBlock
+from ..training.inputs import NonFiniteInput, duplicate_rows, duplicates_error
+from . import parquet
 from .messages import Close, Probes, Rewards, Scalars, Sequences, Summary, Update
 from .step_table import StepTable
 from .token_buffer import TokenBuffer

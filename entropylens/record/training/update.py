@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..caller import caller_stacklevel
-from ..rl.losses import RUN_SETTINGS, update_settings
-from . import blocks, packed_block, token_columns
-from .host_copy import DeferredBlock, HostCopy
+from ...caller import caller_stacklevel
+from ...rl.losses import RUN_SETTINGS, update_settings
+from ..device import blocks, packed_block, token_columns
+from ..device.host_copy import DeferredBlock, HostCopy
 from .inputs import NonFiniteInput
 from .loss_output import LossOutput
 

@@ -18,8 +18,8 @@ import warnings
 import numpy as np
 import torch
 
-from ..caller import caller_stacklevel
-from .host_copy import HostCopy
+from ...caller import caller_stacklevel
+from ..device.host_copy import HostCopy
 from .inputs import checked_texts, sequence_arrays, step_values
 
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
@@ -267,7 +267,7 @@ class StepRecording:
                 loss_fn's logprobs or entropy carry no grad.
             RecorderError: when the recorder is closed or its writer failed (``on_error="raise"``).
         """
-        from ..rl.probe import probe_update
+        from ...rl.probe import probe_update
 
         self._check_alive()
         step, update = int(step), int(update)

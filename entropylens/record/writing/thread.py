@@ -30,14 +30,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..caller import caller_stacklevel
+from ...caller import caller_stacklevel
+from ..device.host_copy import DeferredBlock, HostCopy, build_blocks
+from ..run_dir.run_claim import ClaimLostError
+from ..run_dir.run_info import RunInfo, write_run_json
 from .file_work import FileWork
-from .host_copy import DeferredBlock, HostCopy, build_blocks
 from .messages import STOP, Batch, Close, Heartbeat, Probes, Reply, Rewards, Scalars, Sequences, Summary, Update
-from .run_claim import ClaimLostError
-from .run_info import RunInfo, write_run_json
+from .openmp import serial_torch_ops
 from .scheduling import RESCUE_CHECK_S, WRITER_IDLE, WRITER_NICE, StarvationCheck, lower_priority, thread_cpu
-from .threads import serial_torch_ops
 
 BACKPRESSURE_WARN_S = 5.0  # one warning per run once a hand-over has waited this long for room in the queue
 OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an unflushed outbox holds)
@@ -274,7 +274,7 @@ class WriterThread:
         rescue thread takes over."""
         lower_priority(WRITER_NICE, idle=idle)
         if os.environ.get("ENTROPYLENS_WRITER_OMP", "1") != "0":  # (0: torch's own thread teams, for benchmarks)
-            serial_torch_ops()  # never an OpenMP team of its own (entropylens/record/threads.py)
+            serial_torch_ops()  # never an OpenMP team of its own (entropylens/record/writing/openmp.py)
         handlers = {**self.work.handlers(), Heartbeat: lambda _: self.write_run_json()}
         while not (idle and self.rescued):
             if not self._batch:

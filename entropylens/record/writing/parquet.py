@@ -19,8 +19,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..schema import QUADRANT_NAMES, SCHEMA_VERSION, arrow_type, stored_columns
-from ..storage import Location, location
+from ...schema import QUADRANT_NAMES, SCHEMA_VERSION, arrow_type, stored_columns
+from ...storage import Location, location
 
 TOKEN_DICT_COLUMNS = ("update", "seq", "group", "quadrant", "token_id", "advantage")
 TOKEN_FLOAT_COLUMNS = tuple(c.name for c in stored_columns("tokens") if c.dtype == "float32" and c.name != "advantage")
@@ -160,7 +160,7 @@ _EXACT_INT = float(2**53)  # integers below this magnitude pass through float64 
 def _step_types() -> dict:
     global _STEP_TYPES, _STEP_INTS
     if _STEP_TYPES is None:
-        from ..schema import STEPS
+        from ...schema import STEPS
 
         types = {c.name: arrow_type(c.dtype) for c in STEPS if c.name not in ("step", "rank")}
         _STEP_INTS = frozenset(n for n, t in types.items() if pa.types.is_integer(t))
@@ -176,7 +176,7 @@ def nan_is_null(name: str) -> bool:
     column): a NaN grad norm is the first sign of a blow-up, not a missing one."""
     global _AGGREGATES
     if _AGGREGATES is None:
-        from ..schema import STEP_METRICS, STEPS
+        from ...schema import STEP_METRICS, STEPS
 
         # the loss of an update is the caller's value (left out of the row when not given): not an aggregate
         _AGGREGATES = (frozenset(STEP_METRICS) - {"loss"}) | {
@@ -272,7 +272,7 @@ def write_probes(
 ) -> Path:
     """probe-U.parquet: the parameter-space probe of one update (schema.PROBES), a row per gradient part.
     Written before the steps file of its step (the step commits it)."""
-    from ..schema import PROBES
+    from ...schema import PROBES
 
     cols = {}
     for c in PROBES:

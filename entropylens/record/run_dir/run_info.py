@@ -8,8 +8,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .. import storage
-from ..schema import QUADRANT_NAMES, SCHEMA_VERSION
+from ... import storage
+from ...schema import QUADRANT_NAMES, SCHEMA_VERSION
 
 
 def utc_now() -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .packed_block import HostUpdate, rows_of
+from ..device.packed_block import HostUpdate, rows_of
 
 # (step, (first update, last update), column arrays) of one file to write
 FileRows = tuple[int, tuple[int, int], dict[str, np.ndarray]]

@@ -35,10 +35,10 @@ class StepReports:
         this part's state, empty."""
         self._alarm_thresholds = None
         if alarms:  # live alarms (entropylens.alarms): True for the defaults, or a Thresholds
-            from ..alarms import Thresholds
+            from ...alarms import Thresholds
 
             self._alarm_thresholds = alarms if isinstance(alarms, Thresholds) else Thresholds()
-        from ..alarms import check_stop_on
+        from ...alarms import check_stop_on
 
         self._stop_on = check_stop_on(stop_on)
         if self._stop_on and self._alarm_thresholds is None:
@@ -52,7 +52,7 @@ class StepReports:
         """``log_to`` resolved (this rank's trackers: none off rank 0), ``log_histograms`` and
         ``log_table_every`` with their defaults (on where this rank logs to a tracker)."""
         if log_to is not None:  # unknown names and missing packages fail here, before anything is on disk
-            from . import trackers
+            from .. import trackers
 
             log_to = trackers.resolve(log_to) if self.rank == 0 else []
         if log_table_every is not None and (isinstance(log_table_every, bool) or int(log_table_every) < 0):
@@ -64,7 +64,7 @@ class StepReports:
 
     def _start_step_log(self, log_to) -> None:
         if log_to:
-            from .trackers import StepLog
+            from ..trackers import StepLog
 
             self._step_log = StepLog(log_to, self.run, self.config)
             if self._alarm_thresholds is not None and self._step_log.trackers:  # findings as the trackers' alerts
@@ -143,7 +143,7 @@ class StepReports:
     def _live_alarms(self):
         """The run's alarms.LiveAlarms (``alarms=`` set), made at its first use."""
         if self._alarms is None:
-            from ..alarms import LiveAlarms
+            from ...alarms import LiveAlarms
 
             self._alarms = LiveAlarms(self.run, self._alarm_thresholds, self._stop_on)
         return self._alarms
@@ -153,7 +153,7 @@ class StepReports:
         the live alarms' grad_norm / lr), made at the first record_step."""
         log = self._scalars
         if log is None:
-            from ..alarms import ScalarLog
+            from ...alarms import ScalarLog
 
             log = self._scalars = ScalarLog(self.run, keep=self._alarm_thresholds is not None)
             if self._alarm_thresholds is not None:
@@ -182,7 +182,7 @@ class StepReports:
         """``log_to``: ask for the summary of ``step`` (once, before it closes) without waiting."""
         if self._step_log is None or step <= self._steps.logged or self._disabled:
             return
-        from .trackers import EXTRA_NAMES, SUMMARY_NAMES
+        from ..trackers import EXTRA_NAMES, SUMMARY_NAMES
 
         self._steps.logged = step
         names = (

@@ -4,7 +4,7 @@ Part of :class:`entropylens.record.recorder.Recorder` (the facade's docstring do
 :class:`RunLifecycle` (a mixin) holds ``__init__``: every argument is checked before anything is on
 disk, then the run directory is claimed (run_claim.py: one run per directory) or, with ``resume=K``,
 this rank's files of steps after K are removed and run.json's earlier settings kept; then the writer
-thread starts (writer_thread.py). ``close`` flushes, stops the writer and writes the final status;
+thread starts (writing/thread.py). ``close`` flushes, stops the writer and writes the final status;
 ``_check_alive`` turns a writer failure into an error (or, with ``on_error="warn"``, one warning and a
 recorder that records nothing more). It owns the run's identity and settings (``run``, ``root``,
 ``dir``, ``rank``, ``world_size``, ``config``, ``tau``, ``sample``, ``on_error``, ``eps_low``,
@@ -24,13 +24,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from .. import storage
-from ..caller import caller_stacklevel
-from ..rl.losses import METHODS, resolve_eps
-from . import blocks, run_claim
-from .run_info import RunInfo, utc_now
+from ... import storage
+from ...caller import caller_stacklevel
+from ...rl.losses import METHODS, resolve_eps
+from ..device import blocks
+from ..run_dir import run_claim
+from ..run_dir.run_info import RunInfo, utc_now
+from ..writing.thread import WriterThread
 from .steps import StepState
-from .writer_thread import WriterThread
 
 _Self = TypeVar("_Self", bound="RunLifecycle")  # the Recorder (the facade above this part: not imported here)
 
@@ -116,7 +117,7 @@ class RunLifecycle:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         self.config = dict(config or {})
         if tokenizer is not None:  # checked (a vocabulary of strings) before anything is on disk
-            from ..token_text import tokenizer_info
+            from ...token_text import tokenizer_info
 
             self.config["tokenizer"] = tokenizer_info(tokenizer)
         self._check_alarm_settings(alarms, stop_on)
@@ -139,7 +140,7 @@ class RunLifecycle:
         self._steps = StepState(int(resume) if resume is not None else None)
         earlier = self._claim_or_resume(overwrite)
         if tokenizer is not None and self.rank == 0:  # the run's own copy where run.json names none to load
-            from ..token_text import save_tokenizer
+            from ...token_text import save_tokenizer
 
             save_tokenizer(tokenizer, self.dir)
         self._salt = blocks.run_hash(run)

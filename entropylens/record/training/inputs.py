@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..rl.aggregates import AGG_NAMES
+from ...rl.aggregates import AGG_NAMES
 
 
 class NonFiniteInput(ValueError):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..rl.aggregates import AGG_NAMES
+from ...rl.aggregates import AGG_NAMES
 
 # Float token columns shipped to the host, in pack order (float32).
 # (prob, ratio and entropy_ratio are derived from these by the views and never leave the device)
