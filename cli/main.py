@@ -165,7 +165,7 @@ def query(
 
     SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
     """
-    from entropylens.cli.sql_guard import check_read_only
+    from .sql_guard import check_read_only
 
     from entropylens.read.query import run_sql
 
