@@ -38,8 +38,8 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeAlias
 
 from ..schema import QUADRANTS, quadrant_slug
 from .writing.step_table import HISTOGRAMS_KEY, TABLE_KEY, StepHistogram, TokenTable
@@ -121,6 +121,11 @@ class Tracker:
         pass
 
 
+# Recorder(log_to=...): a tracker's name, a Tracker, a callable f(step, metrics); a list of these; {name: option}
+TrackerLike: TypeAlias = str | Tracker | Callable[[int, dict[str, float]], Any]
+LogTo: TypeAlias = TrackerLike | Sequence[TrackerLike] | Mapping[str, Any]
+
+
 class Callback(Tracker):
     """Any callable ``f(step, metrics)``."""
 
@@ -142,7 +147,7 @@ class TensorBoard(Tracker):
 
     def __init__(self, logdir: str | os.PathLike | None = None, flush_secs: int = 10):
         self.logdir, self.flush_secs = logdir, flush_secs
-        self.writer = None
+        self.writer: Any = None  # tensorboard's EventFileWriter (the package has no type information)
 
     def start(self, run, config):
         from tensorboard.compat.proto.event_pb2 import Event
@@ -231,7 +236,8 @@ class WandB(Tracker):
 
     def __init__(self, project: str | None = None, **init_kwargs):
         self.project, self.kwargs = project, init_kwargs
-        self.run, self.own = None, False
+        self.run: Any = None  # the wandb run (the package has no type information)
+        self.own = False
 
     def start(self, run, config):
         import wandb
@@ -273,7 +279,8 @@ class Trackio(Tracker):
 
     def __init__(self, project: str | None = None, **init_kwargs):
         self.project, self.kwargs = project, init_kwargs
-        self.run, self.own = None, False
+        self.run: Any = None  # the trackio run (the package has no type information)
+        self.own = False
 
     def start(self, run, config):
         import trackio
@@ -314,7 +321,7 @@ class Trackio(Tracker):
             self.run.finish()
 
 
-NAMED = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
+NAMED: dict[str, Callable[..., Tracker]] = {"tensorboard": TensorBoard, "wandb": WandB, "trackio": Trackio}
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
 
 
@@ -336,7 +343,7 @@ def _named(name: str, option=None) -> Tracker:
     return NAMED[key](option)
 
 
-def resolve(log_to) -> list[Tracker]:
+def resolve(log_to: LogTo | None) -> list[Tracker]:
     """``Recorder(log_to=...)`` as a list of trackers (not started)."""
     if log_to is None or log_to is False:
         return []

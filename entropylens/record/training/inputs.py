@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ...rl.aggregates import AGG_NAMES
+from .base import RecorderBase
 
 
 class NonFiniteInput(ValueError):
@@ -36,7 +37,7 @@ _PLAIN_NAMES = frozenset(("grad_norm", "lr"))
 _RECORDER_COLUMNS = frozenset(AGG_NAMES) | {"step", "update", "rank", "run", "loss"}
 
 
-class InputChecks:
+class InputChecks(RecorderBase):
     """record_update's checks (module docstring)."""
 
     def _validate_update(

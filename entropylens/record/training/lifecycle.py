@@ -18,8 +18,10 @@ import json
 import os
 import secrets
 import warnings
+from collections.abc import Iterable
 from datetime import datetime
-from typing import TypeVar
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -31,7 +33,12 @@ from ..device import blocks
 from ..run_dir import run_claim
 from ..run_dir.run_info import RunInfo, utc_now
 from ..writing.thread import WriterThread
+from .base import RecorderBase
 from .steps import StepState
+
+if TYPE_CHECKING:
+    from ...alarms import Thresholds
+    from ..trackers import LogTo
 
 _Self = TypeVar("_Self", bound="RunLifecycle")  # the Recorder (the facade above this part: not imported here)
 
@@ -40,7 +47,7 @@ class RecorderError(RuntimeError):
     """The recorder could not do its job (bad input, unwritable root, writer failure)."""
 
 
-def _earlier_run_info(run_dir) -> dict:
+def _earlier_run_info(run_dir: storage.Location) -> dict[str, Any]:
     """The run.json a resumed run continues (its config, loss settings, start and earlier resumes stay);
     {} where it cannot be read (a torn run.json: the resumed run writes it anew)."""
     try:
@@ -58,7 +65,7 @@ def _step_list(steps: list[int]) -> str:
     return ", ".join(str(x) for x in steps[:8]) + (", ..." if len(steps) > 8 else "")
 
 
-def _run_level_eps(config: dict) -> tuple[float, float]:
+def _run_level_eps(config: dict[str, Any]) -> tuple[float, float]:
     """eps as the loss would resolve it for the configured method (losses.resolve_eps); without a
     known method 0.2 / eps_low."""
     method = next((m for m in (config.get("loss_method"), config.get("method")) if m in METHODS), None)
@@ -69,7 +76,7 @@ def _run_level_eps(config: dict) -> tuple[float, float]:
     return low, high
 
 
-def _check_resume(run, resume, overwrite) -> None:
+def _check_resume(run: str | None, resume: object, overwrite: bool) -> None:
     """``resume=`` with what it needs (checked before anything is created on disk)."""
     if overwrite:
         raise ValueError("resume and overwrite exclude each other: resume continues the run, overwrite replaces it")
@@ -81,7 +88,7 @@ def _check_resume(run, resume, overwrite) -> None:
         )
 
 
-class RunLifecycle:
+class RunLifecycle(RecorderBase):
     """Opening, resuming and closing the run (module docstring)."""
 
     def __init__(
@@ -100,15 +107,15 @@ class RunLifecycle:
         rows_per_file: int = 262_144,
         storage_options: dict | None = None,
         fsync: bool = True,
-        alarms=None,
-        stop_on=(),
+        alarms: bool | Thresholds | None = None,
+        stop_on: str | Iterable[str] = (),
         overwrite: bool = False,
         resume: int | None = None,
-        log_to=None,
-        tokenizer=None,
+        log_to: LogTo | None = None,
+        tokenizer: Any = None,
         log_histograms: bool | None = None,
         log_table_every: int | None = None,
-    ):
+    ) -> None:
         if not 0.0 < sample <= 1.0:
             raise ValueError(f"sample must be in (0, 1], got {sample}")
         if on_error not in ("raise", "warn"):
@@ -166,7 +173,7 @@ class RunLifecycle:
         self._start_step_log(log_to)
         atexit.register(self._atexit)
 
-    def _open_dir(self, root, storage_options, resuming: bool) -> None:
+    def _open_dir(self, root: str | os.PathLike, storage_options: dict | None, resuming: bool) -> None:
         """``root/<run>/``, made and found writable (a probe file)."""
         self.root = storage.location(root, storage_options)  # a local directory or s3://bucket/prefix
         self.dir = self.root / self.run
@@ -181,7 +188,7 @@ class RunLifecycle:
             why = getattr(e, "strerror", None) or str(e).splitlines()[0] if str(e) else type(e).__name__
             raise RecorderError(f"cannot write the run directory {self.dir}: {why}") from None
 
-    def _claim_or_resume(self, overwrite: bool) -> dict:
+    def _claim_or_resume(self, overwrite: bool) -> dict[str, Any]:
         """A new run claims its directory; a resumed one (``_steps.resumed_after``) removes this rank's
         files of later steps and takes the earlier job's config. Returns the earlier run.json ({})."""
         after = self._steps.resumed_after  # steps <= it are the earlier job's, committed
@@ -210,7 +217,7 @@ class RunLifecycle:
             )  # the line that made the Recorder
         return earlier
 
-    def _run_info(self, earlier: dict) -> RunInfo:
+    def _run_info(self, earlier: dict[str, Any]) -> RunInfo:
         """run.json's contents; a resumed run keeps the earlier job's start, loss settings and resumes."""
         info = RunInfo(
             run=self.run,
@@ -244,7 +251,9 @@ class RunLifecycle:
     def __enter__(self: _Self) -> _Self:
         return self
 
-    def __exit__(self, exc_type, exc, traceback) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.close(status="failed" if exc_type is not None else "finished", _raise=exc_type is None)
 
     def close(self, status: str = "finished", _raise: bool = True) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from ...caller import caller_stacklevel
 from ..device.host_copy import HostCopy
+from .base import RecorderBase
 from .inputs import checked_texts, sequence_arrays, step_values
 
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
@@ -88,7 +89,7 @@ def _scalar(v) -> float:
     return float(v)
 
 
-class StepRecording:
+class StepRecording(RecorderBase):
     """record_step, record_sequences, probe, end_step, commit; closing the steps (module docstring)."""
 
     def record_step(self, step: int, *, update: int | None = None, grad_norm=None, lr=None, **metrics) -> None:

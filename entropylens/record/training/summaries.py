@@ -12,6 +12,8 @@ were observed and asked for is in the step state (``_steps.alarms_seen``, ``_ste
 
 from __future__ import annotations
 
+from .base import RecorderBase
+
 
 class PendingSummary:
     """A step summary the writer thread answers later (:meth:`Recorder.step_summary_later`)."""
@@ -26,7 +28,7 @@ class PendingSummary:
         return self._writer.answer(self._reply)
 
 
-class StepReports:
+class StepReports(RecorderBase):
     """Step summaries, live alarms, trackers (module docstring)."""
 
     # ---------------------------------------------------------------- settings (checked as the run opens)

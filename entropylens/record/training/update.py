@@ -19,6 +19,7 @@ from ...caller import caller_stacklevel
 from ...rl.losses import RUN_SETTINGS, update_settings
 from ..device import blocks, packed_block, token_columns
 from ..device.host_copy import DeferredBlock, HostCopy
+from .base import RecorderBase
 from .inputs import NonFiniteInput
 from .loss_output import LossOutput
 
@@ -78,7 +79,7 @@ def _checked_values(name: str, x: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x == float("-inf"), 0.0) if name in blocks.LOG_PROB_INPUTS else x
 
 
-class UpdateRecording:
+class UpdateRecording(RecorderBase):
     """watch_logits, record_update, the pending update (module docstring)."""
 
     def watch_logits(self, logits: torch.Tensor, tokens: torch.Tensor | None = None) -> LogitWatch:
