@@ -102,8 +102,11 @@ def _budget(cols: dict[str, torch.Tensor], m: torch.Tensor) -> torch.Tensor:
     # 0/1 columns [U, N, 7]: every token, quadrant codes 1..4 (one comparison against 0..4), clip low, high
     parts = [cols["quadrant"].reshape(u, -1, 1) == _codes(m.device), clip < CLIP_NONE, clip > CLIP_NONE]
     if split:
-        by_erc = flat("_dropped_by_erc").double() if have_erc else None
-        by_erc = torch.where(m & ~torch.isnan(by_erc), by_erc, 0.0) if have_erc else torch.zeros_like(eff)
+        if have_erc:
+            by_erc = flat("_dropped_by_erc").double()
+            by_erc = torch.where(m & ~torch.isnan(by_erc), by_erc, 0.0)
+        else:
+            by_erc = torch.zeros_like(eff)
         rows += [drop - by_erc, by_erc]  # before ERC (by the classes below) | ERC's own share
         no = torch.zeros_like(clip, dtype=torch.bool)  # [U, N, 1]
         by_cov = [flat(col).bool().unsqueeze(2) if col in cols else no for col in COV_CAUSES.values()]
@@ -287,7 +290,7 @@ def step_aggregates(
     finite = torch.isfinite(rows)  # [U, 5, N]
     ratio_ok = finite[:, 2] & finite[:, 3]  # [U, N]: ratio and k3 both finite
     keep = torch.stack([finite[:, 0], finite[:, 1], ratio_ok, ratio_ok, finite[:, 4]], 1)
-    vals = [torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[:, 4]], 1).double()]  # [U, 5 + 2, N]
+    parts = [torch.where(keep, rows, 0.0), torch.stack([ratio_ok, finite[:, 4]], 1).double()]  # [U, 5 + 2, N]
     # the loss's modifiers (the columns present): dual-clipped, outside the token mask, sequence dropped, IS weight
     extra = [c for c in FRACTION_COLUMNS.values() if c in cols]
     if extra:
@@ -296,8 +299,8 @@ def step_aggregates(
             torch.where(m, v.float(), 0.0) if c in MEAN_COLUMNS else (v.bool() if c in _COUNTED_TRUE else ~v.bool())
             for c, v in zip(extra, x)
         ]
-        vals.append(torch.stack(x, 1).double())  # [U, len(extra), N]
-    vals = torch.cat(vals, 1)  # [U, 7 + len(extra), N]
+        parts.append(torch.stack(x, 1).double())  # [U, len(extra), N]
+    vals = torch.cat(parts, 1)  # [U, 7 + len(extra), N]
     onehot = ((quad.unsqueeze(2) == _codes(dev)) & m.unsqueeze(2)).double()  # [U, N, 5]: masked one-hot quadrant
     per_q = _bmm(vals, onehot)  # [U, 7 + len(extra), 5]: value sums per quadrant code (0 = ZA, 1..4 = the quadrants)
     tot = per_q[0].sum(dim=1).unsqueeze(0) if u == 1 else per_q.sum(dim=2)  # [U, 7 + len(extra)]

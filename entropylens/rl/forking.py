@@ -37,13 +37,13 @@ def gather_valid(local: torch.Tensor, group=None) -> torch.Tensor:
     n = torch.tensor([local.numel()], device=local.device, dtype=torch.int64)
     sizes = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(sizes, n, group=group)
-    sizes = [int(s.item()) for s in sizes]
-    longest = max(sizes)
+    lengths = [int(s.item()) for s in sizes]
+    longest = max(lengths)
     padded = torch.zeros(longest, dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)
-    return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+    return torch.cat([p[:s] for p, s in zip(parts, lengths)])
 
 
 def entropy_threshold(valid_entropies: torch.Tensor, quantile: float) -> torch.Tensor | None:

@@ -37,7 +37,7 @@ _SOURCE = Path(__file__).with_name("_row_sums.c")
 # -fno-trapping-math: lets the compiler vectorise the floor's compare-and-select (no value changes);
 # -fopenmp-simd: the `omp simd` reductions only (no OpenMP runtime is linked).
 _FLAGS = ["-O3", "-fopenmp-simd", "-fno-trapping-math", "-fPIC", "-shared"]
-_ARCH_FLAGS = (["-march=native"], [])  # the second: a compiler without -march=native
+_ARCH_FLAGS: tuple[list[str], ...] = (["-march=native"], [])  # the second: a compiler without -march=native
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _PARALLEL_MIN = 1 << 16  # elements per thread at least: fewer cost less than starting the thread
 
@@ -192,7 +192,7 @@ def _build() -> ctypes.CDLL:
     (``ccache gcc``)."""
     cc = shlex.split(os.environ.get("CC", "")) or ["cc"]
     src = _SOURCE.read_bytes()
-    failure: OSError | None = None
+    failure: OSError | subprocess.SubprocessError | None = None
     for folder in _cache_dirs():
         complaints: list[str] = []
         try:
@@ -296,7 +296,9 @@ def row_sums(
     tok = None if tokens is None else tokens.contiguous()
     rows = [sums[k].data_ptr() for k in range(sums.shape[0])] + [None] * (7 - sums.shape[0])
     threads = max(1, min(torch.get_num_threads(), n * v // _PARALLEL_MIN))  # >= 64k elements per thread
-    rc = library().el_row_sums(
+    lib = library()
+    assert lib is not None  # callers check usable() first, which loaded it
+    rc = lib.el_row_sums(
         flat.data_ptr(),
         _DTYPES[flat.dtype],
         n,

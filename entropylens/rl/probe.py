@@ -27,7 +27,7 @@ step, and one no-grad forward after the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +56,11 @@ def _mean_entropy(f: ProbeForward) -> torch.Tensor:
     )
 
 
-def _dot(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> float:
+def _dot(a: Sequence[torch.Tensor | None], b: Sequence[torch.Tensor | None]) -> float:
     return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b) if x is not None and y is not None))
 
 
-def _norm(a: list[torch.Tensor | None]) -> float:
+def _norm(a: Sequence[torch.Tensor | None]) -> float:
     return float(sum((x.double() ** 2).sum() for x in a if x is not None)) ** 0.5
 
 
@@ -101,7 +101,7 @@ class _Direction:
             else:
                 raise ValueError(f"probe: optimizer {self.kind} is not supported (Adam, AdamW or SGD)")
 
-    def step(self, grads: list[torch.Tensor | None], c: float) -> list[torch.Tensor | None]:
+    def step(self, grads: Sequence[torch.Tensor | None], c: float) -> list[torch.Tensor | None]:
         return [None if x is None else s * (c * x) for s, x in zip(self.scale, grads)]
 
 
@@ -141,13 +141,13 @@ def probe_update(
         lost = cols["grad_coef_unclipped"].detach().float() - coef
         for code, name in QUADRANT_NAMES.items():
             parts.append((f"{name} dropped", torch.where(m & cols["grad_changed"] & (quad == code), lost, 0.0)))
-    grads: dict[str, tuple[int, list]] = {}
+    grads: dict[str, tuple[int, list[torch.Tensor | None]]] = {}
     for name, c in parts:
         n_tok = int(((c != 0) & m).sum())
         if n_tok == 0:
             continue
-        g = torch.autograd.grad((c * fwd.logprobs.float()).sum(), params, retain_graph=True, allow_unused=True)
-        grads[name] = (n_tok, list(g))
+        part_grads = torch.autograd.grad((c * fwd.logprobs.float()).sum(), params, retain_graph=True, allow_unused=True)
+        grads[name] = (n_tok, list(part_grads))
 
     # the real update
     fwd.loss.backward()

@@ -130,6 +130,7 @@ def _chunk_sums(
         u, _, _ = buf.load(flat[s:e_], temperature, tok, m_all[s:e_], ua_all[s:e_])  # u: [c, V]
         ex = torch.exp(u, out=buf.e[: e_ - s])  # [c, V]
         if split:
+            assert tok is not None  # split: _forward sets it only with tokens
             idx = tok.unsqueeze(1)  # [c, 1]
             torch.gather(ex, 1, idx, out=sums[4, s:e_].unsqueeze(1))  # e_a
             ex.scatter_(1, idx, 0.0)  # e_j for j != a
@@ -137,6 +138,7 @@ def _chunk_sums(
             if not want_sens:
                 torch.sum(ex.mul_(u), dim=-1, out=dot_all[s:e_])  # dot_rest
                 continue
+            assert buf.t is not None  # want_sens: the buffers hold the products one
             prod = torch.mul(ex, u, out=buf.t[: e_ - s])  # e_j u_j, j != a
             torch.sum(prod, dim=-1, out=dot_all[s:e_])  # dot_rest
             torch.sum(prod.mul_(ex), dim=-1, out=sums[5, s:e_])  # R_rest   (reduction 1)
@@ -157,7 +159,7 @@ def _forward(
     dist_out: torch.Tensor | None = None,
     lse_lo_out: torch.Tensor | None = None,
     split: bool = False,
-):
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """One pass over the logits. Returns (logp [N] or None, entropy [N] or None, lse [N]), all float32.
     The per-row sums come from the native row pass on CPU (:mod:`entropylens.rl.native`: float32 /
     bfloat16 logits, one vectorised loop per row) or else from :func:`_chunk_sums` (eager, per chunk).
@@ -196,14 +198,18 @@ def _forward(
         ua_all.clamp_(min=_F32_LOWEST)  # a -inf logit's log p: the lowest finite float32
     if split:
         u_a = ua_all.clamp(min=_EXP_FLOOR)  # the floored u_a, as the chunk's u held it
-        rest = sums[5:] if want_sens else (None, None)
+        r_rest, q_rest = (sums[5], sums[6]) if want_sens else (None, None)
         lp, h, lse_, sens, dist, log_s = _sensitivity_from_sums(
-            m_all, ua_all, s_all, dot_all, u_a, sums[4], *rest, dist_out is not None
+            m_all, ua_all, s_all, dot_all, u_a, sums[4], r_rest, q_rest, dist_out is not None
         )
+        # split: tokens given, and every caller that splits wants the entropy (or the sensitivity)
+        assert logp is not None and ent is not None
         logp.copy_(lp), ent.copy_(h), lse.copy_(lse_)
-        if want_sens:
+        if sens_out is not None:
+            assert sens is not None  # R_rest and Q_rest were passed
             sens_out.copy_(sens)
         if dist_out is not None:
+            assert dist is not None  # (likewise, with want_dist)
             dist_out.copy_(dist)
     else:
         log_s = s_all.log()  # [N]
@@ -228,7 +234,7 @@ def _sensitivity_from_sums(
     r_rest: torch.Tensor | None,
     q_rest: torch.Tensor | None,
     want_dist: bool = False,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """(logp_a, H, lse, s, dist), each [N], from the per-row sums of the sensitivity pass (all [N]):
     m the shift, u_a_exact the sampled token's shifted logit before the floor (log p_a from it),
     S_rest = sum_{j != a} e_j, dot_rest = sum_{j != a} e_j u_j, u_a the floored one, e_a = exp(u_a),
@@ -248,7 +254,7 @@ def _sensitivity_from_sums(
     mu = dot / sumexp
     # s S^2 = e_a S_rest (u_a - mu) - (R_rest - mu Q_rest)
     sens = dist = None
-    if r_rest is not None:
+    if r_rest is not None and q_rest is not None:  # passed together
         sens = torch.addcmul(torch.addcmul(r_rest.neg(), mu, q_rest), e_a * s_rest, u_a - mu).div_(sumexp.square())
         dist = torch.addcmul(q_rest, s_rest, s_rest).sqrt_().div_(sumexp) if want_dist else None
     return u_a_exact - log_s, log_s - mu, m + log_s, sens, dist, log_s
@@ -333,12 +339,13 @@ class _LogprobEntropy(torch.autograd.Function):
                 if t != 1.0:
                     lp.div_(t)
                 lp.sub_(lse[s:e_].unsqueeze(1)).clamp_(min=_EXP_FLOOR)  # log p_j, [c, V], floored (-inf too)
-                if g_ent is not None:
+                if g_ent_w is not None:  # (None exactly where g_ent is)
                     # -p (log p + H) g_H - p g_logp
-                    gl = g_w[s:e_] if g_logp is not None else torch.zeros(c, device=flat.device)
+                    gl = g_w[s:e_] if g_w is not None else torch.zeros(c, device=flat.device)
                     coef = (lp + ent[s:e_].unsqueeze(1)).mul_(g_ent_w[s:e_].unsqueeze(1)).add_(gl.unsqueeze(1))
                     out = lp.exp_().mul_(coef).neg_()
                 else:
+                    assert g_w is not None  # backward runs only when logp or H has a gradient
                     out = lp.exp_().mul_(-g_w[s:e_].unsqueeze(1))  # -p g_logp
                 if g_logp is not None:  # + g_logp 1[j = a] (exact: no p in it)
                     idx = flat_tok[s:e_].unsqueeze(1)
@@ -358,7 +365,7 @@ def logprobs_and_entropy(
     entropy_grad: bool = False,
     sensitivity: bool = False,
     one_hot_distance: bool = False,
-):
+) -> tuple[torch.Tensor, ...]:
     """log pi(a_t) and the full-vocabulary entropy H_t in one pass over each chunk of logits.
 
     logits [..., V] (any float dtype), tokens [...] int -> (logprobs [...], entropy [...]) float32,
@@ -401,7 +408,7 @@ def logprobs_and_entropy(
                 sens_out=sens if sensitivity else None,
                 dist_out=dist if one_hot_distance else None,
             )
-    out = (logp.view(tokens.shape), ent.view(tokens.shape))
+    out: tuple[torch.Tensor, ...] = (logp.view(tokens.shape), ent.view(tokens.shape))
     if sensitivity:
         out += (sens.view(tokens.shape),)
     if one_hot_distance:
@@ -448,6 +455,7 @@ def entropy_from_logits(
     rows = chunk_rows(flat.shape[0], v, chunk_size, flat.device)
     with torch.no_grad():
         _, ent, _ = _forward(flat, None, float(temperature), rows, True)
+    assert ent is not None  # want_entropy=True
     return ent.view(logits.shape[:-1])
 
 
@@ -522,6 +530,7 @@ def logit_grad_norm(
             for s in range(0, n, rows):
                 e_ = min(s + rows, n)
                 u, _, u_a = buf.load(flat[s:e_], temperature, tok[s:e_])  # [c, V] max-shifted, floored; [c]
+                assert u_a is not None  # tokens given
                 idx = tok[s:e_].unsqueeze(1)
                 lse = torch.logsumexp(u, dim=-1)  # [c]
                 u.scatter_(1, idx, float("-inf"))  # drop the sampled token
@@ -687,28 +696,29 @@ class _HeadStats(torch.autograd.Function):
             e = min(s + rows, n)
             u = _head_tile(hidden[s:e], weight, bias, t, dtype)  # [c, V]
             u.sub_(lse[s:e].unsqueeze(1)).clamp_(min=_exp_floor(dtype))  # log p, floored (module docstring)
-            if g_ent is not None:
+            if g_ent_w is not None:  # (None exactly where g_ent is)
                 coef = (u + ent[s:e].unsqueeze(1)).mul_(g_ent_w[s:e].unsqueeze(1))  # g_H (log p + H)
-                if g_logp is not None:
+                if g_w is not None:
                     coef.add_(g_w[s:e].unsqueeze(1))
                 dz = u.exp_().mul_(coef).neg_()  # -p (g + g_H (log p + H))
             else:
+                assert g_w is not None  # both None returned above
                 dz = u.exp_().mul_(-g_w[s:e].unsqueeze(1))  # -p g
             if g_logp is not None:
                 dz.scatter_add_(1, tokens[s:e].unsqueeze(1), g_logp[s:e].to(dtype).unsqueeze(1))  # + g 1[j=a]
             if t != 1.0:
                 dz.div_(t)
             h = hidden[s:e].to(dtype)
-            if need_h:
+            if grad_h is not None:  # (None exactly where its need_ is False)
                 grad_h[s:e] = (dz @ weight.to(dtype)).to(hidden.dtype)  # [c, H]
-            if need_w:
+            if grad_w is not None:
                 grad_w.addmm_(dz.t(), h)  # [V, H]
-            if need_b:
+            if grad_b is not None:
                 grad_b.add_(dz.sum(dim=0))
         return (
             grad_h,
-            grad_w.to(weight.dtype) if need_w else None,
-            grad_b.to(bias.dtype) if need_b else None,
+            grad_w.to(weight.dtype) if grad_w is not None else None,
+            grad_b.to(bias.dtype) if grad_b is not None else None,
             None,
             None,
             None,
@@ -725,7 +735,7 @@ def head_stats(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     sensitivity: bool = False,
-):
+) -> tuple[torch.Tensor, ...]:
     """A fused LM head: log pi(a_t), entropy H_t and sum_j p_j^2 straight from hidden states
     (with ``sensitivity=True`` also the entropy sensitivity s_t of :func:`entropy_sensitivity`, a
     fourth tensor, no grad, from the same tiles).
@@ -761,6 +771,6 @@ def head_stats(
         sens = torch.empty(flat.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32), device=flat.device)
     logp, ent, sq = _HeadStats.apply(flat, weight, bias, flat_tok, float(temperature), rows, sens)
     shape = tokens.shape
-    if sensitivity:
+    if sens is not None:  # sensitivity=True
         return logp.view(shape), ent.view(shape), sq.view(shape), sens.view(shape)
     return logp.view(shape), ent.view(shape), sq.view(shape)
