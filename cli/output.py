@@ -44,7 +44,8 @@ def output_format(fmt: Format | None, output: Path | None) -> Format:
         return fmt or Format.table
     suffix = output.suffix.lower()
     if suffix not in _SUFFIX_FORMATS and suffix not in _TEXT_SUFFIXES:
-        want = {Format.table: ".txt", Format.json: ".json", Format.parquet: ".parquet"}.get(fmt, ".csv")
+        suffixes: dict[Format | None, str] = {Format.table: ".txt", Format.json: ".json", Format.parquet: ".parquet"}
+        want = suffixes.get(fmt, ".csv")
         fail(
             f"--output {output.name}: unknown extension {output.suffix}; entropylens writes .csv, .json, "
             f".parquet (.pq) or .txt (a text table): name the file {output.with_suffix(want).name}, or leave "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import sys
 import time as _time
+from collections.abc import Sequence
+from typing import Any
 
 import typer
 import typer.core
@@ -50,19 +52,39 @@ class OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a bad choice, an unknown option, a missing argument) as ONE line on stderr,
     `error: ... (entropylens CMD --help)`, exit 2, instead of Typer's boxed multi-line panel."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:  # Typer 0.29 vendors click (typer._click); older Typer uses click itself
             from typer import _click as click
             from typer.exceptions import Abort
         except ImportError:  # pragma: no cover
-            import click
-            from click.exceptions import Abort
+            import click  # type: ignore[no-redef]  # the fallback for older Typer: the same API, another module
+            from click.exceptions import Abort  # type: ignore[assignment]  # (the same fallback)
 
         try:
-            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+            rv = super().main(
+                args=args,
+                prog_name=prog_name,
+                complete_var=complete_var,
+                standalone_mode=False,
+                windows_expand_args=windows_expand_args,
+                **extra,
+            )
         except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, in click's standalone mode
             return super().main(
-                args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=standalone_mode, **extra
+                args=args,
+                prog_name=prog_name,
+                complete_var=complete_var,
+                standalone_mode=standalone_mode,
+                windows_expand_args=windows_expand_args,
+                **extra,
             )
         except click.ClickException as e:
             if not standalone_mode:

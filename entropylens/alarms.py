@@ -211,7 +211,7 @@ class Monitor:
         budget = _fin(row, "entropy_effect")
         if budget is not None:
             self._neg = self._neg + 1 if budget < 0 else 0
-            if self._neg >= t.budget_steps and h0 is not None and h < t.budget_entropy * h0:
+            if self._neg >= t.budget_steps and h is not None and h0 is not None and h < t.budget_entropy * h0:
                 hits["negative_budget"] = (budget, 0.0)
         for key, rule, factor in (
             ("clipped_frac", "clip_spike", t.clip_spike),
@@ -220,7 +220,8 @@ class Monitor:
         ):
             v = _fin(row, key)
             fired, thr = self._spike(key, v, factor)
-            if fired and rule == "clip_spike" and v < t.clip_floor:  # the floor: too small a share to matter
+            # the floor: too small a share to matter (fired implies a value)
+            if fired and rule == "clip_spike" and v is not None and v < t.clip_floor:
                 fired = False
             if fired:
                 hits[rule] = (v, thr)

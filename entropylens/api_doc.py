@@ -16,6 +16,7 @@ import importlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PACKAGE = Path(__file__).resolve().parent  # entropylens/
 SECTIONS = ("Args:", "Returns:", "Raises:")  # the docstring sections rendered as text blocks
@@ -109,8 +110,8 @@ class Param:
     @property
     def documented_name(self) -> str:
         """The name an ``Args:`` entry gives it: ``*args`` / ``**kwargs`` with their stars."""
-        stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(self.kind, "")
-        return stars + self.name
+        stars: dict[int, str] = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+        return stars.get(self.kind, "") + self.name
 
     def text(self) -> str:
         out = self.documented_name + (f": {self.annotation}" if self.annotation else "")
@@ -195,11 +196,12 @@ def _from_signature(sig: inspect.Signature, drop_self: bool) -> tuple[tuple[Para
 
 
 def _imported(entry: Entry) -> Documented:
-    obj = importlib.import_module(entry.module)
+    obj: Any = importlib.import_module(entry.module)  # then the attribute the entry names
     owner = None
     for part in entry.qualname.split("."):
         owner, obj = obj, getattr(obj, part)  # a property, read from its class, is the property itself
     if isinstance(obj, property):
+        assert obj.fget is not None  # a documented property has a getter
         _, ret = _from_signature(inspect.signature(obj.fget), drop_self=True)
         return Documented(entry, "property", (), ret, inspect.getdoc(obj) or "")
     if inspect.isclass(obj):

@@ -265,7 +265,7 @@ _FS_CACHE: dict = {}
 
 def filesystem(protocol: str, options: dict | None = None):
     """The fsspec filesystem for ``protocol`` (cached per protocol + options)."""
-    key = (protocol, tuple(sorted((options or {}).items(), key=lambda kv: kv[0])))
+    key: tuple[str, object] = (protocol, tuple(sorted((options or {}).items(), key=lambda kv: kv[0])))
     try:
         hash(key)
     except TypeError:
