@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import types
 import warnings
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..record.recorder import Recorder
+from ..record.recorder import PendingSummary, Recorder
 from ..record.trackers import EXTRA_NAMES, SUMMARY_NAMES, StepLog, step_metrics, trl_trackers
 from ..rl.cov import COV_METHODS
 from ..rl.losses import METHODS, policy_loss
@@ -42,8 +45,17 @@ from transformers import TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
+if TYPE_CHECKING:
+    from collections import defaultdict
 
-def _check_arguments(loss, erc, config) -> None:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import CallbackHandler
+    from transformers.trainer_utils import TrainOutput
+
+    from ..alarms import Thresholds
+
+
+def _check_arguments(loss: str | None, erc: Sequence[float] | None, config: Any) -> None:
     """The trainer's own arguments, refused before TRL builds anything (vLLM, ...)."""
     if loss is not None and loss not in METHODS:
         raise ValueError(f"loss: unknown {loss!r}; valid: {', '.join(METHODS)} (or None for TRL's own)")
@@ -53,7 +65,7 @@ def _check_arguments(loss, erc, config) -> None:
         refuse_unsupported(loss, unsupported_trl_options(config))
 
 
-def cov_kwargs(loss, cov, seed) -> dict:
+def cov_kwargs(loss: str | None, cov: dict[str, float] | None, seed: int) -> dict[str, Any]:
     """policy_loss's Clip-Cov / KL-Cov settings for ``loss`` clip_cov / kl_cov: ``cov`` (a dict of
     clip_cov_ratio, clip_cov_lb, clip_cov_ub / kl_cov_ratio, ppo_kl_coef; missing: verl's defaults) and
     Clip-Cov's random draw on a CPU generator seeded with the run's seed (+ the process index is not
@@ -66,7 +78,7 @@ def cov_kwargs(loss, cov, seed) -> dict:
     unknown = set(cov or {}) - set(keys)
     if unknown:
         raise ValueError(f"cov: unknown {', '.join(sorted(unknown))} for loss={loss!r}; valid: {', '.join(keys)}")
-    out = dict(cov or {})
+    out: dict[str, Any] = dict(cov or {})
     if loss == "clip_cov":
         out["generator"] = torch.Generator().manual_seed(int(seed))
     return out
@@ -93,10 +105,10 @@ class _StepCallback(TrainerCallback):
     """Ends each optimizer step's recording (and stops training on a ``stop_on`` alarm); commits the
     recorded steps at each checkpoint."""
 
-    def __init__(self, owner):
+    def __init__(self, owner: EntropyLensGRPOTrainer) -> None:
         self.owner = owner
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self.owner._el_step_end()
         if self.owner.recorder._stop_on and self.owner._el_should_stop():  # a stop_on alarm fired
             if not control.should_training_stop:
@@ -104,13 +116,107 @@ class _StepCallback(TrainerCallback):
                 warnings.warn(f"entropylens: stopping training: {why}", stacklevel=2)
             control.should_training_stop = True
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # a checkpoint was saved: every step recorded so far reaches the disk with it (a job killed
         # after this checkpoint has lost none of the steps before it; Recorder.commit)
         self.owner.recorder.commit()
 
 
-class _Passes:
+class _State:
+    """The state EntropyLensGRPOTrainer's mixins hand each other between TRL's calls (set by the trainer's
+    ``__init__``; declarations only: a class annotation creates no attribute)."""
+
+    recorder: Recorder
+    _el_loss: str | None  # None: TRL's own loss
+    _el_loss_kw: dict[str, Any]  # policy_loss's settings besides the tensors
+    _el_texts: bool
+    _el_resume: int | None
+    _el_attribution: bool
+    _el_fused: bool
+    _el_extras: StepLog | None
+    _el_names: tuple[str, ...]
+    _el_micro: int
+    _el_seq_count: int
+    _el_group_base: int
+    _el_rewards: torch.Tensor | None
+    _el_completions: list[Any] | None
+    _el_grad_norm: torch.Tensor | float | None
+    _el_kl_ref: torch.Tensor | None
+    _el_lr: float | None
+    _el_capture: list[torch.Tensor | None] | None
+    _el_passes: list[tuple[torch.Tensor, torch.Tensor | None]] | None
+    _el_train: dict[str, Any] | None
+    _el_rec: dict[str, Any] | None
+    _el_masks: dict[str, torch.Tensor] | None
+    _el_summaries: list[tuple[int, PendingSummary]]
+    _el_warned: set[str]
+
+
+if TYPE_CHECKING:
+
+    class _Host(_State):
+        """GRPOTrainer as the mixins use it, for the type checker only: the attributes TRL's ``__init__``
+        sets, typed as the mixins use them (mypy infers TRL's from its ``__init__``, some too loosely for
+        the mixins: ``args`` is a GRPOConfig, not TrainingArguments), and the methods the mixins call on
+        ``super()`` or on each other. Each type fits TRL's own, which the trainer's class is checked
+        against. At run time the mixins derive from :class:`_State` alone."""
+
+        args: Any  # GRPOConfig
+        model: Any
+        ref_model: Any
+        accelerator: Any
+        processing_class: Any
+        state: TrainerState
+        control: TrainerControl
+        callback_handler: CallbackHandler
+        temperature: float
+        beta: float
+        loss_type: str
+        importance_sampling_level: str
+        epsilon_low: float
+        epsilon_high: float
+        top_entropy_quantile: float
+        off_policy_mask_threshold: float | None
+        use_vllm: bool
+        vllm_importance_sampling_correction: bool
+        vllm_importance_sampling_mode: str
+        num_generations: int | None  # GRPOConfig's type; an int once GRPOConfig.__post_init__ has run
+        num_iterations: int
+        max_completion_length: int | None
+        current_gradient_accumulation_steps: int
+        aux_loss_enabled: bool
+        router_aux_loss_coef: float
+        reward_weights: torch.Tensor
+        entropy_coef: float
+        use_adaptive_entropy: bool
+        _entropy_bonus_enabled: bool
+        _last_world_entropy: float
+        _entropy_window_stats: Any  # a tensor or None; TRL's __init__ (None) makes mypy infer None there
+        _metrics: dict[str, defaultdict[str, list[float]]]
+
+        def _get_learning_rate(self) -> float: ...
+        def _get_per_token_logps_and_entropies(
+            self,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=None,
+            compute_entropy=False,
+            compute_aux_loss=False,
+            **mm,
+        ) -> Any: ...
+        def get_high_entropy_mask(self, entropies, mask, threshold) -> Any: ...
+        def _compute_loss(self, model, inputs) -> Any: ...
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> Any: ...
+        def _generate_and_score_completions(self, inputs) -> Any: ...
+        def training_step(self, model, inputs, num_items_in_batch=None) -> Any: ...
+        def _el_log_ready_summaries(self, wait: bool) -> None: ...
+else:
+    _Host = _State
+
+
+class _Passes(_Host):
     """The per-token passes (mixed into EntropyLensGRPOTrainer, before GRPOTrainer): TRL's fused head asked
     for sum p^2 in the training pass, or the head_stats fallback; the training pass's log-probs get the
     hook that keeps dLoss/dlogp. Sets ``_el_train`` (the training pass, for the loss) and fills
@@ -259,7 +365,7 @@ class _Passes:
             self._el_passes.append((logps, ents))
 
 
-class _Loss:
+class _Loss(_Host):
     """The loss (mixed into EntropyLensGRPOTrainer): TRL's own, keeping the masks its options computed, or
     entropylens' ``policy_loss`` with TRL's options composed as TRL applies them, TRL's metrics logged from
     the same tensors. Takes ``_el_train`` (the training pass) and leaves the update waiting for its
@@ -399,12 +505,14 @@ class _Loss:
                 kl_coef=self.beta,
                 kl_bias_correction=bool(args.use_bias_correction_kl),
             )
+        method = self._el_loss
+        assert method is not None  # _compute_loss calls this only with loss=...
         out = policy_loss(
             lp,
             old_lp,
             adv,
             mask,
-            method=self._el_loss,
+            method=method,
             eps_low=self.epsilon_low,
             eps_high=self.epsilon_high,
             entropy=h,
@@ -414,7 +522,7 @@ class _Loss:
             seq_mask=seq_mask,
             is_weight=is_w,
             delta=args.delta,
-            ratio_level="token" if self._el_loss == "gspo" else self.importance_sampling_level,
+            ratio_level="token" if method == "gspo" else self.importance_sampling_level,
             **self._el_loss_kw,
             **kl,
             **bonus,
@@ -512,7 +620,7 @@ class _Loss:
             self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
 
 
-class _Recording:
+class _Recording(_Host):
     """What is recorded (mixed into EntropyLensGRPOTrainer): each generation batch's sequences (with
     run-unique ids and the old policy's entropies put in the batch), each update once its backward has run
     (``_el_rec``), each optimizer step's scalars at its end."""
@@ -553,12 +661,15 @@ class _Recording:
         group and text."""
         b = out["completion_ids"].size(0)
         world, pi = self.accelerator.num_processes, self.accelerator.process_index
+        g = self.num_generations
+        # the caller checks _el_rewards; _calculate_rewards sets _el_completions with it; GRPOConfig sets g
+        assert self._el_rewards is not None and self._el_completions is not None and g is not None
         rewards = self._el_rewards[pi * b : (pi + 1) * b]
         texts = None
         if self._el_texts:
             texts = completion_texts(self._el_completions[:b])
-        gidx = self._el_group_base + torch.arange(pi * b, (pi + 1) * b) // self.num_generations
-        self._el_group_base += -(-b * world // self.num_generations)
+        gidx = self._el_group_base + torch.arange(pi * b, (pi + 1) * b) // g
+        self._el_group_base += -(-b * world // g)
         self.recorder.record_sequences(
             self.state.global_step,
             seq_ids=ids,
@@ -654,13 +765,13 @@ class _Recording:
         """The step's scalars: the grad norm before clipping, the learning rate it used, the KL to the reference."""
         gn = self._el_grad_norm
         lr = self._el_lr if self._el_lr is not None else self.args.learning_rate  # read before the scheduler stepped
-        kl = {}
+        kl: dict[str, Any] = {}  # record_step's **metrics
         if self._el_kl_ref is not None:  # a device scalar: the writer thread reads it, no sync here
             kl["kl_ref"] = self._el_kl_ref[0] / self._el_kl_ref[1].clamp(min=1.0)
         self.recorder.record_step(step, grad_norm=float(gn) if gn is not None else None, lr=float(lr), **kl)
 
 
-class _Logging:
+class _Logging(_Host):
     """The step aggregates to TRL's trackers (mixed into EntropyLensGRPOTrainer): each step's summary,
     asked of the writer thread at the step's end (``_el_summaries``), logged when it is ready."""
 
@@ -748,27 +859,27 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
 
     def __init__(
         self,
-        *args,
-        entropylens_root="entropylens-runs",
-        run=None,
-        loss=None,
-        beta1=0.5,
-        beta2=1.0,
-        erc=None,
-        dual_clip=None,
-        tau=0.5,
-        sample=1.0,
-        record_texts=True,
-        attribution=False,
-        resume=None,
-        save_tokenizer=None,
-        alarms=None,
-        stop_on=(),
-        log_histograms=True,
-        log_table_every=50,
-        cov=None,
-        **kwargs,
-    ):
+        *args: Any,
+        entropylens_root: str | os.PathLike[str] = "entropylens-runs",
+        run: str | None = None,
+        loss: str | None = None,
+        beta1: float = 0.5,
+        beta2: float = 1.0,
+        erc: Sequence[float] | None = None,
+        dual_clip: float | None = None,
+        tau: float = 0.5,
+        sample: float = 1.0,
+        record_texts: bool = True,
+        attribution: bool = False,
+        resume: int | str | os.PathLike[str] | None = None,
+        save_tokenizer: bool | None = None,
+        alarms: bool | Thresholds | None = None,
+        stop_on: str | Iterable[str] = (),
+        log_histograms: bool = True,
+        log_table_every: int | None = 50,
+        cov: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         _check_arguments(loss, erc, kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
         if loss is not None:
@@ -852,10 +963,11 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
             log_histograms=hist_on,
             log_table_every=table_every,
         )
-        self._el_extras = StepLog(extras, self.recorder.run, cfg, step_offset=1) if extras else None
+        log = StepLog(extras, self.recorder.run, cfg, step_offset=1) if extras else None
+        self._el_extras = log
         self._el_names = SUMMARY_NAMES + EXTRA_NAMES if hist_on or table_every else SUMMARY_NAMES
-        if alarms and self._el_extras is not None:  # findings as the trackers' own alerts
-            self.recorder.on_alarm(lambda finding: self._el_extras.alert(finding, self.recorder._stop_on))
+        if alarms and log is not None:  # findings as the trackers' own alerts
+            self.recorder.on_alarm(lambda finding: log.alert(finding, self.recorder._stop_on))
 
     def _el_init_state(self) -> None:
         """What the overrides hand each other between TRL's calls."""
@@ -872,8 +984,8 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
         self._el_train = None  # the training pass of the current micro-batch
         self._el_rec = None  # the update waiting for its backward
         self._el_masks = None  # dict while TRL's own loss runs: the token / sequence masks it computed
-        self._el_summaries: list = []  # step summaries asked of the writer thread, not yet logged
-        self._el_warned: set[str] = set()
+        self._el_summaries = []  # step summaries asked of the writer thread, not yet logged
+        self._el_warned = set()
 
     def _el_wrap_clip_grad_norm(self) -> None:
         """Keeps the global grad norm before clipping, as the optimizer step sees it."""
@@ -896,7 +1008,7 @@ class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):
             flag = float(self.accelerator.reduce(t, reduction="sum").item())
         return flag > 0
 
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> TrainOutput:
         try:
             self._el_check_resume(kwargs.get("resume_from_checkpoint", args[0] if args else None))
             out = super().train(*args, **kwargs)
