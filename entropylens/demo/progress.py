@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 
 def make_progress(console=None, *, enabled: bool = True):
@@ -92,7 +96,7 @@ class Bars(Silent):
             TimeElapsedColumn(),
             console=console,
         )
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
     def __enter__(self):
         self.bar.__enter__()

@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from ..record.run_dir.run_claim import RunExistsError, runs_exist_message
 from .toy.config import DEMO_DEFAULT, ToyConfig, config_for
@@ -99,7 +100,7 @@ def demo_configs(
     """The demo's runs: each method x seed in the fast regime, DEMO_STEPS steps (QUICK's small runs
     with ``quick``; ``steps`` when given); the probe on every ``probe_every``-th step when > 0; with a
     ``mismatch`` sampler, each method with and without TIS (:func:`mismatch_runs`)."""
-    overrides = dict(QUICK) if quick else {"steps": DEMO_STEPS}
+    overrides: dict[str, Any] = dict(QUICK) if quick else {"steps": DEMO_STEPS}  # ToyConfig fields
     if steps is not None:
         overrides["steps"] = steps
     if probe_every:  # the parameter-space entropy probe on every K-th step (ToyConfig.probe_every)
@@ -369,9 +370,9 @@ def _in_workers(
                 figs = {n: pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, n) for n in FIGURE_ORDER}
                 from ..report.build import FIGURES, write_report  # imported here while the workers draw
 
-                for f in FIGURES:  # a figure FIGURE_ORDER does not name yet: last
-                    if f.name not in figs:
-                        figs[f.name] = pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, f.name)
+                for fig in FIGURES:  # a figure FIGURE_ORDER does not name yet: last
+                    if fig.name not in figs:
+                        figs[fig.name] = pool.submit(_figure_job, str(runs_dir), str(report_dir), ids, fig.name)
                 write_report(
                     runs_dir,
                     report_dir,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 FORKING_PAPER = dict(
     p80=0.672,
@@ -81,7 +82,7 @@ def token_entropy_shares(con, config_of: dict[str, str]) -> dict[str, dict]:
     for run, share in kept:
         if run in config_of:
             kept_by.setdefault(config_of[run], []).append(share)
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, parts in per.items():
         out[name] = {part: {k: (v if k == "tokens" else _ms(v)) for k, v in d.items()} for part, d in parts.items()}
         if name in kept_by:

@@ -1177,7 +1177,7 @@ def main(argv=None) -> None:
         shares, cui = token_entropy_shares(con, config_of), cui_summary(con, config_of)
         mismatch = mismatch_summary(con, config_of)
         t = timings(runs_dir)
-        minutes = wall
+        minutes: float | None = wall
         if a.no_train:  # re-evaluating: keep the wall time of the invocation that trained these runs, if known
             prev = out / f"paper-claims-{regime}.json"
             old = json.loads(prev.read_text()) if prev.exists() else {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 from . import methods, rules
 
@@ -88,7 +89,7 @@ def method_rows(agg: dict[str, dict[str, list]], baseline: str = BASELINE, order
         mine, same = _settings_of(d)
         loss = methods.loss_part(mine)
         flags = d.get("destabilised", [])
-        row = dict(
+        row: dict[str, Any] = dict(
             method=name,
             description=desc,
             paper=paper,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,10 @@ from . import task
 from .config import ToyConfig
 from .model import build_model, response_logits, sample
 from .sampler import sampler_logits, sampler_logprobs, tis_weight
+
+if TYPE_CHECKING:
+    from ...integrations.loss_hook import LossHook
+    from ...rl.forking import AdaptiveEntropyCoef
 
 _WARM_CACHE: dict[tuple, dict] = {}
 
@@ -118,7 +123,7 @@ class ToyTrainer:
         self.model.train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.loss_kw = dict(
+        self.loss_kw: dict[str, Any] = dict(
             method=cfg.method,
             eps_low=cfg.eps_low,
             eps_high=cfg.eps_high,
@@ -134,7 +139,7 @@ class ToyTrainer:
             self.loss_kw["top_entropy_quantile"] = cfg.top_entropy_quantile
         if cfg.method == "clip_cov":  # Clip-Cov's random selection: its own run-seeded generator
             self.loss_kw["generator"] = torch.Generator().manual_seed(20_000 + cfg.seed)
-        self.entropy_ctrl = None  # the adaptive entropy coefficient: one controller for the run
+        self.entropy_ctrl: AdaptiveEntropyCoef | None = None  # the adaptive entropy coefficient: one for the run
         if cfg.entropy_target is not None:
             from ...rl.forking import AdaptiveEntropyCoef
 
@@ -146,7 +151,7 @@ class ToyTrainer:
                 coef_max=cfg.entropy_coef_max,
             )
             self.loss_kw["entropy_coef"] = self.entropy_ctrl
-        self.loss_hook = None  # an integrations.loss_hook.LossHook: updates recorded through it (benchmarks)
+        self.loss_hook: LossHook | None = None  # updates recorded through it (benchmarks)
 
     def state(self) -> tuple:
         """A copy of what a step reads and changes: the weights, the optimizer's state and the sampling
@@ -164,6 +169,7 @@ class ToyTrainer:
     def load_state(self, state: tuple) -> None:
         weights, opt, gen, ctrl, cov = state
         if ctrl is not None:
+            assert self.entropy_ctrl is not None  # a state with a controller's came from a trainer with one
             self.entropy_ctrl.load_state_dict(ctrl)
         if cov is not None:
             self.loss_kw["generator"].set_state(cov)
@@ -185,6 +191,7 @@ class ToyTrainer:
         from ...rl.stats import logprobs_and_entropy
 
         lp, h = logprobs_and_entropy(logits, tokens, temperature=self.cfg.temperature)  # [mb, T] each
+        assert self.loss_hook is not None  # rl_step calls this only with a hook
         self.loss_hook.watch(
             step,
             u,
@@ -234,7 +241,7 @@ class ToyTrainer:
                 self._probed_update(rec, step, u, idx, seqs, resp, mask, adv, old_lp, old_h, beta1)
                 continue
             logits = response_logits(model, seqs[idx], p_len)  # [mb, T, V]
-            extra = {}
+            extra: dict[str, Any] = {}  # policy_update's sampler kwargs
             if samp_lp is not None:
                 if rec:  # recorded beside the trainer's (tokens.sampler_logprob); nothing to record without one
                     extra["sampler_logprobs"] = samp_lp[idx]
