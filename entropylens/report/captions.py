@@ -159,7 +159,7 @@ def entropy(df, rs: RunSet | None = None) -> str:
         base_of = {s: tail[s] for s, ms in kinds.items() if ms and ms <= {"grpo", "dapo"}}
         base = list(base_of.values())
         top = (
-            max(base_of, key=base_of.get) if base_of else None
+            max(base_of, key=lambda s: base_of[s]) if base_of else None
         )  # the higher of GRPO / DAPO: what CE-GPPO is compared with
         runs_per_method = min(list(rs.method.values()).count(m) for m in set(rs.method.values()))
         power = (

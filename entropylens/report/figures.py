@@ -32,7 +32,9 @@ class CaptionFailure(str):
     """The text shown in place of a caption that raised; ``why`` names the figure and the error, so the
     process that writes the report warns again for a figure another process drew (the demo's workers)."""
 
-    def __new__(cls, text: str, why: str):
+    why: str
+
+    def __new__(cls, text: str, why: str) -> CaptionFailure:
         self = super().__new__(cls, text)
         self.why = why
         return self

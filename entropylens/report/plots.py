@@ -91,15 +91,21 @@ def series_names(df) -> list[str]:
     return sorted(_prep(df)["_s"].unique()) if len(df) else []
 
 
-def _big_palette(n: int) -> list[str]:
+def _listed(name: str) -> list[str]:
+    """A listed colormap's colours as hex, in order."""
     from matplotlib import colormaps
     from matplotlib.colors import to_hex
 
+    cmap = colormaps[name]
+    return [to_hex(cmap(i)) for i in range(cmap.N)]
+
+
+def _big_palette(n: int) -> list[str]:
     # dark shades of every hue first, then the lighter ones: neighbours in sorted order differ in hue
-    out = [to_hex(c) for c in colormaps["tab20"].colors[0::2] + colormaps["tab20"].colors[1::2]]
+    out = _listed("tab20")[0::2] + _listed("tab20")[1::2]
     if n > 20:
         for shade in range(4):
-            out += [to_hex(c) for m in ("tab20b", "tab20c") for c in colormaps[m].colors[shade::4]]
+            out += [c for m in ("tab20b", "tab20c") for c in _listed(m)[shade::4]]
     return out
 
 
@@ -117,6 +123,7 @@ def method_colors(df) -> dict[str, str]:
 
 def _series_handles(colors: dict, names=None, *, kind: str = "line") -> list:
     """Legend handles for the series (at most MAX_LEGEND, then one '... and N more')."""
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -126,6 +133,7 @@ def _series_handles(colors: dict, names=None, *, kind: str = "line") -> list:
         wanted = set(names)
         names = [n for n in colors if n in wanted]
     shown = names if len(names) <= MAX_LEGEND + 1 else names[:MAX_LEGEND]
+    handles: list[Artist]
     if kind == "bar":
         handles = [Patch(color=colors[n], label=n) for n in shown]
     elif kind == "point":
@@ -403,7 +411,7 @@ def _bars(ax, x, height, width: float, colors, *, edgecolor=None, hatch=None, lw
     x0, x1, z = x - width / 2, x + width / 2, np.zeros_like(h)
     verts = np.stack([np.stack([x0, z], 1), np.stack([x0, h], 1), np.stack([x1, h], 1), np.stack([x1, z], 1)], 1)
     coll = PolyCollection(
-        verts,
+        verts,  # type: ignore[arg-type]  # the stub wants a Sequence; a 3-D array is matplotlib's fast path
         facecolors=list(colors),
         edgecolors=edgecolor if edgecolor is not None else "none",
         linewidths=lw,
@@ -1242,6 +1250,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
     Long runs: the stacks and the total are rolling means (:func:`smooth_window`), the raw total faint.
     CE-GPPO Sec. 3, measured per token."""
     import numpy as np
+    from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -1287,7 +1296,7 @@ def entropy_budget(df, *, band: str | None = None, legend_title: str = "run"):
         ax.set_title(s + (f" (mean of {k} runs)" if k > 1 else ""), fontsize=11)
         ax.tick_params(labelsize=9)
     grid.set_axis_labels("training step", "entropy push\n(first-order, per unit step)", fontsize=10)
-    handles = [Patch(color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
+    handles: list[Artist] = [Patch(color=QUAD_COLORS[q], label=q) for q in QUAD_ORDER]
     handles.append(Line2D([], [], color="k", lw=1.6, label="step total"))
     if window > 1:
         handles.append(Line2D([], [], color="k", lw=0.6, alpha=0.35, label="step total, per step (faint)"))

@@ -19,9 +19,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..read.query import QueryError, render_analysis, run_sql
 from ..read.views import sql_str
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Per-token columns a viewer shows, in the order of each embedded row. "pos" first.
 TOKEN_COLUMNS: tuple[str, ...] = (
@@ -53,8 +57,11 @@ TOKEN_COLUMNS: tuple[str, ...] = (
 )
 _INT_COLUMNS = {"pos", "token_id", "clip"}
 _BOOL_COLUMNS = {"clipped", "erc_kept", "dual_clipped", "token_kept", "seq_kept", "is_masked"}
+_NA: object
 try:
-    from pandas import NA as _NA
+    from pandas import NA as _PANDAS_NA
+
+    _NA = _PANDAS_NA
 except ImportError:  # pragma: no cover
     _NA = object()
 
@@ -206,7 +213,7 @@ class Selection:
     rules that chose each) and what the choice was (``text`` says it in one sentence)."""
 
     run: str
-    rows: object  # pandas DataFrame
+    rows: pd.DataFrame
     candidates: int
     steps_with_candidates: int
     n: int
@@ -351,7 +358,8 @@ def category(metric: str, row: dict):
     if metric == "quadrant":
         return row.get("quadrant")
     if metric == "clip":
-        side = {-1: "low", 1: "high"}.get(row.get("clip"))
+        sides: dict[int | None, str] = {-1: "low", 1: "high"}
+        side = sides.get(row.get("clip"))
         if side is None:
             return "kept"
         return f"clipped {side}" if row.get("clipped") else side
@@ -391,7 +399,7 @@ def _float_values(values) -> list:
     import pyarrow.compute as pc
 
     arr = pa.array(np.asarray(values, dtype=np.float32), from_pandas=True)
-    out = []
+    out: list[float | str | None] = []
     for x in pc.cast(arr, pa.string()).to_pylist():
         if x is None or x == "nan":
             out.append(None)
@@ -407,7 +415,7 @@ def column_values(df) -> dict[str, list]:
     round-trip form (:func:`_float_values`), ints, bools, the quadrant's name; null -> None."""
     import pyarrow as pa
 
-    out = {}
+    out: dict[str, list] = {}
     for c in TOKEN_COLUMNS:
         col = df[c]
         if c in _INT_COLUMNS:

@@ -154,7 +154,7 @@ class RunSet:
     def reference_band(self) -> tuple[tuple[float, float], str]:
         """(band, whose) that runs without ERC are measured against: the ERC runs' own where they share one
         (so every run is held to the same band), else the ERC paper's (0.95, 1.05)."""
-        bands = {self.erc_band(r) for r in self.method if self.has_erc(r)}
+        bands = {band for r in self.method if (band := self.erc_band(r)) is not None}  # the runs with ERC
         if len(bands) == 1:
             return bands.pop(), "the ERC runs' band"
         return PAPER_ERC_BAND, "the ERC paper's band"
@@ -194,9 +194,9 @@ class RunSet:
         for k in keys:
             if k in REPLICATE_KEYS and not replicates:
                 continue
-            vals = {_hashable(self.config[r].get(k)) for r in runs}
-            if len(vals) > 1:
-                out[k] = sorted(vals, key=str)
+            distinct = {_hashable(self.config[r].get(k)) for r in runs}
+            if len(distinct) > 1:
+                out[k] = sorted(distinct, key=str)
         return out
 
     def method_label(self, run: str) -> str:

@@ -244,6 +244,7 @@ class Scale:
         finite = [v for v in vals if math.isfinite(v)]
         self.lo = min(finite) if finite else None
         self.hi = max(finite) if finite else None
+        self.half: float | None  # every scale but sequential: the span around the middle
         if metric.scale == "sequential":
             self.half = None
         elif metric.scale == "log":
@@ -268,11 +269,15 @@ class Scale:
         if m.scale == "sequential":
             if math.isinf(v):
                 return 1.0 if v > 0 else 0.0
-            return 0.5 if self.hi == self.lo else (v - self.lo) / (self.hi - self.lo)
+            lo, hi = self.lo, self.hi
+            assert lo is not None and hi is not None  # v is finite (values hold no NaN), so finite ones exist
+            return 0.5 if hi == lo else (v - lo) / (hi - lo)
+        half = self.half
+        assert half is not None  # set for every scale but sequential
         x = math.log(v) if m.scale == "log" else v - m.center
         if math.isinf(x):
             return 1.0 if x > 0 else 0.0
-        return 0.5 if self.half == 0 else 0.5 + x / (2 * self.half)
+        return 0.5 if half == 0 else 0.5 + x / (2 * half)
 
     def colour_of(self, v) -> str:
         if self.metric.scale == "categorical":
@@ -305,12 +310,13 @@ class Scale:
             out.append(" null ", style=f"{_text_colour(NULL_COLOUR)} on {NULL_COLOUR}")
             out.append(" no value in this response")
             return out
-        if m.scale == "sequential":
+        half = self.half  # None exactly for sequential
+        if m.scale == "sequential" or half is None:
             ends = (fmt(self.lo, 3), fmt(self.hi, 3))
         elif m.scale == "log":
-            ends = (fmt(math.exp(-self.half), 3), fmt(math.exp(self.half), 3))
+            ends = (fmt(math.exp(-half), 3), fmt(math.exp(half), 3))
         else:
-            ends = (fmt(m.center - self.half, 3), fmt(m.center + self.half, 3))
+            ends = (fmt(m.center - half, 3), fmt(m.center + half, 3))
         out.append(ends[0] + " ")
         stops = SEQUENTIAL if m.scale == "sequential" else DIVERGING
         for k in range(LEGEND_STEPS):
@@ -457,8 +463,8 @@ def show_response(
     scale = Scale(metric, cells)
     sep = _separator(decoder)
 
-    method = run_sql(con, f"SELECT method FROM runs WHERE run = {sql_str(run)}")["method"]
-    method = method.iloc[0] if len(method) and isinstance(method.iloc[0], str) else None
+    methods = run_sql(con, f"SELECT method FROM runs WHERE run = {sql_str(run)}")["method"]
+    method = methods.iloc[0] if len(methods) and isinstance(methods.iloc[0], str) else None
     head = Text.assemble(
         ("run ", "dim"),
         (_t(run), "bold"),

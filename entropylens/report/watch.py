@@ -26,9 +26,13 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..alarms import Finding, Thresholds, evaluate
 from .escape import terminal as _t  # run ids and statuses as printed: no raw control or bidi character
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 ENDED = ("finished", "failed")  # a run in one of these states is written no more
 TAIL = 48  # steps per run read at each refresh (the sparkline's length)
@@ -74,7 +78,7 @@ class Snapshot:
     STEPS_SQL), ``runs`` (run -> (method, status)), the alarms' ``findings`` over all steps, and the
     unreadable files the connection skipped (``skipped``: their warnings' text)."""
 
-    steps: object  # pandas DataFrame
+    steps: pd.DataFrame
     runs: dict[str, tuple[str | None, str | None]]
     findings: list[Finding] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -310,7 +314,7 @@ def render(
 
 def summary_line(snap: Snapshot) -> str:
     """The last line of a watch: each run's status and last step."""
-    last = {}
+    last: dict[str, int] = {}
     if len(snap.steps):
         for run, step in zip(snap.steps["run"], snap.steps["step"]):
             last[str(run)] = max(int(step), last.get(str(run), -1))
