@@ -7,15 +7,22 @@ preferred). Each run contributes ``read_parquet`` calls over explicit file lists
 the Hive path, or stored in compacted files) and a ``run`` column; runs are glued with
 ``UNION ALL BY NAME`` (older runs that lack a newer column read as NULL). Analyses are the
 ``*.sql`` files in ``entropylens.analyses``.
+
+One contract for both engines: :func:`connect` (``engine="duckdb"``, the default, or ``"spark"``:
+entropylens/read/spark.py) returns a connection, and :func:`run_analysis` / :func:`run_sql` take either
+kind and mean the same on both (same analysis names and parameters, a pandas DataFrame back).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import threading
 import warnings
 from contextlib import contextmanager
 from importlib import resources
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from . import catalog as cat
 from .catalog import QueryError
@@ -38,10 +45,92 @@ from .views import (  # noqa: F401 - the readers' public names, re-exported
     run_status,
 )
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import duckdb
+    import pandas as pd
+
+    from .spark import SparkConnection
+
+    # What connect() returns: checked DuckDB (the default), DuckDB's own (raw=True), or Spark's views.
+    Connection: TypeAlias = "ReadOnlyConnection | duckdb.DuckDBPyConnection | SparkConnection"
+
+ENGINES = ("duckdb", "spark")
+
+
+class SettingError(QueryError):
+    """DuckDB refused a setting of :func:`connect`'s ``settings``: ``key``, ``value`` (as given) and
+    ``detail`` (DuckDB's own first line, e.g. ``Parser Error: Memory must have a number (e.g. 1GB)``)."""
+
+    def __init__(self, key: str, value: object, detail: str):
+        self.key, self.value, self.detail = key, value, detail
+        super().__init__(f"settings: DuckDB refused {key} = {value!r}: {detail}")
+
+
+@overload
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    engine: Literal["duckdb"] = ...,
+    runs: list[str] | None = ...,
+    database: str = ...,
+    storage_options: dict | None = ...,
+    lock: bool = ...,
+    settings: dict | None = ...,
+    raw: Literal[False] = ...,
+    tau: float | None = ...,
+    spark: None = ...,
+) -> ReadOnlyConnection: ...
+
+
+@overload
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    engine: Literal["duckdb"] = ...,
+    runs: list[str] | None = ...,
+    database: str = ...,
+    storage_options: dict | None = ...,
+    lock: bool = ...,
+    settings: dict | None = ...,
+    raw: Literal[True],
+    tau: float | None = ...,
+    spark: None = ...,
+) -> duckdb.DuckDBPyConnection: ...
+
+
+@overload
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    engine: Literal["spark"],
+    runs: list[str] | None = ...,
+    storage_options: dict | None = ...,
+    spark: Any = ...,
+) -> SparkConnection: ...
+
+
+@overload
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    engine: str = ...,
+    runs: list[str] | None = ...,
+    database: str = ...,
+    storage_options: dict | None = ...,
+    lock: bool = ...,
+    settings: dict | None = ...,
+    raw: bool = ...,
+    tau: float | None = ...,
+    spark: Any = ...,
+) -> Connection: ...
+
 
 def connect(
-    path,
+    path: str | os.PathLike[str],
     *,
+    engine: str = "duckdb",
     runs: list[str] | None = None,
     database: str = ":memory:",
     storage_options: dict | None = None,
@@ -49,9 +138,11 @@ def connect(
     settings: dict | None = None,
     raw: bool = False,
     tau: float | None = None,
-):
-    """A read-only DuckDB connection with views runs / steps / sequences / tokens over the runs under
-    ``path``.
+    spark: Any = None,
+) -> Connection:
+    """A read-only connection with views runs / steps / sequences / tokens (and probes) over the runs under
+    ``path``: DuckDB's (the default) or Spark's (``engine="spark"``, entropylens/read/spark.py, the same
+    views). :func:`run_analysis` and :func:`run_sql` take either and mean the same on both.
 
     The connection is a :class:`~entropylens.read.sql_guard.ReadOnlyConnection`: each statement given
     to ``execute`` / ``sql`` / ``query`` (and so to :func:`run_sql`, :func:`run_analysis`) is checked
@@ -66,9 +157,15 @@ def connect(
     a compaction removed is re-planned once onto the compacted files (lockdown.replan). Every connection has
     the SQL macro ``quadrant(advantage, prob, tau)`` (retau.py): a token's quadrant at any tau.
 
+    On Spark (``engine="spark"``) the connection is a :class:`~entropylens.read.spark.SparkConnection`: its
+    ``execute`` checks the statement the same way and translates DuckDB SQL to Spark's; the DuckDB-only
+    arguments (database, lock, settings, raw, tau) are refused there, Spark's own settings apply.
+
     Args:
         path: a run directory, a directory of runs, or any directory above them, locally or an object-store
             URL such as ``s3://bucket/runs``: runs are found by their run.json.
+        engine: "duckdb" (default) or "spark" (pyspark: ``pip install 'entropylens[spark]'`` and Java 17+;
+            docs/spark.md).
         runs: only these runs (run ids, or run directory names); None (default): every run found.
         database: the DuckDB database to connect to (``duckdb.connect``'s); default ":memory:".
         storage_options: options of an object-store path's filesystem (fsspec: endpoint, keys); None: the
@@ -87,17 +184,29 @@ def connect(
         tau: the views split at this tau, in (0, 1], in place of each run's own (tokens.quadrant, the steps'
             per-quadrant columns recomputed from the token rows, runs.tau; retau.apply_tau). None (default):
             each run's own.
+        spark: with ``engine="spark"``, the SparkSession to use; None (default): the active one, else a
+            local one (:func:`entropylens.read.spark.session`).
 
     Returns:
-        The read-only connection (a ``ReadOnlyConnection``), or with ``raw=True`` DuckDB's own.
+        The read-only connection: a ``ReadOnlyConnection``, with ``raw=True`` DuckDB's own, with
+        ``engine="spark"`` a ``SparkConnection``.
 
     Raises:
         QueryError: when path does not exist, is not a directory, cannot be reached or holds no run, runs
-            names an unknown run, tau is not in (0, 1], or a settings key is not a name (letters, digits,
-            '_'); :class:`QueryLimitError` (a QueryError) when the memory_limit is too small for the views.
-        duckdb.Error: when DuckDB refuses a setting or its value, or files keep vanishing while the views
-            are made (three listings in a row).
+            names an unknown run, tau is not in (0, 1], a settings key is not a name (letters, digits,
+            '_'), engine is neither "duckdb" nor "spark", or an argument is given to the engine it is not
+            for; :class:`SettingError` (a QueryError) when DuckDB refuses a setting or its value;
+            :class:`QueryLimitError` (a QueryError) when the memory_limit is too small for the views;
+            :class:`~entropylens.read.spark.SparkUnavailable` (a QueryError) when Spark is asked for and
+            pyspark or Java is missing or the session does not start.
+        duckdb.Error: when files keep vanishing while the views are made (three listings in a row).
     """
+    if engine == "spark":
+        return _connect_spark(path, runs, storage_options, spark, database, lock, settings, raw, tau)
+    if engine != "duckdb":
+        raise QueryError(f"unknown engine {engine!r}: {' or '.join(ENGINES)}")
+    if spark is not None:
+        raise QueryError("spark= is the session of engine='spark'; this connection is DuckDB's")
     import duckdb
 
     from . import lockdown, retau
@@ -127,7 +236,12 @@ def connect(
         for key, value in settings.items():
             if not str(key).replace("_", "").isalnum():
                 raise QueryError(f"settings: {key!r} is not a DuckDB setting name")
-            con.execute(f"SET {key} = ?", [memory_limit(value) if key == "memory_limit" else value])
+            try:
+                con.execute(f"SET {key} = ?", [memory_limit(value) if key == "memory_limit" else value])
+            except duckdb.OutOfMemoryException:
+                raise
+            except duckdb.Error as e:  # a value (or name) DuckDB does not take: one line naming it
+                raise SettingError(key, value, str(e).splitlines()[0]) from None
         if lock:
             lockdown.lock_down(con, snap, temp_directory=settings.get("temp_directory"))
     except duckdb.OutOfMemoryException as e:
@@ -135,6 +249,43 @@ def connect(
     for f, why in snap.bad:
         warnings.warn(f"skipped {f}: {why}", UnreadableFileWarning, stacklevel=2)
     return con if raw else ReadOnlyConnection(con)
+
+
+def _connect_spark(
+    path: str | os.PathLike[str],
+    runs: list[str] | None,
+    storage_options: dict | None,
+    spark: Any,
+    database: str,
+    lock: bool,
+    settings: dict | None,
+    raw: bool,
+    tau: float | None,
+) -> SparkConnection:
+    """:func:`connect` with ``engine="spark"``; DuckDB's own arguments are refused, by name."""
+    duckdb_only = {
+        "database": database != ":memory:",
+        "lock": not lock,
+        "settings": bool(settings),
+        "raw": raw,
+        "tau": tau is not None,
+    }
+    given = [name for name, set_ in duckdb_only.items() if set_]
+    if given:
+        raise QueryError(
+            f"{', '.join(given)}: DuckDB's only (engine='duckdb'); a Spark connection takes runs, storage_options, "
+            "spark"
+        )
+    from .spark import connect as spark_connect
+
+    return spark_connect(path, runs=runs, spark=spark, storage_options=storage_options)
+
+
+def is_spark(con: object) -> bool:
+    """Whether ``con`` is a Spark connection (:func:`connect` with ``engine="spark"``), without importing
+    the Spark engine where it was never used."""
+    mod = sys.modules.get(f"{__package__}.spark")
+    return mod is not None and isinstance(con, mod.SparkConnection)
 
 
 # ---------------------------------------------------------------- limits
@@ -360,23 +511,28 @@ def _frame(cursor):
     return df
 
 
-def run_analysis(con, name: str, *, timeout: float | None = None, **params):
-    """Run ``analyses/<name>.sql`` on ``con`` (from :func:`connect`) and return a pandas DataFrame.
+def run_analysis(con: Connection, name: str, *, timeout: float | None = None, **params: Any) -> pd.DataFrame:
+    """Run ``analyses/<name>.sql`` on ``con`` (from :func:`connect`, either engine) and return a pandas
+    DataFrame: the same analysis, parameters and result on DuckDB and on Spark (Spark runs the SQL
+    translated, entropylens/read/portable.py).
 
     Args:
-        con: a connection from :func:`connect`.
+        con: a connection from :func:`connect`: DuckDB's (checked or raw) or Spark's (``engine="spark"``).
         name: the analysis, a file name in ``analyses/`` without ``.sql`` (:func:`list_analyses`).
-        timeout: seconds before it is stopped (:func:`limits`); None (default) or 0: no limit.
+        timeout: seconds before it is stopped (:func:`limits`); None (default) or 0: no limit. DuckDB's only:
+            a Spark job is limited by Spark's own settings (docs/spark.md), so a timeout on a Spark
+            connection is refused.
         **params: the analysis's parameters (its header's ``params``), numbers or lists of numbers; those not
             given take the header's defaults.
 
     Returns:
-        The result as a pandas DataFrame (DuckDB's integer sums as integers).
+        The result as a pandas DataFrame (integer sums as integers).
 
     Raises:
         QueryError: when the analysis is unknown, a parameter is not one of its own, a value is not a number
-            or a list of numbers or out of its range, the timeout is negative or not a number, or the
-            query fails; :class:`QueryLimitError` (a QueryError) when it is stopped by the timeout or the
+            or a list of numbers or out of its range, the timeout is negative or not a number (or given for
+            a Spark connection), or the query fails ("analysis 'NAME' failed: ...", on Spark "... failed on
+            Spark: ..."); :class:`QueryLimitError` (a QueryError) when it is stopped by the timeout or the
             memory limit.
     """
     import duckdb
@@ -384,6 +540,13 @@ def run_analysis(con, name: str, *, timeout: float | None = None, **params):
     from .lockdown import run_replanning
 
     sql = render_analysis(name, **params)
+    if is_spark(con):
+        if check_timeout(timeout) is not None:
+            raise QueryError("timeout applies to DuckDB connections; on Spark use Spark's own job settings")
+        try:
+            return _frame(con.execute(sql))
+        except QueryError as e:
+            raise QueryError(f"analysis {name!r} failed on Spark: {e}") from None
     try:
         with limits(con, timeout):
             return run_replanning(con, lambda: _frame(con.execute(sql)))
@@ -391,17 +554,19 @@ def run_analysis(con, name: str, *, timeout: float | None = None, **params):
         raise QueryError(f"analysis {name!r} failed: {str(e).splitlines()[0]}{read_error_hint(con, e)}") from None
 
 
-def run_sql(con, sql: str, *, timeout: float | None = None):
+def run_sql(con: Connection, sql: str, *, timeout: float | None = None) -> pd.DataFrame:
     """A user's SQL; errors become one-line QueryErrors (an empty statement too). On a connection from
-    :func:`connect` the statement is checked first (read-only, sql_guard.py); ``timeout``: seconds before
-    it is stopped (:func:`limits`; None: no limit)."""
+    :func:`connect` (either engine) the statement is checked first (read-only, sql_guard.py); ``timeout``:
+    seconds before it is stopped (:func:`limits`; None: no limit; DuckDB's only, as in :func:`run_analysis`)."""
     import duckdb
 
     if not sql.strip().strip(";").strip():
         raise QueryError("SQL error: the query is empty")
+    if is_spark(con) and check_timeout(timeout) is not None:
+        raise QueryError("timeout applies to DuckDB connections; on Spark use Spark's own job settings")
     from .lockdown import run_replanning
 
-    def once():
+    def once() -> pd.DataFrame | None:
         cursor = con.execute(sql)
         return None if cursor is None else _frame(cursor)
 
@@ -416,6 +581,7 @@ def run_sql(con, sql: str, *, timeout: float | None = None):
 
 
 __all__ = [
+    "ENGINES",
     "connect",
     "find_runs",
     "list_analyses",
@@ -423,6 +589,7 @@ __all__ = [
     "run_sql",
     "QueryError",
     "QueryLimitError",
+    "SettingError",
     "NotReadOnly",
     "Runs",
     "open",

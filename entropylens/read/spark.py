@@ -12,12 +12,11 @@ view; ``runs`` from each run.json (query.run_row). An analysis (``analyses/NAME.
 filled in by query.render_analysis) is translated DuckDB -> Spark by
 :func:`entropylens.read.portable.to_spark`. ``s3://`` URLs are read by Spark as ``s3a://``.
 
-Python API::
+Python API: the one contract of query.py, with ``engine="spark"``::
 
-    from entropylens import spark
-    df = spark.run_analysis("runs/", "entropy_by_step")       # pandas DataFrame
-    con = spark.connect("runs/")                              # duck-typed like a DuckDB connection:
-    query.run_analysis(con, "clip_by_quadrant")               # con.execute(duckdb_sql).df()
+    from entropylens import connect, run_analysis
+    con = connect("runs/", engine="spark")                    # a SparkConnection (duck-typed like DuckDB's)
+    df = run_analysis(con, "entropy_by_step")                 # pandas DataFrame, as on DuckDB
 
 pyspark is imported lazily (``entropylens --help`` stays fast). The session is the active one if a
 cluster (or RayDP's ``raydp.init_spark``) started it, otherwise a local one
@@ -30,12 +29,19 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..schema import TABLES, changed_meaning
 from . import catalog as cat
 from .portable import to_spark
 from .query import PARTITIONED, QueryError, UnreadableFileWarning, find_runs, render_analysis, run_row
+from .query import run_analysis as query_run_analysis
 from .sql_guard import check_read_only
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .query import Connection
 
 _SPARK_TYPES = {
     "int8": "TINYINT",
@@ -279,9 +285,16 @@ def _one_line(e: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def connect(path, *, runs: list[str] | None = None, spark=None, storage_options: dict | None = None) -> SparkConnection:
+def connect(
+    path: str | os.PathLike[str],
+    *,
+    runs: list[str] | None = None,
+    spark: Any = None,
+    storage_options: dict | None = None,
+) -> SparkConnection:
     """Spark views runs / steps / sequences / tokens (/ probes) over the runs under ``path`` (see
-    module doc); ``spark``: a session to use (default: :func:`session`)."""
+    module doc); ``spark``: a session to use (default: :func:`session`). ``entropylens.connect(path,
+    engine="spark")`` calls this."""
     if spark is None:
         find_runs(path, runs, storage_options)  # a bad path is a one-line error before any JVM starts
         spark = session()
@@ -289,15 +302,25 @@ def connect(path, *, runs: list[str] | None = None, spark=None, storage_options:
 
 
 def run_analysis(
-    path, name: str, *, runs: list[str] | None = None, spark=None, storage_options: dict | None = None, **params
-):
-    """analyses/<name>.sql on Spark over the runs under ``path``: a pandas DataFrame."""
-    sql = render_analysis(name, **params)  # unknown analysis / bad parameter before Spark starts
-    con = connect(path, runs=runs, spark=spark, storage_options=storage_options)
-    try:
-        return con.execute(sql).df()
-    except QueryError as e:
-        raise QueryError(f"analysis {name!r} failed on Spark: {e}") from None
+    con: Connection | str | os.PathLike[str], name: str, *, timeout: float | None = None, **params: Any
+) -> pd.DataFrame:
+    """:func:`entropylens.read.query.run_analysis`: analyses/<name>.sql on a connection from
+    ``connect(path, engine="spark")`` (or DuckDB's), a pandas DataFrame.
+
+    Deprecated: a path in place of the connection (``run_analysis("runs/", name, runs=..., spark=...,
+    storage_options=...)``) still connects to Spark and runs it, with a DeprecationWarning; it goes in the
+    next release. Use ``run_analysis(connect(path, engine="spark", ...), name)``."""
+    if isinstance(con, (str, os.PathLike)):
+        warnings.warn(
+            "entropylens.read.spark.run_analysis(PATH, ...) is deprecated: use "
+            "run_analysis(connect(PATH, engine='spark'), name) (entropylens.connect / entropylens.run_analysis)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        opts = {k: params.pop(k) for k in ("runs", "spark", "storage_options") if k in params}
+        render_analysis(name, **params)  # unknown analysis / bad parameter before Spark starts
+        con = connect(con, **opts)
+    return query_run_analysis(con, name, timeout=timeout, **params)
 
 
 __all__ = ["SparkConnection", "SparkUnavailable", "connect", "run_analysis", "session"]

@@ -306,13 +306,50 @@ def test_views_are_equal(cons, root):
     assert (root / "e" / "compacted").is_dir() and not (root / "e" / "tokens" / "step=0").exists()
 
 
+def test_one_contract_for_both_engines(root, spark):
+    """``entropylens.connect(path, engine=...)`` and ``entropylens.run_analysis(con, name, **params)``: the
+    same calls on either engine give equal pandas frames, and the same errors (#40)."""
+    import entropylens
+    from entropylens.read.query import QueryError
+
+    duck = entropylens.connect(root, engine="duckdb", runs=["a", "c"])
+    sc = entropylens.connect(root, engine="spark", runs=["a", "c"])  # the active session (the fixture's)
+    assert sc.spark.sparkContext is spark.sparkContext
+    for name, params in (("entropy_by_step", {}), ("clip_by_quadrant", {}), ("drift_by_prob_bin", {"bins": 7})):
+        a = entropylens.run_analysis(duck, name, **params)
+        b = entropylens.run_analysis(sc, name, **params)
+        assert type(a) is type(b) is pd.DataFrame
+        assert set(a["run"]) == {"a", "c"}
+        try:
+            assert_same_rows(a, b)
+        except AssertionError:  # rows tied on the ORDER BY, in another order
+            assert_same_rows(_canonical(a), _canonical(b))
+    for con in (duck, sc):
+        with pytest.raises(QueryError, match="unknown analysis 'nope'"):
+            entropylens.run_analysis(con, "nope")
+        with pytest.raises(QueryError, match="has no parameter width"):
+            entropylens.run_analysis(con, "entropy_by_step", width=3)
+    with pytest.raises(QueryError, match="timeout applies to DuckDB connections"):
+        entropylens.run_analysis(sc, "entropy_by_step", timeout=5)
+    with pytest.raises(QueryError, match="tau: DuckDB's only"):
+        entropylens.connect(root, engine="spark", tau=0.3)
+    with pytest.raises(QueryError, match="unknown engine 'polars'"):
+        entropylens.connect(root, engine="polars")
+
+
+def test_a_path_in_place_of_the_connection_is_deprecated(root, spark):
+    """spark.run_analysis(PATH, ...), the old form, runs for one more release with a DeprecationWarning."""
+    from entropylens.read import spark as es
+
+    with pytest.warns(DeprecationWarning, match=r"run_analysis\(connect\(PATH, engine='spark'\), name\)"):
+        df = es.run_analysis(root, "entropy_by_step", runs=["c"], spark=spark)
+    assert set(df["run"]) == {"c"} and len(df) == 3
+    assert_same_rows(df, es.run_analysis(es.connect(root, runs=["c"], spark=spark), "entropy_by_step"))
+
+
 def test_python_api_and_cli(root, spark, tmp_path):
     from entropylens.cli.main import app
 
-    from entropylens.read import spark as es
-
-    df = es.run_analysis(root, "entropy_by_step", runs=["c"], spark=spark)
-    assert set(df["run"]) == {"c"} and len(df) == 3
     runner = CliRunner()
     res = runner.invoke(app, ["analyze", str(root), "kl_by_step", "--engine", "spark", "--format", "json"])
     assert res.exit_code == 0, res.output
