@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
+from typing import NoReturn
 
 import typer
 
 
-def fail(msg: str) -> None:
+def fail(msg: str) -> NoReturn:
     """``error: MSG`` on stderr, exit 2; what a user named in MSG (a run id, a path, SQL) shows its control,
     bidi and format characters as codes (report/escape.py), a line break of a message kept."""
     from entropylens.report.escape import terminal

@@ -12,7 +12,7 @@ import inspect
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,9 @@ from .options import Band, Engine, EngineOpt, Format, FormatOpt, OutputOpt, Path
 from .output import check_out_dir, check_output, emit, schema_text
 from .process import OneLineErrors, QueryCommand, process_seconds
 from .process import run as _run
+
+if TYPE_CHECKING:
+    from entropylens.read.query import Connection
 
 app = typer.Typer(
     cls=OneLineErrors,
@@ -38,13 +41,27 @@ def _root() -> None:
     FileWarnings._seen.clear()  # each skipped file is named once per command
 
 
-def _connect(path: str, runs: list[str] | None = None, settings: dict | None = None, tau: float | None = None):
-    """The DuckDB views over the runs under PATH (quadrants split at ``tau``, else each run's own); its errors
-    end the command as one line (user_errors)."""
-    from entropylens.read.query import connect
+def _connect(
+    path: str,
+    runs: list[str] | None = None,
+    *,
+    engine: Engine = Engine.duckdb,
+    memory: str | None = None,
+    tau: float | None = None,
+) -> Connection:
+    """The command's one connection: the views over the runs under PATH (entropylens.read.query.connect, on
+    DuckDB or Spark; quadrants split at ``tau``, else each run's own; ``memory``: DuckDB's memory limit). Its
+    errors end the command as one line (user_errors); a --memory-limit DuckDB does not take is named as such."""
+    from entropylens.read.query import SettingError, connect
 
+    settings = None if memory is None else {"memory_limit": memory}
     with FileWarnings():
-        return connect(path, runs=runs or None, settings=settings, tau=tau)
+        try:
+            return connect(path, engine=engine.value, runs=runs or None, settings=settings, tau=tau)
+        except SettingError as e:
+            if e.key != "memory_limit":
+                raise
+            fail(f"--memory-limit {memory!r}: not a size DuckDB takes (e.g. 4GB, 512MB, 50%): {e.detail}")
 
 
 def _check_tau(tau: float | None) -> None:
@@ -72,19 +89,6 @@ MemoryOpt = Annotated[
 ]
 
 
-def _memory_settings(size: str) -> dict:
-    """``{"memory_limit": size}`` once DuckDB accepts ``size`` (a one-line error names a bad one)."""
-    import duckdb
-
-    from entropylens.read.memory import memory_limit
-
-    try:
-        duckdb.connect().execute("SET memory_limit = ?", [memory_limit(size)])
-    except duckdb.Error as e:
-        fail(f"--memory-limit {size!r}: not a size DuckDB takes (e.g. 4GB, 512MB, 50%): {str(e).splitlines()[0]}")
-    return {"memory_limit": size}
-
-
 def _limited(fn, timeout: float, memory: str):
     """``fn()``; a stop by --timeout or --memory-limit is one line that names the limit and what to pass."""
     from entropylens.read.query import QueryLimitError
@@ -96,13 +100,6 @@ def _limited(fn, timeout: float, memory: str):
             fail(f"query stopped: --timeout {timeout:g} s reached; pass --timeout 0 for no limit")
         shown = memory if e.value == memory else f"{memory} ({e.value})"  # 50% (11.7 GiB)
         fail(f"query stopped: --memory-limit {shown} reached: {e.detail}; pass a larger --memory-limit, e.g. 80%")
-
-
-def _spark_connect(path, runs: list[str] | None = None):
-    """Spark views over the runs under PATH (entropylens.read.spark); a one-line error if Spark cannot start."""
-    from entropylens.read.spark import connect
-
-    return connect(path, runs=runs or None)
 
 
 @app.command()
@@ -165,16 +162,15 @@ def query(
 
     SQL may start with an SQL comment (`-- ...`); `-` reads the SQL from stdin: `entropylens query PATH - < q.sql`.
     """
-    from .sql_guard import check_read_only
-
     from entropylens.read.query import run_sql
 
+    from .sql_guard import check_read_only
+
     check_output(fmt, output)  # a bad --output fails before the query runs
-    settings = _memory_settings(memory_limit)
     if sql == "-":
         sql = sys.stdin.read()
     check_read_only(sql)  # NotReadOnly: a ValueError, one line
-    con = _limited(lambda: _connect(path, run, settings), timeout, memory_limit)
+    con = _limited(lambda: _connect(path, run, memory=memory_limit), timeout, memory_limit)
     df = _limited(lambda: run_sql(con, sql, timeout=timeout), timeout, memory_limit)
     emit(df, fmt, output)
 
@@ -226,9 +222,9 @@ def analyze(
     if engine == Engine.spark:
         if tau is not None:
             fail("--tau needs --engine duckdb (the quadrants are recomputed there)")
-        con, timeout = _spark_connect(path, run), 0.0
+        con, timeout = _connect(path, run, engine=engine), 0.0
     else:
-        con = _limited(lambda: _connect(path, run, _memory_settings(memory_limit), tau), timeout, memory_limit)
+        con = _limited(lambda: _connect(path, run, memory=memory_limit, tau=tau), timeout, memory_limit)
     df = _limited(lambda: run_analysis(con, name, timeout=timeout, **params), timeout, memory_limit)
     emit(df, fmt, output)
     if df.empty:
@@ -299,17 +295,19 @@ def report(
     Thresholds (tau, eps, the ERC band, beta1 / beta2, dual-clip) are each run's own; --tau splits every run's quadrants at one tau instead, recomputed from the token rows.
 
     Verdicts against the papers only where the runs differ in the method alone; else captions name what differs."""
-    from entropylens.report.build import write_report
+    from entropylens.report.build import open_report, write_report
 
     _check_tau(tau)
     if tau is not None and engine == Engine.spark:
         fail("--tau needs --engine duckdb (the quadrants are recomputed there)")
-    _connect(path, run)  # path errors first, as one line
+    with FileWarnings():  # the report's one connection; path errors first, as one line
+        con = open_report(path, run or None, engine.value, tau)
     check_out_dir(out)
     with writing("--out", out, reading_too=True), FileWarnings():  # e.g. an --out under /proc: one line
         index = write_report(
             path,
             out,
+            con=con,
             runs=run or None,
             engine=engine.value,
             group_by=group_by,
@@ -582,12 +580,13 @@ def check(
         mismatch_warmup=mismatch_warmup,
     )
     _check_tau(tau)
-    _connect(path, run)  # path errors first, as one line
+    con = _connect(path, run)  # the runs at their own tau; path errors first, as one line
     from entropylens.report.checks import notes
 
     with FileWarnings():
-        findings = run_check(path, t, runs=run or None)
-        noted = notes(path, runs=run or None, tau=tau)
+        findings = run_check(path, t, runs=run or None, con=con)
+        # the notes at --tau need the views split there: a second connection only then
+        noted = notes(path, runs=run or None, tau=tau, con=con if tau is None else None)
     for f in findings:
         typer.echo(f.line())
     for f in noted:

@@ -200,6 +200,7 @@ def write_report(
     tokenizer=None,
     max_page_bytes: int = DEFAULT_PAGE_BYTES,
     tau: float | None = None,
+    con=None,
 ) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``, and (unless ``responses=0``) a token viewer page per run
@@ -235,6 +236,8 @@ def write_report(
         tau: every quadrant split at this tau in place of each run's recorded one, recomputed from the
             token rows (read/retau.py; the duckdb engine only); the report says so. None (default): each
             run's own.
+        con: the connection to draw on, opened by the caller (:func:`open_report` with the same runs, engine
+            and tau), in place of opening one here; None (default): one is opened.
 
     Returns:
         The path of index.html.
@@ -245,7 +248,7 @@ def write_report(
         QueryError: when ``path`` holds no readable runs (as :func:`~entropylens.read.query.connect`), or
             ``where`` is not one valid condition.
     """
-    con = _connect(path, runs, engine, tau)
+    con = _connect(path, runs, engine, tau) if con is None else con
     rs = runset.from_connection(con, group_by=group_by, band=band)
     if responses and where is not None and rs.method:  # a bad --where fails now, before any figure is drawn
         from .responses import matching

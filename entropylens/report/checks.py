@@ -9,10 +9,11 @@ from ..read.query import QueryError, connect, render_analysis
 from .run_findings import run_findings
 
 
-def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None = None) -> list[Finding]:
+def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None = None, con=None) -> list[Finding]:
     """Every run under ``path`` through the rules (analysis ``step_health`` over the steps table, read as
-    Python values so that NULL (not measured) stays None and NaN stays NaN)."""
-    con = connect(path, runs=runs)
+    Python values so that NULL (not measured) stays None and NaN stays NaN). ``con``: a DuckDB connection of
+    those runs at their own tau (``connect(path, runs=runs)``) to use in place of opening one."""
+    con = connect(path, runs=runs) if con is None else con
     try:
         cur = con.execute(render_analysis("step_health"))
         names = [d[0] for d in cur.description]
@@ -22,10 +23,12 @@ def check(path, thresholds: Thresholds | None = None, *, runs: list[str] | None 
     return evaluate(rows, thresholds)
 
 
-def notes(path, *, runs: list[str] | None = None, tau: float | None = None) -> list[Finding]:
+def notes(path, *, runs: list[str] | None = None, tau: float | None = None, con=None) -> list[Finding]:
     """The run-level findings over the token rows (run_findings.py: thin_quadrant, on_policy; ``tau``: the
-    quadrants split at it): what limits what a run's figures can show, not an alarm (no exit 1)."""
-    con = connect(path, runs=runs, tau=tau)
+    quadrants split at it): what limits what a run's figures can show, not an alarm (no exit 1). ``con``: a
+    DuckDB connection of those runs split at ``tau`` (``connect(path, runs=runs, tau=tau)``) to use in place
+    of opening one."""
+    con = connect(path, runs=runs, tau=tau) if con is None else con
     try:
         return run_findings(con)
     except duckdb.Error as e:
