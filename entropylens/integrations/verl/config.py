@@ -115,7 +115,10 @@ class EntropyLensLossConfig(PolicyLossConfig):
 
     @property
     def erc(self) -> tuple[float, float] | None:
-        return None if self.erc_low is None else (float(self.erc_low), float(self.erc_high))
+        if self.erc_low is None:
+            return None
+        assert self.erc_high is not None  # __post_init__: erc_low and erc_high are set together
+        return (float(self.erc_low), float(self.erc_high))
 
 
 def pl_get(config, key: str, default=None):

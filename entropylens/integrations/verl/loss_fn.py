@@ -66,9 +66,11 @@ class EntropyLensLoss:
         ValueError: when ``policy_loss.loss_mode`` is not an entropylens loss.
     """
 
+    status: str  # the run's final status, on a closing copy only (:meth:`shipped`)
+
     def __init__(
         self,
-        config,
+        config: Any,
         *,
         run: str | None = None,
         closing: bool = False,
@@ -76,15 +78,16 @@ class EntropyLensLoss:
         committing: bool = False,
         ending: bool = False,
         tokenizer: str | None = None,
-    ):
+    ) -> None:
         self.config = config
         pl = config.policy_loss
-        self.method = method_of(pl.loss_mode)
-        if self.method is None:
+        method = method_of(pl.loss_mode)
+        if method is None:
             raise ValueError(
                 f"EntropyLensLoss: policy_loss.loss_mode={pl.loss_mode!r} is not an entropylens loss; "
                 f"use one of {', '.join(registered_names())}"
             )
+        self.method = method
         lo, hi = pl_get(config, "erc_low"), pl_get(config, "erc_high")
         self.erc = None if lo is None else (float(lo), float(hi))
         self.record_dir = pl_get(config, "record_dir")
@@ -134,7 +137,7 @@ class EntropyLensLoss:
         out._update, out._warned = {}, set()
         return out
 
-    def __call__(self, model_output, data, dp_group=None):
+    def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         config = self.config
         aggregation = _global_batch_info(config, data)
         b = read_micro_batch(model_output, data)

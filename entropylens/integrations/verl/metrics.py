@@ -50,6 +50,7 @@ def metric_shares(scal: dict[str, float], dp_size: int) -> dict[str, float]:
             continue
         kind, d = rule
         if kind == "mean":
+            assert d is not None  # metric_rule: a mean always names its denominator
             w = den[d] if d in den else scal.get(d, 0.0)
             v = v * w if w else 0.0  # an empty denominator adds nothing (its value is NaN)
         out[name] = v * dp_size
@@ -70,6 +71,7 @@ def step_values(sums: dict[str, float]) -> dict[str, float]:
             continue
         kind, d = rule
         if kind == "mean":  # over no token: NaN, as step_aggregates makes it (a mean of nothing is not 0)
+            assert d is not None  # metric_rule: a mean always names its denominator
             out[name] = total / sums[d] if sums.get(d, 0.0) > 0 else float("nan")
         else:
             out[name] = total

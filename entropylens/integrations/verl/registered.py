@@ -8,12 +8,13 @@ The trainer mode registers in trainer_mode.py.
 from __future__ import annotations
 
 import logging
+from typing import Any, Protocol, cast
 
 import torch
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
 from ...rl.cov import COV_METHODS
-from ...rl.losses import aggregation_weights, compute_dtype, policy_loss
+from ...rl.losses import PolicyLossOutput, aggregation_weights, compute_dtype, policy_loss
 from .config import agg_and_scale, eps_from, pl_get
 from .metrics import METRIC_PREFIX, metric_rule
 from .names import METHODS, PREFIXED
@@ -25,21 +26,21 @@ logger = logging.getLogger(__name__)
 
 def compute_loss(
     method: str,
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    loss_agg_mode,
-    config,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: Any,
     *,
-    entropy=None,
-    old_entropy=None,
-    erc=None,
+    entropy: torch.Tensor | None = None,
+    old_entropy: torch.Tensor | None = None,
+    erc: tuple[float, float] | None = None,
     entropy_coef: float = 0.0,
-    token_mask=None,
-    entropy_weights=None,
-    is_weight=None,
-):
+    token_mask: torch.Tensor | None = None,
+    entropy_weights: torch.Tensor | None = None,
+    is_weight: torch.Tensor | None = None,
+) -> PolicyLossOutput:
     """``policy_loss`` with verl's configuration: eps from clip_ratio_low/high (:func:`eps_from`),
     dual-clip from clip_ratio_c (verl applies it to every PPO loss; default 3), beta1/beta2 from the
     policy_loss config, aggregation with verl's global counts via ``scale``, ``entropy_coef`` (verl's
@@ -58,7 +59,7 @@ def compute_loss(
     # verl's clip_cov / kl_cov have no dual-clip (nor cispo, nor sapo)
     dual = None if method in ("cispo", "sapo", *COV_METHODS) else float(getattr(config, "clip_ratio_c", 3.0) or 3.0)
     lsf = info.get("loss_scale_factor") if agg == "seq-mean-token-sum-norm" else None
-    kw = dict(
+    kw: dict[str, Any] = dict(
         method=method,
         eps_low=eps_low,
         eps_high=eps_high,
@@ -91,7 +92,7 @@ def compute_loss(
     return policy_loss(log_prob, old_log_prob, advantages, response_mask, scale=scale, **kw)
 
 
-def cov_config(config, method: str) -> dict:
+def cov_config(config: Any, method: str) -> dict[str, Any]:
     """Clip-Cov / KL-Cov settings from verl's policy_loss config keys (clip_cov_ratio, clip_cov_lb,
     clip_cov_ub; kl_cov_ratio, ppo_kl_coef; None: verl's defaults); {} for the other methods. The random
     selection uses the global CPU generator, as verl's clip_cov does."""
@@ -114,7 +115,14 @@ def verl_metric_keys(method: str) -> tuple[str, ...]:
 
 
 def verl_clip_metrics(
-    log_prob, old_log_prob, advantages, mask, config, method: str, *, cov_clipped=None
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    config: Any,
+    method: str,
+    *,
+    cov_clipped: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """verl's own diagnostics of one micro-batch, float64 [k] on the device, in the order of
     :func:`verl_metric_keys` (``method``), each with the meaning verl's own loss of that method gives it.
@@ -153,20 +161,39 @@ def verl_clip_metrics(
     return torch.stack([clipfrac.double(), kl, lower.double()])
 
 
-def _make_registered(method: str):
+class RegisteredLoss(Protocol):
+    """A policy loss as this plug-in registers it in verl: verl's policy-loss signature, and the function's
+    ``entropylens_method`` (the entropylens method it runs) and ``warned`` (its one warning was given)."""
+
+    entropylens_method: str
+    warned: bool
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+def _make_registered(method: str) -> RegisteredLoss:
     def loss_fn(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode="token-mean",
-        config=None,
-        rollout_is_weights=None,
-    ):
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         if config is None:
             raise ValueError(f"entropylens {method}: verl passed no actor config")
-        if method == "ce_gppo" and pl_get(config, "beta1") is None and not loss_fn.warned:
-            loss_fn.warned = True
+        if method == "ce_gppo" and pl_get(config, "beta1") is None and not registered.warned:
+            registered.warned = True
             logger.warning(
                 "entropylens ce_gppo: policy_loss has no beta1/beta2 (set policy_loss._target_="
                 "entropylens.integrations.verl.EntropyLensLossConfig); using beta1=0.5, beta2=1.0"
@@ -201,9 +228,10 @@ def _make_registered(method: str):
 
     loss_fn.__name__ = f"entropylens_{method}_policy_loss"
     loss_fn.__doc__ = f"entropylens' {method} as a verl policy loss (entropylens.rl.losses.policy_loss)."
-    loss_fn.entropylens_method = method
-    loss_fn.warned = False
-    return loss_fn
+    registered = cast(RegisteredLoss, loss_fn)  # the function, given the attributes the protocol names
+    registered.entropylens_method = method
+    registered.warned = False
+    return registered
 
 
 def register() -> None:

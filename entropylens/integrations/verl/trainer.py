@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import Any
 
 import torch
 import transfer_queue as tq
@@ -46,7 +47,9 @@ class EntropyLensTrainer(PPOTrainerSync):
             ``ENTROPYLENS_VERL_UNSAFE=1``), or entropylens' losses are not registered in verl.
     """
 
-    def __init__(self, config):
+    actor_rollout_wg: Any  # verl's actor worker group (verl's init sets it; _update_actor swaps it for a while)
+
+    def __init__(self, config: Any) -> None:
         check_verl_version()
         check_registered()
         pl = config.actor_rollout_ref.actor.policy_loss
