@@ -14,14 +14,20 @@ OpenRLHF's IS correction applies to ppo and gspo only (as in 0.11.2); with an en
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ..rl.losses import policy_loss
 from .loss_hook import LossHook
 from .openrlhf_load import load_loss_module
 
+if TYPE_CHECKING:
+    from ..record.recorder import Recorder
+
 _loss = load_loss_module()
-OpenRLHFPolicyLoss = _loss.PolicyLoss
+OpenRLHFPolicyLoss: Any = _loss.PolicyLoss  # openrlhf.models.loss.PolicyLoss (loaded at run time: no types)
 ENTROPYLENS_TYPES = ("gppo", "ce_gppo", "erc")  # OpenRLHF policy-loss types entropylens adds
 
 
@@ -29,8 +35,8 @@ def openrlhf_weights(
     mask: torch.Tensor,
     token_level_loss: bool,
     dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
+    batch_num_tokens: float | torch.Tensor | None = None,
+    global_batch_size: float | torch.Tensor | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Weights w [B, T] with which OpenRLHF 0.11.2's ``aggregate_loss`` reduces a per-token loss l:
@@ -45,10 +51,22 @@ def openrlhf_weights(
     return w / seq.sum() if global_batch_size is None else w / global_batch_size * dp_size
 
 
-def loss_ratio(log_probs, old_log_probs, mask, policy_loss_type, rollout_log_probs=None, is_on=False):
+def loss_ratio(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    policy_loss_type: str,
+    rollout_log_probs: torch.Tensor | None = None,
+    is_on: bool = False,
+) -> torch.Tensor:
     """The ratio OpenRLHF's loss clips, [B, T] detached: per token exp(clamp(log r, -20, 20)) (ppo), the
     sequence's exp(mean_t log r) broadcast (gspo; against the rollout's log-probs with IS correction on)."""
-    lr = (log_probs - (rollout_log_probs if policy_loss_type == "gspo" and is_on else old_log_probs)).detach()
+    against = old_log_probs
+    if policy_loss_type == "gspo" and is_on:
+        if rollout_log_probs is None:  # OpenRLHF's own loss fails there too (log_probs - None)
+            raise TypeError("gspo with IS correction on needs rollout_log_probs")
+        against = rollout_log_probs
+    lr = (log_probs - against).detach()
     if policy_loss_type != "gspo":
         return lr.clamp(-20.0, 20.0).exp()
     m = mask.to(lr.dtype)
@@ -66,15 +84,15 @@ class PolicyLoss(OpenRLHFPolicyLoss):
         self,
         clip_eps_low: float = 0.2,
         clip_eps_high: float = 0.2,
-        dual_clip: float = None,
+        dual_clip: float | None = None,
         token_level_loss: bool = True,
         policy_loss_type: str = "ppo",
         is_correction_level: str = "off",
         is_correction_mode: str = "mask",
         is_correction_gating: str = "ratio",
-        is_correction_threshold: list = (0.5, 5.0),
+        is_correction_threshold: Sequence[float] = (0.5, 5.0),
         *,
-        recorder=None,
+        recorder: Recorder | None = None,
         beta1: float = 0.5,
         beta2: float = 1.0,
         erc: tuple[float, float] = (0.8, 1.2),
@@ -116,15 +134,15 @@ class PolicyLoss(OpenRLHFPolicyLoss):
 
     def forward(
         self,
-        log_probs,
-        old_log_probs,
-        advantages,
-        action_mask=None,
-        rollout_log_probs=None,
-        dp_size=1,
-        batch_num_tokens=None,
-        global_batch_size=None,
-    ):
+        log_probs: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        action_mask: torch.Tensor | None = None,
+        rollout_log_probs: torch.Tensor | None = None,
+        dp_size: int = 1,
+        batch_num_tokens: float | torch.Tensor | None = None,
+        global_batch_size: float | torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """OpenRLHF's forward (its arguments and its five outputs), recorded (module docstring)."""
         entropy, old_entropy, self.entropy, self.old_entropy = self.entropy, self.old_entropy, None, None
         if self.hook.recorder is not None and action_mask is not None:
@@ -207,7 +225,7 @@ class PolicyLoss(OpenRLHFPolicyLoss):
         return out.loss, clip_ratio, ppo_kl, None, None
 
 
-def patch_actor(trainer, *, step_of=None) -> None:
+def patch_actor(trainer: Any, *, step_of: Callable[[Any], int] | None = None) -> None:
     """Wire an OpenRLHF actor trainer (``openrlhf.trainer.ray.ppo_actor.ActorPPOTrainer``) to its
     entropylens ``PolicyLoss``: each ``ppo_train`` call is a step (``step_of(trainer)`` gives its id where
     given, else a count from 0), each ``training_step`` an update, and the actor's entropy (OpenRLHF's

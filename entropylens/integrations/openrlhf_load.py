@@ -22,6 +22,7 @@ PRIVATE = "_entropylens_openrlhf"
 
 def _load_file(name: str, path: Path) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None  # a .py file always has a spec with a source loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
