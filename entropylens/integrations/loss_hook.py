@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from typing import Any
 
 import torch
 
@@ -327,7 +328,7 @@ class LossHook:
 
     # -- inside ---------------------------------------------------------------------------------------
     def _hook(self, step: int, update: int, t: dict, theirs: dict, lp: torch.Tensor) -> None:
-        pending = {"step": step, "update": update, "t": t, "theirs": theirs, "handle": None}
+        pending: dict[str, Any] = {"step": step, "update": update, "t": t, "theirs": theirs, "handle": None}
         if "logits" in t and t["logits"].requires_grad and torch.is_grad_enabled():
             self.recorder.watch_logits(t["logits"])
         if lp.requires_grad and torch.is_grad_enabled():

@@ -19,12 +19,17 @@ Without logits (large vocabularies): pass the hidden states and the LM head inst
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from ..record.recorder import Recorder
 from ..rl.forking import AdaptiveEntropyCoef, bonus_weights, top_entropy_mask
 from ..rl.losses import PolicyLossOutput, policy_loss
 from ..rl.stats import chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
+
+if TYPE_CHECKING:
+    from ..record.recorder import LossOutput
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -115,7 +120,8 @@ def old_policy_pass(
         weight, bias = _head_params(head)
         lp, ent, _ = head_stats(hidden, weight, tokens, bias=bias, temperature=temperature, chunk_size=chunk_size)
         return lp.float(), ent.float()
-    return logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    lp, ent = logprobs_and_entropy(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    return lp, ent
 
 
 def policy_update(
@@ -217,7 +223,8 @@ def policy_update(
     if forking and loss_kwargs.get("token_mask") is not None:
         raise ValueError("policy_update: give token_mask or top_entropy_quantile, not both")
     entropy_grad = bool(loss_kwargs.get("entropy_coef"))
-    sum_p2, sens, dist = None, [None], None
+    sum_p2, dist = None, None
+    sens: list[torch.Tensor] = []  # the entropy sensitivity s, when asked for (with a recorder)
     if logits is None:
         if hidden is None or head is None:
             raise ValueError("policy_update needs logits, or hidden states and the head")
@@ -231,7 +238,6 @@ def policy_update(
             chunk_size=chunk_size,
             sensitivity=recorder is not None,
         )
-        sens = sens or [None]
         if not entropy_grad:
             entropy = entropy.detach()
     else:
@@ -251,6 +257,7 @@ def policy_update(
         )
         if want_dist:
             dist = sens.pop()
+    s_t = sens[0] if sens else None
     keep = None
     if forking or (top_entropy_quantile is not None and not 0.0 <= float(top_entropy_quantile) <= 1.0):
         keep = top_entropy_mask(entropy, mask, top_entropy_quantile, all_gather=entropy_gather)  # [B, T] bool
@@ -276,7 +283,7 @@ def policy_update(
         )
     if dist is not None:
         out.columns["logit_grad_norm"] = out.columns["grad_coef"].abs() / temperature * dist
-    if recorder is not None and entropy_grad and logits is not None and sens[0] is not None:
+    if recorder is not None and entropy_grad and logits is not None and s_t is not None:
         bonus = entropy_bonus_effect(out.loss, entropy, logits, mask, temperature=temperature, chunk_size=chunk_size)
         if bonus is not None:
             out.columns["entropy_effect_bonus"] = bonus
@@ -293,8 +300,9 @@ def policy_update(
             tokens=tokens,
             seq_ids=seq_ids,
             group_ids=group_ids,
-            loss=out,
-            entropy_sensitivity=sens[0],
+            # read-only use: LossOutput's mutable ``loss: Tensor | None`` rejects PolicyLossOutput's ``Tensor``
+            loss=cast("LossOutput", out),
+            entropy_sensitivity=s_t,
             temperature=temperature,
             sampler_logprobs=sampler_logprobs,
             is_masked=is_masked,

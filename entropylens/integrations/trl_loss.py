@@ -54,6 +54,8 @@ def trl_loss_weights(
     if loss_type == "bnpo":
         return m / (m.sum().clamp(min=1.0) * ga)
     if loss_type == "dr_grpo":
+        if max_completion_length is None:  # TRL divides by it too
+            raise TypeError("loss_type 'dr_grpo' is normalised by max_completion_length: it must be set")
         return m / (b * float(max_completion_length) * ga)
     if loss_type == "luspo":
         return m / (b * ga)

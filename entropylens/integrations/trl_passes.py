@@ -4,6 +4,8 @@ p^2 from what TRL's fused head captured, and the fallback through the backbone's
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from ..rl.stats import head_stats
@@ -65,5 +67,10 @@ def head_stats_pass(
         sqs.append(sq)
         if compute_aux_loss:
             auxes.append(getattr(out, "aux_loss", None))
-    aux = torch.stack(auxes).mean() if compute_aux_loss and auxes and auxes[0] is not None else None
+    # the model returns aux_loss for every chunk once it returns it for the first
+    aux = (
+        torch.stack(cast("list[torch.Tensor]", auxes)).mean()
+        if compute_aux_loss and auxes and auxes[0] is not None
+        else None
+    )
     return torch.cat(lps), torch.cat(hs), torch.cat(sqs), (torch.cat(sens) if sens else None), aux
