@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -195,8 +196,11 @@ def stack_snapshots(snaps: list[Snapshot]) -> Snapshot:
         for s in snaps
     ]
     names = finites[0].names
-    flags = torch.stack([f.flags for f in finites]) if names else None  # [U, k]
-    loss = torch.stack([s.loss_value for s in snaps]) if first.loss_value is not None else None  # [U]
+    # equal signatures: every snapshot has flags where the first names checked inputs (snapshot() computes
+    # them), and a loss where the first has one
+    all_flags, all_losses = [f.flags for f in finites], [s.loss_value for s in snaps]
+    flags = torch.stack(cast("list[torch.Tensor]", all_flags)) if names else None  # [U, k]
+    loss = torch.stack(cast("list[torch.Tensor]", all_losses)) if first.loss_value is not None else None  # [U]
     return Snapshot(
         torch.stack([s.floats for s in snaps]),
         first.float_names,

@@ -43,6 +43,7 @@ class HostCopy:
 
     def finite(self) -> dict[str, bool]:
         """The input finite flags (read from the block: call only when ``on_host``)."""
+        assert self.layout is not None  # an update's block (only a record_step scalars copy has no layout)
         return packed_block.read_finite(self.wait(), self.layout)
 
     @property

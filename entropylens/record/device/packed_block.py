@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -204,7 +204,8 @@ def rows_of(hosts: list[HostUpdate], updates: list[int]) -> dict[str, np.ndarray
     picked = floats[:, idx]  # [n_float, k]
     out: dict[str, np.ndarray] = {c: picked[i] for i, c in enumerate(layout.float_names)}
     if layout.has_tokens:
-        out["token_id"] = np.stack([h.token_id for h in hosts]).reshape(-1)[idx]
+        token_ids = cast("list[np.ndarray]", [h.token_id for h in hosts])  # unpack: set where layout.has_tokens
+        out["token_id"] = np.stack(token_ids).reshape(-1)[idx]
     out.update(_flag_columns(flags[idx], layout.bool_names))
     out["seq"] = np.stack([h.seq for h in hosts])[u_idx, b_idx]
     out["group"] = np.stack([h.group for h in hosts])[u_idx, b_idx]
@@ -219,7 +220,7 @@ class FiniteFlags(NamedTuple):
     """The input NaN/Inf check of an update: one flag per checked input, all masked-in values finite."""
 
     names: tuple[str, ...]
-    flags: torch.Tensor  # [k] bool, on the device
+    flags: torch.Tensor | None  # [k] bool, on the device; None: none checked, or a CPU update's (blocks.snapshot)
 
 
 def pack(
@@ -257,6 +258,7 @@ def pack(
         flags = flags | (mask.to(torch.int32) << _MASK_SHIFT)
     head = aggregates.double().reshape(*lead, -1)
     if finite.names:
+        assert finite.flags is not None  # computed by the time a block is packed (record_update, blocks.snapshot)
         head = torch.cat([head, finite.flags.double().reshape(*lead, -1)], -1)
     parts = [head.view(torch.int32)]
     if fnames:

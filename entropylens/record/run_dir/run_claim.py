@@ -127,6 +127,8 @@ def _read_local(path: str) -> bytes:
 
 def _who(held: bytes | None) -> str:
     """'pid P on host H, started T' of a claim file's bytes."""
+    if held is None:  # no claim file
+        return "a writer whose claim file is unreadable"
     try:
         c = json.loads(held)
         return f"pid {c['pid']} on host {c['host']}, started {c['started_at']}"

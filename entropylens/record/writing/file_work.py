@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
+from ...storage import Location
 from ..device import packed_block
 from ..device.host_copy import DeferredBlock
 from ..training.inputs import NonFiniteInput, duplicate_rows, duplicates_error
@@ -21,7 +24,7 @@ from .token_buffer import TokenBuffer
 class FileWork:
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: Path | Location,
         rank: int,
         *,
         rows_per_file: int,
@@ -58,12 +61,13 @@ class FileWork:
 
     def update(self, m: Update) -> None:
         block = m.copy.wait()  # a DeferredBlock builds it here (CPU): aggregates and packing off the caller
+        assert m.copy.layout is not None  # an update's block: its layout is known once wait() returned it
         host = packed_block.unpack(block, m.copy.layout)
         bad = [name for name, ok in host.finite.items() if not ok]
         if bad:  # the update is dropped; the caller raises this at its next call
             self.rejected.append(NonFiniteInput(bad[0], m.step, m.update))
             return
-        has_tokens = host.masked.reshape(host.layout.batch, host.layout.length).any(axis=1)  # [B]
+        has_tokens = np.any(host.masked.reshape(host.layout.batch, host.layout.length), axis=1)  # [B]
         if not isinstance(m.copy, DeferredBlock):  # a device update's seq ids reach the host only here
             dup = duplicate_rows(host.seq, has_tokens)  # (a CPU update's were checked at the call)
             if len(dup):

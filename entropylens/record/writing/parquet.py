@@ -75,7 +75,8 @@ def write_parquet_atomic(
     if loc.remote or size <= _BUFFER_BYTES:
         buf = pa.BufferOutputStream()
         pq.write_table(table, buf, **opts)
-        loc.write_bytes(memoryview(buf.getvalue()), fsync=fsync)
+        # write_bytes takes any buffer (it calls bytes() / os.write on it) though annotated bytes: no copy here
+        loc.write_bytes(memoryview(buf.getvalue()), fsync=fsync)  # type: ignore[arg-type]
     else:
         loc.write_with(lambda tmp: pq.write_table(table, tmp, **opts), fsync=fsync)
 
@@ -122,7 +123,7 @@ def tokens_table(arrs: dict[str, np.ndarray]) -> pa.Table:
 
 def write_tokens(
     run_dir: Path | Location, step: int, rank: int, updates: int | tuple[int, int], arrs: dict, *, fsync: bool = False
-) -> Path:
+) -> Path | Location:
     """update-U.parquet for one update; updates-A-B.parquet for updates A..B sharing a file."""
     first, last = (updates, updates) if isinstance(updates, int) else updates
     name = f"update-{first}.parquet" if first == last else f"updates-{first}-{last}.parquet"
@@ -135,7 +136,7 @@ def write_tokens(
 
 def write_sequences(
     run_dir: Path | Location, step: int, rank: int, part: int, arrs: dict, *, fsync: bool = False
-) -> Path:
+) -> Path | Location:
     table = pa.table(
         {
             "seq": pa.array(arrs["seq"], pa.int32()),
@@ -215,7 +216,7 @@ def steps_table(rows: list[dict]) -> pa.Table:
         return steps_table_by_values(rows)
     m = np.array([[r.get(n) for r in rows] for n in names], dtype=np.float64)  # [columns, rows], None -> NaN
     null = np.isnan(m)
-    for j in np.flatnonzero(null.any(axis=1)):  # a caller's NaN is a value: only its None is null
+    for j in np.flatnonzero(null.any(axis=1)).tolist():  # a caller's NaN is a value: only its None is null
         if not nan_is_null(names[j]):
             null[j] = [r.get(names[j]) is None for r in rows]
     n = len(rows)
@@ -258,7 +259,9 @@ def steps_table_by_values(rows: list[dict]) -> pa.Table:
     )
 
 
-def write_steps(run_dir: Path | Location, step: int, rank: int, rows: list[dict], *, fsync: bool = False) -> Path:
+def write_steps(
+    run_dir: Path | Location, step: int, rank: int, rows: list[dict], *, fsync: bool = False
+) -> Path | Location:
     """One file per (step, rank): a row per update (:func:`steps_table`). Known columns get the
     schema's dtype, extra metrics float64; NaN aggregates (not measured) become nulls, the caller's
     NaN and inf scalars are stored as they are."""
@@ -269,7 +272,7 @@ def write_steps(run_dir: Path | Location, step: int, rank: int, rows: list[dict]
 
 def write_probes(
     run_dir: Path | Location, step: int, rank: int, update: int, rows: list[dict], *, fsync: bool = False
-) -> Path:
+) -> Path | Location:
     """probe-U.parquet: the parameter-space probe of one update (schema.PROBES), a row per gradient part.
     Written before the steps file of its step (the step commits it)."""
     from ...schema import PROBES

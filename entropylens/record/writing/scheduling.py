@@ -53,6 +53,8 @@ def idle_policy(tid: int) -> bool:
 
 def thread_cpu(thread: threading.Thread) -> float:
     """The CPU seconds ``thread`` has used (Linux: its thread clock); 0.0 where unknown."""
+    if thread.ident is None:  # not started yet
+        return 0.0
     try:
         return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
     except (AttributeError, OSError, TypeError):

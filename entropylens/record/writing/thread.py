@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ...caller import caller_stacklevel
+from ...storage import Location
 from ..device.host_copy import DeferredBlock, HostCopy, build_blocks
 from ..run_dir.run_claim import ClaimLostError
 from ..run_dir.run_info import RunInfo, write_run_json
@@ -46,7 +47,7 @@ OUTBOX_SIZE = 16  # messages per hand-over at most (bounds the host memory an un
 class WriterThread:
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: Path | Location,
         rank: int,
         info: RunInfo,
         *,

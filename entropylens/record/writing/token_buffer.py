@@ -12,13 +12,15 @@ bookkeeping; the writer thread owns one buffer and writes what :meth:`add` / :me
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import numpy as np
 
 from ..device.packed_block import HostUpdate, rows_of
 
 # (step, (first update, last update), column arrays) of one file to write
 FileRows = tuple[int, tuple[int, int], dict[str, np.ndarray]]
-Rows = "HostUpdate | dict[str, np.ndarray]"
+Rows: TypeAlias = HostUpdate | dict[str, np.ndarray]
 
 
 class TokenBuffer:
