@@ -13,11 +13,17 @@ says so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
 import numpy as np
 import torch
 
 from ...rl.aggregates import AGG_NAMES
 from .base import RecorderBase
+
+Scalar: TypeAlias = float | np.number | np.ndarray | torch.Tensor  # record_step's: one number (an array: one element)
+Vector: TypeAlias = torch.Tensor | np.ndarray | Sequence[float]  # record_sequences's: [B] numbers
 
 
 class NonFiniteInput(ValueError):
@@ -42,19 +48,19 @@ class InputChecks(RecorderBase):
 
     def _validate_update(
         self,
-        step,
-        update,
-        mask,
-        advantages,
-        logprobs,
-        old_logprobs,
-        entropy,
-        old_entropy,
-        tokens,
-        seq_ids,
-        group_ids,
-        entropy_sensitivity,
-        temperature,
+        step: int,
+        update: int,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        entropy: torch.Tensor | None,
+        old_entropy: torch.Tensor | None,
+        tokens: torch.Tensor | None,
+        seq_ids: torch.Tensor | None,
+        group_ids: torch.Tensor | None,
+        entropy_sensitivity: torch.Tensor | None,
+        temperature: float,
     ) -> None:
         steps = self._steps
         if step < 0 or update < 0:
@@ -121,11 +127,11 @@ class InputChecks(RecorderBase):
             raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def step_values(grad_norm, lr, metrics: dict) -> dict:
+def step_values(grad_norm: Scalar | None, lr: Scalar | None, metrics: dict[str, Scalar | None]) -> dict[str, Scalar]:
     """record_step's values by steps column (None left out): each a name of letters, digits and '_', '/',
     '.', '-' ('/', '.' and '-' become '_'), none a column of the recorder's own, each one number."""
-    values = {"grad_norm": grad_norm, "lr": lr, **metrics}
-    values = {k: v for k, v in values.items() if v is not None}
+    given = {"grad_norm": grad_norm, "lr": lr, **metrics}
+    values = {k: v for k, v in given.items() if v is not None}
     columns: dict[str, str] = {}  # column -> the name it came from
     for k in values:
         if (
@@ -146,13 +152,19 @@ def step_values(grad_norm, lr, metrics: dict) -> dict:
     for k, v in values.items():
         if not isinstance(v, (int, float, np.number, np.ndarray, torch.Tensor)):
             raise ValueError(f"metric {columns[k]!r}: expected a number, got {type(v).__name__}")
-        size = v.size if isinstance(v, np.ndarray) else v.numel() if isinstance(v, torch.Tensor) else 1
-        if size != 1:
+        if isinstance(v, (np.ndarray, torch.Tensor)) and (v.size if isinstance(v, np.ndarray) else v.numel()) != 1:
             raise ValueError(f"metric {columns[k]!r}: expected one number, got a tensor of shape {tuple(v.shape)}")
     return values
 
 
-def sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts) -> dict:
+def sequence_arrays(
+    seq_ids: Vector,
+    rewards: Vector,
+    advantages: Vector,
+    lengths: Vector,
+    group_ids: Vector | None,
+    texts: Sequence[str | None] | None,
+) -> dict[str, Any]:
     """record_sequences's columns on the host: seq, reward, advantage, length, group (-1 without
     group_ids), all 1-D of one length B, rewards finite; text (B strings) where texts are given."""
     arrays = {
@@ -178,12 +190,10 @@ def sequence_arrays(seq_ids, rewards, advantages, lengths, group_ids, texts) -> 
             f"record_sequences: seq_ids {_few(ids[counts > 1])} occur more than once; one row per "
             "sequence: pass each sequence's id once"
         )
-    if texts is not None:
-        arrays["text"] = list(texts)
-    return arrays
+    return arrays if texts is None else {**arrays, "text": list(texts)}
 
 
-def checked_texts(texts: list) -> tuple[list, int]:
+def checked_texts(texts: list[str | None]) -> tuple[list[str | None], int]:
     """record_sequences's texts as they are written, and how many had invalid code points: each a str or None
     (else a TypeError naming its index and type); a str with lone surrogates (which UTF-8 cannot hold, e.g.
     from a byte-level decode split mid-character) gets U+FFFD in their place (a surrogate pair that stands
@@ -228,13 +238,13 @@ def _refuse_duplicates(where: str, seq_ids: torch.Tensor, mask: torch.Tensor) ->
         raise duplicates_error(where, dup)
 
 
-def _few(ids, k: int = 5) -> str:
+def _few(ids: Sequence[int] | np.ndarray, k: int = 5) -> str:
     """'3, 7, 9' or '3, 7, 9, 12, 15, ... (8 in all)'."""
     ids = [int(i) for i in ids]
     return ", ".join(map(str, ids[:k])) + (f", ... ({len(ids)} in all)" if len(ids) > k else "")
 
 
-def _host_arg(name: str, x, dtype) -> np.ndarray:
+def _host_arg(name: str, x: Vector, dtype: type[np.generic]) -> np.ndarray:
     """:func:`_host`, with a one-line error naming the argument when ``x`` is not numbers."""
     try:
         return _host(x, dtype)
@@ -244,7 +254,7 @@ def _host_arg(name: str, x, dtype) -> np.ndarray:
         ) from None
 
 
-def _host(x, dtype) -> np.ndarray:
+def _host(x: Vector, dtype: type[np.generic]) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     return np.asarray(x).astype(dtype, copy=False)

@@ -4,7 +4,8 @@ Part of :class:`entropylens.record.recorder.Recorder` (the facade's docstring do
 :class:`RunLifecycle` (a mixin) holds ``__init__``: every argument is checked before anything is on
 disk, then the run directory is claimed (run_claim.py: one run per directory) or, with ``resume=K``,
 this rank's files of steps after K are removed and run.json's earlier settings kept; then the writer
-thread starts (writing/thread.py). ``close`` flushes, stops the writer and writes the final status;
+thread starts (writing/thread.py). ``close`` flushes, stops the writer and writes the final status
+(and warns of sequences that no update trained: ``_warn_untrained``);
 ``_check_alive`` turns a writer failure into an error (or, with ``on_error="warn"``, one warning and a
 recorder that records nothing more). It owns the run's identity and settings (``run``, ``root``,
 ``dir``, ``rank``, ``world_size``, ``config``, ``tau``, ``sample``, ``on_error``, ``eps_low``,
@@ -325,6 +326,21 @@ class RunLifecycle(RecorderBase):
             raise RecorderError(f"the Parquet writer failed: {error}") from error
         if rejected is not None and _raise:
             raise rejected
+
+    def _warn_untrained(self) -> None:
+        """One warning (at close) for the sequences rows that no update at their step or later trained: their
+        rewards join no tokens (a seq id that differs between record_sequences and record_update)."""
+        rows, more = self._writer.untrained()
+        if not rows:
+            return
+        n = len(rows) + more
+        few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > min(len(rows), 5) else "")
+        warnings.warn(
+            f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
+            f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
+            f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
+            stacklevel=caller_stacklevel(),
+        )
 
     def _atexit(self) -> None:
         if not self._closed:

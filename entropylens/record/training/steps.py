@@ -14,6 +14,8 @@ would synchronise: one non-blocking copy (``host_copy.HostCopy``) that the write
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,7 +23,10 @@ import torch
 from ...caller import caller_stacklevel
 from ..device.host_copy import HostCopy
 from .base import RecorderBase
-from .inputs import checked_texts, sequence_arrays, step_values
+from .inputs import Scalar, Vector, checked_texts, sequence_arrays, step_values
+
+if TYPE_CHECKING:
+    from ...rl.probe import ProbeForward
 
 _DEFERRED_DEVICES = ("cuda",)  # record_step scalars on these devices reach the host by a non-blocking copy
 
@@ -51,8 +56,8 @@ class StepState:
         self.closed_upto = start  # steps <= this were handed to the writer for good
         self.alarms_seen = start  # the live alarms have observed the steps <= this
         self.logged = start  # log_to: summaries of steps <= this were asked for (or are the earlier job's)
-        self.updates: dict = {}  # updates recorded in step `last` -> (had seq_ids, its mask or whether that
-        # mask selects a token, once asked)
+        # updates recorded in step `last` -> (had seq_ids, its mask or whether that mask selects a token, once asked)
+        self.updates: dict[int, tuple[bool, torch.Tensor | bool]] = {}
         self.scalars_seen: tuple[int, set[str]] = (-1, set())  # (step, its whole-step scalars so far)
         self.sequence_parts: dict[int, int] = {}  # step -> record_sequences calls so far (its part files)
         self.warned_text = False  # a text with invalid code points was replaced (said once per recorder)
@@ -74,7 +79,7 @@ class StepState:
         return selects
 
 
-def _check_lr(step: int, lr) -> None:
+def _check_lr(step: int, lr: Scalar | None) -> None:
     """record_step's lr: a finite number >= 0 (a CUDA tensor is not read: that would synchronise)."""
     if lr is None or (isinstance(lr, torch.Tensor) and lr.device.type in _DEFERRED_DEVICES):
         return
@@ -83,7 +88,7 @@ def _check_lr(step: int, lr) -> None:
         raise ValueError(f"record_step({step}): lr must be a finite number >= 0, got {x}")
 
 
-def _scalar(v) -> float:
+def _scalar(v: Scalar) -> float:
     if isinstance(v, torch.Tensor):
         return float(v.detach().float().cpu()) if v.device.type != "cpu" or v.dim() else float(v.item())
     return float(v)
@@ -92,7 +97,15 @@ def _scalar(v) -> float:
 class StepRecording(RecorderBase):
     """record_step, record_sequences, probe, end_step, commit; closing the steps (module docstring)."""
 
-    def record_step(self, step: int, *, update: int | None = None, grad_norm=None, lr=None, **metrics) -> None:
+    def record_step(
+        self,
+        step: int,
+        *,
+        update: int | None = None,
+        grad_norm: Scalar | None = None,
+        lr: Scalar | None = None,
+        **metrics: Scalar | None,
+    ) -> None:
         """Scalars of a step (update=None: the whole step, e.g. reward mean) or of one update (its own
         optimizer step: grad norm before clipping, lr). Values may be tensors (CUDA tensors are not read
         here, which would synchronise: one non-blocking copy, read by the writer thread). NaN and +-inf are
@@ -142,15 +155,16 @@ class StepRecording(RecorderBase):
         # device tensors (a grad norm on CUDA) reach the host by one non-blocking copy that the writer
         # thread waits for (no synchronising .item() on this thread); everything else becomes a float now
         on_device = [k for k, v in values.items() if isinstance(v, torch.Tensor) and v.device.type in _DEFERRED_DEVICES]
-        values = {k: v if k in on_device else _scalar(v) for k, v in values.items()}
-        host, device = values, None
+        host: dict[str, Any] = {k: v if k in on_device else _scalar(v) for k, v in values.items()}
+        device: tuple[tuple[str, ...], HostCopy] | None = None
+        payload: dict[str, Any] | tuple = host  # messages.Scalars: host floats, or (floats, names, HostCopy)
         if on_device:
-            stacked = torch.stack([values.pop(k).detach().reshape(()).float() for k in on_device]).double()  # [k]
+            stacked = torch.stack([host.pop(k).detach().reshape(()).float() for k in on_device]).double()  # [k]
             device = (tuple(on_device), HostCopy(stacked))
-            values = (values, *device)
+            payload = (host, *device)
         if not self._disabled:
             self._scalar_log().add(step, None if update is None else int(update), host, device)
-            self._writer.scalars(step, None if update is None else int(update), values)
+            self._writer.scalars(step, None if update is None else int(update), payload)
 
     def _warn_replaced_step_scalars(self, step: int, names: set[str]) -> None:
         """Warn (once per run) when a whole-step scalar is set twice for one step: the later value replaces
@@ -170,7 +184,17 @@ class StepRecording(RecorderBase):
                 stacklevel=3,
             )
 
-    def record_sequences(self, step: int, *, seq_ids, rewards, advantages, lengths, group_ids=None, texts=None) -> None:
+    def record_sequences(
+        self,
+        step: int,
+        *,
+        seq_ids: Vector,
+        rewards: Vector,
+        advantages: Vector,
+        lengths: Vector,
+        group_ids: Vector | None = None,
+        texts: Sequence[str | None] | None = None,
+    ) -> None:
         """One row per sequence (the sequences table). Lone surrogates in a text are written as U+FFFD (one
         warning). A sequence that no update at this step or a later one trains (its tokens join nothing) is
         counted and named in one warning at close. Several calls for one step write several part files.
@@ -219,24 +243,17 @@ class StepRecording(RecorderBase):
         self._writer.rewards(step, float(arrays["reward"].astype(np.float64).sum()), n)
         self._writer.sequences(step, part, arrays)
 
-    def _warn_untrained(self) -> None:
-        """One warning (at close) for the sequences rows that no update at their step or later trained: their
-        rewards join no tokens (a seq id that differs between record_sequences and record_update)."""
-        rows, more = self._writer.untrained()
-        if not rows:
-            return
-        n = len(rows) + more
-        few = ", ".join(f"{i} (step {s})" for s, i in rows[:5]) + (", ..." if n > min(len(rows), 5) else "")
-        warnings.warn(
-            f"entropylens: {n} sequence{'s' * (n > 1)} of record_sequences in run {self.run!r} (rank "
-            f"{self.rank}) matched no recorded update at {'their' if n > 1 else 'its'} step or a later "
-            f"one: seq {few}; their rewards join no tokens. Pass record_update the same seq_ids",
-            stacklevel=caller_stacklevel(),
-        )
-
     def probe(
-        self, step: int, model, optimizer, loss_fn, batch, *, update: int = 0, max_grad_norm: float | None = None
-    ) -> list[dict]:
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[torch.nn.Module, Any], ProbeForward],
+        batch: Any,
+        *,
+        update: int = 0,
+        max_grad_norm: float | None = None,
+    ) -> list[dict[str, Any]]:
         """The parameter-space entropy probe (entropylens.rl.probe, opt-in: call it every K steps in place
         of one update's backward + optimizer step): runs that ONE real update on ``batch`` and records,
         per gradient part (each quadrant's kept and dropped gradient, momentum, the real step), the

@@ -12,13 +12,22 @@ were observed and asked for is in the step state (``_steps.alarms_seen``, ``_ste
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
 from .base import RecorderBase
+
+if TYPE_CHECKING:
+    from ...alarms import Finding, LiveAlarms, ScalarLog, Thresholds
+    from ..trackers import LogTo, Tracker
+    from ..writing.messages import Reply
+    from ..writing.thread import WriterThread
 
 
 class PendingSummary:
     """A step summary the writer thread answers later (:meth:`Recorder.step_summary_later`)."""
 
-    def __init__(self, reply, writer) -> None:
+    def __init__(self, reply: Reply, writer: WriterThread) -> None:
         self._reply, self._writer = reply, writer
 
     def ready(self) -> bool:
@@ -32,7 +41,7 @@ class StepReports(RecorderBase):
     """Step summaries, live alarms, trackers (module docstring)."""
 
     # ---------------------------------------------------------------- settings (checked as the run opens)
-    def _check_alarm_settings(self, alarms, stop_on) -> None:
+    def _check_alarm_settings(self, alarms: bool | Thresholds | None, stop_on: str | Iterable[str]) -> None:
         """``alarms=`` (True for the defaults, or an alarms.Thresholds) and ``stop_on`` (the rules that stop);
         this part's state, empty."""
         self._alarm_thresholds = None
@@ -50,7 +59,9 @@ class StepReports(RecorderBase):
         self._scalars = None  # alarms.ScalarLog, made at the first record_step (_scalar_log)
         self._step_log = None  # trackers.StepLog (log_to=): step summaries asked for as steps close
 
-    def _check_tracker_settings(self, log_to, log_histograms, log_table_every):
+    def _check_tracker_settings(
+        self, log_to: LogTo | None, log_histograms: bool | None, log_table_every: int | None
+    ) -> tuple[list[Tracker] | None, bool, int]:
         """``log_to`` resolved (this rank's trackers: none off rank 0), ``log_histograms`` and
         ``log_table_every`` with their defaults (on where this rank logs to a tracker)."""
         if log_to is not None:  # unknown names and missing packages fail here, before anything is on disk
@@ -64,13 +75,13 @@ class StepReports(RecorderBase):
         log_table_every = (50 if tracked else 0) if log_table_every is None else int(log_table_every)
         return log_to, log_histograms, log_table_every
 
-    def _start_step_log(self, log_to) -> None:
+    def _start_step_log(self, log_to: list[Tracker] | None) -> None:
         if log_to:
             from ..trackers import StepLog
 
-            self._step_log = StepLog(log_to, self.run, self.config)
-            if self._alarm_thresholds is not None and self._step_log.trackers:  # findings as the trackers' alerts
-                self.on_alarm(lambda finding: self._step_log.alert(finding, self._stop_on))
+            step_log = self._step_log = StepLog(log_to, self.run, self.config)
+            if self._alarm_thresholds is not None and step_log.trackers:  # findings as the trackers' alerts
+                self.on_alarm(lambda finding: step_log.alert(finding, self._stop_on))
 
     # ---------------------------------------------------------------- public API
     def step_summary(self, step: int) -> dict[str, float]:
@@ -112,7 +123,7 @@ class StepReports(RecorderBase):
             self._observe_answered()
         return self._alarms is not None and self._alarms.stop is not None
 
-    def on_alarm(self, listener) -> None:
+    def on_alarm(self, listener: Callable[[Finding], object]) -> None:
         """Call ``listener(finding)`` at each live alarm finding, on the training thread, as the rules see
         the step (one call per finding; a listener that raises warns). Needs ``alarms=``.
 
@@ -142,7 +153,7 @@ class StepReports(RecorderBase):
         return self._alarms.stop.line() if self._alarms is not None and self._alarms.stop is not None else None
 
     # ---------------------------------------------------------------- internals
-    def _live_alarms(self):
+    def _live_alarms(self) -> LiveAlarms:
         """The run's alarms.LiveAlarms (``alarms=`` set), made at its first use."""
         if self._alarms is None:
             from ...alarms import LiveAlarms
@@ -150,7 +161,7 @@ class StepReports(RecorderBase):
             self._alarms = LiveAlarms(self.run, self._alarm_thresholds, self._stop_on)
         return self._alarms
 
-    def _scalar_log(self):
+    def _scalar_log(self) -> ScalarLog:
         """record_step's values on the host side (alarms.ScalarLog: the run's one non-finite warning, and
         the live alarms' grad_norm / lr), made at the first record_step."""
         log = self._scalars

@@ -29,7 +29,7 @@ class LogitWatch:
     float32 reduction over V on the device). The hook removes itself when it fires. As a context
     manager, its exit removes the hook if it has not fired (run the backward inside the block)."""
 
-    def __init__(self, logits: torch.Tensor):
+    def __init__(self, logits: torch.Tensor) -> None:
         self.shape = tuple(logits.shape[:2])  # (B, T)
         self.norms: torch.Tensor | None = None  # [B, T] float32 once the backward ran
         self._handle = logits.register_hook(self._fire)
@@ -50,7 +50,7 @@ class LogitWatch:
     def __enter__(self) -> LogitWatch:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
 
@@ -320,6 +320,7 @@ class UpdateRecording(RecorderBase):
         if norms is not None:
             columns["logit_grad_norm"] = norms
         # else: a logit_grad_norm column given with the loss (no logits: verl's closed form from sum pi^2)
+        copy: DeferredBlock | HostCopy
         if pending.mask.device.type == "cpu":
             # the host is the device: the writer thread does the sample, the aggregates and the packing
             # (off the training thread) on a private copy of the update (three stacked copies)
