@@ -809,7 +809,7 @@ def demo(
     with writing("--out", out):  # the output directory (a full disk, a read-only or pseudo file system)
         for n in names:
             try:  # validate before training
-                config_for(n, **({"steps": steps} if steps is not None else {}))
+                config_for(n) if steps is None else config_for(n, steps=steps)
             except ValueError as e:
                 if str(e).startswith("unknown run "):  # the user typed a method name
                     raise ValueError(f"--methods: unknown method {str(e)[len('unknown run ') :]}") from None

@@ -452,6 +452,8 @@ def step_rank(url: str) -> tuple[int, int]:
     """(step, rank) of an original file, from the recorder's own path segments: the last
     ``step=S/rank=R/`` of its path, the folders right above its name (never a folder above the run)."""
     m = _HIVE.search(url)
+    if m is None:
+        raise ValueError(f"{url}: not a recorder's file (no step=S/rank=R/ folders above its name)")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -667,9 +669,12 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str, bool]]:
     from ..schema import TABLES
 
     def version(u: str) -> int:
+        v = run.footers[u].version
+        if v is None:
+            return 0
         try:
-            return int(run.footers[u].version)
-        except (TypeError, ValueError):
+            return int(v)
+        except ValueError:
             return 0
 
     out = []
@@ -679,19 +684,24 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str, bool]]:
         if not names:
             continue
         contract = [c.name for c in TABLES[table] if c.derived is None and c.name not in ("step", "rank")]
-        first_with = {c: min((version(u) for u, have in names.items() if c in have), default=None) for c in contract}
+        # the oldest schema version of a file that has the column, for the columns some file has
+        first_with = {
+            c: v
+            for c in contract
+            if (v := min((version(u) for u, have in names.items() if c in have), default=None)) is not None
+        }
         gaps: dict[tuple[tuple[str, ...], bool], list[str]] = {}
         for u, have in names.items():
-            lack = [c for c in contract if first_with[c] is not None and c not in have]
+            lack = [c for c in contract if c in first_with and c not in have]
             edited = tuple(c for c in lack if first_with[c] <= version(u))
             older = tuple(c for c in lack if c not in edited)
-            for cols, kind in ((older, False), (edited, True)):
-                if cols:
-                    gaps.setdefault((cols, kind), []).append(u)
-        for (lack, edited), files in sorted(gaps.items()):
+            for group, kind in ((older, False), (edited, True)):
+                if group:
+                    gaps.setdefault((group, kind), []).append(u)
+        for (lacking, was_edited), files in sorted(gaps.items()):
             versions = ", ".join(sorted({str(run.footers[u].version or "unknown") for u in files}))
-            cols = ", ".join(f"`{c}`" for c in lack)
-            if edited:
+            cols = ", ".join(f"`{c}`" for c in lacking)
+            if was_edited:
                 note = (
                     f"run {run.id}: {len(files)} {table} file(s) lack column(s) {cols}, which other files of "
                     f"schema version {versions} or older have (edited by another tool, or damaged? e.g. "
@@ -702,7 +712,7 @@ def _version_gaps(run: RunFiles) -> list[tuple[str, str, bool]]:
                     f"run {run.id}: {len(files)} {table} file(s) written before column(s) {cols} existed "
                     f"(schema version {versions}; e.g. {files[0]}): NULL there"
                 )
-            out.append((files[0], note, edited))
+            out.append((files[0], note, was_edited))
     return out
 
 

@@ -45,6 +45,7 @@ import os
 import re
 import time
 import warnings
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -114,7 +115,9 @@ def compact(
         temps = _remove_stale_temps(r)
         blocked = _blocked_steps(r, snap.bad)
         for u, why in cat.row_count_problems(r, cat.recorded_tokens(r)):  # a copy under a recorder's name
-            blocked.setdefault(int(re.search(r"/step=(-?\d+)/", u).group(1)), why)  # (u: the step's folder)
+            m = re.search(r"/step=(-?\d+)/", u)
+            assert m is not None  # u: the folder of a step's token files, .../step=S/rank=R/ (row_count_problems)
+            blocked.setdefault(int(m.group(1)), why)
         final = _final_steps(r)
         for s, why in sorted(blocked.items()):
             if final and s <= max(final) or run_status(r.info) != "running":
@@ -185,7 +188,8 @@ def _finish_interrupted(r: cat.RunFiles, grace_s: float) -> Compacted:
         )
     times = [_written_at(c) for c in commits]
     if grace_s > 0:
-        newest = None if None in times else max(times)
+        known = [t for t in times if t is not None]
+        newest = None if len(known) < len(times) else max(known)
         wait = grace_s if newest is None else min(grace_s, newest + grace_s - time.time())
         if wait > 0:
             time.sleep(wait)
@@ -231,8 +235,7 @@ def _remove_stale_temps(r: cat.RunFiles) -> int:
 
 
 def _step_rank(url: str) -> tuple[int, int]:
-    m = cat._HIVE.search(url)
-    return int(m.group(1)), int(m.group(2))
+    return cat.step_rank(url)
 
 
 def _final_steps(r: cat.RunFiles) -> list[int]:
@@ -265,7 +268,7 @@ def _blocked_steps(r: cat.RunFiles, bad: list[tuple[str, str]]) -> dict[int, str
     return out
 
 
-def _segments(r: cat.RunFiles, blocked: set[int] = frozenset()) -> list[tuple[int, int]]:
+def _segments(r: cat.RunFiles, blocked: AbstractSet[int] = frozenset()) -> list[tuple[int, int]]:
     """Final steps not yet compacted, as ranges that do not straddle a compacted range or a step
     left alone (``blocked``, rule 5)."""
     segs: list[list[int]] = []
@@ -345,7 +348,9 @@ def _write_parts(
 ) -> tuple[int, int]:
     """The files of one table for steps lo..hi -> compacted parts. Returns (parts, rows)."""
     files = sorted(files, key=lambda u: (*_step_rank(u), u))
-    groups, cur, size = [], [], 0
+    groups: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
     for u in files:  # parts of about file_bytes, never splitting a (step, rank)
         if cur and size >= file_bytes and _step_rank(u) != _step_rank(cur[-1]):
             groups.append(cur)
@@ -371,11 +376,13 @@ def _write_parts(
                         float_columns=_FLOAT.get(table, ()),
                     )
                     writer = pq.ParquetWriter(tmp, schema, **opts)
+                assert writer is not None  # opened at the group's first file, above
                 buf.append(_conform(t, schema))
                 n += t.num_rows
                 if n >= row_group_rows:
                     writer.write_table(pa.concat_tables(buf), row_group_size=row_group_rows)
                     buf, n = [], 0
+            assert writer is not None  # a group holds at least one file (groups are made of non-empty cur)
             if buf:
                 writer.write_table(pa.concat_tables(buf), row_group_size=row_group_rows)
             writer.close()

@@ -120,7 +120,7 @@ def vanished(e: BaseException, plan: Plan | None = None) -> bool:
         return "No files found" in msg or "No such file" in msg or "Cannot open file" in msg
     if isinstance(e, duckdb.PermissionException) and plan is not None:
         m = _DENIED.search(msg)
-        return bool(m) and m.group(1).split("/**", 1)[0] in plan.files
+        return m is not None and m.group(1).split("/**", 1)[0] in plan.files
     return False
 
 

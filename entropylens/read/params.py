@@ -56,6 +56,6 @@ def check(params: dict) -> None:
             if kind == "int" and lo_in and hi_in:
                 rng = f"a whole number from {lo:g} to {hi:g}"
             raise ParamError(f"parameter {name} ({what}) must be {rng}, got {value}")
-    lo, hi = params.get("band_low"), params.get("band_high")
-    if lo is not None and hi is not None and float(lo) >= float(hi):
-        raise ParamError(f"parameter band_low ({lo}) must be below band_high ({hi})")
+    band_low, band_high = params.get("band_low"), params.get("band_high")
+    if band_low is not None and band_high is not None and float(band_low) >= float(band_high):
+        raise ParamError(f"parameter band_low ({band_low}) must be below band_high ({band_high})")

@@ -160,6 +160,8 @@ def to_spark(sql: str) -> str:
 
     try:
         (tree,) = sqlglot.parse(sql, read="duckdb")
+        if tree is None:  # only comments or semicolons
+            raise ValueError("the statement is empty")
         out = tree.transform(_spark_percentile).sql(dialect="spark", unsupported_level=ErrorLevel.RAISE)
     except (SqlglotError, ValueError) as e:
         raise ValueError(f"cannot translate to Spark SQL: {str(e).splitlines()[0]}") from None

@@ -373,7 +373,8 @@ class _Watcher:
         import os
         import signal
 
-        self.raw, self.timeout, self.fired = raw, timeout, None
+        self.raw, self.timeout = raw, timeout
+        self.fired: str | None = None  # "timeout" or "sigint", once it interrupted the query
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         self._old_fd = None

@@ -155,13 +155,13 @@ def check_read_only(sql: str, _depth: int = 0, *, who: tuple[str, str] = PYTHON)
         return
     if kind == "EXPLAIN" or first == "EXPLAIN":  # (EXPLAIN [ANALYZE] PIVOT parses as MULTI)
         inner = _explained(st.query)
-        inner_ok = inner is not None and _depth < 4
-        if inner_ok:
+        inner_ok = False
+        if inner is not None and _depth < 4:
             try:
                 inner_ok = len(duckdb.extract_statements(inner)) == 1
             except duckdb.Error:
                 inner_ok = False
-        if not inner_ok:  # fail closed: what EXPLAIN wraps must be checked, not guessed
+        if inner is None or not inner_ok:  # fail closed: what EXPLAIN wraps must be checked, not guessed
             raise NotReadOnly(
                 f"cannot tell which statement this EXPLAIN wraps: {who[0]} runs EXPLAIN only "
                 f"around a read-only statement ({READ_ONLY})"

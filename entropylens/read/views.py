@@ -351,10 +351,10 @@ def set_aside_unreadable(snap: cat.Catalog, table: str, files: list[str]) -> lis
                         t[table] = [u for u in t[table] if u != f]
                 if table == "steps" and f in r.sizes and cat._HIVE.search(f):
                     key = cat.step_rank(f)
-                    for t, urls in r.files.items():
+                    for name, urls in r.files.items():
                         gone = [u for u in urls if cat._HIVE.search(u) and cat.step_rank(u) == key]
                         r.hidden.extend(gone)
-                        r.files[t] = [u for u in urls if u not in gone]
+                        r.files[name] = [u for u in urls if u not in gone]
     return bad
 
 
@@ -411,7 +411,8 @@ def read_error_hint(con, e: BaseException) -> str:
     msg = str(e)
     every = [rf for fs in _VIEW_FILES[con].values() for rf in fs]
     named = [rf for rf in every if rf[1] in msg]
-    bad, seen = [], set()
+    bad: list[str] = []
+    seen: set[str] = set()
     stop = time.monotonic() + _SCAN_S
     for d, f in named + every:
         if f in seen:
