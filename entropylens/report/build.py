@@ -6,9 +6,12 @@ The HTML opens from disk (no server, no network): images are relative files, sty
 from __future__ import annotations
 
 import json
+import os
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..read.query import connect, run_analysis
 from . import runset
@@ -21,6 +24,11 @@ from .figures import (  # the report's figures, declared there
     Figure,
     figure,
 )
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..read.query import Connection
 
 DEFAULT_RESPONSES = 40  # responses per run on its responses page (responses.DEFAULT_N)
 DEFAULT_PAGE_BYTES = 4_000_000  # the bound on one responses page's embedded data
@@ -86,7 +94,7 @@ def _hyper(row) -> str:
     return ", ".join(parts)
 
 
-def summary_table(con, rs: runset.RunSet | None = None):
+def summary_table(con: Connection, rs: runset.RunSet | None = None) -> pd.DataFrame:
     df = run_analysis(con, "run_summary")
     df["hyperparameters"] = [_hyper(r) for r in df.to_dict("records")]
     cols = list(SUMMARY_COLUMNS)
@@ -185,22 +193,22 @@ def render_figures(
 
 
 def write_report(
-    path,
-    out_dir,
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     runs: list[str] | None = None,
     engine: str = "duckdb",
     group_by: str | None = None,
     band: str = "minmax",
     elsewhere: tuple[str, ...] = (),
-    done=None,
-    on_summary=None,
+    done: Mapping[str, tuple[str | None, str]] | Callable[[], Mapping[str, tuple[str | None, str]]] | None = None,
+    on_summary: Callable[[pd.DataFrame], object] | None = None,
     responses: int = DEFAULT_RESPONSES,
     where: str | None = None,
-    tokenizer=None,
+    tokenizer: Any = None,
     max_page_bytes: int = DEFAULT_PAGE_BYTES,
     tau: float | None = None,
-    con=None,
+    con: Connection | None = None,
 ) -> Path:
     """Runs every figure's analysis over the runs under ``path``; writes index.html, report.md and
     one PNG per figure into ``out_dir``, and (unless ``responses=0``) a token viewer page per run
@@ -262,6 +270,8 @@ def write_report(
     drawn = {f.name: _render(con, out, f, rs) for f in FIGURES if f.name not in set(elsewhere)}
     if elsewhere:
         theirs = done() if callable(done) else done
+        if theirs is None:
+            raise TypeError("write_report: elsewhere= needs done= (those figures' drawings)")
         drawn.update(theirs)
         for _, caption in theirs.values():  # a caption that failed in the process that drew it: warned here too
             if isinstance(caption, CaptionFailure):
@@ -392,7 +402,7 @@ def _run_notes(con) -> dict[str, str]:
     from .run_findings import on_policy, thin_quadrants
 
     out = {}
-    by_advice: dict[str, list[str]] = {}  # the advice is in each run's trainer's settings
+    by_advice: dict[str | None, list[str]] = {}  # the advice is in each run's trainer's settings
     for f in on_policy(con):
         by_advice.setdefault(f.signal, []).append(f.run)
     parts = []
