@@ -68,23 +68,13 @@ class OneLineErrors(typer.core.TyperGroup):
             import click  # type: ignore[no-redef]  # the fallback for older Typer: the same API, another module
             from click.exceptions import Abort  # type: ignore[assignment]  # (the same fallback)
 
+        if not windows_expand_args:  # passed on only when set, as before (an older click may lack it)
+            extra["windows_expand_args"] = False
         try:
-            rv = super().main(
-                args=args,
-                prog_name=prog_name,
-                complete_var=complete_var,
-                standalone_mode=False,
-                windows_expand_args=windows_expand_args,
-                **extra,
-            )
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
         except click.exceptions.NoArgsIsHelpError:  # `entropylens` alone: the help, in click's standalone mode
             return super().main(
-                args=args,
-                prog_name=prog_name,
-                complete_var=complete_var,
-                standalone_mode=standalone_mode,
-                windows_expand_args=windows_expand_args,
-                **extra,
+                args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=standalone_mode, **extra
             )
         except click.ClickException as e:
             if not standalone_mode:
