@@ -10,7 +10,8 @@ with P_t the policy multiplier of the TRL modifiers below (1 without them).
 Precision: float64 logprobs / old_logprobs are computed in float64 throughout (every column too);
 anything else in float32 (bf16 inputs: float32 maths), as torch would round it.
 
-The loss is built in three stages, each a small function (torchtune style):
+The loss is built in three stages, each a small function (torchtune style); policy_loss runs
+``ratio_of``, ``_surrogate_term``, ``_clip_modifiers`` and ``_entropy_modifiers``, then ``_aggregate``:
 
 1. the ratio q the method clips, and the path its gradient takes (``ratio_of``):
   token level   q = r; dq/dlogp_t = q (the token's own log-prob).
@@ -107,7 +108,7 @@ caller's ``scale``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -175,6 +176,7 @@ class PolicyLossOutput:
         if self._metrics is None:
             from .aggregates import step_metrics
 
+            assert self.mask is not None, "PolicyLossOutput.metrics needs the mask (policy_loss sets it)"
             self._metrics = step_metrics(self.columns, self.mask, self.loss)
         return self._metrics
 
@@ -368,7 +370,7 @@ def compute_dtype(logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.d
     return torch.float64 if torch.float64 in (logprobs.dtype, old_logprobs.dtype) else torch.float32
 
 
-def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, int], per_seq: bool = False) -> None:
+def _check_shape(name: str, t: torch.Tensor | None, shape: tuple[int, ...], per_seq: bool = False) -> None:
     """t must be [B, T] (``per_seq``: or [B] / [B, 1])."""
     if t is None:
         return
@@ -523,7 +525,7 @@ def sapo_surrogate(
     log_ratio_clamp: float | None,
     eps_low: float,
     eps_high: float,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Clip, torch.Tensor]:
     """SAPO's soft gate on q (module docstring, stage 2): tau = tau_pos (A > 0) / tau_neg (A <= 0),
     sigma = sigmoid(tau (q - 1)), v = -A (4 / tau) sigma, g = f s with f = -A w, s = q,
     w = 4 sigma (1 - sigma) (0 where ``log_ratio_clamp`` cut log q: the clamp's zero gradient).
@@ -553,7 +555,9 @@ def _check_sapo(tau_pos, tau_neg, log_ratio_clamp) -> tuple[float, float, float 
     return pos, neg, None if log_ratio_clamp is None else float(log_ratio_clamp)
 
 
-def surrogate(method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: float, beta1: float, beta2: float):
+def surrogate(
+    method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: float, beta1: float, beta2: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Clip]:
     """(v [B,T], f [B,T], s [B,T] or None, clip) of ``method`` on ``ratio`` (module docstring, stage 2):
     the slope is g = f s (s None: 1), all detached."""
     clip = clip_of(x, ratio.value, eps_low, eps_high)
@@ -568,6 +572,7 @@ def surrogate(method: str, x: Tokens, ratio: Ratio, eps_low: float, eps_high: fl
         )
         g = -x.advantage * clip.ratio
         return g, g, None, clip
+    s: torch.Tensor | None  # g = f s; None: s = 1
     if method in ("grpo", "dapo", "gspo", "clip_cov"):
         v, f, s = ppo_clip_surrogate(x, clip)
     elif method in ("gppo", "ce_gppo"):
@@ -712,6 +717,366 @@ def _policy_multiplier(x: Tokens, token_mask, seq_mask, is_weight) -> tuple[torc
     return p, cols
 
 
+# --- the loss's settings and inputs ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """policy_loss's hyperparameters with the method's defaults filled in, checked
+    (:func:`_resolve_settings`). The others are kept as the caller gave them; :meth:`config` converts
+    beta1 / beta2, erc and kl_bias_correction as it records them."""
+
+    method: str
+    eps_low: float
+    eps_high: float
+    beta1: float
+    beta2: float
+    dual_clip: float | None
+    erc: tuple[float, float] | None
+    agg: str  # one of AGGS, or "weights" (explicit weights given)
+    tau: float
+    entropy_coef: float
+    kl_coef: float
+    scale: float
+    delta: float | None
+    ratio_level: str
+    kl_bias_correction: bool
+    loss_scale_factor: float | None
+    cov: dict  # cov_settings(): the resolved clip_cov / kl_cov settings, {} for the other methods
+
+    def config(self, sapo: tuple[float, float, float | None] | None, width: int) -> dict:
+        """PolicyLossOutput.config: the resolved hyperparameters; ``sapo``: sapo's checked settings (method
+        sapo), ``width``: T, the default loss_scale_factor of agg seq-mean-token-sum-norm."""
+        config = dict(
+            method=self.method,
+            eps_low=self.eps_low,
+            eps_high=self.eps_high,
+            beta1=float(self.beta1),
+            beta2=float(self.beta2),
+            dual_clip=self.dual_clip,
+            erc=tuple(self.erc) if self.erc is not None else None,
+            agg=self.agg,
+            tau=self.tau,
+            entropy_coef=self.entropy_coef,
+            kl_coef=self.kl_coef,
+            scale=self.scale,
+            delta=self.delta,
+            ratio_level=self.ratio_level,
+            kl_bias_correction=bool(self.kl_bias_correction),
+            **self.cov,
+        )
+        if sapo is not None:
+            config.update(sapo_tau_pos=sapo[0], sapo_tau_neg=sapo[1], sapo_log_ratio_clamp=sapo[2])
+        if self.agg == "seq-mean-token-sum-norm":
+            config["loss_scale_factor"] = float(width if self.loss_scale_factor is None else self.loss_scale_factor)
+        return config
+
+
+def _resolve_settings(
+    method: str,
+    eps_low: float | None,
+    eps_high: float | None,
+    beta1: float,
+    beta2: float,
+    dual_clip: float | None,
+    erc: tuple[float, float] | None,
+    agg: str | None,
+    tau: float,
+    entropy_coef: float,
+    kl_coef: float,
+    scale: float,
+    delta: float | None,
+    ratio_level: str,
+    kl_bias_correction: bool,
+    loss_scale_factor: float | None,
+    explicit_weights: bool,
+    entropies: tuple[torch.Tensor | None, torch.Tensor | None],
+    cov: tuple[float | None, float | None, float | None, float | None, float | None],
+) -> Settings:
+    """The settings of policy_loss resolved and checked: agg defaults to the method's (DEFAULT_AGG),
+    explicit weights make it "weights" (loss_scale_factor dropped), eps the method's (resolve_eps); then
+    _validate (``entropies``: entropy, old_entropy, which erc and the entropy bonus need) and cov_settings
+    (``cov``: clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef). Raises ValueError
+    (policy_loss's Raises)."""
+    agg = DEFAULT_AGG.get(method, "token-mean") if agg is None else agg
+    if explicit_weights:
+        agg, loss_scale_factor = "weights", None
+    if method in METHODS:
+        eps_low, eps_high = resolve_eps(method, eps_low, eps_high)
+    scale = float(scale)
+    delta = None if delta is None else _finite_number("delta", delta)
+    entropy, old_entropy = entropies
+    _validate(
+        method,
+        eps_low,
+        eps_high,
+        beta1,
+        beta2,
+        dual_clip,
+        erc,
+        agg,
+        tau,
+        entropy,
+        old_entropy,
+        entropy_coef,
+        scale,
+        delta,
+        ratio_level,
+        loss_scale_factor,
+    )
+    cov_cfg = cov_settings(method, *cov, ratio_level, dual_clip, delta)
+    assert eps_low is not None and eps_high is not None  # _validate: method is known, so resolve_eps set them
+    return Settings(
+        method=method,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        beta1=beta1,
+        beta2=beta2,
+        dual_clip=dual_clip,
+        erc=erc,
+        agg=agg,
+        tau=tau,
+        entropy_coef=entropy_coef,
+        kl_coef=kl_coef,
+        scale=scale,
+        delta=delta,
+        ratio_level=ratio_level,
+        kl_bias_correction=kl_bias_correction,
+        loss_scale_factor=loss_scale_factor,
+        cov=cov_cfg,
+    )
+
+
+def _tokens(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    columns: dict[str, torch.Tensor | None],
+    modifiers: dict[str, torch.Tensor | None],
+) -> Tokens:
+    """policy_loss's tensors checked and cast (:func:`_prepare`): ``columns``, [B, T] inputs that are
+    columns too (entropy, old_entropy, ref_logprobs, weights, entropy_weights); ``modifiers``: token_mask
+    [B, T], seq_mask and is_weight [B, T], [B] or [B, 1]. Raises ValueError on a shape that does not
+    match or NaN / Inf at a masked-in position."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    shape = tuple(logprobs.shape)
+    _check_shape("token_mask", modifiers["token_mask"], shape)
+    _check_shape("seq_mask", modifiers["seq_mask"], shape, per_seq=True)
+    is_weight = modifiers["is_weight"]
+    _check_shape("is_weight", is_weight, shape, per_seq=True)
+    finite_extra = {"is_weight": None if is_weight is None else is_weight.reshape(shape[0], -1)}
+    return _prepare(logprobs, old_logprobs, advantages, mask, columns, finite_extra)
+
+
+def _finite_checked(
+    named: dict[str, torch.Tensor | None], mask: torch.Tensor, dt: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """PolicyLossOutput.checked: the inputs of ``named`` (not None) the finite check saw as they are, i.e.
+    all but float64 ones computed in float64 (``dt``), then the mask as "mask"."""
+    checked = {
+        name: t for name, t in named.items() if t is not None and (t.dtype != torch.float64 or dt == torch.float32)
+    }
+    checked["mask"] = mask
+    return checked
+
+
+# --- stages 2 and 3 on the policy term ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyTerm:
+    """The policy term of each token before the weights (module docstring, stages 2 and 3), all [B, T]
+    detached: l = v + f (s exp(log q - sg(log q)) - s), its value v and its slope g = dl/dlog q = f s."""
+
+    v: torch.Tensor  # the value
+    f: torch.Tensor  # the slope's factor (0: no gradient)
+    s: torch.Tensor | None  # the slope's other factor, q where g is -A q (None: 1)
+    clip: Clip
+    changed: torch.Tensor  # bool: a stage changed the token's slope (clip, caps, cov, ERC)
+    columns: dict[str, torch.Tensor]  # the stages' columns, in order (sapo_weight, dual_clipped, cov, ...)
+    f_before_erc: torch.Tensor | None = None  # f before ERC acted (with erc only)
+
+
+def _surrogate_term(
+    settings: Settings, x: Tokens, ratio: Ratio, sapo: tuple[float, float, float | None] | None
+) -> PolicyTerm:
+    """Stage 2: the method's surrogate on ``ratio`` as (v, f, s) and its clip (sapo: the soft gate with
+    its checked settings ``sapo``, column sapo_weight). changed: the clipped tokens (PPO-clip; cispo: q
+    outside the band with A != 0; sapo: gate weight != 1 with A != 0)."""
+    method = settings.method
+    columns: dict[str, torch.Tensor] = {}
+    s: torch.Tensor | None  # g = f s; None: s = 1
+    if sapo is not None:  # method == "sapo"
+        v, f, s, clip, columns["sapo_weight"] = sapo_surrogate(x, ratio, *sapo, settings.eps_low, settings.eps_high)
+        changed = (columns["sapo_weight"] != 1.0) & (x.advantage != 0) & x.mask
+    else:
+        v, f, s, clip = surrogate(method, x, ratio, settings.eps_low, settings.eps_high, settings.beta1, settings.beta2)
+        changed = clip.clipped
+    if method == "cispo":  # cispo's clip changes the slope wherever q leaves the band and A != 0
+        changed = (clip.region != CLIP_NONE) & (x.advantage != 0) & x.mask
+    return PolicyTerm(v=v, f=f, s=s, clip=clip, changed=changed, columns=columns)
+
+
+def _clip_modifiers(settings: Settings, x: Tokens, term: PolicyTerm, generator: torch.Generator | None) -> PolicyTerm:
+    """Stage 3 on the clipped surrogate: dual-clip / delta (:func:`apply_caps`, column dual_clipped),
+    then Clip-Cov / KL-Cov (:func:`apply_cov` on cov = (A - mean A)(logp - mean logp), columns cov and
+    cov_clipped / kl_cov_penalised; ``generator``: Clip-Cov's draw)."""
+    v, f, changed, columns = term.v, term.f, term.changed, dict(term.columns)
+    dual_clip, delta = settings.dual_clip, settings.delta
+    if dual_clip is not None or delta is not None:
+        dual = None if dual_clip is None else float(dual_clip)
+        clipped_value = settings.method in ("grpo", "dapo", "gspo")
+        v, f, capped = apply_caps(v, f, x, term.clip, dual, delta, clipped_value=clipped_value)
+        changed = changed | capped
+        columns["dual_clipped"] = capped
+    if settings.cov:  # the covariance term, only where the loss selects on it (the analyses derive it from the rows)
+        columns["cov"] = token_covariance(x.advantage, x.logp, x.mask)  # [B, T]
+        capped_or_none = columns.get("dual_clipped")
+        v, f, cov_changed, name, columns[name] = apply_cov(
+            settings.method, x, term.clip, v, f, columns["cov"], capped_or_none, settings.cov, generator
+        )
+        changed = changed | cov_changed
+    return replace(term, v=v, f=f, changed=changed, columns=columns)
+
+
+def _entropy_modifiers(
+    settings: Settings, x: Tokens, term: PolicyTerm, entropy: torch.Tensor | None, old_entropy: torch.Tensor | None
+) -> PolicyTerm:
+    """Stage 3 on the entropies: columns entropy, old_entropy and entropy_ratio rho = (H + 1e-8) /
+    (H_old + 1e-8); ERC keeps the slope only where erc[0] < rho < erc[1] (:func:`apply_erc`, column
+    erc_kept; f_before_erc keeps the slope before it)."""
+    columns = dict(term.columns)
+    if entropy is not None:
+        columns["entropy"] = entropy.detach().to(x.dtype)
+    if entropy is None or old_entropy is None:
+        return replace(term, columns=columns)
+    columns["old_entropy"] = old_entropy.detach().to(x.dtype)
+    rho = entropy_ratio(entropy, old_entropy, x.dtype)  # [B, T]
+    columns["entropy_ratio"] = rho
+    if settings.erc is None:
+        return replace(term, columns=columns)
+    f, keep = apply_erc(term.f, rho, settings.erc)
+    columns["erc_kept"] = keep
+    return replace(term, f=f, changed=term.changed | ~keep, columns=columns, f_before_erc=term.f)
+
+
+# --- stage 4: aggregation, and the columns -----------------------------------------------------
+
+
+def _weights(settings: Settings, x: Tokens, weights: torch.Tensor | None) -> torch.Tensor:
+    """c w [B, T]: the aggregation weights of settings.agg (explicit ``weights``: those, masked), times
+    the scale c."""
+    if weights is not None:
+        zero = torch.zeros_like(x.log_ratio.detach())
+        return torch.where(x.mask, weights.detach().to(x.dtype), zero) * settings.scale  # [B, T]
+    return aggregation_weights(x.mask, settings.agg, settings.loss_scale_factor, x.dtype) * settings.scale  # [B, T]
+
+
+def _token_loss(method: str, x: Tokens, ratio: Ratio, term: PolicyTerm) -> torch.Tensor:
+    """l [B, T] = v + f (s u - s) with u = exp(log q - sg(log q)) along q's path (cispo: its own token's
+    log r), 0 off the mask: value v, slope f s. s is 0 where f is (no 0 * inf from a ratio that overflowed
+    on a clipped token); s None: l = v + f (u - 1)."""
+    zero = torch.zeros_like(x.log_ratio.detach())
+    u = ratio.unit if method != "cispo" else unit(x.log_ratio)
+    s_l = None if term.s is None else torch.where(term.f != 0, term.s, zero)
+    return torch.where(x.mask, term.v + term.f * (u - 1.0 if s_l is None else s_l * u - s_l), zero)
+
+
+def _kl(
+    settings: Settings, x: Tokens, ratio: Ratio, w: torch.Tensor, ref_logprobs: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The KL term (:func:`kl_term`; with kl_bias_correction times q along its path): (c w kl [B, T] with
+    grad, kl [B, T] detached, d (c w kl) / dlogp [B, T] detached); (None, 0, 0) without ref_logprobs or
+    with kl_coef 0."""
+    zero = torch.zeros_like(x.log_ratio.detach())
+    if ref_logprobs is None or settings.kl_coef == 0.0:
+        return None, zero, zero
+    kl, kl_local, kl_path = kl_term(x, ref_logprobs, settings.kl_coef, ratio if settings.kl_bias_correction else None)
+    kl = torch.where(x.mask, kl, zero)
+    kl_grad = w * kl_local
+    if kl_path is not None:
+        kl_grad = kl_grad + along(x, w * kl_path, ratio.sequence)
+    return w * kl, kl.detach(), kl_grad
+
+
+def _entropy_bonus(
+    x: Tokens, w: torch.Tensor, entropy: torch.Tensor, entropy_weights: torch.Tensor | None
+) -> torch.Tensor:
+    """sum_t e_t H_t over the mask (gradient through H), e = ``entropy_weights`` or c w."""
+    zero = torch.zeros_like(x.log_ratio.detach())
+    ew = w if entropy_weights is None else torch.where(x.mask, entropy_weights.to(x.dtype), zero)
+    return (torch.where(x.mask, entropy.to(x.dtype), zero) * ew).sum()
+
+
+def _grad_coef(
+    x: Tokens, w_pol: torch.Tensor, f: torch.Tensor, s: torch.Tensor | None, kl_grad: torch.Tensor, sequence: bool
+) -> torch.Tensor:
+    """d loss / dlogp [B, T] for the policy slope f s (s None: 1; s taken 0 where f is) along its path
+    (``sequence``: through the sequence mean), weights c w P ``w_pol``, plus the KL term's ``kl_grad``."""
+    zero = torch.zeros_like(x.log_ratio.detach())
+    coef = w_pol * f if s is None else (w_pol * f) * torch.where(f != 0, s, zero)
+    return torch.where(x.mask, along(x, coef, sequence) + kl_grad, zero)
+
+
+def _aggregate(
+    settings: Settings,
+    x: Tokens,
+    ratio: Ratio,
+    term: PolicyTerm,
+    p: torch.Tensor | None,
+    inputs: dict[str, torch.Tensor | None],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Stage 4: loss = sum_t (c w P l + c w kl) - entropy_coef sum_t e_t H_t (``p``: P, None: 1;
+    ``inputs``: weights, ref_logprobs, entropy, entropy_weights), and the gradient columns: grad_coef,
+    grad_coef_unclipped (the slope -A q), grad_changed (changed on a token the policy term reaches, P !=
+    0; at sequence level: any such token of its sequence), token_loss (P l + kl), grad_coef_before_erc."""
+    zero = torch.zeros_like(x.log_ratio.detach())
+    w = _weights(settings, x, inputs["weights"])  # [B, T], scale folded in
+    w_pol = w if p is None else torch.where(x.mask, w * p, zero)  # the policy term's weights c w P
+    l = _token_loss(settings.method, x, ratio, term)  # noqa: E741 - the docstring's l [B, T]
+    w_kl, kl_value, kl_grad = _kl(settings, x, ratio, w, inputs["ref_logprobs"])
+    per_token = w_pol * l if w_kl is None else w_pol * l + w_kl
+    loss = per_token.sum()
+    if settings.entropy_coef != 0.0:
+        entropy = inputs["entropy"]
+        assert entropy is not None  # _validate: entropy_coef needs entropy
+        loss = loss - settings.entropy_coef * _entropy_bonus(x, w, entropy, inputs["entropy_weights"])
+    pol_seq = ratio.sequence and settings.method != "cispo"  # cispo keeps its own token's path
+    live = x.mask if p is None else x.mask & (p != 0)  # tokens the policy term reaches
+    if pol_seq:  # a token's gradient sums its sequence: changed if any token the policy term reaches is
+        changed = x.mask & (term.changed & live).any(-1, keepdim=True)
+    else:
+        changed = term.changed & live
+    columns = dict(
+        grad_coef=_grad_coef(x, w_pol, term.f, term.s, kl_grad, pol_seq),
+        grad_coef_unclipped=_grad_coef(x, w_pol, -x.advantage, ratio.value, kl_grad, pol_seq),  # slope -A q
+        grad_changed=changed & x.mask,
+        token_loss=torch.where(x.mask, (l.detach() if p is None else p * l.detach()) + kl_value, zero),
+    )
+    if term.f_before_erc is not None:
+        columns["grad_coef_before_erc"] = _grad_coef(x, w_pol, term.f_before_erc, term.s, kl_grad, pol_seq)
+    return loss, columns
+
+
+def _token_columns(x: Tokens, clip: Clip, tau: float) -> dict[str, torch.Tensor]:
+    """The tokens' own columns [B, T]: logprob, old_logprob, ratio r, advantage, prob = exp(old), quadrant
+    (stats.quadrant with HP: prob >= ``tau``; ZA off the mask), clip (the region), clipped."""
+    prob = torch.exp(x.old)
+    quadrant = stats.quadrant(x.advantage, prob, tau=tau)
+    return dict(
+        logprob=x.logp.detach(),
+        old_logprob=x.old,
+        ratio=x.ratio,
+        advantage=x.advantage,
+        prob=prob,
+        quadrant=torch.where(x.mask, quadrant, torch.full_like(quadrant, ZA)),
+        clip=clip.region,
+        clipped=clip.clipped,
+    )
+
+
 # --- the loss ----------------------------------------------------------------------------------
 
 
@@ -850,14 +1215,7 @@ def policy_loss(
             its agg, ratio_level="sequence"); erc or entropy_coef lacks the entropies it needs; a tensor's
             shape does not match; or an input holds NaN or Inf at a masked-in position.
     """
-    agg = DEFAULT_AGG.get(method, "token-mean") if agg is None else agg
-    if weights is not None:
-        agg, loss_scale_factor = "weights", None
-    if method in METHODS:
-        eps_low, eps_high = resolve_eps(method, eps_low, eps_high)
-    scale = float(scale)
-    delta = None if delta is None else _finite_number("delta", delta)
-    _validate(
+    settings = _resolve_settings(
         method,
         eps_low,
         eps_high,
@@ -867,171 +1225,42 @@ def policy_loss(
         erc,
         agg,
         tau,
-        entropy,
-        old_entropy,
         entropy_coef,
+        kl_coef,
         scale,
         delta,
         ratio_level,
+        kl_bias_correction,
         loss_scale_factor,
+        explicit_weights=weights is not None,
+        entropies=(entropy, old_entropy),
+        cov=(clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef),
     )
-    cov_cfg = cov_settings(
-        method, clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, ppo_kl_coef, ratio_level, dual_clip, delta
-    )
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
-    shape = tuple(logprobs.shape)
-    _check_shape("token_mask", token_mask, shape)
-    _check_shape("seq_mask", seq_mask, shape, per_seq=True)
-    _check_shape("is_weight", is_weight, shape, per_seq=True)
-    x = _prepare(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        {
-            "entropy": entropy,
-            "old_entropy": old_entropy,
-            "ref_logprobs": ref_logprobs,
-            "weights": weights,
-            "entropy_weights": entropy_weights,
-        },
-        {"is_weight": None if is_weight is None else is_weight.reshape(shape[0], -1)},
-    )
-    dt = x.dtype
-    zero = torch.zeros_like(x.log_ratio.detach())
-    if weights is not None:
-        w = torch.where(x.mask, weights.detach().to(dt), zero) * scale  # [B, T], scale folded in
-    else:
-        w = aggregation_weights(x.mask, agg, loss_scale_factor, dt) * scale  # [B, T], scale folded in
-    p, columns = _policy_multiplier(x, token_mask, seq_mask, is_weight)
-    w_pol = w if p is None else torch.where(x.mask, w * p, zero)  # the policy term's weights c w P
-    live = x.mask if p is None else x.mask & (p != 0)  # tokens the policy term reaches
-
-    ratio = ratio_of(method, x, ratio_level)
-    if method == "sapo":
-        sapo = _check_sapo(sapo_tau_pos, sapo_tau_neg, sapo_log_ratio_clamp)
-        v, f, s, clip, columns["sapo_weight"] = sapo_surrogate(x, ratio, *sapo, eps_low, eps_high)
-        changed = (columns["sapo_weight"] != 1.0) & (x.advantage != 0) & x.mask
-    else:
-        v, f, s, clip = surrogate(method, x, ratio, eps_low, eps_high, beta1, beta2)  # slope g = f s
-        changed = clip.clipped
-    if method == "cispo":  # cispo's clip changes the slope wherever q leaves the band and A != 0
-        changed = (clip.region != CLIP_NONE) & (x.advantage != 0) & x.mask
-
-    if dual_clip is not None or delta is not None:
-        v, f, capped = apply_caps(
-            v,
-            f,
-            x,
-            clip,
-            None if dual_clip is None else float(dual_clip),
-            delta,
-            clipped_value=method in ("grpo", "dapo", "gspo"),
-        )
-        changed = changed | capped
-        columns["dual_clipped"] = capped
-    if cov_cfg:  # the covariance term, only where the loss selects on it (the analyses derive it from the rows)
-        columns["cov"] = token_covariance(x.advantage, x.logp, x.mask)  # [B, T]
-        v, f, cov_changed, name, columns[name] = apply_cov(
-            method, x, clip, v, f, columns["cov"], columns.get("dual_clipped"), cov_cfg, generator
-        )
-        changed = changed | cov_changed
-    if entropy is not None:
-        columns["entropy"] = entropy.detach().to(dt)
-    f_before_erc = None
-    if entropy is not None and old_entropy is not None:
-        columns["old_entropy"] = old_entropy.detach().to(dt)
-        rho = entropy_ratio(entropy, old_entropy, dt)  # [B, T]
-        columns["entropy_ratio"] = rho
-        if erc is not None:
-            f_before_erc = f
-            f, keep = apply_erc(f, rho, erc)
-            changed = changed | ~keep
-            columns["erc_kept"] = keep
-
-    # the policy term: value v, slope g = f s along its path (cispo: its own token's log-prob). Autograd
-    # gives (c w P f) s: the very product grad_coef_of computes (and, for -A r, today's -A exp(log r)).
-    # s is 0 where f is (no 0 * inf from a ratio that overflowed on a clipped token)
-    pol_seq = ratio.sequence and method != "cispo"
-    u = ratio.unit if method != "cispo" else unit(x.log_ratio)
-    s_l = None if s is None else torch.where(f != 0, s, zero)
-    l = torch.where(x.mask, v + f * (u - 1.0 if s_l is None else s_l * u - s_l), zero)  # noqa: E741 - the docstring's l [B, T]
-    per_token = w_pol * l
-    kl_value = zero
-    kl_grad = zero  # d (c w kl) / dlogp, detached
-    if ref_logprobs is not None and kl_coef != 0.0:
-        kl, kl_local, kl_path = kl_term(x, ref_logprobs, kl_coef, ratio if kl_bias_correction else None)
-        kl = torch.where(x.mask, kl, zero)
-        per_token = per_token + w * kl
-        kl_value = kl.detach()
-        kl_grad = w * kl_local
-        if kl_path is not None:
-            kl_grad = kl_grad + along(x, w * kl_path, ratio.sequence)
-    loss = per_token.sum()
-    if entropy_coef != 0.0:
-        ew = w if entropy_weights is None else torch.where(x.mask, entropy_weights.to(dt), zero)
-        loss = loss - entropy_coef * (torch.where(x.mask, entropy.to(dt), zero) * ew).sum()
-
-    def grad_coef_of(f_: torch.Tensor, s_: torch.Tensor | None) -> torch.Tensor:  # d loss / dlogp, slope f_ s_
-        coef = w_pol * f_ if s_ is None else (w_pol * f_) * torch.where(f_ != 0, s_, zero)
-        return torch.where(x.mask, along(x, coef, pol_seq) + kl_grad, zero)
-
-    if pol_seq:  # a token's gradient sums its sequence: changed if any token the policy term reaches is
-        changed = x.mask & (changed & live).any(-1, keepdim=True)
-    else:
-        changed = changed & live
-    prob = torch.exp(x.old)
-    quadrant = stats.quadrant(x.advantage, prob, tau=tau)
-    columns.update(
-        logprob=x.logp.detach(),
-        old_logprob=x.old,
-        ratio=x.ratio,
-        advantage=x.advantage,
-        prob=prob,
-        quadrant=torch.where(x.mask, quadrant, torch.full_like(quadrant, ZA)),
-        clip=clip.region,
-        clipped=clip.clipped,
-        grad_coef=grad_coef_of(f, s),
-        grad_coef_unclipped=grad_coef_of(-x.advantage, ratio.value),  # the unclipped slope -A q
-        grad_changed=changed & x.mask,
-        token_loss=torch.where(x.mask, (l.detach() if p is None else p * l.detach()) + kl_value, zero),
-    )
-    if f_before_erc is not None:
-        columns["grad_coef_before_erc"] = grad_coef_of(f_before_erc, s)
-    config = dict(
-        method=method,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        beta1=float(beta1),
-        beta2=float(beta2),
-        dual_clip=dual_clip,
-        erc=tuple(erc) if erc is not None else None,
-        agg=agg,
-        tau=tau,
-        entropy_coef=entropy_coef,
-        kl_coef=kl_coef,
-        scale=scale,
-        delta=delta,
-        ratio_level=ratio_level,
-        kl_bias_correction=bool(kl_bias_correction),
-        **cov_cfg,
-    )
-    if method == "sapo":
-        config.update(sapo_tau_pos=sapo[0], sapo_tau_neg=sapo[1], sapo_log_ratio_clamp=sapo[2])
-    if agg == "seq-mean-token-sum-norm":
-        config["loss_scale_factor"] = float(mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    # finite as float32: what the check saw in float32 (float64 inputs only when computed in float32)
-    checked = {
-        name: t
-        for name, t in (
-            ("logprobs", logprobs),
-            ("old_logprobs", old_logprobs),
-            ("entropy", entropy),
-            ("old_entropy", old_entropy),
-            ("advantages", advantages),
-        )
-        if t is not None and (t.dtype != torch.float64 or dt == torch.float32)
+    tensors = {  # [B, T] inputs that are columns too
+        "entropy": entropy,
+        "old_entropy": old_entropy,
+        "ref_logprobs": ref_logprobs,
+        "weights": weights,
+        "entropy_weights": entropy_weights,
     }
-    checked["mask"] = mask
+    modifiers = {"token_mask": token_mask, "seq_mask": seq_mask, "is_weight": is_weight}
+    x = _tokens(logprobs, old_logprobs, advantages, mask, tensors, modifiers)
+    p, multiplier_columns = _policy_multiplier(x, token_mask, seq_mask, is_weight)  # P [B, T] or None
+    ratio = ratio_of(method, x, ratio_level)  # stage 1
+    sapo = _check_sapo(sapo_tau_pos, sapo_tau_neg, sapo_log_ratio_clamp) if method == "sapo" else None
+    term = _surrogate_term(settings, x, ratio, sapo)  # stage 2
+    term = _clip_modifiers(settings, x, term, generator)  # stage 3
+    term = _entropy_modifiers(settings, x, term, entropy, old_entropy)
+    loss, gradient_columns = _aggregate(settings, x, ratio, term, p, tensors)  # stage 4
+    columns = {**multiplier_columns, **term.columns, **_token_columns(x, term.clip, tau), **gradient_columns}
+    # finite as float32: what the check saw in float32 (float64 inputs only when computed in float32)
+    named = {
+        "logprobs": logprobs,
+        "old_logprobs": old_logprobs,
+        "entropy": entropy,
+        "old_entropy": old_entropy,
+        "advantages": advantages,
+    }
+    checked = _finite_checked(named, mask, x.dtype)
+    config = settings.config(sapo, x.mask.shape[-1])
     return PolicyLossOutput(loss=loss, columns=columns, config=config, mask=x.mask, checked=checked)
