@@ -21,6 +21,7 @@ PARTS = (
     "training/steps.py",
     "training/summaries.py",
     "training/loss_output.py",
+    "training/base.py",
 )
 
 
