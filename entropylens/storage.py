@@ -177,7 +177,7 @@ class Location:
             os.makedirs(self.path, exist_ok=True)
         # object stores have no directories
 
-    def write_bytes(self, data: bytes, *, fsync: bool = False) -> None:
+    def write_bytes(self, data: bytes | bytearray | memoryview, *, fsync: bool = False) -> None:
         """Atomically replace this file with ``data`` (see the module docstring)."""
         if self.remote:
             self.fs.pipe_file(self.path, bytes(data))

@@ -19,17 +19,12 @@ Without logits (large vocabularies): pass the hidden states and the LM head inst
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
-
 import torch
 
 from ..record.recorder import Recorder
 from ..rl.forking import AdaptiveEntropyCoef, bonus_weights, top_entropy_mask
 from ..rl.losses import PolicyLossOutput, policy_loss
 from ..rl.stats import chunk_rows, head_stats, logit_grad_norm_from_sum_p2, logprobs_and_entropy
-
-if TYPE_CHECKING:
-    from ..record.recorder import LossOutput
 
 
 def _head_params(head) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -300,8 +295,7 @@ def policy_update(
             tokens=tokens,
             seq_ids=seq_ids,
             group_ids=group_ids,
-            # read-only use: LossOutput's mutable ``loss: Tensor | None`` rejects PolicyLossOutput's ``Tensor``
-            loss=cast("LossOutput", out),
+            loss=out,
             entropy_sensitivity=s_t,
             temperature=temperature,
             sampler_logprobs=sampler_logprobs,

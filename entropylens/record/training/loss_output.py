@@ -27,8 +27,11 @@ class LossOutput(Protocol):
     """A loss output as ``record_update(loss=...)`` reads it (module docstring)."""
 
     columns: dict[str, torch.Tensor]
-    loss: torch.Tensor | None
     config: dict
+
+    @property
+    def loss(self) -> torch.Tensor | None:  # read-only: a loss whose ``loss`` is a Tensor serves it
+        ...
 
 
 @runtime_checkable

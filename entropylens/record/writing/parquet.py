@@ -76,7 +76,7 @@ def write_parquet_atomic(
         buf = pa.BufferOutputStream()
         pq.write_table(table, buf, **opts)
         # write_bytes takes any buffer (it calls bytes() / os.write on it) though annotated bytes: no copy here
-        loc.write_bytes(memoryview(buf.getvalue()), fsync=fsync)  # type: ignore[arg-type]
+        loc.write_bytes(memoryview(buf.getvalue()), fsync=fsync)
     else:
         loc.write_with(lambda tmp: pq.write_table(table, tmp, **opts), fsync=fsync)
 
