@@ -18,6 +18,8 @@ import entropylens
 from entropylens.read.query import QueryError, QueryLimitError, connect, run_sql
 from entropylens.read.sql_guard import ReadOnlyConnection
 
+DUCKDB_1 = duckdb.__version__.startswith("1.")
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
@@ -79,11 +81,16 @@ def test_every_write_attempt_is_refused_through_every_door(runs, tmp_path):
     assert doors["open().sql"](count)["n"].tolist() == [16]
     for name, run in doors.items():
         for sql, word in _writes(runs, tmp_path):
-            with pytest.raises(QueryError) as e:
+            # DuckDB 1.x (Python 3.10's) parses no writing statement as a CTE body: its parser refuses it first
+            # (through DuckDB's own methods, its own ParserException, as for any syntax error there)
+            parser_first = DUCKDB_1 and sql.startswith("WITH")
+            with pytest.raises((QueryError, duckdb.ParserException) if parser_first else QueryError) as e:
                 run(sql)
             msg = str(e.value)
-            assert word in msg and "\n" not in msg, (name, sql, msg)
-            assert "read-only" in msg or "statements" in msg, (name, sql, msg)
+            assert "\n" not in msg, (name, sql, msg)
+            if not (parser_first and "Parser Error" in msg):
+                assert word in msg, (name, sql, msg)
+                assert "read-only" in msg or "statements" in msg, (name, sql, msg)
     assert _digest(runs) == before
     assert not (tmp_path / "x.db").exists()
     for name, run in doors.items():  # the session is unchanged too: every door still reads 16 token rows
