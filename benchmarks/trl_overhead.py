@@ -1,6 +1,14 @@
 """A TRL GRPOTrainer step with and without entropylens' instrumentation, in one process.
 
-  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--loss dapo[,M2,...]] [--sampler]
+  python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--trackers] [--loss dapo[,M2,...]]
+                                    [--sampler] [--profile]
+  python benchmarks/trl_overhead.py --defaults --hidden 512 --rounds 10 --steps 14 [--profile]
+
+``--defaults``: TRL as users run it: ``--kl --top-entropy --trackers`` on this setup's loss_type dapo (TRL's default),
+use_bias_correction_kl (TRL's default), gradient accumulation 2 and num_iterations 2. ``--trackers``: report_to
+TensorBoard (offline) for both trainers; entropylens' trainer then also logs its scalars and per-step histograms
+(log_histograms=True, its default). ``--profile``: the training thread's CPU and wall inside TRL's methods (both
+trainers) and entropylens' own calls, and the writer thread's CPU by message and file, per step.
 
 ``--kl`` (beta 0.04, TRL's bias-corrected KL default) and ``--top-entropy`` (top_entropy_quantile 0.2)
 turn TRL's options on for every trainer; ``--loss M`` also times entropylens' loss M replacing TRL's
@@ -77,6 +85,85 @@ def sampled_tokens(run_dir) -> int:
     return int(connect(run_dir).execute("SELECT count(sampler_logprob) FROM tokens").fetchone()[0])
 
 
+# --profile: the calls timed on the training thread, in both trainers where both have them (TRL's own methods,
+# entered through the instance: inclusive of what they call) and in entropylens' trainer alone (its own calls)
+PROFILED_BOTH = (
+    "_generate_and_score_completions",
+    "_get_per_token_logps_and_entropies",
+    "_compute_loss",
+    "training_step",
+    "log",
+)
+PROFILED_EL = ("_el_record", "_el_step_end", "_el_log_summary", "_el_record_sequences")
+
+
+class CallTimer:
+    """Training-thread CPU and wall time inside named methods of one trainer, wrapped on the instance (calls
+    from other threads, and a call nested in one of the same name, are not counted twice)."""
+
+    def __init__(self, trainer, names) -> None:
+        import threading
+
+        self.totals: dict[str, list[float]] = {}  # name -> [thread cpu s, wall s, calls]
+        self._thread = threading.get_ident()
+        self._get_ident = threading.get_ident
+        for name in names:
+            fn = getattr(trainer, name, None)
+            if fn is not None:
+                setattr(trainer, name, self._wrap(name, fn))
+        extras = getattr(trainer, "_el_extras", None)
+        if extras is not None:  # the histograms / table to the trackers' own objects
+            extras.write = self._wrap("trackers: histograms", extras.write)
+
+    def _wrap(self, name, fn):
+        acc = self.totals.setdefault(name, [0.0, 0.0, 0])
+        depth = [0]
+
+        def timed(*args, **kwargs):
+            if self._get_ident() != self._thread or depth[0]:
+                return fn(*args, **kwargs)
+            depth[0] += 1
+            c0, w0 = time.thread_time(), time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[0] += time.thread_time() - c0
+                acc[1] += time.perf_counter() - w0
+                acc[2] += 1
+                depth[0] -= 1
+
+        return timed
+
+
+WRITER_CPU: dict[str, dict[str, float]] = {}  # --profile: mode -> writer work -> thread CPU seconds
+
+
+def time_writer_work(current: list[str]) -> None:
+    """--profile: the writer thread's CPU per kind of work, by message (FileWork's handlers) and by file written
+    (parquet.write_*; the update's block built from the snapshot: host_copy.build_blocks), for the mode named in
+    ``current[0]``. Patched on the classes / modules before any trainer exists (the thread reads them at start)."""
+    from entropylens.record.device import host_copy
+    from entropylens.record.writing import file_work, parquet
+    from entropylens.record.writing import thread as writer_thread
+
+    def timed(fn, label):
+        def call(*args, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc = WRITER_CPU.setdefault(current[0], {})
+                acc[label] = acc.get(label, 0.0) + time.thread_time() - c0
+
+        return call
+
+    for name in ("update", "scalars", "rewards", "sequences", "close", "summary"):
+        setattr(file_work.FileWork, name, timed(getattr(file_work.FileWork, name), f"message {name}"))
+    for name in ("write_tokens", "write_sequences", "write_steps"):
+        setattr(parquet, name, timed(getattr(parquet, name), f"  file {name} (in its message)"))
+    writer_thread.build_blocks = timed(host_copy.build_blocks, "blocks built from snapshots (hand-over)")
+
+
 class StepTimer:
     def __init__(self):
         self.times: list[tuple[float, float, float]] = []  # (wall, thread cpu, process cpu) per step
@@ -90,6 +177,34 @@ class StepTimer:
         self.times.append(tuple(b - a for a, b in zip(self._t0, now)))
 
 
+def print_profile(calls, runs, writer_cpu) -> None:
+    """--profile: per step (every step of every run, warm-up included), the training thread's CPU and the wall
+    time inside each timed call, plain TRL beside entropylens, and the writer thread's CPU."""
+    print("--profile: per step, all steps (ms): training-thread cpu / wall inside each call")
+    modes = [m for m in calls if calls[m]]
+    print(f"  {'call':<38}" + "".join(f" {m + ' cpu':>16} {m + ' wall':>16}" for m in modes))
+    names = list(dict.fromkeys(n for m in modes for ct in calls[m] for n in ct.totals))
+    for n in names:
+        row = f"  {n:<38}"
+        for m in modes:
+            steps = sum(len(r) for r in runs[m])
+            cpu = sum(ct.totals.get(n, [0.0, 0.0, 0])[0] for ct in calls[m]) / max(1, steps)
+            wall = sum(ct.totals.get(n, [0.0, 0.0, 0])[1] for ct in calls[m]) / max(1, steps)
+            row += f" {cpu * 1000:16.2f} {wall * 1000:16.2f}"
+        print(row)
+    row = f"  {'whole step':<38}"
+    for m in modes:
+        steps = [x for r in runs[m] for x in r]
+        row += f" {statistics.fmean(x[1] for x in steps) * 1000:16.2f} {statistics.fmean(x[0] for x in steps) * 1000:16.2f}"
+    print(row)
+    for m in modes:
+        if writer_cpu[m]:
+            print(f"  {m}: writer thread cpu {statistics.fmean(writer_cpu[m]) * 1000:.2f} ms per step, of which:")
+            steps = sum(len(r) for r in runs[m])
+            for label, sec in sorted(WRITER_CPU.get(m, {}).items(), key=lambda kv: -kv[1]):
+                print(f"    {label:<44} {sec / max(1, steps) * 1000:8.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -98,6 +213,23 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--kl", action="store_true", help="beta 0.04 (TRL builds the reference model)")
     ap.add_argument("--top-entropy", action="store_true", help="top_entropy_quantile 0.2 (TRL's 80/20 mask)")
+    ap.add_argument(
+        "--trackers",
+        action="store_true",
+        help="report_to TensorBoard (offline, event files under the temporary output_dir) for every trainer: TRL's scalars, and "
+        "entropylens' scalars and per-step histograms (log_histograms=True, its default)",
+    )
+    ap.add_argument(
+        "--defaults",
+        action="store_true",
+        help="TRL as users run it: --kl --top-entropy --trackers (loss_type dapo, use_bias_correction_kl, GA 2 "
+        "and num_iterations 2 are this setup's own)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time, on the training thread, entropylens' own calls (CPU per step) and the writer thread",
+    )
     ap.add_argument(
         "--loss",
         default=None,
@@ -113,6 +245,8 @@ def main() -> None:
         "--sampler", action="store_true", help="also time full recording with sampler log-probs (the mismatch columns)"
     )
     a = ap.parse_args()
+    if a.defaults:
+        a.kl = a.top_entropy = a.trackers = True
     import torch
 
     if a.threads:
@@ -134,11 +268,15 @@ def main() -> None:
         *loss_of,
         *(["sampler"] if a.sampler else []),
     ]
-    options = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
+    options: dict = {**(dict(beta=0.04) if a.kl else {}), **(dict(top_entropy_quantile=0.2) if a.top_entropy else {})}
     # runs[mode]: one list of (wall, thread cpu, process cpu) per step for each round
     runs: dict[str, list[list[tuple[float, float, float]]]] = {m: [] for m in modes}
     writer_cpu: dict[str, list[float]] = {m: [] for m in modes}  # the writer thread's CPU per step, per run
     tokens: dict[str, list[int]] = {m: [] for m in modes}  # tokens the trainer saw per run: the same work?
+    calls: dict[str, list[CallTimer]] = {m: [] for m in modes}  # --profile: one per run
+    current = [""]  # the mode running now (--profile's writer timings)
+    if a.profile:
+        time_writer_work(current)
     sampled: list[int] = []  # tokens with a sampler log-prob the sampler mode recorded, per round
     with tempfile.TemporaryDirectory() as d:
         for r in range(a.rounds):
@@ -160,6 +298,7 @@ def main() -> None:
                     loss=loss_of.get(mode),
                     erc=None,
                     **options,
+                    **(dict(report_to=["tensorboard"]) if a.trackers else {}),  # under output_dir, in d
                 )
                 if mode == "plain":  # the same model (same seed, fresh, unpatched), args and data, TRL's trainer
                     model = saved or trl_grpo.build_model(el.processing_class, r, a.hidden)
@@ -177,6 +316,9 @@ def main() -> None:
                     with_sampler(tr)
                 timer = Timer()
                 tr.add_callback(timer)
+                current[0] = mode
+                if a.profile:
+                    calls[mode].append(CallTimer(tr, PROFILED_BOTH + (() if mode == "plain" else PROFILED_EL)))
                 tr.train()  # closes the recorder: its writer has done all its work
                 if mode != "plain":
                     writer_cpu[mode].append(tr.recorder._writer.cpu_seconds / max(1, len(timer.times)))
@@ -195,7 +337,8 @@ def main() -> None:
     mean = {m: [statistics.fmean(x[i] for x in t) for i in range(3)] for m, t in kept.items()}
     last = {m: statistics.median(run[-1][0] for run in rs) for m, rs in runs.items()}
     print(
-        f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, options {options or 'none'}, torch threads "
+        f"TRL GRPOTrainer, Qwen2 width {a.hidden} on CPU, options {options or 'none'}"
+        f"{', TensorBoard on (histograms)' if a.trackers else ''}, torch threads "
         f"{torch.get_num_threads()}, "
         f"{a.rounds} rounds x {a.steps} steps; steps 2..{a.steps - 2} of each run, means (ms):"
     )
@@ -207,6 +350,8 @@ def main() -> None:
             print(
                 f"  {m}: writer thread {statistics.median(w) * 1000:.1f} ms CPU per step (all its work, close included)"
             )
+    if a.profile:
+        print_profile(calls, runs, writer_cpu)
     ratio = [e / p for e, p in zip(mean["entropylens"], mean["plain"])]
     print(f"ratios of the means: wall {ratio[0]:.3f}, training-thread cpu {ratio[1]:.3f}, process cpu {ratio[2]:.3f}")
     if a.attribution:
