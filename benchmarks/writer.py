@@ -1,6 +1,12 @@
 """Tokens-table write throughput and size: entropylens' encodings against pyarrow's defaults.
 
   python benchmarks/writer.py [--rows 2000000] [--rows-per-file 262144] [--steps-files 300] [--claim-checks 2000]
+                              [--busy-trainer [--busy-threads 1] [--busy-size 256]]
+
+``--busy-trainer``: the tokens-table timing is also taken while a training thread is busy in the same process
+(a Python loop of torch matmuls of --busy-size squared float32 matrices on --busy-threads intra-op threads: it
+releases the GIL inside each matmul and takes it back between them, as a training loop does), alternating
+passes with and without it; rows/s is wall time on the writing thread, its thread CPU printed beside it.
 
 Values are shaped like a toy GRPO run (not uniform random): groups of 8 responses of 12-48 tokens,
 a 40-token vocabulary, sampling probabilities mostly near 1 with a low-probability tail, one
@@ -91,19 +97,76 @@ def write_defaults(table: pa.Table, path: Path) -> None:
     pq.write_table(table, path, compression="zstd")
 
 
-def run(fn, chunks, tmp: Path) -> tuple[float, float]:
-    """(rows/s including Arrow table construction, bytes/row) over all chunks, median of 3 passes."""
+def run(fn, chunks, tmp: Path, reps: int = 3, cpu: list | None = None) -> tuple[float, float]:
+    """(rows/s including Arrow table construction, bytes/row) over all chunks, median of ``reps`` passes;
+    ``cpu``: gets the writing thread's CPU seconds per pass."""
     times, size = [], 0
     rows = sum(len(c["seq"]) for c in chunks)
-    for rep in range(3):
+    for rep in range(reps):
         size = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for i, c in enumerate(chunks):
             p = tmp / f"{fn.__name__}-{rep}-{i}.parquet"
             fn(tokens_table(c), p)
             size += p.stat().st_size
         times.append(time.perf_counter() - t0)
+        if cpu is not None:
+            cpu.append(time.thread_time() - c0)
     return rows / statistics.median(times), size / rows
+
+
+class BusyTrainer:
+    """A training thread kept busy (module docstring, ``--busy-trainer``): torch matmuls in a Python loop."""
+
+    def __init__(self, threads: int, size: int) -> None:
+        import threading
+
+        import torch
+
+        torch.set_num_threads(threads)
+        self._torch, self._size = torch, size
+        self._stop = threading.Event()
+        self.matmuls = 0
+        self._thread = threading.Thread(target=self._loop, name="busy-trainer", daemon=True)
+
+    def _loop(self) -> None:
+        torch = self._torch
+        a = torch.randn(self._size, self._size)
+        b = torch.randn(self._size, self._size)
+        while not self._stop.is_set():
+            a = torch.tanh(a @ b)  # the GIL is released inside each op, taken back between them
+            self.matmuls += 1
+
+    def __enter__(self) -> BusyTrainer:
+        self._thread.start()
+        time.sleep(0.2)  # running before the timing starts
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def busy_passes(chunks, tmp: Path, rounds: int, threads: int, size: int) -> dict:
+    """Alternating passes of the tokens-table write without and with a busy training thread: rows/s (wall,
+    median over passes), bytes/row, the writing thread's CPU per row, the trainer's matmuls per second."""
+    rows = sum(len(c["seq"]) for c in chunks)
+    out: dict = {"idle": [], "busy": [], "idle_cpu": [], "busy_cpu": [], "matmul_s": []}
+    bpr = 0.0
+    for r in range(rounds):
+        for mode in ("idle", "busy") if r % 2 == 0 else ("busy", "idle"):
+            cpu: list = []
+            if mode == "busy":
+                with BusyTrainer(threads, size) as busy:
+                    t0, m0 = time.perf_counter(), busy.matmuls
+                    rps, bpr = run(write_ours, chunks, tmp, reps=1, cpu=cpu)
+                    out["matmul_s"].append((busy.matmuls - m0) / (time.perf_counter() - t0))
+            else:
+                rps, bpr = run(write_ours, chunks, tmp, reps=1, cpu=cpu)
+            out[mode].append(rps)
+            out[mode + "_cpu"].append(cpu[0] / rows)
+    out["bpr"] = bpr
+    return out
 
 
 def toy_steps_rows(updates: int = 8, seed: int = 0) -> list[dict]:
@@ -184,6 +247,10 @@ def main() -> None:
     ap.add_argument("--rows-per-file", type=int, default=262_144)
     ap.add_argument("--steps-files", type=int, default=300, help="steps files per construction (0: skip)")
     ap.add_argument("--claim-checks", type=int, default=2000, help="claim checks timed (0: skip)")
+    ap.add_argument("--busy-trainer", action="store_true", help="also time the writes beside a busy training thread")
+    ap.add_argument("--busy-threads", type=int, default=1, help="the busy trainer's torch intra-op threads")
+    ap.add_argument("--busy-size", type=int, default=256, help="the busy trainer's matrix size")
+    ap.add_argument("--busy-rounds", type=int, default=6, help="alternating passes with / without it, each")
     a = ap.parse_args()
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -194,6 +261,7 @@ def main() -> None:
         run(write_ours, chunks[:1], tmp)  # warm-up
         base_rps, base_bpr = run(write_defaults, chunks, tmp)
         rps, bpr = run(write_ours, chunks, tmp)
+        busy = busy_passes(chunks, tmp, a.busy_rounds, a.busy_threads, a.busy_size) if a.busy_trainer else None
         steps = steps_files(a.steps_files, tmp) if a.steps_files else None
         checks = claim_checks(a.claim_checks, tmp) if a.claim_checks else None
     print(f"{a.rows:,} token rows in files of {a.rows_per_file:,}, one core")
@@ -211,6 +279,18 @@ def main() -> None:
             f"claim check before each file: {checks[0]:.1f} us CPU, {checks[1]:.1f} us wall"
             + (f" ({checks[0] / (steps[0] * 1e3):.1%} of a steps file's CPU)" if steps else "")
         )
+    if busy:
+        idle_rps, busy_rps = statistics.median(busy["idle"]), statistics.median(busy["busy"])
+        print(
+            f"beside a busy training thread ({a.busy_threads} torch thread(s), {a.busy_size}^2 matmuls, "
+            f"{statistics.median(busy['matmul_s']):,.0f} per s), {a.busy_rounds} alternating passes each: "
+            f"{busy_rps:,.0f} rows/s ({', '.join(f'{x / 1e6:.2f}M' for x in busy['busy'])}), "
+            f"{busy['bpr']:.2f} B/row; without it {idle_rps:,.0f} rows/s "
+            f"({', '.join(f'{x / 1e6:.2f}M' for x in busy['idle'])}): x{busy_rps / idle_rps:.2f}; writing thread "
+            f"CPU {statistics.median(busy['busy_cpu']) * 1e9:.0f} ns/row busy, "
+            f"{statistics.median(busy['idle_cpu']) * 1e9:.0f} idle"
+        )
+        print(f"busy_rows_per_s={busy_rps:.0f} busy_bytes_per_row={busy['bpr']:.2f}")
     print(f"rows_per_s={rps:.0f} bytes_per_row={bpr:.2f}")
 
 
