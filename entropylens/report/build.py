@@ -345,10 +345,20 @@ def response_pages(
 
     con = con if con is not None else _connect(path, runs_filter, "duckdb", tau)
     methods = dict(run_sql_rows(con, "SELECT run, method FROM runs"))
-    table = resp.responses(con)
+    # without --where only the steps each selection visits are read (responses.select); with it, the whole table
+    table = resp.responses(con) if where is not None else None
+    counts = resp.response_counts(con) if where is None else {}
     pages = []
     for run in runs:
-        sel = resp.select(con, run, n=n, where=where, max_bytes=max_bytes, table=table[table["run"] == run])
+        sel = resp.select(
+            con,
+            run,
+            n=n,
+            where=where,
+            max_bytes=max_bytes,
+            table=table[table["run"] == run] if table is not None else None,
+            counts=counts.get(run, {}) if where is None else None,
+        )
         data = resp.page_data(con, run, sel, decoder_for_run(path, run, tokenizer=tokenizer), method=methods.get(run))
         name = viewer.page_name(run)
         viewer.write_page(out / name, data, title=f"entropylens responses: {run}")

@@ -152,13 +152,17 @@ PAGE_DATA_OVERHEAD = 20_000  # bytes of a page's data besides its responses (met
 FORKING_SHARE = 0.2  # "forking" tokens: the top 20% of a response by sampling entropy (Wang et al. 2025)
 
 
-def responses(con, run: str | None = None, step: int | None = None):
-    """``analyses/responses.sql`` on ``con``, restricted to one run and step where given (a DataFrame)."""
+def responses(con, run: str | None = None, step: int | None = None, steps=None):
+    """``analyses/responses.sql`` on ``con``, restricted to one run and step (or ``steps``, a list) where
+    given (a DataFrame). The restriction filters the analysis's lines (the same lines as the whole table's
+    there); a step filter lets DuckDB read only the row groups of those steps."""
     conds = []
     if run is not None:
         conds.append(f"run = {sql_str(run)}")
     if step is not None:
         conds.append(f"step = {int(step)}")
+    if steps is not None:
+        conds.append(f"step IN ({', '.join(str(int(s)) for s in steps)})" if len(steps) else "false")
     where = f" WHERE {' AND '.join(conds)}" if conds else ""
     df = run_sql(con, f"SELECT * FROM ({render_analysis('responses')}) AS r{where} ORDER BY run, step, rank, seq")
     df["abs_entropy_effect"] = df["entropy_effect"].abs()
@@ -283,36 +287,93 @@ def _pick_step(df, budget: int) -> list[tuple[int, list[str]]]:
     return [(i, chosen[i]) for i in order]
 
 
+def response_counts(con, run: str | None = None) -> dict[str, dict[int, int]]:
+    """{run: {step: responses}}: how many lines the responses analysis has per run and step (its distinct
+    (step, rank, seq) of token rows), without computing them: one pass over four key columns. A line per
+    key only while no sequences row is there twice (see :func:`select`)."""
+    at = f" WHERE run = {sql_str(run)}" if run is not None else ""
+    # rank * 2^33 + seq is one BIGINT per (rank, seq) pair (a NULL as a value outside each one's range)
+    key = "coalesce(CAST(rank AS BIGINT), 65536) * 8589934592 + coalesce(CAST(seq AS BIGINT), 2147483648)"
+    df = run_sql(con, f"SELECT run, step, count(DISTINCT {key}) AS n FROM tokens{at} GROUP BY run, step")
+    out: dict[str, dict[int, int]] = {}
+    for r, s, k in df.itertuples(index=False):
+        out.setdefault(str(r), {})[int(s)] = int(k)
+    return out
+
+
+def _sequences_repeated(con, run: str) -> bool:
+    """Whether a sequences row of ``run`` is there twice (same step, rank, seq): the responses analysis then
+    has a line per copy (its join), which :func:`response_counts` does not count."""
+    sql = (
+        f"SELECT count(*) AS n FROM (SELECT step FROM sequences WHERE run = {sql_str(run)} "
+        "GROUP BY step, rank, seq HAVING count(*) > 1) AS d"
+    )
+    return int(run_sql(con, sql)["n"].iloc[0]) > 0
+
+
 def select(
-    con, run: str, *, n: int = DEFAULT_N, where: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, table=None
+    con,
+    run: str,
+    *,
+    n: int = DEFAULT_N,
+    where: str | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    table=None,
+    counts: dict[int, int] | None = None,
 ) -> Selection:
     """The responses of ``run`` a page embeds (see the module's docstring); ``max_bytes`` is applied by
-    :func:`page_data`. ``table``: the run's responses analysis if already computed."""
+    :func:`page_data`. ``table``: the run's responses analysis if already computed. Without ``table`` and
+    ``where`` only the steps the selection visits are read (a few batches of steps in :func:`step_order`'s
+    order; the same choice as from the whole table): the number of candidates and the steps come from
+    :func:`response_counts` (``counts``: the run's {step: responses} from it, if already computed)."""
+    import pandas as pd
+
     if n < 1:
         raise QueryError(f"--responses {n}: at least 1")
-    df = responses(con, run) if table is None else table
-    if where is not None:
-        keep = matching(con, run, where)
-        mask = [(int(s), int(r), int(q)) in keep for s, r, q in zip(df["step"], df["rank"], df["seq"])]
-        df = df[mask]
-    df = df.reset_index(drop=True)
-    steps = sorted(int(s) for s in df["step"].unique())
-    sel = Selection(run, df.iloc[0:0].assign(why=[]), len(df), len(steps), n, where, max_bytes)
-    if df.empty:
-        return sel
+    lazy = table is None and where is None and not _sequences_repeated(con, run)
+    if lazy:
+        per = response_counts(con, run).get(run, {}) if counts is None else counts
+        steps = sorted(per)
+        candidates = sum(per.values())
+        lazy = candidates > 0  # nothing recorded: the (empty) table says so as before
+    if lazy:
+        df = None
+    else:
+        df = responses(con, run) if table is None else table
+        if where is not None:
+            keep = matching(con, run, where)
+            mask = [(int(s), int(r), int(q)) in keep for s, r, q in zip(df["step"], df["rank"], df["seq"])]
+            df = df[mask]
+        df = df.reset_index(drop=True)
+        steps = sorted(int(s) for s in df["step"].unique())
+        candidates = len(df)
+        if df.empty:
+            return Selection(run, df.iloc[0:0].assign(why=[]), 0, len(steps), n, where, max_bytes)
     per_step = min(len(RULES), n)
+    visit = step_order(steps)
+    read: set[int] = set()
+    batch = -(-n // per_step) + 1  # steps read at a time: enough when every step gives per_step responses
     chosen: list[tuple[int, list[str], int]] = []  # (index, why, rule rank)
-    for s in step_order(steps):
+    for j, s in enumerate(visit):
         if len(chosen) >= n:
             break
+        if lazy and s not in read:
+            more = visit[j : j + batch]
+            got = responses(con, run, steps=more)
+            df = got if df is None else pd.concat([df, got], ignore_index=True)
+            read.update(more)
+            batch *= 2
+        assert df is not None
         part = df[df["step"] == s]
         chosen += [(i, why, k) for k, (i, why) in enumerate(_pick_step(part, min(per_step, n - len(chosen))))]
-    order = {s: k for k, s in enumerate(step_order(steps))}
+    assert df is not None
+    order = {s: k for k, s in enumerate(visit)}
     kept = {i: (why, k) for i, why, k in chosen}
     rows = df.loc[sorted(kept)].copy()
     rows["why"] = [kept[i][0] for i in rows.index]
     # which go first when the page is over its size bound: the later rules' picks, then the later-visited steps'
     rows["priority"] = [kept[i][1] * len(steps) + order[int(rows.at[i, "step"])] for i in rows.index]
+    sel = Selection(run, df.iloc[0:0].assign(why=[]), candidates, len(steps), n, where, max_bytes)
     sel.rows = rows.sort_values(["step", "rank", "seq"]).reset_index(drop=True)
     return sel
 

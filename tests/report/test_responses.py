@@ -271,3 +271,53 @@ def test_erc_dropped_is_null_without_erc_and_counts_over_the_updates_with_it(tmp
     assert df["erc_dropped"].isna().all()
     at9 = df[df["step"] == 9].set_index("seq")
     assert int(at9.loc[2, "clipped"]) == 5 and int(at9.loc[0, "clipped"]) == 0
+
+
+@pytest.mark.parametrize("run_unique", [False, True])
+def test_selection_from_the_visited_steps_equals_the_one_from_the_whole_table(tmp_path, run_unique):
+    """select() without a table reads only the steps it visits (response_counts gives the candidates and the
+    steps): the same rows, reasons, priorities and text as the selection from the whole responses table,
+    for any n (one batch of steps, several, every step), ties in reward included."""
+    rng = np.random.default_rng(3)
+    rewards = rng.integers(0, 3, (13, 7)) / 2  # many ties
+    con = connect(
+        _run(
+            tmp_path / "runs",
+            steps=13,
+            seqs=7,
+            run_unique=run_unique,
+            rewards=lambda s, q: rewards[s, q],
+            clipped_seq=3,
+        )
+    )
+    table = R.responses(con, "r")
+    assert R.response_counts(con) == {"r": {s: 7 for s in range(13)}}
+    for n in (1, 5, 6, 7, 13, 30, 60, 91, 200):
+        lazy, whole = R.select(con, "r", n=n), R.select(con, "r", n=n, table=table)
+        assert (lazy.candidates, lazy.steps_with_candidates, lazy.text) == (
+            whole.candidates,
+            whole.steps_with_candidates,
+            whole.text,
+        ), n
+        cols = ["step", "rank", "seq", "reward", "tokens", "updates", "clipped", "why", "priority"]
+        assert lazy.rows[cols].astype(str).equals(whole.rows[cols].astype(str)), n
+        a = R.page_data(con, "r", lazy, R_DECODER, method="grpo")
+        b = R.page_data(con, "r", whole, R_DECODER, method="grpo")
+        assert R.dumps(a) == R.dumps(b), n
+
+
+def test_selection_reads_the_whole_table_where_a_sequences_row_is_there_twice(tmp_path):
+    """A sequences row written twice (a copied file) gives the responses analysis a line per copy: the
+    selection then counts from the whole table, as before."""
+    root = _run(tmp_path / "runs", steps=3)
+    d = root / "r" / "sequences" / "step=1" / "rank=0"
+    (f,) = list(d.glob("part-0.parquet"))
+    (d / "part-1.parquet").write_bytes(f.read_bytes())  # the same rows again, under a recorder's name
+    con = connect(root)
+    whole = R.select(con, "r", n=40, table=R.responses(con, "r"))
+    assert R._sequences_repeated(con, "r")
+    assert sum(R.response_counts(con)["r"].values()) < whole.candidates  # the counts alone would miss the copy
+    assert R.select(con, "r", n=40).candidates == whole.candidates == len(R.responses(con, "r"))
+
+
+R_DECODER = Ids()
