@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from ..alarms import Finding
+from ..read.views import sql_str
 from ..schema import QUADRANTS
 
 
@@ -60,7 +61,23 @@ def suggest_tau(p50: float) -> str:
 
 
 def thin_quadrants(con) -> list[Finding]:
-    """One ``thin_quadrant`` finding per (run, quadrant) below THIN_SHARE (at the run's first step)."""
+    """One ``thin_quadrant`` finding per (run, quadrant) below THIN_SHARE (at the run's first step). The
+    quadrant counts are read first; the probability quantiles (three sorts of every signed token's p) only for
+    the runs with a thin quadrant, whose rows are then the same as from one query over every run."""
+    n: dict[str, int] = {}  # run -> signed tokens
+    per_q: dict[str, dict[str, int]] = {}  # run -> real quadrant -> tokens
+    for r in _rows(
+        con,
+        "SELECT run, quadrant, count(*) AS k FROM tokens WHERE advantage <> 0 AND prob IS NOT NULL GROUP BY run, quadrant",
+    ):
+        run = str(r["run"])
+        n[run] = n.get(run, 0) + r["k"]
+        qs = per_q.setdefault(run, dict.fromkeys(QUADRANTS, 0))
+        if r["quadrant"] in qs:
+            qs[r["quadrant"]] = r["k"]
+    thin = sorted(run for run in n if n[run] and min(per_q[run].values()) / n[run] < THIN_SHARE)
+    if not thin:
+        return []
     counts = ", ".join(f"count(*) FILTER (WHERE quadrant = '{q}') AS \"{q}\"" for q in QUADRANTS)
     rows = _rows(
         con,
@@ -69,7 +86,7 @@ def thin_quadrants(con) -> list[Finding]:
                quantile_cont(prob, 0.05) AS p05, quantile_cont(prob, 0.5) AS p50, quantile_cont(prob, 0.95) AS p95,
                avg(coalesce(old_entropy, entropy)) AS h, any_value(r.tau) AS tau
         FROM tokens JOIN (SELECT run, tau FROM runs) AS r USING (run)
-        WHERE advantage <> 0 AND prob IS NOT NULL
+        WHERE advantage <> 0 AND prob IS NOT NULL AND run IN ({", ".join(sql_str(run) for run in thin)})
         GROUP BY run ORDER BY run""",
     )
     out = []
@@ -100,15 +117,26 @@ def thin_quadrants(con) -> list[Finding]:
 def on_policy(con) -> list[Finding]:
     """One ``on_policy`` finding per run whose every recorded ratio is 1: |logprob - old_logprob| <=
     ON_POLICY_TOL on every token row (read from the log-probs, not the ratio column, which an overflow cannot
-    cast; value 0; at the run's first step)."""
+    cast; value 0; at the run's first step). A run with a token row that moved is found by its first such row
+    (a query that stops there); only the others are counted over every row."""
+    moved = f"NOT abs(logprob - old_logprob) <= {ON_POLICY_TOL}"
+    both = "logprob IS NOT NULL AND old_logprob IS NOT NULL"
+    runs = [str(r["run"]) for r in _rows(con, "SELECT run FROM runs ORDER BY run")]
+    still = [
+        run
+        for run in runs
+        if not _rows(con, f"SELECT 1 AS x FROM tokens WHERE run = {sql_str(run)} AND {both} AND {moved} LIMIT 1")
+    ]
+    if not still:
+        return []
     rows = _rows(
         con,
         f"""
         SELECT run, min(step) AS step, count(*) AS n,
-               count(*) FILTER (WHERE NOT abs(logprob - old_logprob) <= {ON_POLICY_TOL}) AS moved,
+               count(*) FILTER (WHERE {moved}) AS moved,
                any_value(try(json_extract_string(r.config, '$.framework'))) AS framework
         FROM tokens LEFT JOIN (SELECT run, config FROM runs) AS r USING (run)
-        WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""",
+        WHERE {both} AND run IN ({", ".join(sql_str(run) for run in still)}) GROUP BY run ORDER BY run""",
     )
     return [
         Finding(

@@ -69,3 +69,44 @@ def test_thin_quadrant_names_the_quantiles_and_a_tau(runs):
     assert notes(runs / "low", tau=float(suggest_tau(p50))) == []
     assert suggest_tau(0.4975) == "0.497" and suggest_tau(0.12345) == "0.123" and float(suggest_tau(0.0301)) <= 0.0301
     assert thin_quadrants(connect(runs / "two")) == []
+
+
+def _single_query_findings(con):
+    """The findings as one query over every run computed them before (quantiles and the moved count for every
+    run, in full): what thin_quadrants / on_policy must still give."""
+    from entropylens.report import run_findings as rf
+
+    counts = ", ".join(f"count(*) FILTER (WHERE quadrant = '{q}') AS \"{q}\"" for q in rf.QUADRANTS)
+    thin = rf._rows(
+        con,
+        f"""SELECT run, min(step) AS step, count(*) AS n, {counts},
+               quantile_cont(prob, 0.05) AS p05, quantile_cont(prob, 0.5) AS p50, quantile_cont(prob, 0.95) AS p95,
+               avg(coalesce(old_entropy, entropy)) AS h, any_value(r.tau) AS tau
+        FROM tokens JOIN (SELECT run, tau FROM runs) AS r USING (run)
+        WHERE advantage <> 0 AND prob IS NOT NULL GROUP BY run ORDER BY run""",
+    )
+    moved = rf._rows(
+        con,
+        f"""SELECT run, min(step) AS step, count(*) AS n,
+               count(*) FILTER (WHERE NOT abs(logprob - old_logprob) <= {rf.ON_POLICY_TOL}) AS moved
+        FROM tokens WHERE logprob IS NOT NULL AND old_logprob IS NOT NULL GROUP BY run ORDER BY run""",
+    )
+    return thin, moved
+
+
+def test_findings_equal_the_single_query_over_every_run(runs):
+    """thin_quadrants reads the quantiles only for the runs with a thin quadrant, on_policy counts only the runs
+    without a moved token row: the same findings as computing both for every run."""
+    con = connect(runs)
+    thin, moved = _single_query_findings(con)
+    want_thin = {
+        (r["run"], q) for r in thin for q in ("PA&HP", "PA&LP", "NA&HP", "NA&LP") if r["n"] and r[q] / r["n"] < 0.01
+    }
+    got = thin_quadrants(con)
+    assert {(f.run, f.signal.split(" ")[0]) for f in got} == want_thin and want_thin
+    by_run = {r["run"]: r for r in thin}
+    for f in got:
+        r = by_run[f.run]
+        assert f.step == r["step"] and f"p05 {r['p05']:.3g}, p50 {r['p50']:.3g}, p95 {r['p95']:.3g}" in f.signal
+    want_on = [(r["run"], r["step"]) for r in moved if r["n"] and not r["moved"]]
+    assert [(f.run, f.step) for f in on_policy(con)] == want_on and want_on
