@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..read.query import connect, run_analysis
+from ..read.query import connect, run_analysis, run_sql
 from . import runset
 from .escape import html_text, markdown, markdown_cell
 from .figures import (  # the report's figures, declared there
@@ -145,6 +145,8 @@ def _render(con, out: Path, f: Figure, rs: runset.RunSet) -> tuple[str | None, s
     for an opt-in figure whose analysis has no rows."""
     import matplotlib.pyplot as plt
 
+    if f.optional and f.present is not None and run_sql(con, f.present).empty:  # what has_data would find, read cheaply
+        return None, ""
     df = _frame(con, f, rs)
     if f.optional and (df.empty or (f.has_data is not None and not f.has_data(df))):
         return None, ""

@@ -54,6 +54,9 @@ class Figure:
     params: Callable | None = None  # rs -> the analysis's parameters (None: its defaults)
     optional: bool = False  # left out (and named under "Not shown") when its analysis has no rows
     has_data: Callable | None = None  # df -> bool: an optional figure whose rows all lack its data is left out too
+    # a query whose rows are empty exactly where has_data would be False (a LIMIT 1 that stops at the first row with
+    # the data; free where the files lack the column): the analysis then is not run at all
+    present: str | None = None
     when_empty: str = ""  # how to record what an opt-in analysis needs (report and `analyze` say it)
     step_links: bool = False  # followed by links to the steps the responses pages hold
     section: str = ""  # the report section it belongs to (SECTIONS); "" for the figures before any section
@@ -263,6 +266,7 @@ FIGURES: tuple[Figure, ...] = (
         captions.mismatch,
         optional=True,
         has_data=lambda df: bool((df["sampled"].fillna(0) > 0).any()),
+        present="SELECT 1 AS x FROM tokens WHERE quadrant <> 'ZA' AND sampler_log_ratio IS NOT NULL LIMIT 1",
         when_empty="The mismatch figure needs the sampler's log-probs: record_update(..., sampler_logprobs=) "
         "in a loop, TRL with vLLM, verl's rollout_log_probs, or entropylens demo --mismatch.",
     ),

@@ -834,3 +834,22 @@ def test_mismatch_figure_with_and_without_sampler_logprobs(tmp_path):
     assert only.startswith("No sampler log-probs recorded in n (grpo)") and "Here" not in only
     fig = plots.mismatch(df[df["run"] == "n"])
     assert not any(ax.get_lines() for ax in fig.axes)
+
+
+def test_present_query_is_empty_exactly_where_has_data_is_false(tmp_path):
+    """A figure's ``present`` query (run before its analysis, which it skips when empty) finds a row exactly
+    where has_data finds the analysis's data: runs with and without sampler log-probs, each alone and together."""
+    import mismatch_runs
+
+    from entropylens.read.query import connect, run_analysis, run_sql
+    from entropylens.report.figures import FIGURES
+
+    root = mismatch_runs.build(tmp_path / "runs")
+    with_present = [f for f in FIGURES if f.present is not None]
+    assert [f.name for f in with_present] == ["mismatch"]
+    for runs in (None, ["m"], ["n"]):
+        con = connect(root, runs=runs)
+        for f in with_present:
+            df = run_analysis(con, f.analysis)
+            assert f.has_data is not None and run_sql(con, f.present).empty == (df.empty or not f.has_data(df)), runs
+    assert run_sql(connect(root, runs=["n"]), with_present[0].present).empty
