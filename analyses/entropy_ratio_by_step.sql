@@ -10,6 +10,8 @@
 -- statistics at rank q * (n - 1) (DuckDB quantile_cont / median; on Spark percentile / median, which
 -- entropylens.read.portable writes for them). Exact sorting costs less CPU than DuckDB's t-digest
 -- (approx_quantile), used here before.
+-- The aggregate groups by (run, step) alone and takes each run's method and band after it: fewer keys per row
+-- (the band is one per run), the same groups.
 WITH bands AS (
     SELECT
         run,
@@ -27,21 +29,33 @@ run_band AS (
         b.erc_low IS NOT NULL AS erc
     FROM runs AS r
     LEFT JOIN bands AS b ON r.run = b.run
+),
+per_step AS (
+    SELECT
+        t.run,
+        t.step,
+        quantile_cont(t.entropy_ratio, 0.05) AS p05,
+        median(t.entropy_ratio) AS p50,
+        quantile_cont(t.entropy_ratio, 0.95) AS p95,
+        avg((t.entropy_ratio <= rb.band_low OR t.entropy_ratio >= rb.band_high)::INTEGER) AS outside_band,
+        count(*) AS tokens
+    FROM tokens AS t
+    JOIN run_band AS rb ON t.run = rb.run
+    WHERE t.entropy_ratio IS NOT NULL
+    GROUP BY t.run, t.step
 )
 SELECT
-    t.run,
+    p.run,
     rb.method,
-    t.step,
-    quantile_cont(t.entropy_ratio, 0.05) AS p05,
-    median(t.entropy_ratio) AS p50,
-    quantile_cont(t.entropy_ratio, 0.95) AS p95,
-    avg((t.entropy_ratio <= rb.band_low OR t.entropy_ratio >= rb.band_high)::INTEGER) AS outside_band,
-    count(*) AS tokens,
+    p.step,
+    p.p05,
+    p.p50,
+    p.p95,
+    p.outside_band,
+    p.tokens,
     rb.band_low,
     rb.band_high,
     rb.erc
-FROM tokens AS t
-JOIN run_band AS rb ON t.run = rb.run
-WHERE t.entropy_ratio IS NOT NULL
-GROUP BY t.run, rb.method, t.step, rb.band_low, rb.band_high, rb.erc
-ORDER BY t.run, t.step
+FROM per_step AS p
+JOIN run_band AS rb ON p.run = rb.run
+ORDER BY p.run, p.step

@@ -178,3 +178,84 @@ def test_drift_by_prob_bin_same_rows_as_least(con, bins):
     cols = ["run", "method", "bin", "prob_lo", "prob_hi", "tokens"]
     assert got[cols].equals(want[cols])
     assert np.allclose(got["mean_abs_log_ratio"], want["mean_abs_log_ratio"], rtol=1e-12, atol=0)
+
+
+# the SQL entropy_ratio_by_step and grad_share_by_quadrant were before they grouped by fewer keys (#39)
+OLD_ENTROPY_RATIO_BY_STEP = """
+WITH bands AS (
+    SELECT
+        run,
+        min(erc_low) AS erc_low,
+        max(erc_high) AS erc_high
+    FROM steps
+    GROUP BY run
+),
+run_band AS (
+    SELECT
+        r.run,
+        r.method,
+        coalesce(b.erc_low, $band_low) AS band_low,
+        coalesce(b.erc_high, $band_high) AS band_high,
+        b.erc_low IS NOT NULL AS erc
+    FROM runs AS r
+    LEFT JOIN bands AS b ON r.run = b.run
+)
+SELECT
+    t.run,
+    rb.method,
+    t.step,
+    quantile_cont(t.entropy_ratio, 0.05) AS p05,
+    median(t.entropy_ratio) AS p50,
+    quantile_cont(t.entropy_ratio, 0.95) AS p95,
+    avg((t.entropy_ratio <= rb.band_low OR t.entropy_ratio >= rb.band_high)::INTEGER) AS outside_band,
+    count(*) AS tokens,
+    rb.band_low,
+    rb.band_high,
+    rb.erc
+FROM tokens AS t
+JOIN run_band AS rb ON t.run = rb.run
+WHERE t.entropy_ratio IS NOT NULL
+GROUP BY t.run, rb.method, t.step, rb.band_low, rb.band_high, rb.erc
+ORDER BY t.run, t.step
+"""
+
+OLD_GRAD_SHARE = """
+SELECT
+    t.run,
+    r.method,
+    t.step,
+    t.quadrant,
+    sum(t.logit_grad_norm * t.logit_grad_norm) AS grad_sq,
+    sum(t.logit_grad_norm * t.logit_grad_norm)
+        / nullif(sum(sum(t.logit_grad_norm * t.logit_grad_norm)) OVER (PARTITION BY t.run, t.step), 0) AS share,
+    coalesce(sum(t.logit_grad_norm * t.logit_grad_norm) FILTER (WHERE t.clipped), 0)
+        / nullif(sum(t.logit_grad_norm * t.logit_grad_norm), 0) AS clipped_share
+FROM tokens AS t
+JOIN runs AS r USING (run)
+WHERE t.logit_grad_norm IS NOT NULL AND t.quadrant <> 'ZA'
+GROUP BY t.run, r.method, t.step, t.quadrant
+ORDER BY t.run, t.step, t.quadrant
+"""
+
+
+@pytest.mark.parametrize("band", [(0.95, 1.05), (0.9, 1.2)])
+def test_entropy_ratio_by_step_same_rows_as_grouping_by_every_key(con, band):
+    """entropy_ratio_by_step groups by (run, step) and joins each run's method and band after: the rows of the
+    query that grouped by (run, method, step, band_low, band_high, erc)."""
+    lo, hi = band
+    got = run_analysis(con, "entropy_ratio_by_step", band_low=lo, band_high=hi)
+    want = run_sql(con, OLD_ENTROPY_RATIO_BY_STEP.replace("$band_low", str(lo)).replace("$band_high", str(hi)))
+    assert len(got) == 9 and list(got.columns) == list(want.columns)
+    assert got.reset_index(drop=True).equals(want.reset_index(drop=True))
+
+
+def test_grad_share_same_rows_as_grouping_with_the_method(con):
+    """grad_share_by_quadrant sums per (run, step, quadrant) and joins the method after: the old query's rows
+    (the sums within 1e-12: a parallel sum's order may differ between two plans)."""
+    got = run_analysis(con, "grad_share_by_quadrant")
+    want = run_sql(con, OLD_GRAD_SHARE)
+    assert len(got) == 3 * 3 * 4 and list(got.columns) == list(want.columns)
+    keys = ["run", "method", "step", "quadrant"]
+    assert got[keys].reset_index(drop=True).equals(want[keys].reset_index(drop=True))
+    for c in ("grad_sq", "share", "clipped_share"):
+        assert np.allclose(got[c], want[c], rtol=1e-12, atol=0, equal_nan=True), c
