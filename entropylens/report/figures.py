@@ -266,7 +266,10 @@ FIGURES: tuple[Figure, ...] = (
         captions.mismatch,
         optional=True,
         has_data=lambda df: bool((df["sampled"].fillna(0) > 0).any()),
-        present="SELECT 1 AS x FROM tokens WHERE quadrant <> 'ZA' AND sampler_log_ratio IS NOT NULL LIMIT 1",
+        # sampler_log_ratio is derived from sampler_logprob (schema.py): the stored column's filter first, which
+        # DuckDB answers from the files' null counts (0.05 s against 1.25 s CPU over 100M all-null rows)
+        present="SELECT 1 AS x FROM tokens WHERE sampler_logprob IS NOT NULL AND quadrant <> 'ZA' "
+        "AND sampler_log_ratio IS NOT NULL LIMIT 1",
         when_empty="The mismatch figure needs the sampler's log-probs: record_update(..., sampler_logprobs=) "
         "in a loop, TRL with vLLM, verl's rollout_log_probs, or entropylens demo --mismatch.",
     ),
