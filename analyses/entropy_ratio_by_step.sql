@@ -7,9 +7,10 @@
 -- erc = false). outside_band: share of tokens with rho <= band_low or rho >= band_high (ERC keeps
 -- low < rho < high).
 -- p05 / p50 / p95 are exact quantiles over the step's tokens, interpolated linearly between the order
--- statistics at rank q * (n - 1) (DuckDB quantile_cont / median; on Spark percentile / median, which
--- entropylens.read.portable writes for them). Exact sorting costs less CPU than DuckDB's t-digest
--- (approx_quantile), used here before.
+-- statistics at rank q * (n - 1) (DuckDB quantile_cont; on Spark percentile, which
+-- entropylens.read.portable writes for it). Exact sorting costs less CPU than DuckDB's t-digest
+-- (approx_quantile), used here before. The three come from ONE list quantile per step (DuckDB computes
+-- the identical expression once): about a third of the CPU of three separate quantiles, the same values.
 -- The aggregate groups by (run, step) alone and takes each run's method and band after it: fewer keys per row
 -- (the band is one per run), the same groups.
 WITH bands AS (
@@ -34,9 +35,9 @@ per_step AS (
     SELECT
         t.run,
         t.step,
-        quantile_cont(t.entropy_ratio, 0.05) AS p05,
-        median(t.entropy_ratio) AS p50,
-        quantile_cont(t.entropy_ratio, 0.95) AS p95,
+        quantile_cont(t.entropy_ratio, [0.05, 0.5, 0.95])[1] AS p05,
+        quantile_cont(t.entropy_ratio, [0.05, 0.5, 0.95])[2] AS p50,
+        quantile_cont(t.entropy_ratio, [0.05, 0.5, 0.95])[3] AS p95,
         avg((t.entropy_ratio <= rb.band_low OR t.entropy_ratio >= rb.band_high)::INTEGER) AS outside_band,
         count(*) AS tokens
     FROM tokens AS t

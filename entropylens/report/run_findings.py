@@ -83,7 +83,8 @@ def thin_quadrants(con) -> list[Finding]:
         con,
         f"""
         SELECT run, min(step) AS step, count(*) AS n, {counts},
-               quantile_cont(prob, 0.05) AS p05, quantile_cont(prob, 0.5) AS p50, quantile_cont(prob, 0.95) AS p95,
+               quantile_cont(prob, [0.05, 0.5, 0.95])[1] AS p05, quantile_cont(prob, [0.05, 0.5, 0.95])[2] AS p50,
+               quantile_cont(prob, [0.05, 0.5, 0.95])[3] AS p95,  -- one list quantile (computed once), not three
                avg(coalesce(old_entropy, entropy)) AS h, any_value(r.tau) AS tau
         FROM tokens JOIN (SELECT run, tau FROM runs) AS r USING (run)
         WHERE advantage <> 0 AND prob IS NOT NULL AND run IN ({", ".join(sql_str(run) for run in thin)})

@@ -25,6 +25,9 @@ def test_analysis_is_portable(name):
         ("SELECT run FROM tokens ORDER BY hash(step, seq, pos)", "hashes differently"),
         # rejected by sqlglot or Spark
         ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95]) FROM tokens", "exact quantile"),
+        ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95])[3] FROM tokens", "indexing"),  # past the list
+        ("SELECT quantile_cont(entropy_ratio, [0.05, 0.95])[0] FROM tokens", "indexing"),  # 1-based
+        ("SELECT quantile_cont(entropy_ratio, [0.05, step])[1] FROM tokens", "indexing"),  # q not a number
         ("SELECT quantile_disc(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
         ("SELECT quantile(entropy_ratio, 0.05) FROM tokens", "exact quantile"),
         ("SELECT sum(clipped) FROM tokens", "over a boolean"),
@@ -73,3 +76,33 @@ def test_exact_quantile_becomes_spark_percentile():
 def test_to_spark_error_is_one_line():
     with pytest.raises(ValueError, match="cannot translate to Spark SQL"):
         to_spark("SELECT * FROM read_parquet('x', hive_partitioning = true)")
+
+
+def test_list_quantile_element_becomes_spark_element_at():
+    """quantile_cont(x, [q1, .., qk])[i] (DuckDB: one list quantile per group for the identical expressions)
+    is portable: Spark's element_at(percentile(x, array(..)), i), both 1-based, exact on both."""
+    sql = (
+        "SELECT quantile_cont(ratio, [0.05, 0.5, 0.95])[1] AS a, quantile_cont(ratio, [0.05, 0.5, 0.95])[3] AS c "
+        "FROM tokens"
+    )
+    assert problems(sql) == []
+    spark = to_spark(sql)
+    assert "ELEMENT_AT(PERCENTILE(ratio, ARRAY(0.05, 0.5, 0.95)), 1)" in spark, spark
+    assert "ELEMENT_AT(PERCENTILE(ratio, ARRAY(0.05, 0.5, 0.95)), 3)" in spark, spark
+    assert "PERCENTILE_CONT" not in spark and "APPROX" not in spark, spark
+
+
+def test_list_quantile_elements_equal_the_single_quantiles():
+    """DuckDB gives the list form's elements exactly the single quantile_cont / median values."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE t AS SELECT i % 7 AS g, sin(i * 1.7) * i AS x FROM range(5000) r(i)")
+    single = con.execute(
+        "SELECT g, quantile_cont(x, 0.05), median(x), quantile_cont(x, 0.95) FROM t GROUP BY g ORDER BY g"
+    ).fetchall()
+    listed = con.execute(
+        "SELECT g, quantile_cont(x, [0.05, 0.5, 0.95])[1], quantile_cont(x, [0.05, 0.5, 0.95])[2], "
+        "quantile_cont(x, [0.05, 0.5, 0.95])[3] FROM t GROUP BY g ORDER BY g"
+    ).fetchall()
+    assert listed == single
