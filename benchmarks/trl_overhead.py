@@ -2,7 +2,7 @@
 
   python benchmarks/trl_overhead.py [--steps 20] [--rounds 3] [--kl] [--top-entropy] [--trackers] [--loss dapo[,M2,...]]
                                     [--sampler] [--profile]
-  python benchmarks/trl_overhead.py --defaults --hidden 512 --rounds 10 --steps 14 [--profile]
+  python benchmarks/trl_overhead.py --defaults --hidden 512 --rounds 10 --steps 14 [--profile] [--switch-interval S]
 
 ``--defaults``: TRL as users run it: ``--kl --top-entropy --trackers`` on this setup's loss_type dapo (TRL's default),
 use_bias_correction_kl (TRL's default), gradient accumulation 2 and num_iterations 2. ``--trackers``: report_to
@@ -244,7 +244,16 @@ def main() -> None:
     ap.add_argument(
         "--sampler", action="store_true", help="also time full recording with sampler log-probs (the mismatch columns)"
     )
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for the whole process (Python's default 0.005 s): how long a thread that wants "
+        "the GIL waits for the one running Python code (the writer thread's share of the wall time)",
+    )
     a = ap.parse_args()
+    if a.switch_interval is not None:
+        sys.setswitchinterval(a.switch_interval)
     if a.defaults:
         a.kl = a.top_entropy = a.trackers = True
     import torch
