@@ -44,3 +44,12 @@ def s3():
             return f"s3://{name}/runs"
 
         yield bucket
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_terminal_size(monkeypatch):
+    """No test sees the launching shell's COLUMNS / LINES: pytest-xdist's workers inherit COLUMNS=80 LINES=24,
+    which the CLI (cli/main.py: `show` prints at the terminal's width when COLUMNS is set, else 120) would
+    take for a terminal. A test that wants a width passes its own env."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
