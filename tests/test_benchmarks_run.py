@@ -1,11 +1,14 @@
 """The overhead benchmarks run end to end (tiny settings; they assert nothing about time, and neither
-does this test): each mode trains each step from the same saved state, bit for bit."""
+does this test): each mode trains each step from the same saved state, bit for bit. Slow: each runs a
+benchmark script end to end in a subprocess (about 2 CPU-minutes together); `pytest -m slow` runs them."""
 
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
