@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs them all (--dist loadgroup): the verl_python fixture reinstalls entropylens into the
+# shared verl venv on every call (build.sh), which must not happen while another worker runs checks in it
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("verl_venv")]
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "tests" / "verl_env" / "build.sh"
