@@ -31,9 +31,8 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
-# both installs build from this checkout (setuptools writes build/ and entropylens.egg-info in it): under
-# pytest-xdist (--dist loadgroup) they run one after the other on one worker
-@pytest.mark.xdist_group("install_from_the_checkout")
+# both installs build from this checkout (setuptools writes build/ and entropylens.egg-info in it): README's
+# slow pass (`--dist loadfile`) runs them one after the other on one worker
 @pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
 def test_install_layout(tmp_path, editable):
     env_dir = tmp_path / "venv"
