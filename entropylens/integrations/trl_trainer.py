@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..record.recorder import PendingSummary, Recorder
-from ..record.trackers import EXTRA_NAMES, SUMMARY_NAMES, StepLog, TRLTensorBoard, step_metrics, trl_trackers
+from ..record.trackers import EXTRA_NAMES, SUMMARY_NAMES, StepLog, step_metrics, trl_trackers
 from ..rl.cov import COV_METHODS
 from ..rl.losses import METHODS, policy_loss
 from ..rl.stats import logit_grad_norm_from_sum_p2
@@ -786,33 +786,18 @@ class _Logging(_Host):
         """Logs one step's aggregates as ``entropylens/...`` at that step's own index (TRL's global_step
         after it: step + 1), through TRL's callbacks, so every ``report_to`` tracker (TensorBoard, W&B,
         Trackio, ...) gets them at the step they describe, whenever the writer thread answers; and in
-        ``state.log_history`` as a row of its own. Rank 0's summary (the trackers log on rank 0). A
-        TensorBoardCallback on torch's SummaryWriter gets them, with the histograms, as one event of its
-        writer instead (``TRLTensorBoard``: the same tags, values and step, without one blocking
-        ``add_scalar`` per metric and a flush)."""
+        ``state.log_history`` as a row of its own. Rank 0's summary (the trackers log on rank 0)."""
         logs = step_metrics(summary)
         if not logs or not self.accelerator.is_main_process:
             return
         at = copy.copy(self.state)  # the trackers take the step from state.global_step
         at.global_step = step + 1
         self.state.log_history.append({**logs, "step": step + 1})
-        extras = self._el_extras
-        direct = (
-            [t.callback for t in extras.trackers if isinstance(t, TRLTensorBoard) and t.takes_scalars()]
-            if extras
-            else []
-        )
-        handler = self.callback_handler
-        callbacks = handler.callbacks
-        handler.callbacks = [cb for cb in callbacks if not any(cb is d for d in direct)]
         should_log = self.control.should_log  # the handler's on_log clears it: TRL's own log of this
-        try:
-            self.control = handler.on_log(self.args, at, self.control, logs)  # step must stay due
-        finally:
-            handler.callbacks = callbacks
+        self.control = self.callback_handler.on_log(self.args, at, self.control, logs)  # step must stay due
         self.control.should_log = should_log
-        if extras is not None:  # histograms / table (and the direct scalars) through the trackers' own objects
-            extras.write(step, summary, scalars=bool(direct))
+        if self._el_extras is not None:  # histograms / table through the trackers' own objects
+            self._el_extras.write(step, summary, scalars=False)
 
 
 class EntropyLensGRPOTrainer(_Passes, _Loss, _Recording, _Logging, GRPOTrainer):

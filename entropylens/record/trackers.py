@@ -441,39 +441,14 @@ class _TRLTracker(Tracker):
 
 
 class TRLTensorBoard(_TRLTracker):
-    """The TensorBoardCallback's ``tb_writer`` at TRL's global_step. With torch's SummaryWriter
-    (:meth:`takes_scalars`) the step's scalars and histograms go as ONE event, the values
-    ``add_scalar`` / ``add_histogram_raw`` would write under the tags TRL's ``on_log`` gives
-    (``train/<name>``), and the callback's ``on_log`` is skipped for them: its one ``add_scalar`` per
-    metric blocks on the writer's 10-event queue and its ``flush`` waits for the file (~2 ms a step).
-    The event reaches the file at TRL's next flush (its next log) or when the writer closes. Otherwise
-    (tensorboardX) the scalars go through ``on_log`` and the histograms one ``add_histogram_raw``
-    each. Alerts as ``add_text`` (tag ``train/entropylens/alarms/text_summary``: the writer adds the
-    suffix)."""
+    """``add_histogram_raw`` on the TensorBoardCallback's ``tb_writer`` at TRL's global_step; alerts as
+    ``add_text`` (tag ``train/entropylens/alarms/text_summary``: the writer adds the suffix)."""
 
     name = "tensorboard"
-
-    def takes_scalars(self) -> bool:
-        """The callback's writer exists and is torch's SummaryWriter (its summary builders are used)."""
-        tb = self.callback.tb_writer
-        return tb is not None and type(tb).__module__.startswith("torch.utils.tensorboard")
 
     def write(self, step, metrics, histograms, table):
         tb = self.callback.tb_writer
         if tb is None:
-            return
-        if self.takes_scalars():
-            from tensorboard.compat.proto.summary_pb2 import Summary
-            from torch.utils.tensorboard.summary import histogram_raw, scalar
-
-            values = [scalar(self.prefix + k, v).value[0] for k, v in metrics.items()]
-            for tag, h in histograms.items():
-                lo, hi, limits, counts = h.buckets()
-                values.append(
-                    histogram_raw(self.prefix + tag, lo, hi, h.num, h.total, h.sum_squares, limits, counts).value[0]
-                )
-            if values:
-                tb._get_file_writer().add_summary(Summary(value=values), step)
             return
         for tag, h in histograms.items():
             lo, hi, limits, counts = h.buckets()
