@@ -2,7 +2,9 @@
 that sizes a cluster.
 
   python benchmarks/spark_scale.py --data DIR [--master local[2]] [--driver-memory 4g]
-                                   [--analyses a,b,...] [--duckdb]
+                                   [--analyses a,b,...] [--duckdb] [--json OUT] [--fixed-from SMALL_JSON]
+
+Needs the spark extra (pyspark, sqlglot; Java 17+) and psutil (`pip install psutil`).
 
 ``DIR``: a root of runs, e.g. the compacted run ``benchmarks/scale.py --keep`` leaves (its ``scale``
 folder). Each analysis the report runs (or ``--analyses``) goes through ``entropylens.read.connect(DIR,
@@ -27,12 +29,13 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
-import psutil
 
+def jvm_process() -> Any:
+    """The Spark driver's JVM (a psutil.Process): a java child of this process (pyspark's gateway launches it)."""
+    import psutil
 
-def jvm_process() -> psutil.Process:
-    """The Spark driver's JVM: a java child of this process (pyspark's gateway launches it)."""
     for child in psutil.Process().children(recursive=True):
         try:
             if "java" in child.name() or any("java" in part for part in child.cmdline()[:1]):
@@ -42,12 +45,12 @@ def jvm_process() -> psutil.Process:
     raise SystemExit("no JVM child process found: did the Spark session start here?")
 
 
-def jvm_cpu(proc: psutil.Process) -> float:
+def jvm_cpu(proc) -> float:
     t = proc.cpu_times()
     return t.user + t.system
 
 
-def jvm_peak_gb(proc: psutil.Process) -> float:
+def jvm_peak_gb(proc) -> float:
     """VmHWM (peak resident set) of the JVM, GB."""
     with open(f"/proc/{proc.pid}/status") as f:
         for line in f:
@@ -57,7 +60,7 @@ def jvm_peak_gb(proc: psutil.Process) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", type=Path, required=True, help="a root of runs (benchmarks/scale.py --keep's `scale`)")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--driver-memory", default="4g")

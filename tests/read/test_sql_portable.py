@@ -6,8 +6,10 @@ mistranslates or rejects (indexing, WITHIN GROUP, exact quantiles, sums over boo
 
 import pytest
 
-from entropylens.read.portable import problems, to_spark
-from entropylens.read.query import analysis_info, render_analysis
+pytest.importorskip("sqlglot")  # the spark extra (the test extra has it)
+
+from entropylens.read.portable import problems, to_spark  # noqa: E402
+from entropylens.read.query import analysis_info, render_analysis  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(analysis_info()))
