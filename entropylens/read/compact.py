@@ -374,6 +374,7 @@ def _write_parts(
                         schema.names,
                         dict_columns=(*_DICT.get(table, ()), "step", "rank"),
                         float_columns=_FLOAT.get(table, ()),
+                        plain_floats=True,
                     )
                     writer = pq.ParquetWriter(tmp, schema, **opts)
                 assert writer is not None  # opened at the group's first file, above
