@@ -206,7 +206,9 @@ def print_profile(calls, runs, writer_cpu) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(
+        description="A TRL GRPOTrainer step with and without entropylens' recording, paired rounds in one process: the ratio of training-thread CPU and of wall time (see the module docstring)."
+    )
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=32, help="model width (32: the test's tiny Qwen2)")
